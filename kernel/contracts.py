@@ -1,0 +1,147 @@
+"""Emission contracts: planned work, live spawn requests, escalations, and routing (ADR-0033 D3).
+
+Owns the typed request models, their bounded extraction from operation results, and
+the routing stage (``role_node_builder``). Routing only turns a request into a
+candidate Operation; admission into a running graph belongs to the scheduler.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from .errors import RoutingError
+from .graph import Operation, create_operation
+
+__all__ = [
+    "SPAWN_ALLOWED_OPERATIONS",
+    "SPAWN_EXTRACTION_DEPTH",
+    "EscalationRequest",
+    "SpawnRequest",
+    "TaskAssignment",
+    "default_node_builder",
+    "extract_requests",
+    "role_node_builder",
+]
+
+SPAWN_ALLOWED_OPERATIONS: frozenset[str] = frozenset({"operate", "chat", "communicate", "ReAct"})
+SPAWN_EXTRACTION_DEPTH = 4
+
+
+class TaskAssignment(BaseModel):
+    """One unit of planned work for a named role."""
+
+    task: str
+    assignee: str
+    inputs: list[str] = Field(default_factory=list)
+    exit_criteria: str | None = None
+    depends_on: list[str] = Field(default_factory=list)
+    modes: list[str] = Field(default_factory=list)
+
+
+class SpawnRequest(BaseModel):
+    """A live request to grow the running graph; not authority to execute."""
+
+    instruction: str
+    assignee: str | None = None
+    operation: Literal["operate", "chat", "communicate", "ReAct"] = "operate"
+    independent: bool = False
+    reason: str | None = None
+
+
+class EscalationRequest(BaseModel):
+    """A request to hand the emitter's work to a different tier or to a human.
+
+    ``route="higher_tier"`` schedules an independent retry of the emitter's operation
+    with an escalation notice (ADR-0023 D6); other routes are recorded and signalled.
+    """
+
+    reason: str
+    route: str = "higher_tier"
+    summary: str | None = None
+
+
+def extract_requests(
+    value: Any,
+    kinds: tuple[type, ...] = (SpawnRequest, EscalationRequest),
+    *,
+    max_depth: int = SPAWN_EXTRACTION_DEPTH,
+) -> list[Any]:
+    """Find request objects in ``value``: direct, lists, tuples, model fields, dict values.
+
+    Recursion stops at ``max_depth`` nested levels; the same object seen twice (by
+    identity) is returned once.
+    """
+    found: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(item: Any, depth: int) -> None:
+        if isinstance(item, kinds):
+            if id(item) not in seen:
+                seen.add(id(item))
+                found.append(item)
+            return
+        if depth >= max_depth:
+            return
+        if isinstance(item, (list, tuple)):
+            children = item
+        elif isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, BaseModel):
+            children = [getattr(item, name) for name in type(item).model_fields]
+        else:
+            return
+        for child in children:
+            walk(child, depth + 1)
+
+    walk(value, 0)
+    return found
+
+
+def default_node_builder(request: SpawnRequest, emitter: Operation | None) -> Operation:
+    """The record's default: the requested operation with only the instruction."""
+    operation = request.operation if request.operation in SPAWN_ALLOWED_OPERATIONS else "operate"
+    return create_operation(operation, {"instruction": request.instruction})
+
+
+def role_node_builder(
+    roles: Mapping[str, str | None],
+    *,
+    decorate_instruction: Callable[[SpawnRequest, str], str] | None = None,
+) -> Callable[[SpawnRequest, Operation | None], Operation]:
+    """Route a SpawnRequest to a role's branch, confined to SPAWN_ALLOWED_OPERATIONS.
+
+    ``roles`` maps a role name to its branch id (``None`` for the default branch);
+    roles are referenced by name because branches live in actors. An operation outside
+    the allowlist falls back to ``operate``; an unknown assignee raises RoutingError
+    (a ValueError). Each routed child gets a monotonic ``spawn-N`` id.
+    """
+    counter = itertools.count(1)
+    role_map = dict(roles)
+
+    def build(request: SpawnRequest, emitter: Operation | None) -> Operation:
+        operation = request.operation
+        if operation not in SPAWN_ALLOWED_OPERATIONS:
+            operation = "operate"
+        if request.assignee is not None and request.assignee not in role_map:
+            known = ", ".join(sorted(role_map)) or "none"
+            raise RoutingError(
+                f"unknown assignee {request.assignee!r}; known roles: {known}",
+                node_id=emitter.id if emitter is not None else None,
+            )
+        spawn_id = f"spawn-{next(counter)}"
+        instruction = request.instruction
+        if decorate_instruction is not None:
+            instruction = decorate_instruction(request, spawn_id)
+        child = create_operation(operation, {"instruction": instruction})
+        child.metadata["spawn_id"] = spawn_id
+        child.metadata["reference_id"] = spawn_id
+        if request.assignee is not None:
+            child.metadata["assignee"] = request.assignee
+            child.branch_id = role_map[request.assignee]
+        return child
+
+    return build

@@ -1,0 +1,280 @@
+"""The graph model: Operation nodes, Edges with optional conditions, and the Graph (ADR-0023 D1).
+
+Owns topology only: insertion-ordered nodes, adjacency in both directions, acyclicity
+checks and reversible mutation. It must not schedule, invoke or hold a live branch:
+an Operation carries a branch *id*, and the branch itself lives in a BranchStore actor.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import EdgeConditionError, GraphCycleError, OperationError, UnknownNodeError
+
+__all__ = [
+    "BranchOperations",
+    "BRANCH_OPERATIONS",
+    "Edge",
+    "EdgeCondition",
+    "Graph",
+    "NodeStatus",
+    "Operation",
+    "create_operation",
+]
+
+BranchOperations = Literal[
+    "chat",
+    "operate",
+    "communicate",
+    "parse",
+    "ReAct",
+    "select",
+    "interpret",
+    "act",
+    "ReActStream",
+]
+BRANCH_OPERATIONS: tuple[str, ...] = BranchOperations.__args__  # type: ignore[attr-defined]
+
+NodeStatus = Literal["pending", "running", "completed", "failed", "skipped", "cancelled"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "skipped", "cancelled"})
+
+
+def _new_id() -> str:
+    return str(uuid.uuid4())
+
+
+class Operation(BaseModel):
+    """One executable node: an operation name, its parameters and a late-bound branch id.
+
+    Ids are UUID strings, so they cross msgpack and Ray unchanged. ``status``,
+    ``response`` and ``error`` are written back by the run that settles the node; a
+    node already terminal when a run starts short-circuits (ADR-0023 D5).
+    """
+
+    model_config = ConfigDict(validate_assignment=False, arbitrary_types_allowed=True)
+
+    id: str = Field(default_factory=_new_id)
+    operation: str
+    parameters: dict[str, Any] = Field(default_factory=dict)
+    branch_id: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    status: NodeStatus = "pending"
+    response: Any = None
+    error: str | None = None
+
+    @property
+    def request(self) -> dict[str, Any]:
+        """The parameters as a plain mapping (ADR-0023 D1 ``request``)."""
+        return dict(self.parameters)
+
+    @property
+    def reference_id(self) -> str | None:
+        """The human reference (builder ``node_id``); presentation only, not identity."""
+        return self.metadata.get("reference_id")
+
+    @property
+    def display_name(self) -> str:
+        return self.metadata.get("reference_id") or self.operation
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in TERMINAL_STATUSES
+
+
+def create_operation(
+    operation: str,
+    parameters: Mapping[str, Any] | BaseModel | None = None,
+    **kwargs: Any,
+) -> Operation:
+    """Build an Operation; a pydantic ``parameters`` model is dumped to a mapping."""
+    if not isinstance(operation, str) or not operation:
+        raise OperationError(f"operation name must be a non-empty string, got {operation!r}")
+    if parameters is None:
+        params: dict[str, Any] = {}
+    elif isinstance(parameters, BaseModel):
+        params = parameters.model_dump()
+    elif isinstance(parameters, Mapping):
+        params = dict(parameters)
+    else:
+        raise OperationError(
+            f"parameters for {operation!r} must be a mapping or pydantic model, "
+            f"got {type(parameters).__name__}"
+        )
+    return Operation(operation=operation, parameters=params, **kwargs)
+
+
+class EdgeCondition:
+    """Base class for executable edge gating (ADR-0023 D4).
+
+    Subclasses implement ``apply(input) -> bool`` where ``input`` is
+    ``{"result": predecessor_result, "context": shared_context}``. A plain ``apply``
+    is evaluated inside the scheduler; an ``async def apply`` is evaluated by the
+    executor shell, which reports back with a ``ConditionsEvaluated`` event.
+    """
+
+    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002 - record's name
+        raise NotImplementedError
+
+
+def condition_is_async(condition: Any) -> bool:
+    """True when ``condition.apply`` is a coroutine function (flag checked without asyncio)."""
+    apply = getattr(condition, "apply", None)
+    code = getattr(getattr(apply, "__func__", apply), "__code__", None)
+    # CO_COROUTINE = 0x80; read the flag directly so the kernel never imports asyncio.
+    return bool(code is not None and code.co_flags & 0x80)
+
+
+def validate_condition(condition: Any, edge_id: str) -> None:
+    """Reject a non-null condition that has no callable ``apply`` (ADR-0023 D2)."""
+    if condition is None:
+        return
+    if not callable(getattr(condition, "apply", None)):
+        raise EdgeConditionError(
+            f"edge condition must have an apply(input) method, got {type(condition).__name__}",
+            edge_id=edge_id,
+        )
+
+
+class Edge(BaseModel):
+    """A directed edge ``head -> tail`` with descriptive labels and an optional condition."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    id: str = Field(default_factory=_new_id)
+    head: str
+    tail: str
+    label: list[str] = Field(default_factory=list)
+    condition: Any = None
+
+
+class Graph:
+    """An insertion-ordered DAG of Operations.
+
+    Adjacency is kept in both directions so predecessor/successor queries are
+    O(degree). ``add_edge(check_cycle=True)`` rolls itself back when the edge would
+    close a cycle; whole-graph acyclicity is ``is_acyclic()``.
+    """
+
+    def __init__(self, name: str = "DynamicGraph") -> None:
+        self.name = name
+        self.nodes: dict[str, Operation] = {}
+        self.edges: dict[str, Edge] = {}
+        self._out: dict[str, list[str]] = {}
+        self._in: dict[str, list[str]] = {}
+
+    # -- mutation -------------------------------------------------------------
+    def add_node(self, node: Operation) -> Operation:
+        if not isinstance(node, Operation):
+            raise OperationError(f"graph nodes must be Operation, got {type(node).__name__}")
+        if node.id in self.nodes:
+            raise OperationError("node already in graph", node_id=node.id)
+        self.nodes[node.id] = node
+        self._out[node.id] = []
+        self._in[node.id] = []
+        return node
+
+    def add_edge(
+        self,
+        head: str | Operation,
+        tail: str | Operation,
+        *,
+        label: Iterable[str] = (),
+        condition: Any = None,
+        check_cycle: bool = False,
+    ) -> Edge:
+        head_id = head.id if isinstance(head, Operation) else head
+        tail_id = tail.id if isinstance(tail, Operation) else tail
+        for node_id in (head_id, tail_id):
+            if node_id not in self.nodes:
+                raise UnknownNodeError("edge endpoint is not in the graph", node_id=node_id)
+        edge = Edge(head=head_id, tail=tail_id, label=list(label), condition=condition)
+        validate_condition(condition, edge.id)
+        if check_cycle and (head_id == tail_id or self.reaches(tail_id, head_id)):
+            raise GraphCycleError(
+                f"edge {head_id} -> {tail_id} would create a cycle", edge_id=edge.id
+            )
+        self.edges[edge.id] = edge
+        self._out[head_id].append(edge.id)
+        self._in[tail_id].append(edge.id)
+        return edge
+
+    def remove_edge(self, edge_id: str) -> Edge:
+        edge = self.edges.pop(edge_id, None)
+        if edge is None:
+            raise OperationError("edge is not in the graph", edge_id=edge_id)
+        self._out[edge.head].remove(edge_id)
+        self._in[edge.tail].remove(edge_id)
+        return edge
+
+    def remove_node(self, node_id: str) -> Operation:
+        if node_id not in self.nodes:
+            raise UnknownNodeError("node is not in the graph", node_id=node_id)
+        for edge_id in [*self._in[node_id], *self._out[node_id]]:
+            if edge_id in self.edges:
+                self.remove_edge(edge_id)
+        del self._in[node_id], self._out[node_id]
+        return self.nodes.pop(node_id)
+
+    # -- queries --------------------------------------------------------------
+    def in_edges(self, node_id: str) -> list[Edge]:
+        return [self.edges[e] for e in self._in[node_id]]
+
+    def out_edges(self, node_id: str) -> list[Edge]:
+        return [self.edges[e] for e in self._out[node_id]]
+
+    def predecessors(self, node_id: str) -> list[str]:
+        """Distinct predecessor ids, in edge insertion order."""
+        return list(dict.fromkeys(self.edges[e].head for e in self._in[node_id]))
+
+    def successors(self, node_id: str) -> list[str]:
+        return list(dict.fromkeys(self.edges[e].tail for e in self._out[node_id]))
+
+    def heads(self) -> list[str]:
+        """Nodes with no incoming edge (the graph's roots), in insertion order."""
+        return [n for n in self.nodes if not self._in[n]]
+
+    def tails(self) -> list[str]:
+        """Nodes with no outgoing edge, in insertion order."""
+        return [n for n in self.nodes if not self._out[n]]
+
+    def reaches(self, source: str, target: str) -> bool:
+        """True when a directed path leads from ``source`` to ``target``."""
+        stack, seen = [source], {source}
+        while stack:
+            current = stack.pop()
+            if current == target:
+                return True
+            for edge_id in self._out[current]:
+                nxt = self.edges[edge_id].tail
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return False
+
+    def is_acyclic(self) -> bool:
+        """Kahn's algorithm: O(nodes + edges)."""
+        indegree = {n: len(self._in[n]) for n in self.nodes}
+        ready = [n for n, d in indegree.items() if d == 0]
+        visited = 0
+        while ready:
+            current = ready.pop()
+            visited += 1
+            for edge_id in self._out[current]:
+                tail = self.edges[edge_id].tail
+                indegree[tail] -= 1
+                if indegree[tail] == 0:
+                    ready.append(tail)
+        return visited == len(self.nodes)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self.nodes
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __repr__(self) -> str:
+        return f"Graph({self.name!r}, nodes={len(self.nodes)}, edges={len(self.edges)})"

@@ -1,0 +1,814 @@
+"""The run's scheduler state machine: one object, one mutator, events in, instructions out.
+
+Owns every scheduling decision of ADR-0023 D2-D6 and ADR-0033 D3-D5: validation,
+dependency settlement, OR-path gating, branch preallocation, capacity, the pause gate,
+context preparation, reactive admission and the result envelope. It performs no I/O,
+reads no clock and imports no async library; the GraphExecutor actor carries out the
+instructions and feeds every outcome back through ``handle``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from pydantic import BaseModel
+
+from . import events as ev
+from . import signals as sig
+from .context import OPERATOR_MESSAGES_KEY, SharedContext, render_operator_messages, to_mapping
+from .contracts import EscalationRequest, SpawnRequest, default_node_builder, extract_requests
+from .errors import (
+    EdgeConditionError,
+    InvariantViolation,
+    OperationError,
+    StateTransitionError,
+)
+from .graph import Graph, Operation, condition_is_async, validate_condition
+from .results import validate_envelope
+
+__all__ = ["DEFAULT_MAX_CONCURRENCY", "FlowState", "TRANSITIONS"]
+
+DEFAULT_MAX_CONCURRENCY = 10_000
+BUILDER_ERROR_CHARS = 500
+SPAWN_INSTRUCTION_CHARS = 512
+_BRANCH_NAMESPACE = uuid.UUID("6f1d4a52-7b4e-4d0c-9a53-0c1c4c7f2b10")
+
+# Internal node states. "waiting", "evaluating" and "ready" all project to the public
+# status "pending"; the rest are public statuses as they are.
+WAITING, EVALUATING, READY, RUNNING = "waiting", "evaluating", "ready", "running"
+COMPLETED, FAILED, SKIPPED, CANCELLED = "completed", "failed", "skipped", "cancelled"
+TERMINAL = frozenset({COMPLETED, FAILED, SKIPPED, CANCELLED})
+
+# Every legal node transition. Anything else is a kernel bug (StateTransitionError).
+TRANSITIONS: frozenset[tuple[str, str]] = frozenset(
+    {
+        (WAITING, EVALUATING),
+        (WAITING, READY),
+        (WAITING, SKIPPED),
+        (WAITING, FAILED),
+        (WAITING, CANCELLED),
+        (WAITING, COMPLETED),  # restored terminal node (ADR-0023 D5)
+        (EVALUATING, READY),
+        (EVALUATING, SKIPPED),
+        (EVALUATING, FAILED),
+        (EVALUATING, CANCELLED),
+        (READY, RUNNING),
+        (READY, CANCELLED),
+        (RUNNING, COMPLETED),
+        (RUNNING, FAILED),
+        (RUNNING, CANCELLED),
+    }
+)
+
+
+class FlowState:
+    """All state of one run; change it only through ``handle(*events)``.
+
+    Cost per settlement is O(degree): dependents are found through the reverse
+    dependency index and readiness through a counter of unsettled dependencies.
+    ``validate()`` states the cross-structure invariants.
+    """
+
+    def __init__(
+        self,
+        graph: Graph,
+        *,
+        run_id: str = "",
+        context: Mapping[str, Any] | None = None,
+        max_concurrent: int | None = 5,
+        parallel: bool = True,
+        reactive: bool = False,
+        max_spawn: int = 50,
+        node_builder: Callable[[SpawnRequest, Operation | None], Operation | None] | None = None,
+        spawn_type: type | None = None,
+        default_branch_id: str | None = None,
+        known_branches: Iterable[str] | None = None,
+        reducers: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+    ) -> None:
+        if max_concurrent is None:
+            max_concurrent = DEFAULT_MAX_CONCURRENCY
+        if not parallel:
+            max_concurrent = 1
+        if max_concurrent < 1:
+            raise OperationError(f"max_concurrent must be at least 1, got {max_concurrent}")
+        self.graph = graph
+        self.run_id = run_id
+        self.capacity = max_concurrent
+        self.reactive = reactive
+        self.max_spawn = max_spawn
+        self.node_builder = node_builder or default_node_builder
+        self.spawn_type = spawn_type or SpawnRequest
+        self.default_branch_id = default_branch_id
+        self.known_branches = None if known_branches is None else set(known_branches)
+        self.shared = SharedContext(context, reducers)
+
+        self.state: dict[str, str] = {}
+        self.deps: dict[str, list[str]] = {}
+        self.dependents: dict[str, list[str]] = {}
+        self.unsettled: dict[str, int] = {}
+        self.attempt: dict[str, int] = {}
+        self.rank: dict[str, tuple[int, ...]] = {}
+        self.branch: dict[str, str | None] = {}
+        self.pending_inheritance: set[str] = set()
+        self.results: dict[str, Any] = {}
+        self.ready: deque[str] = deque()
+        self.running: set[str] = set()
+        self.open_nodes = 0
+        self.history: dict[str, list[tuple[str, str, str, int]]] = {}
+        self.paused = False
+        self._pause_announced: set[str] = set()
+        self.cancelling = False
+        self.started = False
+        self.finished = False
+        self.start_time = 0.0
+        self.now = 0.0
+
+        self.spawn_count = 0
+        self.spawned_ids: list[str] = []
+        self.escalated_operations: list[str] = []
+        self.dropped_spawns: list[dict[str, Any]] = []
+        self._seen_requests: set[Any] = set()
+        self._children: dict[str, int] = {}
+        self._injected = 0
+        self.counters = {"events": 0, "dispatched": 0, "settled": 0, "stale_results": 0}
+        self._out: list[ev.Instruction] = []
+
+    # -- the one mutator --------------------------------------------------------
+    def handle(self, *events: ev.Event) -> list[ev.Instruction]:
+        """Apply events in order and return the instructions the shell must carry out."""
+        out = self._out = []
+        for event in events:
+            self.counters["events"] += 1
+            self.now = max(self.now, event.now)
+            handler = _HANDLERS.get(type(event))
+            if handler is None:
+                raise OperationError(f"unknown scheduler event {type(event).__name__}")
+            handler(self, event)
+        self._pump()
+        self._maybe_finish()
+        self._out = []
+        return out
+
+    # -- queries ----------------------------------------------------------------
+    def status_of(self, node_id: str) -> str:
+        state = self.state[node_id]
+        return "pending" if state in (WAITING, EVALUATING, READY) else state
+
+    def story(self, node_id: str) -> list[tuple[str, str, str, int]]:
+        """The node's transitions as (from, to, reason, attempt), oldest first."""
+        return list(self.history.get(node_id, ()))
+
+    def statistics(self) -> dict[str, Any]:
+        counts = {COMPLETED: 0, FAILED: 0, SKIPPED: 0, CANCELLED: 0}
+        for state in self.state.values():
+            if state in counts:
+                counts[state] += 1
+        return {
+            "run_id": self.run_id,
+            "nodes": len(self.state),
+            "running": len(self.running),
+            "ready": len(self.ready),
+            "waiting": self.open_nodes - len(self.running) - len(self.ready),
+            "paused": self.paused,
+            "capacity": self.capacity,
+            "spawned": self.spawn_count,
+            "dropped_spawns": len(self.dropped_spawns),
+            "settled_by_status": counts,
+            "finished": self.finished,
+            **self.counters,
+        }
+
+    # -- event handlers -----------------------------------------------------------
+    def _on_started(self, event: ev.FlowStarted) -> None:
+        if self.started:
+            raise OperationError("flow already started", node_id=None)
+        self.started = True
+        self.start_time = event.now
+        graph = self.graph
+        if not graph.is_acyclic():
+            raise OperationError("Graph must be acyclic for flow execution")
+        for edge in graph.edges.values():
+            validate_condition(edge.condition, edge.id)
+        for node_id, node in graph.nodes.items():
+            self._register(node, self._dependencies_of(node))
+        self._rank_initial_nodes()
+        restored = []
+        for node_id, node in graph.nodes.items():
+            if node.is_terminal:
+                restored.append(node)
+                continue
+            self._emit(sig.NodeQueued, node_id)
+            self._preallocate_branch(node)
+        # Restored terminal nodes short-circuit without invocation (ADR-0023 D5). All
+        # of them settle before any is released, so no restored node is ever gated.
+        for node in restored:
+            if node.response is not None:
+                self.results[node.id] = node.response
+            elif node.status == FAILED:
+                self.results[node.id] = {"error": node.error or "failed before restore"}
+            self._transition(node.id, node.status, "restored")
+        for node in restored:
+            self._release_dependents(node.id)
+        for node_id in graph.nodes:
+            if self.state[node_id] == WAITING and self.unsettled[node_id] == 0:
+                self._gate(node_id)
+
+    def _on_finished(self, event: ev.OperationFinished) -> None:
+        node_id = event.node_id
+        if (
+            self.state.get(node_id) != RUNNING
+            or event.attempt != self.attempt.get(node_id)
+        ):
+            # Stale or duplicate result of an attempt that no longer owns the node.
+            self.counters["stale_results"] += 1
+            self.history.setdefault(node_id, []).append(
+                (self.state.get(node_id, "?"), self.state.get(node_id, "?"), "stale result dropped", event.attempt)
+            )
+            return
+        self.running.discard(node_id)
+        node = self.graph.nodes[node_id]
+        if event.status == COMPLETED:
+            response = event.response
+            update = response.get("context") if isinstance(response, Mapping) else None
+            if update is not None and not isinstance(update, Mapping):
+                # Ideal over retrospective: a bad context update is a failure, not "completed".
+                message = f"response context must be a mapping, got {type(update).__name__}"
+                self._settle_failed(node_id, message, "ContextUpdateError")
+            else:
+                self.results[node_id] = response
+                if update is not None:
+                    self.shared.merge(
+                        update,
+                        writer=node_id,
+                        rank=self.rank[node_id],
+                        follows=lambda other: self.graph.reaches(other, node_id),
+                    )
+                node.status, node.response = COMPLETED, response
+                self._transition(node_id, COMPLETED, "operation completed")
+                self._emit(sig.NodeCompleted, node_id)
+                self._release_dependents(node_id)
+        elif event.status == FAILED:
+            self._settle_failed(node_id, event.error or "operation failed", event.error_type)
+        elif event.status == CANCELLED:
+            node.status = CANCELLED
+            self._transition(node_id, CANCELLED, "operation cancelled")
+            self._release_dependents(node_id)
+        else:
+            raise OperationError(f"unknown operation outcome {event.status!r}", node_id=node_id)
+        requests: list[ev.Event] = list(event.requests)
+        if not requests and event.status == COMPLETED:
+            # In-process drivers may hand back live request objects in the response.
+            for found in extract_requests(event.response, (self.spawn_type, EscalationRequest)):
+                kind = ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested
+                requests.append(kind(now=event.now, emitter_id=node_id, request=found, dedupe_key=("object", id(found))))
+        for request in requests:
+            _HANDLERS[type(request)](self, request)
+
+    def _on_conditions(self, event: ev.ConditionsEvaluated) -> None:
+        node_id = event.node_id
+        if self.state.get(node_id) != EVALUATING:
+            return
+        if event.error is not None:
+            self._settle_failed(node_id, f"edge condition raised: {event.error}", "EdgeConditionError", from_gate=True)
+        elif any(passed for _, passed in event.results):
+            self._make_ready(node_id)
+        else:
+            self._skip(node_id)
+
+    def _on_spawn(self, event: ev.SpawnRequested) -> None:
+        if not self.reactive or self.finished or self.cancelling:
+            return
+        request = event.request
+        emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
+        assignee = getattr(request, "assignee", None)
+        if self._is_duplicate_request(event):
+            self._drop("duplicate", assignee, event.emitter_id)
+            return
+        try:
+            child = self.node_builder(request, emitter)
+        except Exception as exc:  # user routing code: becomes a ledger entry, never a crash
+            self._drop("builder_error", assignee, event.emitter_id, error=str(exc)[:BUILDER_ERROR_CHARS])
+            return
+        if child is None:
+            self._drop("null_child", assignee, event.emitter_id)
+            return
+        independent = bool(getattr(request, "independent", False))
+        self._accept(
+            child,
+            after=None if independent or emitter is None else emitter.id,
+            emitter_id=event.emitter_id,
+            assignee=assignee,
+            independent=independent,
+        )
+
+    def _on_escalation(self, event: ev.EscalationRequested) -> None:
+        if not self.reactive or self.finished or self.cancelling:
+            return
+        request = event.request
+        if self._is_duplicate_request(event):
+            self._drop("duplicate", None, event.emitter_id)
+            return
+        emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
+        if emitter is not None:
+            self.escalated_operations.append(emitter.id)
+        child_id = None
+        if getattr(request, "route", None) == "higher_tier" and emitter is not None:
+            parameters = dict(emitter.parameters)
+            parameters.pop("context", None)
+            original = parameters.get("instruction", "")
+            parameters["instruction"] = (
+                f"[ESCALATION] The previous attempt escalated this task to a higher tier. "
+                f"Reason: {request.reason}\n\n{original}"
+            )
+            child = Operation(operation=emitter.operation, parameters=parameters)
+            child.metadata["escalated_from"] = emitter.id
+            if self._accept(child, after=None, emitter_id=emitter.id, assignee=None, independent=True):
+                child_id = child.id
+        self._out.append(
+            ev.EmitSignal(
+                sig.NodeEscalated(
+                    run_id=self.run_id,
+                    op_id=event.emitter_id or "",
+                    route=str(getattr(request, "route", "")),
+                    reason=str(getattr(request, "reason", ""))[:SPAWN_INSTRUCTION_CHARS],
+                    child_id=child_id,
+                )
+            )
+        )
+
+    def _on_inject(self, event: ev.InjectRequested) -> None:
+        if not self.reactive or not self.started or self.finished or self.cancelling:
+            self._out.append(ev.AdmissionDecided(event.token, False, None, "not_running"))
+            return
+        operation = event.operation
+        if not isinstance(operation, Operation):
+            self._out.append(ev.AdmissionDecided(event.token, False, None, "builder_error"))
+            return
+        if event.after is not None and event.after not in self.graph:
+            self._drop("builder_error", None, event.after, op_id=operation.id, error="inject after an unknown node")
+            self._out.append(ev.AdmissionDecided(event.token, False, operation.id, "builder_error"))
+            return
+        accepted = self._accept(
+            operation,
+            after=None if event.independent else event.after,
+            emitter_id=event.after,
+            assignee=None,
+            independent=event.independent,
+        )
+        reason = None if accepted else self.dropped_spawns[-1]["reason"]
+        self._out.append(ev.AdmissionDecided(event.token, accepted, operation.id, reason))
+
+    def _on_pause(self, event: ev.PauseRequested) -> None:
+        if not self.paused:
+            self.paused = True
+            self._pause_announced.clear()
+            for node_id in self.ready:
+                self._announce_pause(node_id)
+
+    def _on_resume(self, event: ev.ResumeRequested) -> None:
+        self.paused = False
+        self._pause_announced.clear()
+
+    def _on_operator_message(self, event: ev.OperatorMessageReceived) -> None:
+        queue = self.shared.data.get(OPERATOR_MESSAGES_KEY)
+        if not isinstance(queue, list):
+            queue = self.shared.data[OPERATOR_MESSAGES_KEY] = []
+        ts = event.ts if event.ts is not None else event.now
+        queue.append({"ts": ts, "text": event.text, "rendered_into_op": None})
+
+    def _on_cancel(self, event: ev.CancelRequested) -> None:
+        if self.cancelling or self.finished:
+            return
+        self.cancelling = True
+        self.ready.clear()
+        for node_id, state in list(self.state.items()):
+            if state in (WAITING, EVALUATING, READY):
+                self.graph.nodes[node_id].status = CANCELLED
+                self._transition(node_id, CANCELLED, event.reason)
+            elif state == RUNNING:
+                self._out.append(ev.CancelOperation(node_id, self.attempt[node_id]))
+
+    # -- structure ----------------------------------------------------------------
+    def _dependencies_of(self, node: Operation) -> list[str]:
+        deps = self.graph.predecessors(node.id)
+        for source in node.metadata.get("aggregation_sources") or ():
+            if source in self.graph and source not in deps and source != node.id:
+                deps.append(source)
+        return deps
+
+    def _register(self, node: Operation, deps: list[str]) -> None:
+        node_id = node.id
+        self.state[node_id] = WAITING
+        self.rank[node_id] = (len(self.rank),)
+        self.attempt[node_id] = 0
+        self.deps[node_id] = deps
+        self.dependents.setdefault(node_id, [])
+        unsettled = 0
+        for dep in deps:
+            self.dependents.setdefault(dep, []).append(node_id)
+            if self.state.get(dep, WAITING) not in TERMINAL:
+                unsettled += 1
+        self.unsettled[node_id] = unsettled
+        self.open_nodes += 1
+
+    def _rank_initial_nodes(self) -> None:
+        """Rank = position in the topological order that breaks ties by insertion order.
+
+        Descendants always outrank ancestors, and parallel nodes are ordered by
+        insertion, so shared-context collisions resolve the same way every run.
+        """
+        order = {node_id: index for index, node_id in enumerate(self.graph.nodes)}
+        indegree = {node_id: len(self.deps[node_id]) for node_id in order}
+        heap = [order[n] for n, d in indegree.items() if d == 0]
+        heapq.heapify(heap)
+        names = list(order)
+        position = 0
+        while heap:
+            node_id = names[heapq.heappop(heap)]
+            self.rank[node_id] = (position,)
+            position += 1
+            for dependent in self.dependents.get(node_id, ()):
+                indegree[dependent] -= 1
+                if indegree[dependent] == 0:
+                    heapq.heappush(heap, order[dependent])
+
+    def _child_rank(self, emitter_id: str | None) -> tuple[int, ...]:
+        """Spawned children rank right after their emitter, in per-emitter order."""
+        if emitter_id is None or emitter_id not in self.rank:
+            self._injected += 1
+            return (len(self.graph.nodes) + 1_000_000_000 + self._injected,)
+        count = self._children.get(emitter_id, 0)
+        self._children[emitter_id] = count + 1
+        return (*self.rank[emitter_id], count)
+
+    def _new_branch_id(self, node_id: str) -> str:
+        return str(uuid.uuid5(_BRANCH_NAMESPACE, f"{self.run_id}:{node_id}"))
+
+    def _branch_is_known(self, branch_id: str | None) -> bool:
+        return branch_id is not None and (self.known_branches is None or branch_id in self.known_branches)
+
+    def _preallocate_branch(self, node: Operation) -> None:
+        """ADR-0023 D3: reuse an explicit branch, clone for dependent or inheriting nodes."""
+        node_id = node.id
+        if self._branch_is_known(node.branch_id):
+            self.branch[node_id] = node.branch_id
+            return
+        inherits = bool(node.metadata.get("inherit_context"))
+        if self.deps[node_id] or inherits:
+            clone = self._new_branch_id(node_id)
+            self.branch[node_id] = clone
+            if self.known_branches is not None:
+                self.known_branches.add(clone)
+            self._out.append(ev.CloneBranch(node_id, clone, self.default_branch_id))
+            if inherits and node.metadata.get("primary_dependency"):
+                self.pending_inheritance.add(node_id)
+        else:
+            self.branch[node_id] = self.default_branch_id
+
+    # -- transitions --------------------------------------------------------------
+    def _transition(self, node_id: str, new: str, reason: str) -> None:
+        old = self.state[node_id]
+        if (old, new) not in TRANSITIONS:
+            raise StateTransitionError(f"illegal transition {old} -> {new} ({reason})", node_id=node_id)
+        self.state[node_id] = new
+        self.history.setdefault(node_id, []).append((old, new, reason, self.attempt[node_id]))
+        if new in TERMINAL:
+            self.open_nodes -= 1
+            self.counters["settled"] += 1
+
+    def _release_dependents(self, node_id: str) -> None:
+        for dependent in self.dependents.get(node_id, ()):
+            if self.state[dependent] in TERMINAL:
+                continue
+            self.unsettled[dependent] -= 1
+            if self.unsettled[dependent] == 0 and self.state[dependent] == WAITING and not self.cancelling:
+                self._gate(dependent)
+
+    def _gate(self, node_id: str) -> None:
+        """OR of incoming paths: skipped heads are ignored; no passing path means skip."""
+        in_edges = self.graph.in_edges(node_id)
+        if not in_edges:
+            self._make_ready(node_id)
+            return
+        live = [edge for edge in in_edges if self.state[edge.head] != SKIPPED]
+        if not live:
+            self._skip(node_id)
+            return
+        deferred = []
+        for edge in live:
+            if edge.condition is None:
+                self._make_ready(node_id)
+                return
+            if condition_is_async(edge.condition):
+                deferred.append(edge)
+                continue
+            try:
+                passed = bool(edge.condition.apply(self._condition_input(edge.head)))
+            except Exception as exc:  # user condition code: settles the node as failed
+                self._settle_failed(
+                    node_id,
+                    f"edge condition raised {type(exc).__name__}: {exc}",
+                    "EdgeConditionError",
+                    from_gate=True,
+                    edge_id=edge.id,
+                )
+                return
+            if passed:
+                self._make_ready(node_id)
+                return
+        if deferred:
+            self._transition(node_id, EVALUATING, "awaiting async edge conditions")
+            self._out.append(
+                ev.EvaluateConditions(
+                    node_id,
+                    tuple((edge.id, to_mapping(self.results.get(edge.head))) for edge in deferred),
+                    self.shared.snapshot(),
+                )
+            )
+            return
+        self._skip(node_id)
+
+    def _condition_input(self, head: str) -> dict[str, Any]:
+        return {"result": to_mapping(self.results.get(head)), "context": self.shared.data}
+
+    def _make_ready(self, node_id: str) -> None:
+        self._transition(node_id, READY, "dependencies settled, path valid")
+        self.ready.append(node_id)
+        if self.paused:
+            self._announce_pause(node_id)
+
+    def _announce_pause(self, node_id: str) -> None:
+        if node_id not in self._pause_announced:
+            self._pause_announced.add(node_id)
+            self._emit(sig.NodePaused, node_id)
+
+    def _skip(self, node_id: str) -> None:
+        self.graph.nodes[node_id].status = SKIPPED
+        self._transition(node_id, SKIPPED, "no incoming path passed")
+        self._emit(sig.NodeSkipped, node_id)
+        self._release_dependents(node_id)
+
+    def _settle_failed(
+        self,
+        node_id: str,
+        message: str,
+        error_type: str | None,
+        *,
+        from_gate: bool = False,
+        edge_id: str | None = None,
+    ) -> None:
+        result: dict[str, Any] = {"error": message}
+        if error_type:
+            result["error_type"] = error_type
+        if edge_id:
+            result["edge_id"] = edge_id
+        self.results[node_id] = result
+        node = self.graph.nodes[node_id]
+        node.status, node.error = FAILED, message
+        self._transition(node_id, FAILED, message[:200])
+        self._emit(sig.NodeFailed, node_id, error=message)
+        self._release_dependents(node_id)
+
+    # -- dispatch -------------------------------------------------------------------
+    def _pump(self) -> None:
+        if self.paused or self.cancelling or not self.started:
+            return
+        while self.ready and len(self.running) < self.capacity:
+            self._dispatch(self.ready.popleft())
+
+    def _dispatch(self, node_id: str) -> None:
+        node = self.graph.nodes[node_id]
+        self.attempt[node_id] += 1
+        attempt = self.attempt[node_id]
+        self._transition(node_id, RUNNING, "dispatched")
+        self.running.add(node_id)
+        node.status = "running"
+        branch_id = self.branch.get(node_id, self.default_branch_id)
+        if node_id in self.pending_inheritance:
+            self.pending_inheritance.discard(node_id)
+            primary = node.metadata.get("primary_dependency")
+            if primary in self.results and self.state.get(primary) in (COMPLETED, FAILED):
+                source = self.branch.get(primary, self.default_branch_id)
+                if source != branch_id:
+                    self._out.append(ev.ReplaceHistory(node_id, attempt, branch_id, source))
+        parameters = dict(node.parameters)
+        parameters["context"] = self._operation_context(node_id, parameters.get("context"))
+        queue = self.shared.data.get(OPERATOR_MESSAGES_KEY)
+        if isinstance(queue, list) and queue:
+            instruction = parameters.get("instruction") or ""
+            rendered = render_operator_messages(queue, str(instruction), node_id)
+            if rendered != instruction:
+                parameters["instruction"] = rendered
+        self.counters["dispatched"] += 1
+        self._emit(sig.NodeStarted, node_id)
+        self._out.append(ev.DispatchOperation(node_id, attempt, node.operation, parameters, branch_id))
+
+    def _operation_context(self, node_id: str, own: Any) -> dict[str, Any]:
+        if isinstance(own, Mapping):
+            context = dict(own)
+        elif own is None:
+            context = {}
+        else:
+            context = {"original_context": own}
+        for dep in self.graph.predecessors(node_id):
+            if self.state[dep] != SKIPPED and dep in self.results:
+                context[f"{dep}_result"] = to_mapping(self.results[dep])
+        context.update(self.shared.data)
+        # The raw steer queue is control input, never model context (ADR-0023 D4).
+        context.pop(OPERATOR_MESSAGES_KEY, None)
+        return context
+
+    # -- reactive admission -----------------------------------------------------------
+    def _is_duplicate_request(self, event: ev.SpawnRequested | ev.EscalationRequested) -> bool:
+        key = event.dedupe_key
+        if key is None:
+            request = event.request
+            body = request.model_dump_json() if isinstance(request, BaseModel) else repr(request)
+            key = ("content", event.emitter_id, type(request).__name__, body)
+        if key in self._seen_requests:
+            return True
+        self._seen_requests.add(key)
+        return False
+
+    def _drop(self, reason: str, assignee: Any, emitter_id: str | None, **extra: Any) -> None:
+        entry = {"reason": reason, "assignee": assignee, "emitter_id": emitter_id}
+        entry.update(extra)
+        self.dropped_spawns.append(entry)
+
+    def _accept(
+        self,
+        child: Operation,
+        *,
+        after: str | None,
+        emitter_id: str | None,
+        assignee: Any,
+        independent: bool,
+    ) -> bool:
+        """The one admission path: cap, duplicate, insertion, edge, cycle rollback, ledger."""
+        if self.spawn_count >= self.max_spawn:
+            self._drop("max_spawn_exceeded", assignee, emitter_id, op_id=child.id)
+            return False
+        if child.id in self.graph:
+            # Ideal over retrospective (ADR-0023 delta 7): reinjection is idempotent.
+            self._drop("duplicate", assignee, emitter_id, op_id=child.id)
+            return False
+        self.graph.add_node(child)
+        if after is not None:
+            edge = self.graph.add_edge(after, child.id, label=["spawn"])
+            if self.graph.reaches(child.id, after):
+                self.graph.remove_edge(edge.id)
+                self.graph.remove_node(child.id)
+                self._drop("cycle", assignee, emitter_id, op_id=child.id)
+                return False
+            child.metadata["parent_id"] = after
+        self.spawn_count += 1
+        self.spawned_ids.append(child.id)
+        child.metadata["spawned"] = True
+        self._register(child, self._dependencies_of(child))
+        self.rank[child.id] = self._child_rank(emitter_id)
+        if self._branch_is_known(child.branch_id):
+            source = child.branch_id
+        elif after is not None:
+            source = self.branch.get(after, self.default_branch_id)
+        else:
+            source = self.default_branch_id
+        clone = self._new_branch_id(child.id)
+        self.branch[child.id] = clone
+        if self.known_branches is not None:
+            self.known_branches.add(clone)
+        self._out.append(ev.CloneBranch(child.id, clone, source, reactive=True))
+        instruction = child.parameters.get("instruction")
+        self._out.append(
+            ev.EmitSignal(
+                sig.NodeSpawned(
+                    run_id=self.run_id,
+                    op_id=child.id,
+                    parent_id=after,
+                    independent=independent,
+                    assignee=assignee,
+                    instruction=None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
+                )
+            )
+        )
+        self._emit(sig.NodeQueued, child.id)
+        if self.unsettled[child.id] == 0:
+            self._gate(child.id)
+        return True
+
+    # -- signals and completion -------------------------------------------------------
+    def _emit(self, kind: type, node_id: str, **extra: Any) -> None:
+        node = self.graph.nodes[node_id]
+        # model_construct: the kernel builds these values itself, so re-validation is waste
+        # on the hot path (three signals per node).
+        signal = kind.model_construct(
+            schema_version=sig.SIGNAL_SCHEMA_VERSION,
+            run_id=self.run_id,
+            kind=kind.model_fields["kind"].default,
+            op_id=node_id,
+            name=node.metadata.get("reference_id") or node.operation,
+            elapsed=max(0.0, self.now - self.start_time),
+            parent_id=node.metadata.get("parent_id"),
+            depends_on=self.deps.get(node_id, []),
+            **extra,
+        )
+        self._out.append(ev.EmitSignal(signal))
+
+    def _maybe_finish(self) -> None:
+        if self.finished or not self.started or self.open_nodes > 0 or self.running:
+            return
+        self.finished = True
+        self._out.append(ev.FinishRun(self.envelope()))
+
+    def envelope(self) -> dict[str, Any]:
+        """The result envelope (ADR-0023 D4/D6) plus the truthful additions of DESIGN.md.
+
+        ``completed_operations`` keeps the record's meaning: settled with a result
+        entry and not skipped (so failures appear in it). ``failed_operations`` and
+        ``operation_statuses`` tell the truth per node.
+        """
+        order = list(self.state)
+        statuses = {node_id: self.status_of(node_id) for node_id in order}
+        envelope: dict[str, Any] = {
+            "completed_operations": [
+                n for n in order if n in self.results and self.state[n] != SKIPPED
+            ],
+            "operation_results": {n: self.results[n] for n in order if n in self.results},
+            "final_context": self.shared.snapshot(),
+            "skipped_operations": [n for n in order if self.state[n] == SKIPPED],
+            "failed_operations": [n for n in order if self.state[n] == FAILED],
+            "cancelled_operations": [n for n in order if self.state[n] == CANCELLED],
+            "operation_statuses": statuses,
+            "context_collisions": list(self.shared.collisions),
+            "status": self._run_status(),
+        }
+        if self.reactive:
+            envelope["spawned_operations"] = self.spawn_count
+            envelope["escalated_operations"] = list(self.escalated_operations)
+            envelope["dropped_spawns"] = [dict(entry) for entry in self.dropped_spawns]
+        validate_envelope(envelope)
+        return envelope
+
+    def _run_status(self) -> str:
+        if self.cancelling:
+            return CANCELLED
+        if any(state == FAILED for state in self.state.values()):
+            return FAILED
+        return COMPLETED
+
+    # -- invariants ---------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every cross-structure invariant; raise InvariantViolation on the first break."""
+
+        def fail(message: str, node_id: str | None = None) -> None:
+            raise InvariantViolation(message, node_id=node_id)
+
+        running = {n for n, s in self.state.items() if s == RUNNING}
+        if running != self.running:
+            fail(f"running set {sorted(self.running)} != running states {sorted(running)}")
+        if len(self.running) > self.capacity:
+            fail(f"{len(self.running)} operations in flight exceed capacity {self.capacity}")
+        if len(set(self.ready)) != len(self.ready):
+            fail("a node is queued twice")
+        for node_id in self.ready:
+            if self.state[node_id] != READY:
+                fail(f"queued node is {self.state[node_id]}", node_id)
+        ready_states = sum(1 for s in self.state.values() if s == READY)
+        if ready_states != len(self.ready):
+            fail("a ready node is missing from the queue")
+        open_nodes = sum(1 for s in self.state.values() if s not in TERMINAL)
+        if open_nodes != self.open_nodes:
+            fail(f"open node count {self.open_nodes} != {open_nodes}")
+        if set(self.state) != set(self.graph.nodes):
+            fail("scheduler state and graph disagree on the node set")
+        for node_id, state in self.state.items():
+            unsettled = sum(1 for dep in self.deps[node_id] if self.state[dep] not in TERMINAL)
+            if state not in TERMINAL and unsettled != self.unsettled[node_id]:
+                fail(f"unsettled counter {self.unsettled[node_id]} != {unsettled}", node_id)
+            if self.started and not self.cancelling and state == WAITING and unsettled == 0:
+                fail("waiting node has no unmet dependency", node_id)
+            if state in (READY, RUNNING, EVALUATING) and unsettled:
+                fail(f"{state} node has an unsettled dependency", node_id)
+            if state == SKIPPED and node_id in self.results:
+                fail("skipped node has a result entry", node_id)
+        if self.spawn_count > self.max_spawn:
+            fail("spawn cap exceeded")
+        if self.finished and (self.open_nodes or self.running):
+            fail("finished with open nodes")
+
+
+_HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
+    ev.FlowStarted: FlowState._on_started,
+    ev.OperationFinished: FlowState._on_finished,
+    ev.ConditionsEvaluated: FlowState._on_conditions,
+    ev.SpawnRequested: FlowState._on_spawn,
+    ev.EscalationRequested: FlowState._on_escalation,
+    ev.InjectRequested: FlowState._on_inject,
+    ev.PauseRequested: FlowState._on_pause,
+    ev.ResumeRequested: FlowState._on_resume,
+    ev.OperatorMessageReceived: FlowState._on_operator_message,
+    ev.CancelRequested: FlowState._on_cancel,
+}

@@ -1,0 +1,1 @@
+"""Fixtures for the actor tests: one shared Ray instance per session."""

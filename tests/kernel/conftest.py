@@ -1,0 +1,1 @@
+"""Fixtures for the pure kernel tests: fast, deterministic, no Ray."""
