@@ -35,6 +35,7 @@ from .events import (
     CancelRequested,
     CloneBranch,
     ConditionsEvaluated,
+    DispatchHeld,
     DispatchOperation,
     EmitSignal,
     EscalationRequested,
@@ -54,6 +55,7 @@ from .patterns import build_dag_graph, build_fanout_graph, normalise_dependency_
 from .results import FlowEvent
 from .scheduler import DEFAULT_MAX_CONCURRENCY, TRANSITIONS, FlowState
 from .signals import (
+    NODE_PROGRESS_KINDS,
     SIGNAL_SCHEMA_VERSION,
     NodeCompleted,
     NodeEscalated,
@@ -76,6 +78,7 @@ __all__ = [
     "CodecError",
     "ConditionsEvaluated",
     "DEFAULT_MAX_CONCURRENCY",
+    "DispatchHeld",
     "DispatchOperation",
     "Edge",
     "EdgeCondition",
@@ -94,6 +97,7 @@ __all__ = [
     "GraphCycleError",
     "InjectRequested",
     "InvariantViolation",
+    "NODE_PROGRESS_KINDS",
     "NodeCompleted",
     "NodeEscalated",
     "NodeFailed",

@@ -19,6 +19,7 @@ __all__ = [
     "CancelRequested",
     "CloneBranch",
     "ConditionsEvaluated",
+    "DispatchHeld",
     "DispatchOperation",
     "EmitSignal",
     "EscalationRequested",
@@ -75,19 +76,26 @@ class SpawnRequested(Event):
     """A SpawnRequest arrived (sent during an operation, or found in its response).
 
     ``dedupe_key`` identifies one request object across both routes; without it the
-    scheduler uses the emitter id plus the request's content.
+    scheduler uses the emitter id plus the request's content. ``redelivery`` marks the
+    shell's own second copy of a request it already sent live (carried in the outcome
+    so a late message cannot lose it): a redelivered duplicate is silently ignored,
+    whereas a request genuinely seen twice is recorded as ``duplicate``.
     """
 
     emitter_id: str | None = None
     request: Any = None
     dedupe_key: Any = None
+    redelivery: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class EscalationRequested(Event):
+    """An EscalationRequest arrived; ``redelivery`` as for SpawnRequested."""
+
     emitter_id: str | None = None
     request: Any = None
     dedupe_key: Any = None
+    redelivery: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +116,13 @@ class PauseRequested(Event):
 @dataclass(frozen=True, slots=True)
 class ResumeRequested(Event):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchHeld(Event):
+    """Backpressure from the shell: while ``held``, nothing new is dispatched (no signal)."""
+
+    held: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +192,43 @@ class EvaluateConditions(Instruction):
 
 @dataclass(frozen=True, slots=True)
 class EmitSignal(Instruction):
-    signal: Any
+    """Deliver a lifecycle signal of class ``kind``.
+
+    Node signals carry the node and the few values that change; the pydantic model is
+    built on access (``.signal``), in the shell, so the scheduler's hot path allocates
+    one small object per signal rather than a validated model. ``fields`` holds the
+    complete payload for signals that are not about one existing node's progress.
+    """
+
+    kind: Any
+    run_id: str = ""
+    node: Operation | None = None
+    elapsed: float = 0.0
+    depends_on: Any = ()
+    fields: dict[str, Any] | None = None
+
+    @property
+    def op_id(self) -> str:
+        if self.node is not None:
+            return self.node.id
+        return (self.fields or {}).get("op_id", "")
+
+    @property
+    def signal(self) -> Any:
+        if self.node is None:
+            return self.kind(**(self.fields or {}))
+        metadata = self.node.metadata
+        payload = {
+            "run_id": self.run_id,
+            "op_id": self.node.id,
+            "name": metadata.get("reference_id") or self.node.operation,
+            "elapsed": self.elapsed,
+            "parent_id": metadata.get("parent_id"),
+            "depends_on": list(self.depends_on),
+        }
+        if self.fields:
+            payload.update(self.fields)
+        return self.kind(**payload)
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,17 +115,20 @@ class FlowState:
         self.branch: dict[str, str | None] = {}
         self.pending_inheritance: set[str] = set()
         self.results: dict[str, Any] = {}
+        self.errors: dict[str, str] = {}
         self.ready: deque[str] = deque()
         self.running: set[str] = set()
         self.open_nodes = 0
         self.history: dict[str, list[tuple[str, str, str, int]]] = {}
         self.paused = False
+        self.held = False
         self._pause_announced: set[str] = set()
         self.cancelling = False
         self.started = False
         self.finished = False
         self.start_time = 0.0
         self.now = 0.0
+        self._elapsed = 0.0
 
         self.spawn_count = 0
         self.spawned_ids: list[str] = []
@@ -143,7 +146,9 @@ class FlowState:
         out = self._out = []
         for event in events:
             self.counters["events"] += 1
-            self.now = max(self.now, event.now)
+            if event.now > self.now:
+                self.now = event.now
+                self._elapsed = max(0.0, self.now - self.start_time)
             handler = _HANDLERS.get(type(event))
             if handler is None:
                 raise OperationError(f"unknown scheduler event {type(event).__name__}")
@@ -233,7 +238,7 @@ class FlowState:
         node = self.graph.nodes[node_id]
         if event.status == COMPLETED:
             response = event.response
-            update = response.get("context") if isinstance(response, Mapping) else None
+            update = response.get("context") if type(response) is dict or isinstance(response, Mapping) else None
             if update is not None and not isinstance(update, Mapping):
                 # Ideal over retrospective: a bad context update is a failure, not "completed".
                 message = f"response context must be a mapping, got {type(update).__name__}"
@@ -247,20 +252,18 @@ class FlowState:
                         rank=self.rank[node_id],
                         follows=lambda other: self.graph.reaches(other, node_id),
                     )
-                node.status, node.response = COMPLETED, response
                 self._transition(node_id, COMPLETED, "operation completed")
                 self._emit(sig.NodeCompleted, node_id)
                 self._release_dependents(node_id)
         elif event.status == FAILED:
             self._settle_failed(node_id, event.error or "operation failed", event.error_type)
         elif event.status == CANCELLED:
-            node.status = CANCELLED
             self._transition(node_id, CANCELLED, "operation cancelled")
             self._release_dependents(node_id)
         else:
             raise OperationError(f"unknown operation outcome {event.status!r}", node_id=node_id)
         requests: list[ev.Event] = list(event.requests)
-        if not requests and event.status == COMPLETED:
+        if not requests and event.status == COMPLETED and type(event.response) not in _SCALARS:
             # In-process drivers may hand back live request objects in the response.
             for found in extract_requests(event.response, (self.spawn_type, EscalationRequest)):
                 kind = ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested
@@ -286,7 +289,8 @@ class FlowState:
         emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
         assignee = getattr(request, "assignee", None)
         if self._is_duplicate_request(event):
-            self._drop("duplicate", assignee, event.emitter_id)
+            if not event.redelivery:
+                self._drop("duplicate", assignee, event.emitter_id)
             return
         try:
             child = self.node_builder(request, emitter)
@@ -310,7 +314,8 @@ class FlowState:
             return
         request = event.request
         if self._is_duplicate_request(event):
-            self._drop("duplicate", None, event.emitter_id)
+            if not event.redelivery:
+                self._drop("duplicate", None, event.emitter_id)
             return
         emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
         if emitter is not None:
@@ -330,13 +335,14 @@ class FlowState:
                 child_id = child.id
         self._out.append(
             ev.EmitSignal(
-                sig.NodeEscalated(
-                    run_id=self.run_id,
-                    op_id=event.emitter_id or "",
-                    route=str(getattr(request, "route", "")),
-                    reason=str(getattr(request, "reason", ""))[:SPAWN_INSTRUCTION_CHARS],
-                    child_id=child_id,
-                )
+                sig.NodeEscalated,
+                fields={
+                    "run_id": self.run_id,
+                    "op_id": event.emitter_id or "",
+                    "route": str(getattr(request, "route", "")),
+                    "reason": str(getattr(request, "reason", ""))[:SPAWN_INSTRUCTION_CHARS],
+                    "child_id": child_id,
+                },
             )
         )
 
@@ -373,6 +379,9 @@ class FlowState:
         self.paused = False
         self._pause_announced.clear()
 
+    def _on_hold(self, event: ev.DispatchHeld) -> None:
+        self.held = event.held
+
     def _on_operator_message(self, event: ev.OperatorMessageReceived) -> None:
         queue = self.shared.data.get(OPERATOR_MESSAGES_KEY)
         if not isinstance(queue, list):
@@ -387,7 +396,6 @@ class FlowState:
         self.ready.clear()
         for node_id, state in list(self.state.items()):
             if state in (WAITING, EVALUATING, READY):
-                self.graph.nodes[node_id].status = CANCELLED
                 self._transition(node_id, CANCELLED, event.reason)
             elif state == RUNNING:
                 self._out.append(ev.CancelOperation(node_id, self.attempt[node_id]))
@@ -547,7 +555,6 @@ class FlowState:
             self._emit(sig.NodePaused, node_id)
 
     def _skip(self, node_id: str) -> None:
-        self.graph.nodes[node_id].status = SKIPPED
         self._transition(node_id, SKIPPED, "no incoming path passed")
         self._emit(sig.NodeSkipped, node_id)
         self._release_dependents(node_id)
@@ -567,15 +574,14 @@ class FlowState:
         if edge_id:
             result["edge_id"] = edge_id
         self.results[node_id] = result
-        node = self.graph.nodes[node_id]
-        node.status, node.error = FAILED, message
+        self.errors[node_id] = message
         self._transition(node_id, FAILED, message[:200])
         self._emit(sig.NodeFailed, node_id, error=message)
         self._release_dependents(node_id)
 
     # -- dispatch -------------------------------------------------------------------
     def _pump(self) -> None:
-        if self.paused or self.cancelling or not self.started:
+        if self.paused or self.held or self.cancelling or not self.started:
             return
         while self.ready and len(self.running) < self.capacity:
             self._dispatch(self.ready.popleft())
@@ -586,7 +592,6 @@ class FlowState:
         attempt = self.attempt[node_id]
         self._transition(node_id, RUNNING, "dispatched")
         self.running.add(node_id)
-        node.status = "running"
         branch_id = self.branch.get(node_id, self.default_branch_id)
         if node_id in self.pending_inheritance:
             self.pending_inheritance.discard(node_id)
@@ -614,7 +619,7 @@ class FlowState:
             context = {}
         else:
             context = {"original_context": own}
-        for dep in self.graph.predecessors(node_id):
+        for dep in self.deps[node_id]:
             if self.state[dep] != SKIPPED and dep in self.results:
                 context[f"{dep}_result"] = to_mapping(self.results[dep])
         context.update(self.shared.data)
@@ -684,14 +689,15 @@ class FlowState:
         instruction = child.parameters.get("instruction")
         self._out.append(
             ev.EmitSignal(
-                sig.NodeSpawned(
-                    run_id=self.run_id,
-                    op_id=child.id,
-                    parent_id=after,
-                    independent=independent,
-                    assignee=assignee,
-                    instruction=None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
-                )
+                sig.NodeSpawned,
+                fields={
+                    "run_id": self.run_id,
+                    "op_id": child.id,
+                    "parent_id": after,
+                    "independent": independent,
+                    "assignee": assignee,
+                    "instruction": None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
+                },
             )
         )
         self._emit(sig.NodeQueued, child.id)
@@ -701,27 +707,37 @@ class FlowState:
 
     # -- signals and completion -------------------------------------------------------
     def _emit(self, kind: type, node_id: str, **extra: Any) -> None:
-        node = self.graph.nodes[node_id]
-        # model_construct: the kernel builds these values itself, so re-validation is waste
-        # on the hot path (three signals per node).
-        signal = kind.model_construct(
-            schema_version=sig.SIGNAL_SCHEMA_VERSION,
-            run_id=self.run_id,
-            kind=kind.model_fields["kind"].default,
-            op_id=node_id,
-            name=node.metadata.get("reference_id") or node.operation,
-            elapsed=max(0.0, self.now - self.start_time),
-            parent_id=node.metadata.get("parent_id"),
-            depends_on=self.deps.get(node_id, []),
-            **extra,
+        self._out.append(
+            ev.EmitSignal(
+                kind,
+                self.run_id,
+                self.graph.nodes[node_id],
+                self._elapsed,
+                self.deps.get(node_id, ()),
+                extra or None,
+            )
         )
-        self._out.append(ev.EmitSignal(signal))
 
     def _maybe_finish(self) -> None:
         if self.finished or not self.started or self.open_nodes > 0 or self.running:
             return
         self.finished = True
+        self._write_back()
         self._out.append(ev.FinishRun(self.envelope()))
+
+    def _write_back(self) -> None:
+        """Record final status, response and error on each Operation, once, at the end.
+
+        Done here rather than per transition: pydantic attribute assignment is the
+        costliest step of a settlement, and nobody reads node fields mid-run.
+        """
+        for node_id, node in self.graph.nodes.items():
+            fields = node.__dict__
+            fields["status"] = self.status_of(node_id)
+            if node_id in self.results and self.state[node_id] == COMPLETED:
+                fields["response"] = self.results[node_id]
+            if node_id in self.errors:
+                fields["error"] = self.errors[node_id]
 
     def envelope(self) -> dict[str, Any]:
         """The result envelope (ADR-0023 D4/D6) plus the truthful additions of DESIGN.md.
@@ -800,6 +816,8 @@ class FlowState:
             fail("finished with open nodes")
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+
 _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
     ev.FlowStarted: FlowState._on_started,
     ev.OperationFinished: FlowState._on_finished,
@@ -810,5 +828,6 @@ _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
     ev.PauseRequested: FlowState._on_pause,
     ev.ResumeRequested: FlowState._on_resume,
     ev.OperatorMessageReceived: FlowState._on_operator_message,
+    ev.DispatchHeld: FlowState._on_hold,
     ev.CancelRequested: FlowState._on_cancel,
 }

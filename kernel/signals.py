@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 __all__ = [
+    "NODE_PROGRESS_KINDS",
     "NODE_PROGRESS_SIGNALS",
     "SIGNAL_SCHEMA_VERSION",
     "NodeCompleted",
@@ -96,3 +97,4 @@ NODE_PROGRESS_SIGNALS: dict[type, str] = {
     NodeFailed: "failed",
     NodeSkipped: "skipped",
 }
+NODE_PROGRESS_KINDS: dict[str, str] = {cls.model_fields["kind"].default: status for cls, status in NODE_PROGRESS_SIGNALS.items()}

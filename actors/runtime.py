@@ -1,0 +1,70 @@
+"""Connecting to Ray and finding (or starting) the long-lived opgraph actors.
+
+Owns actor placement: one executor, a small worker pool and the branch-store shards per
+namespace, all named so that every Session in a process (and, with detached lifetime, on
+a cluster) shares them. Actors are started once, never per run, node or branch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from .branches import BranchStore
+from .executor import GraphExecutor
+from .workers import OperationWorker
+
+__all__ = ["Runtime", "connect", "start_worker"]
+
+DEFAULT_NAMESPACE = "opgraph"
+WORKER_CONCURRENCY = 100_000
+EXECUTOR_CONCURRENCY = 100_000
+
+
+def connect(address: str | None = None, *, namespace: str = DEFAULT_NAMESPACE) -> None:
+    """Join Ray: the embedded local instance by default, or ``address`` ("auto", "ray://...", "host:port")."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("OPGRAPH_RAY_ADDRESS") or None
+    options: dict[str, Any] = {"namespace": namespace, "logging_level": "warning", "log_to_driver": True}
+    if address is None:
+        options.update(include_dashboard=False, configure_logging=True)
+    ray.init(address=address, **options)
+
+
+def start_worker(stores: list[Any], index: int, *, namespace: str | None = None, detached: bool = False) -> Any:
+    return OperationWorker.options(
+        name=f"opgraph-worker-{index}",
+        namespace=namespace,
+        get_if_exists=True,
+        max_concurrency=WORKER_CONCURRENCY,
+        lifetime="detached" if detached else None,
+    ).remote(stores, index)
+
+
+@dataclass
+class Runtime:
+    """Handles to the shared actors of one namespace."""
+
+    executor: Any
+    workers: list[Any]
+    stores: list[Any]
+
+    @classmethod
+    def get_or_start(cls, *, workers: int = 2, branch_stores: int = 1, detached: bool = False) -> Runtime:
+        lifetime = "detached" if detached else None
+        stores = [
+            BranchStore.options(name=f"opgraph-branches-{i}", get_if_exists=True, lifetime=lifetime).remote(i)
+            for i in range(branch_stores)
+        ]
+        pool = [start_worker(stores, i, detached=detached) for i in range(workers)]
+        executor = GraphExecutor.options(
+            name="opgraph-executor-0",
+            get_if_exists=True,
+            max_concurrency=EXECUTOR_CONCURRENCY,
+            lifetime=lifetime,
+        ).remote(pool, stores, "opgraph-executor-0")
+        return cls(executor=executor, workers=pool, stores=stores)

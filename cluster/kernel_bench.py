@@ -1,0 +1,134 @@
+"""Benchmark of the scheduler state machine alone, with instant completions.
+
+Owns the kernel figures of issue #2: settlements per second and peak memory for a
+fan-out plus aggregation, a chain, and reactive spawn admissions, each at N and 2N to
+show linear cost. It lives in cluster/ because it reads the clock; the kernel may not.
+
+    python -m opgraph.cluster.kernel_bench [--scale 1.0] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+import tracemalloc
+from collections.abc import Callable
+
+from opgraph.kernel import (
+    DispatchOperation,
+    FlowStarted,
+    FlowState,
+    Graph,
+    OperationFinished,
+    SpawnRequest,
+    SpawnRequested,
+    create_operation,
+)
+
+__all__ = ["main"]
+
+
+def fanout_graph(n: int) -> Graph:
+    graph = Graph("fanout")
+    leaves = [graph.add_node(create_operation("noop", {"instruction": str(i)})).id for i in range(n)]
+    aggregate = graph.add_node(create_operation("noop", {"instruction": "aggregate"}))
+    for leaf in leaves:
+        graph.add_edge(leaf, aggregate.id)
+    return graph
+
+
+def chain_graph(n: int) -> Graph:
+    graph = Graph("chain")
+    previous = None
+    for i in range(n):
+        node = graph.add_node(create_operation("noop", {"instruction": str(i)}))
+        if previous is not None:
+            graph.add_edge(previous, node.id)
+        previous = node.id
+    return graph
+
+
+def drive(state: FlowState, spawns_from_root: int = 0) -> int:
+    """Complete every dispatch instantly, in batches, until the run finishes."""
+    instructions = state.handle(FlowStarted(now=0.0))
+    settled = 0
+    while not state.finished:
+        batch = []
+        for instruction in instructions:
+            if type(instruction) is DispatchOperation:
+                requests = ()
+                if spawns_from_root and instruction.parameters.get("instruction") == "root":
+                    requests = tuple(
+                        SpawnRequested(emitter_id=instruction.node_id, request=SpawnRequest(instruction=f"s{i}"),
+                                       dedupe_key=i)
+                        for i in range(spawns_from_root)
+                    )
+                batch.append(OperationFinished(node_id=instruction.node_id, attempt=instruction.attempt,
+                                               response="ok", requests=requests))
+        settled += len(batch)
+        instructions = state.handle(*batch)
+    return settled
+
+
+def shape_fanout(n: int) -> Callable[[], tuple[FlowState, int]]:
+    def build():
+        return FlowState(fanout_graph(n), max_concurrent=None), 0
+    return build
+
+
+def shape_chain(n: int) -> Callable[[], tuple[FlowState, int]]:
+    def build():
+        return FlowState(chain_graph(n), max_concurrent=None), 0
+    return build
+
+
+def shape_spawns(n: int) -> Callable[[], tuple[FlowState, int]]:
+    def build():
+        graph = Graph("spawns")
+        graph.add_node(create_operation("noop", {"instruction": "root"}))
+        return FlowState(graph, max_concurrent=None, reactive=True, max_spawn=n), n
+    return build
+
+
+def measure(build: Callable[[], tuple[FlowState, int]], repeat: int) -> dict[str, float]:
+    times = []
+    settled = 0
+    for _ in range(repeat):
+        state, spawns = build()
+        gc.collect()
+        start = time.perf_counter()
+        settled = drive(state, spawns)
+        times.append(time.perf_counter() - start)
+    state, spawns = build()
+    tracemalloc.start()
+    drive(state, spawns)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    median = statistics.median(times)
+    return {"seconds": median, "settled": settled, "per_second": settled / median, "peak_mib": peak / 2**20}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply every size by this")
+    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
+    args = parser.parse_args(argv)
+    shapes = [
+        ("fan-out + aggregation", shape_fanout, int(100_000 * args.scale)),
+        ("chain", shape_chain, int(10_000 * args.scale)),
+        ("spawn admissions", shape_spawns, int(10_000 * args.scale)),
+    ]
+    print(f"{'shape':<24}{'nodes':>9}{'median s':>10}{'settle/s':>11}{'peak MiB':>10}{'2N/N time':>11}")
+    for label, shape, n in shapes:
+        base = measure(shape(n), args.repeat)
+        double = measure(shape(2 * n), args.repeat)
+        ratio = double["seconds"] / base["seconds"]
+        print(f"{label:<24}{base['settled']:>9}{base['seconds']:>10.3f}{base['per_second']:>11,.0f}"
+              f"{base['peak_mib']:>10.1f}{ratio:>11.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,399 @@
+"""Hypothesis drives FlowState through random DAGs and random completion orders.
+
+Each example is a drawn ``FlowSpec``: nodes 0..n-1, edges only from a lower to a higher
+index (so the graph is acyclic by construction), per-edge conditions (none, always
+true, always false, sync or async), optional ``aggregation_sources``, and a scripted
+behaviour per node (complete, fail, write shared-context keys, emit SpawnRequests).
+The driver plays the executor shell: it answers DispatchOperation and
+EvaluateConditions instructions in an order the test chooses, and calls
+``validate()`` after every ``handle()``. Spawned children always complete with a
+response derived from their instruction.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opgraph.kernel import (
+    ConditionsEvaluated,
+    DispatchOperation,
+    EdgeCondition,
+    EmitSignal,
+    EvaluateConditions,
+    FinishRun,
+    FlowStarted,
+    FlowState,
+    Graph,
+    NodeCompleted,
+    NodeFailed,
+    NodeSkipped,
+    Operation,
+    OperationFinished,
+    SpawnRequest,
+    SpawnRequested,
+)
+
+# When a property fails, Hypothesis's pytest plugin imports hypothesis.extra._patching,
+# which imports libcst, which trips a DeprecationWarning from mypy_extensions. Under
+# filterwarnings=error that becomes a pytest INTERNALERROR that ends the session and
+# hides the real failure, so import it once here with that one warning ignored.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"libcst\.")
+    try:
+        import hypothesis.extra._patching  # noqa: F401
+    except ImportError:  # libcst not installed: the plugin skips the patch as well
+        pass
+
+PROPERTY_SETTINGS = settings(max_examples=150, deadline=None)
+
+MAX_NODES = 25
+SHARED_KEYS = ("alpha", "beta")  # few keys, so parallel writers collide
+NESTED_KEYS = ("x", "y")
+TERMINAL_SIGNALS = (NodeCompleted, NodeFailed, NodeSkipped)
+TERMINAL_STATUSES = frozenset({"completed", "failed", "skipped", "cancelled"})
+STEP_LIMIT = 10_000
+
+
+# -- edge conditions ---------------------------------------------------------------
+class AlwaysTrue(EdgeCondition):
+    verdict = True
+
+    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002 - the record's name
+        return True
+
+
+class AlwaysFalse(EdgeCondition):
+    verdict = False
+
+    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return False
+
+
+class AsyncAlwaysTrue(EdgeCondition):
+    """Evaluated by the shell; the driver answers with ``verdict`` and never awaits apply."""
+
+    verdict = True
+
+    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return True
+
+
+class AsyncAlwaysFalse(EdgeCondition):
+    verdict = False
+
+    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return False
+
+
+CONDITIONS: dict[str, type[EdgeCondition] | None] = {
+    "none": None,
+    "true": AlwaysTrue,
+    "false": AlwaysFalse,
+    "async_true": AsyncAlwaysTrue,
+    "async_false": AsyncAlwaysFalse,
+}
+PASSING_CONDITIONS = frozenset({"none", "true", "async_true"})
+
+
+# -- the drawn specification -------------------------------------------------------
+@dataclass(frozen=True)
+class NodeSpec:
+    fails: bool
+    writes: tuple[tuple[str, str], ...]  # (shared key, "scalar" or a nested sub-key)
+    spawns: tuple[bool, ...]  # one SpawnRequest per entry; the bool is ``independent``
+    spawns_via_events: bool  # send SpawnRequested events instead of embedding requests
+    aggregation_sources: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class FlowSpec:
+    nodes: tuple[NodeSpec, ...]
+    edges: tuple[tuple[int, int, str], ...]  # (head, tail, condition name)
+    capacity: int
+    reactive: bool
+    max_spawn: int
+
+    def predecessors(self, index: int) -> set[int]:
+        return {head for head, tail, _ in self.edges if tail == index}
+
+
+def node_id(index: int) -> str:
+    # Stable, readable ids: two runs of one spec can then be compared id for id.
+    return f"node-{index:02d}"
+
+
+# Strategies are built once at module level: building them inside the composite for
+# every node made generation, not the kernel, the bulk of the run time.
+_RAW_NODE = st.tuples(
+    st.integers(0, 4),  # 4 means the node fails (one in five)
+    st.lists(st.tuples(st.sampled_from(SHARED_KEYS), st.sampled_from(("scalar", *NESTED_KEYS))), max_size=2),
+    st.lists(st.booleans(), max_size=2),
+    st.booleans(),
+    st.lists(st.integers(0, MAX_NODES), max_size=2),  # aggregation sources, taken modulo the index
+)
+# Per tail node: up to three incoming edges as (distance back, condition name).
+_RAW_IN_EDGES = st.lists(st.tuples(st.integers(0, MAX_NODES), st.sampled_from(tuple(CONDITIONS))), max_size=3)
+
+
+@st.composite
+def flow_specs(draw: st.DrawFn) -> FlowSpec:
+    raw_nodes = draw(st.lists(_RAW_NODE, min_size=1, max_size=MAX_NODES))
+    count = len(raw_nodes)
+    edges: dict[tuple[int, int], str] = {}
+    for tail, raw_edges in enumerate(draw(st.lists(_RAW_IN_EDGES, min_size=count - 1, max_size=count - 1)), 1):
+        for distance, condition in raw_edges:
+            edges.setdefault((tail - 1 - distance % tail, tail), condition)
+    nodes = tuple(
+        NodeSpec(
+            fails=fails == 4,
+            writes=tuple(writes),
+            spawns=tuple(spawns),
+            spawns_via_events=via_events,
+            aggregation_sources=tuple(sorted({source % index for source in sources})) if index else (),
+        )
+        for index, (fails, writes, spawns, via_events, sources) in enumerate(raw_nodes)
+    )
+    return FlowSpec(
+        nodes=nodes,
+        edges=tuple((head, tail, condition) for (head, tail), condition in sorted(edges.items())),
+        capacity=draw(st.integers(1, 4)),
+        reactive=draw(st.booleans()),
+        max_spawn=draw(st.integers(0, 5)),
+    )
+
+
+def build_graph(spec: FlowSpec) -> Graph:
+    """A fresh graph per run: FlowState writes status and response onto its Operations."""
+    graph = Graph("properties")
+    for index, node in enumerate(spec.nodes):
+        metadata: dict[str, Any] = {"reference_id": f"n{index}"}
+        if node.aggregation_sources:
+            metadata["aggregation_sources"] = [node_id(source) for source in node.aggregation_sources]
+        graph.add_node(
+            Operation(
+                id=node_id(index),
+                operation="operate",
+                parameters={"instruction": f"task {index}"},
+                metadata=metadata,
+            )
+        )
+    for head, tail, condition in spec.edges:
+        factory = CONDITIONS[condition]
+        graph.add_edge(node_id(head), node_id(tail), condition=None if factory is None else factory())
+    return graph
+
+
+def expected_statuses(spec: FlowSpec) -> list[str]:
+    """The reference model of ADR-0023 D2: an OR over incoming paths from non-skipped heads.
+
+    A root runs. Otherwise a node runs when some incoming edge from a head that was
+    not skipped passes (no condition, or a condition that holds); failed heads still
+    count as live paths. Aggregation sources delay a node but never gate it.
+    """
+    statuses: list[str] = []
+    for index, node in enumerate(spec.nodes):
+        incoming = [(head, condition) for head, tail, condition in spec.edges if tail == index]
+        runs = not incoming or any(
+            statuses[head] != "skipped" and condition in PASSING_CONDITIONS for head, condition in incoming
+        )
+        statuses.append(("failed" if node.fails else "completed") if runs else "skipped")
+    return statuses
+
+
+def expected_spawn_count(spec: FlowSpec) -> int:
+    if not spec.reactive:
+        return 0
+    statuses = expected_statuses(spec)
+    requested = sum(len(node.spawns) for node, status in zip(spec.nodes, statuses) if status == "completed")
+    return min(requested, spec.max_spawn)
+
+
+# -- the driver ----------------------------------------------------------------------
+@dataclass
+class Run:
+    envelope: dict[str, Any]
+    terminal_signals: Counter[str] = field(default_factory=Counter)
+    dispatches: Counter[str] = field(default_factory=Counter)
+    premature_dispatches: list[tuple[str, list[str]]] = field(default_factory=list)
+    peak_in_flight: int = 0
+
+
+def _completion(spec: FlowSpec, dispatch: DispatchOperation) -> OperationFinished:
+    """The scripted outcome of one dispatched operation."""
+    index = int(dispatch.node_id.removeprefix("node-")) if dispatch.node_id.startswith("node-") else None
+    if index is None:  # a spawned child: deterministic, derived from its instruction
+        instruction = dispatch.parameters.get("instruction")
+        return OperationFinished(
+            node_id=dispatch.node_id, attempt=dispatch.attempt, response={"result": f"done: {instruction}"}
+        )
+    node = spec.nodes[index]
+    if node.fails:
+        return OperationFinished(
+            node_id=dispatch.node_id,
+            attempt=dispatch.attempt,
+            status="failed",
+            error=f"node {index} failed",
+            error_type="ScriptedFailure",
+        )
+    response: dict[str, Any] = {"result": f"result {index}"}
+    if node.writes:
+        update: dict[str, Any] = {}
+        for key, shape in node.writes:
+            update[key] = index if shape == "scalar" else {shape: index}
+        response["context"] = update
+    requests = [
+        SpawnRequest(instruction=f"child {number} of node {index}", independent=independent)
+        for number, independent in enumerate(node.spawns)
+    ]
+    events: tuple[SpawnRequested, ...] = ()
+    if node.spawns_via_events:
+        events = tuple(
+            SpawnRequested(emitter_id=dispatch.node_id, request=request, dedupe_key=(dispatch.node_id, number))
+            for number, request in enumerate(requests)
+        )
+    elif requests:
+        response["spawn_requests"] = requests
+    return OperationFinished(node_id=dispatch.node_id, attempt=dispatch.attempt, response=response, requests=events)
+
+
+def _dependencies(graph: Graph, node: str) -> list[str]:
+    sources = graph.nodes[node].metadata.get("aggregation_sources") or ()
+    return [*graph.predecessors(node), *sources]
+
+
+def run_flow(spec: FlowSpec, choose: Callable[[int], int]) -> Run:
+    """Play the shell until FinishRun; ``choose(n)`` picks which of n outstanding items settles next."""
+    graph = build_graph(spec)
+    state = FlowState(
+        graph,
+        run_id="properties",
+        max_concurrent=spec.capacity,
+        reactive=spec.reactive,
+        max_spawn=spec.max_spawn,
+    )
+    run = Run(envelope={})
+    settled: set[str] = set()
+    in_flight: dict[str, DispatchOperation] = {}
+    evaluations: dict[str, EvaluateConditions] = {}
+    events: list[Any] = [FlowStarted(now=0.0)]
+    for step in range(1, STEP_LIMIT):
+        instructions = state.handle(*events)
+        state.validate()
+        for instruction in instructions:
+            if isinstance(instruction, EmitSignal) and isinstance(instruction.signal, TERMINAL_SIGNALS):
+                run.terminal_signals[instruction.signal.op_id] += 1
+                settled.add(instruction.signal.op_id)
+            elif isinstance(instruction, DispatchOperation):
+                run.dispatches[instruction.node_id] += 1
+                unsettled = [dep for dep in _dependencies(graph, instruction.node_id) if dep not in settled]
+                if unsettled:
+                    run.premature_dispatches.append((instruction.node_id, unsettled))
+                in_flight[instruction.node_id] = instruction
+            elif isinstance(instruction, EvaluateConditions):
+                evaluations[instruction.node_id] = instruction
+            elif isinstance(instruction, FinishRun):
+                assert not run.envelope, "FinishRun emitted twice"
+                run.envelope = instruction.envelope
+        run.peak_in_flight = max(run.peak_in_flight, len(in_flight))
+        if run.envelope:
+            assert not in_flight and not evaluations, "finished with work outstanding"
+            return run
+        # Insertion order, not sorted ids: spawned children have random UUIDs, and the
+        # choice must replay identically when Hypothesis shrinks.
+        outstanding = [("dispatch", key) for key in in_flight] + [("conditions", key) for key in evaluations]
+        assert outstanding, "stalled: nothing outstanding and no FinishRun"
+        events = []
+        for _ in range(1 + choose(min(3, len(outstanding)))):  # settle 1-3 items in one handle()
+            kind, key = outstanding.pop(choose(len(outstanding)))
+            if kind == "dispatch":
+                finished = _completion(spec, in_flight.pop(key))
+                events.append(OperationFinished(**{**_fields(finished), "now": float(step)}))
+            else:
+                request = evaluations.pop(key)
+                results = tuple((edge_id, graph.edges[edge_id].condition.verdict) for edge_id, _ in request.edges)
+                events.append(ConditionsEvaluated(now=float(step), node_id=key, results=results))
+            if not outstanding:
+                break
+    raise AssertionError(f"no FinishRun after {STEP_LIMIT} steps")
+
+
+def _fields(event: OperationFinished) -> dict[str, Any]:
+    return {name: getattr(event, name) for name in OperationFinished.__dataclass_fields__}
+
+
+def drawn_order(data: st.DataObject) -> Callable[[int], int]:
+    return lambda count: data.draw(st.integers(0, count - 1))
+
+
+def seeded_order(seed: int) -> Callable[[int], int]:
+    return random.Random(seed).randrange
+
+
+# -- properties ------------------------------------------------------------------------
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), seed=st.integers(0, 2**32))
+def test_every_node_settles_exactly_once_and_the_envelope_is_all_terminal(spec, seed):
+    run = run_flow(spec, seeded_order(seed))
+    statuses = run.envelope["operation_statuses"]
+    assert set(run.terminal_signals) == set(statuses)
+    assert all(count == 1 for count in run.terminal_signals.values()), run.terminal_signals
+    assert all(status in TERMINAL_STATUSES for status in statuses.values()), statuses
+    assert all(count == 1 for count in run.dispatches.values()), run.dispatches
+    skipped = set(run.envelope["skipped_operations"])
+    assert not skipped & set(run.dispatches), "a skipped node was dispatched"
+
+
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), seed=st.integers(0, 2**32))
+def test_no_node_is_dispatched_before_its_predecessors_and_aggregation_sources_settle(spec, seed):
+    run = run_flow(spec, seeded_order(seed))
+    assert run.premature_dispatches == []
+
+
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), seed=st.integers(0, 2**32))
+def test_operations_in_flight_never_exceed_capacity(spec, seed):
+    run = run_flow(spec, seeded_order(seed))
+    assert run.peak_in_flight <= spec.capacity
+
+
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), seed=st.integers(0, 2**32))
+def test_completed_and_skipped_operations_are_disjoint(spec, seed):
+    run = run_flow(spec, seeded_order(seed))
+    assert not set(run.envelope["completed_operations"]) & set(run.envelope["skipped_operations"])
+
+
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), seed=st.integers(0, 2**32))
+def test_initial_node_statuses_and_spawn_count_match_the_reference_model(spec, seed):
+    """root -> ... : OR of live incoming paths decides run or skip; spawns are capped."""
+    run = run_flow(spec, seeded_order(seed))
+    statuses = run.envelope["operation_statuses"]
+    assert [statuses[node_id(index)] for index in range(len(spec.nodes))] == expected_statuses(spec)
+    assert run.envelope.get("spawned_operations", 0) == expected_spawn_count(spec)
+    children = [node for node in statuses if not node.startswith("node-")]
+    assert len(children) == expected_spawn_count(spec)
+    assert all(statuses[child] == "completed" for child in children)
+
+
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), first_seed=st.integers(0, 2**32), second_seed=st.integers(0, 2**32))
+def test_two_completion_orders_give_the_same_final_context_and_statuses(spec, first_seed, second_seed):
+    """Shared-context collisions resolve by rank, so completion timing must not matter."""
+    first = run_flow(spec, seeded_order(first_seed))
+    second = run_flow(spec, seeded_order(second_seed))
+    initial = [node_id(index) for index in range(len(spec.nodes))]
+    assert first.envelope["final_context"] == second.envelope["final_context"]
+    assert [first.envelope["operation_statuses"][n] for n in initial] == [
+        second.envelope["operation_statuses"][n] for n in initial
+    ]
+    assert first.envelope.get("spawned_operations") == second.envelope.get("spawned_operations")
