@@ -7,7 +7,7 @@ conversation branches), the OperationWorker pool (model and tool calls) and ``Se
 from .branches import BranchStore, BranchTable, UnknownBranchError
 from .executor import GraphExecutor, RunOptions, UnknownRunError
 from .runtime import Runtime, connect
-from .session import BranchView, RunControl, Session, flow_stream
+from .session import BranchView, RunControl, RuntimeLostError, Session, flow_stream
 from .workers import OperationWorker, Outcome, RemoteBranch
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "RunControl",
     "RunOptions",
     "Runtime",
+    "RuntimeLostError",
     "Session",
     "UnknownBranchError",
     "UnknownRunError",

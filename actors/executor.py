@@ -50,7 +50,8 @@ from .workers import OperationCall, Outcome
 __all__ = ["GraphExecutor", "RunOptions", "UnknownRunError"]
 
 _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipped: "skipped"}
-DISPATCH_BATCH = 256
+DISPATCH_BATCH = 512
+DISPATCH_WINDOW = 0.002  # seconds; bounds added latency, amortises message cost
 
 
 class UnknownRunError(OpGraphError):
@@ -94,6 +95,8 @@ class _Run:
         self.error: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
         self.pending_branch_refs: list[Any] = []
+        self.pending_dispatch: list[Any] = []
+        self.flush_scheduled = False
         self.node_worker: dict[str, int] = {}
         self.inject_waiters: dict[int, asyncio.Future] = {}
         self.started = time.time()
@@ -271,6 +274,7 @@ class GraphExecutor:
         stats["elapsed"] = time.time() - run.started
         stats["undelivered_events"] = run.undelivered_events
         stats["held"] = run.state.held
+        stats["messages"] = run.messages
         return stats
 
     async def _statistics(self) -> dict[str, Any]:
@@ -371,6 +375,8 @@ class GraphExecutor:
                     waiter.set_result(instruction.accepted)
             elif kind is FinishRun:
                 run.envelope = instruction.envelope
+                run.envelope["run_id"] = run.run_id
+                run.envelope["scheduler_messages"] = run.messages
                 run.done.set()
                 run.wakeup.set()
                 for worker in self.workers:
@@ -394,6 +400,17 @@ class GraphExecutor:
             for index, node_ids in by_worker.items():
                 if index < len(self.workers):
                     self.workers[index].cancel.remote(run.run_id, node_ids)
+        if dispatches:
+            run.pending_dispatch.extend(dispatches)
+            if not run.flush_scheduled:
+                # Coalesce dispatches from every event handled within one short window
+                # into a few batched messages instead of one round trip per feed.
+                run.flush_scheduled = True
+                self.loop.call_later(DISPATCH_WINDOW, self._spawn_task, run, self._flush(run))
+
+    async def _flush(self, run: _Run) -> None:
+        run.flush_scheduled = False
+        dispatches, run.pending_dispatch = run.pending_dispatch, []
         if dispatches:
             await self._await_branch_work(run)
             self._dispatch(run, dispatches)

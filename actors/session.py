@@ -16,14 +16,14 @@ from typing import Any
 
 import ray
 
-from opgraph.kernel import NODE_PROGRESS_KINDS, FlowEvent, Graph, OpGraphError, Operation
+from opgraph.kernel import NODE_PROGRESS_KINDS, ExecutionError, FlowEvent, Graph, OpGraphError, Operation
 
 from .branches import shard_for
 from .executor import RunOptions
 from .runtime import Runtime, connect
 from .workers import RegisteredOperation
 
-__all__ = ["RunControl", "Session", "flow_stream"]
+__all__ = ["BranchView", "RunControl", "RuntimeLostError", "Session", "flow_stream"]
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -34,11 +34,21 @@ def _unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+class RuntimeLostError(ExecutionError):
+    """An opgraph actor (the executor or a branch store) died; the run cannot be observed."""
+
+
 async def _call(ref: Any) -> Any:
+    """Await a Ray call, translating Ray's errors into opgraph's at this boundary."""
     try:
         return await ref
     except ray.exceptions.RayTaskError as exc:
-        raise _unwrap(exc) from None
+        cause = _unwrap(exc)
+        if cause is exc:
+            raise ExecutionError(f"remote call failed: {exc}") from None
+        raise cause from None
+    except ray.exceptions.RayActorError as exc:
+        raise RuntimeLostError(f"an opgraph actor died: {type(exc).__name__}") from None
 
 
 class RunControl:
@@ -129,11 +139,16 @@ class Session:
             self.branches[name] = branch_id
         return branch_id
 
-    def register_operation(self, name: str, fn: Callable[..., Any], *, record_turn: bool = True) -> None:
-        """Register ``async fn(branch, **parameters)``; shipped to workers per run by cloudpickle."""
+    def register_operation(self, name: str, fn: Callable[..., Any], *, record_turn: bool = True,
+                           timeout: float | None = None) -> None:
+        """Register ``async fn(branch, **parameters)``; shipped to workers per run by cloudpickle.
+
+        ``timeout`` (seconds) bounds each call: a hung model or tool call becomes a
+        failed operation of type ``OperationTimeout`` instead of a stuck run.
+        """
         if not asyncio.iscoroutinefunction(fn):
             raise OpGraphError(f"operation {name!r} must be an async function")
-        self.operations[name] = RegisteredOperation(fn, record_turn)
+        self.operations[name] = RegisteredOperation(fn, record_turn, timeout)
 
     async def messages(self, branch: str) -> list[Any]:
         """A branch's messages, wherever its store shard is."""
@@ -214,7 +229,8 @@ class Session:
             context=context, max_concurrent=max_concurrent, parallel=parallel, reactive=reactive,
             max_spawn=max_spawn, spawn_type=spawn_type, node_builder=node_builder,
             default_branch=default_branch, spawn_branch_setup=spawn_branch_setup, reducers=reducers,
-            want_signals=True, want_events=False, stream_buffer=1 << 30,
+            want_signals=bool(on_progress or verbose or on_branch_created),
+            want_events=False, stream_buffer=1 << 30,
         )
         run_id = str(uuid.uuid4())
         executor = self.runtime.executor

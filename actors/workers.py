@@ -21,6 +21,9 @@ from opgraph.kernel import EscalationRequest, SpawnRequest, extract_requests, to
 __all__ = ["OperationCall", "OperationWorker", "Outcome", "RemoteBranch", "RegisteredOperation"]
 
 
+OUTCOME_WINDOW = 0.002  # seconds
+
+
 @dataclass(slots=True)
 class OperationCall:
     """One dispatch as the worker receives it (node id and attempt travel with it)."""
@@ -50,10 +53,15 @@ class Outcome:
 
 @dataclass(slots=True)
 class RegisteredOperation:
-    """A user operation: ``async fn(branch, **parameters)``; ``record_turn`` appends the turn."""
+    """A user operation: ``async fn(branch, **parameters)``.
+
+    ``record_turn`` appends the instruction and response to the branch; ``timeout``
+    (seconds) turns a hung call into a failed outcome of type ``OperationTimeout``.
+    """
 
     fn: Callable[..., Any]
     record_turn: bool = True
+    timeout: float | None = None
 
 
 class RemoteBranch:
@@ -153,6 +161,9 @@ class OperationWorker:
         remaining = len(calls)
         while remaining:
             batch = [await queue.get()]
+            if remaining > 1:
+                # A short window gathers outcomes that finish together into one message.
+                await asyncio.sleep(OUTCOME_WINDOW)
             while not queue.empty():
                 batch.append(queue.get_nowait())
             remaining -= len(batch)
@@ -174,7 +185,17 @@ class OperationWorker:
                                error_type="OperationError", started=started, finished=time.time())
             store = self.stores[call.store_index] if self.stores else None
             branch = RemoteBranch(call.branch_id, store, run_id, call.node_id, executor, emitted)
-            response = await registered.fn(branch, **call.parameters)
+            if registered.timeout is None:
+                response = await registered.fn(branch, **call.parameters)
+            else:
+                try:
+                    response = await asyncio.wait_for(registered.fn(branch, **call.parameters), registered.timeout)
+                except asyncio.TimeoutError:
+                    self.failed += 1
+                    return Outcome(call.node_id, call.attempt, "failed",
+                                   error=f"operation {call.operation!r} exceeded its {registered.timeout} s timeout",
+                                   error_type="OperationTimeout", requests=list(emitted),
+                                   started=started, finished=time.time())
             if registered.record_turn and call.branch_id is not None and store is not None:
                 turn = [{"role": "user", "content": call.parameters.get("instruction", "")},
                         {"role": "assistant", "content": _turn_text(response)}]

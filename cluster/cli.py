@@ -20,11 +20,10 @@ def _installed_version() -> str:
 
 
 def _run_demo(arguments: argparse.Namespace) -> int:
-    # Lazy: the example module belongs to kernel/ and is not needed for --version.
-    import opgraph.kernel.example as example
+    # Lazy: importing the runtime loads Ray, which --version must not pay for.
+    from opgraph.cluster.demo import main as demo_main
 
-    result = example.main()
-    return result if isinstance(result, int) else 0
+    return demo_main(kernel_only=arguments.kernel)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -40,8 +39,10 @@ def _build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = subcommands.add_parser(
         "demo",
-        help="run the kernel example (python -m opgraph.kernel.example)",
+        help="run plan -> two drafts -> merge on the embedded local runtime",
     )
+    demo.add_argument("--kernel", action="store_true",
+                      help="drive the kernel state machine alone, without Ray")
     demo.set_defaults(handler=_run_demo)
     return parser
 

@@ -7,6 +7,7 @@ callables do not belong here: they travel the Ray way, by cloudpickle.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -66,6 +67,15 @@ def _default(value: Any) -> Any:
         return {_TUPLE_TAG: list(value)}
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=repr)
+    # Packing runs with strict_types (otherwise msgpack silently turns tuples into
+    # lists and never asks us), so subclasses of the plain types arrive here too.
+    if isinstance(value, Mapping):
+        return dict(value)
+    for plain in (bool, int, float, str, bytes, list):
+        if isinstance(value, plain):
+            return plain(value)
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
     raise CodecError(f"cannot encode a value of type {type(value).__name__}")
 
 
@@ -147,7 +157,9 @@ def _object_hook(obj: dict[str, Any]) -> Any:
 def encode(value: Any) -> bytes:
     """Encode ``value`` with the schema-version envelope."""
     try:
-        return msgpack.packb({"v": CODEC_SCHEMA_VERSION, "body": value}, default=_default, use_bin_type=True)
+        return msgpack.packb(
+            {"v": CODEC_SCHEMA_VERSION, "body": value}, default=_default, use_bin_type=True, strict_types=True
+        )
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:

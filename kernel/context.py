@@ -7,9 +7,11 @@ values, never read from a clock.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import datetime as _dt
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
@@ -76,22 +78,51 @@ def render_operator_messages(queue: list[Any], instruction: str, op_id: str) -> 
     return f"{block}\n\n{instruction}"
 
 
+@dataclass(frozen=True, slots=True)
+class _Write:
+    """One successful node's value for one top-level key, kept so the key can be replayed."""
+
+    rank: Any
+    writer: str
+    value: Any
+    follows: Callable[[str], bool]
+
+
+def _follows_nothing(other: str) -> bool:
+    return False
+
+
 class SharedContext:
     """The flow-wide context with deterministic merging of parallel writes.
 
     Ideal over retrospective (ADR-0023 D4): the record let completion timing decide
-    colliding writes. Here a key with a declared reducer combines values with it;
-    otherwise each leaf remembers the rank of its writer. A writer that causally
-    follows the previous one (``follows(previous)``) simply overwrites. Between
-    parallel writers the higher rank (later in graph insertion order) wins, whatever
-    order they finish in, and the collision is recorded for the envelope.
+    colliding writes. Here the value of every top-level key is defined as the initial
+    value deep-merged with each write to it *in rank order* (graph insertion order,
+    descendants after ancestors), whatever order the writers finish in. A write that
+    arrives in rank order is applied directly; one that arrives early for its rank
+    makes that key replay its writes in order. Replaying, rather than keeping per-leaf
+    owners, is what makes mixed shapes deterministic: a scalar and a nested write to
+    the same key resolve the same way in every completion order.
+
+    A key with a declared reducer combines values with it, also in rank order. A
+    write that replaces another writer's value, when it does not causally follow that
+    writer (``follows(previous)``), is recorded as a collision for the envelope.
     """
 
     def __init__(self, initial: Mapping[str, Any] | None = None, reducers: Mapping[str, Reducer] | None = None):
-        self.data: dict[str, Any] = copy.deepcopy(dict(initial or {}))
+        self._initial: dict[str, Any] = copy.deepcopy(dict(initial or {}))
+        self.data: dict[str, Any] = copy.deepcopy(self._initial)
         self.reducers: dict[str, Reducer] = dict(reducers or {})
-        self._owner: dict[tuple[str, ...], tuple[Any, str]] = {}
-        self.collisions: list[dict[str, Any]] = []
+        self._writes: dict[str, list[_Write]] = {}
+        # Per top-level key: path -> (rank, writer) of the write that set that leaf.
+        self._owners: dict[str, dict[tuple[str, ...], tuple[Any, str]]] = {}
+        self._collisions: dict[str, list[dict[str, Any]]] = {}
+
+    @property
+    def collisions(self) -> list[dict[str, Any]]:
+        """Recorded collisions, keys in the rank order of their first write."""
+        keys = sorted(self._collisions, key=lambda key: self._writes[key][0].rank)
+        return [entry for key in keys for entry in self._collisions[key]]
 
     def merge(
         self,
@@ -102,45 +133,68 @@ class SharedContext:
         follows: Callable[[str], bool] | None = None,
     ) -> None:
         """Deep-merge ``update`` from ``writer``; ``follows(other)`` says writer runs after other."""
-        self._follows = follows or (lambda other: False)
+        follows = follows or _follows_nothing
         for key, value in update.items():
-            if key in self.reducers:
-                path = (key,)
-                previous = self._owner.get(path)
-                if key in self.data and previous is not None and previous[1] != writer:
-                    self._record(path, previous[1], writer, winner="reducer")
-                self.data[key] = self.reducers[key](self.data.get(key), copy.deepcopy(value))
-                self._owner[path] = (rank, writer)
+            write = _Write(rank, writer, copy.deepcopy(value), follows)
+            writes = self._writes.setdefault(key, [])
+            if not writes or writes[-1].rank < rank:
+                writes.append(write)
+                self._apply(key, write)
             else:
-                self._merge_into(self.data, (key,), value, writer, rank)
+                bisect.insort(writes, write, key=_rank_of)
+                self._replay(key)
 
-    def _merge_into(self, target: dict, path: tuple[str, ...], value: Any, writer: str, rank: Any) -> None:
+    def _replay(self, key: str) -> None:
+        self._owners.pop(key, None)
+        self._collisions.pop(key, None)
+        if key in self._initial:
+            self.data[key] = copy.deepcopy(self._initial[key])
+        else:
+            self.data.pop(key, None)
+        for write in self._writes[key]:
+            self._apply(key, write)
+
+    def _apply(self, key: str, write: _Write) -> None:
+        if key in self.reducers:
+            owners = self._owners.setdefault(key, {})
+            previous = owners.get((key,))
+            if key in self.data and previous is not None and previous[1] != write.writer:
+                self._record((key,), previous[1], write.writer, winner="reducer")
+            self.data[key] = self.reducers[key](self.data.get(key), copy.deepcopy(write.value))
+            owners[(key,)] = (write.rank, write.writer)
+        else:
+            self._merge_into(self.data, (key,), write.value, write)
+
+    def _merge_into(self, target: dict, path: tuple[str, ...], value: Any, write: _Write) -> None:
         key = path[-1]
         if isinstance(value, Mapping) and isinstance(target.get(key), dict):
             for sub_key, sub_value in value.items():
-                self._merge_into(target[key], (*path, sub_key), sub_value, writer, rank)
+                self._merge_into(target[key], (*path, sub_key), sub_value, write)
             return
-        previous = self._owner.get(path)
-        if previous is not None and previous[1] != writer and not self._follows(previous[1]):
-            if previous[0] > rank:
-                self._record(path, previous[1], writer, winner=previous[1])
-                return
-            self._record(path, previous[1], writer, winner=writer)
+        owners = self._owners.setdefault(path[0], {})
+        # Replacing ``path`` replaces everything under it: each displaced writer collides once.
+        displaced = [owned for owned in owners if owned[: len(path)] == path]
+        previous_writers = dict.fromkeys(owners.pop(owned)[1] for owned in displaced)
+        for previous in previous_writers:
+            if previous != write.writer and not write.follows(previous):
+                self._record(path, previous, write.writer, winner=write.writer)
         target[key] = copy.deepcopy(dict(value)) if isinstance(value, Mapping) else copy.deepcopy(value)
-        self._owner[path] = (rank, writer)
-        if isinstance(value, Mapping):
-            self._claim_children(path, value, writer, rank)
+        self._claim(owners, path, value, (write.rank, write.writer))
 
-    def _claim_children(self, path: tuple[str, ...], value: Mapping, writer: str, rank: Any) -> None:
-        for sub_key, sub_value in value.items():
-            self._owner[(*path, sub_key)] = (rank, writer)
-            if isinstance(sub_value, Mapping):
-                self._claim_children((*path, sub_key), sub_value, writer, rank)
+    def _claim(self, owners: dict, path: tuple[str, ...], value: Any, owner: tuple[Any, str]) -> None:
+        owners[path] = owner
+        if isinstance(value, Mapping):
+            for sub_key, sub_value in value.items():
+                self._claim(owners, (*path, sub_key), sub_value, owner)
 
     def _record(self, path: tuple[str, ...], first: str, second: str, *, winner: str) -> None:
-        self.collisions.append(
+        self._collisions.setdefault(path[0], []).append(
             {"key": ".".join(map(str, path)), "writers": [first, second], "winner": winner}
         )
 
     def snapshot(self) -> dict[str, Any]:
         return copy.deepcopy(self.data)
+
+
+def _rank_of(write: _Write) -> Any:
+    return write.rank

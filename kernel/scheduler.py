@@ -9,6 +9,7 @@ instructions and feeds every outcome back through ``handle``.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import uuid
 from collections import deque
@@ -193,6 +194,7 @@ class FlowState:
             raise OperationError("flow already started", node_id=None)
         self.started = True
         self.start_time = event.now
+        self._elapsed = 0.0
         graph = self.graph
         if not graph.is_acyclic():
             raise OperationError("Graph must be acyclic for flow execution")
@@ -443,6 +445,13 @@ class FlowState:
                 indegree[dependent] -= 1
                 if indegree[dependent] == 0:
                     heapq.heappush(heap, order[dependent])
+        if position != len(order):
+            # Edges are acyclic (checked first), so an aggregation source closes the loop.
+            stuck = next(n for n, remaining in indegree.items() if remaining > 0)
+            raise OperationError(
+                "Graph must be acyclic for flow execution (aggregation_sources form a cycle)",
+                node_id=stuck,
+            )
 
     def _child_rank(self, emitter_id: str | None) -> tuple[int, ...]:
         """Spawned children rank right after their emitter, in per-emitter order."""
@@ -622,7 +631,11 @@ class FlowState:
         for dep in self.deps[node_id]:
             if self.state[dep] != SKIPPED and dep in self.results:
                 context[f"{dep}_result"] = to_mapping(self.results[dep])
-        context.update(self.shared.data)
+        # Copied, not shared: later merges mutate shared values in place, and an emitted
+        # DispatchOperation must keep the context it was prepared with.
+        for key, value in self.shared.data.items():
+            if key != OPERATOR_MESSAGES_KEY:
+                context[key] = copy.deepcopy(value)
         # The raw steer queue is control input, never model context (ADR-0023 D4).
         context.pop(OPERATOR_MESSAGES_KEY, None)
         return context

@@ -1,1 +1,105 @@
-"""Fixtures for the actor tests: one shared Ray instance per session."""
+"""Fixtures for the actor tests: one shared Ray instance per session.
+
+Ray starts once (``session``), every test module gets one ``Gauge`` actor that
+operations use to report what is in flight, and each test module is pickled by value
+so that operations defined here can run inside the worker processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import uuid
+
+# Before Ray is imported anywhere: a local test cluster needs no token, and the warning
+# about it would only add noise to every run.
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+import pytest  # noqa: E402
+import ray  # noqa: E402
+from ray import cloudpickle  # noqa: E402
+
+from opgraph.actors import Session  # noqa: E402
+
+# pytest imports this file under a name Ray's worker processes cannot import, so the
+# Gauge actor class below must travel by value too.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@ray.remote
+class Gauge:
+    """Counts operations in flight per key; remembers the peak, the total and who ran what.
+
+    An async actor, so ``wait_entered`` can block on a condition instead of the test
+    polling: operations call ``enter``/``exit``, the test awaits ``wait_entered``.
+    """
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.entered: dict[str, int] = {}
+        self.workers: dict[str, dict[str, str]] = {}  # key -> label -> worker actor id
+        self.changed = asyncio.Condition()
+
+    async def enter(self, key: str, label: str | None = None, worker: str | None = None) -> int:
+        async with self.changed:
+            current = self.in_flight.get(key, 0) + 1
+            self.in_flight[key] = current
+            self.peak[key] = max(self.peak.get(key, 0), current)
+            self.entered[key] = self.entered.get(key, 0) + 1
+            if label is not None:
+                self.workers.setdefault(key, {})[label] = worker
+            self.changed.notify_all()
+            return current
+
+    async def exit(self, key: str) -> int:
+        async with self.changed:
+            self.in_flight[key] -= 1
+            self.changed.notify_all()
+            return self.in_flight[key]
+
+    async def wait_entered(self, key: str, count: int) -> int:
+        """Return once ``count`` operations under ``key`` have entered (the caller bounds the wait)."""
+        async with self.changed:
+            await self.changed.wait_for(lambda: self.entered.get(key, 0) >= count)
+            return self.entered[key]
+
+    async def snapshot(self, key: str) -> dict[str, int]:
+        return {
+            "in_flight": self.in_flight.get(key, 0),
+            "peak": self.peak.get(key, 0),
+            "entered": self.entered.get(key, 0),
+        }
+
+    async def worker_of(self, key: str) -> dict[str, str]:
+        return dict(self.workers.get(key, {}))
+
+
+@pytest.fixture(scope="session")
+def session():
+    """The one Session (and embedded Ray) shared by every test in tests/actors."""
+    shared = Session()
+    yield shared
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def gauge(session):
+    """One Gauge actor per test module; tests keep apart by using their own key."""
+    handle = Gauge.options(name=f"gauge-{uuid.uuid4()}").remote()
+    yield handle
+    ray.kill(handle)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _pickle_test_module_by_value(request):
+    """Ship this module's operations and helpers to the workers by value.
+
+    Test modules are imported by pytest (``--import-mode=importlib``) under names the
+    Ray worker processes cannot import, so pickling them by reference would fail there.
+    """
+    module = request.module
+    cloudpickle.register_pickle_by_value(module)
+    yield
+    cloudpickle.unregister_pickle_by_value(module)

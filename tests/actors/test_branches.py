@@ -1,0 +1,136 @@
+"""Branches across processes: clone isolation, primary inheritance and the branch hooks.
+
+Operations read and write their branch through the BranchStore actor; the driver reads
+it back with ``session.messages`` or the ``BranchView`` handed to ``on_branch_created``.
+Each test runs on a fresh default branch so that earlier tests cannot leak into it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from opgraph.kernel import OperationGraphBuilder, SpawnRequest
+
+FLOW_TIMEOUT = 60.0
+SEED = {"role": "system", "content": "seed"}
+
+
+def run(coroutine: Any) -> Any:
+    """Drive one test's coroutine; a run that hangs fails the test instead."""
+    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
+
+
+def turn(instruction: str, response: Any) -> list[dict[str, Any]]:
+    """The two messages a worker records for one operation (record_turn=True)."""
+    return [{"role": "user", "content": instruction}, {"role": "assistant", "content": response}]
+
+
+class BranchesCreated:
+    """on_branch_created: remember each BranchView by the node it was made for."""
+
+    def __init__(self) -> None:
+        self.views: dict[str, Any] = {}
+
+    def __call__(self, view: Any) -> None:
+        assert view.node_id not in self.views, "one clone per node"
+        self.views[view.node_id] = view
+
+
+async def history_then_note(branch: Any, note: str = "", **parameters: Any) -> list[Any]:
+    """Return the branch's history at start, then append a private note to it."""
+    history = await branch.messages()
+    if note:
+        await branch.append({"role": "note", "content": note})
+    return history
+
+
+def test_a_clone_never_writes_into_its_parent(session):
+    """root -> dependent: the dependent's clone takes notes; the parent branch never sees them."""
+    session.register_operation("history_then_note", history_then_note)
+    parent = session.new_branch(messages=[SEED])
+    builder = OperationGraphBuilder("isolation")
+    root = builder.add_operation("history_then_note", instruction="root step")
+    dependent = builder.add_operation("history_then_note", instruction="dependent step", note="private")
+    created = BranchesCreated()
+
+    async def scenario() -> tuple[dict[str, Any], list[Any], list[Any]]:
+        envelope = await session.flow(builder.get_graph(), default_branch=parent, on_branch_created=created)
+        return envelope, await session.messages(parent), await created.views[dependent].messages()
+
+    envelope, parent_messages, clone_messages = run(scenario())
+
+    results = envelope["operation_results"]
+    assert set(created.views) == {dependent}
+    assert created.views[dependent].id != parent
+    assert created.views[dependent].reactive is False
+    # The root ran on the parent itself; the dependent's clone diverged from the seed.
+    assert parent_messages == [SEED, *turn("root step", results[root])]
+    assert results[dependent] == [SEED]
+    assert clone_messages == [SEED, {"role": "note", "content": "private"},
+                              *turn("dependent step", results[dependent])]
+    assert all(message.get("content") != "private" for message in parent_messages)
+
+
+def test_inherit_context_starts_from_the_primary_predecessor_history(session):
+    """root -> a -> b (inherit_context from a): b starts with exactly a's conversation."""
+    session.register_operation("history_then_note", history_then_note)
+    parent = session.new_branch(messages=[SEED])
+    builder = OperationGraphBuilder("inheritance")
+    root = builder.add_operation("history_then_note", instruction="root step")
+    a = builder.add_operation("history_then_note", depends_on=[root], instruction="a step", note="a's notes")
+    b = builder.add_operation("history_then_note", depends_on=[a], inherit_context=True, instruction="b step")
+    created = BranchesCreated()
+
+    async def scenario() -> tuple[dict[str, Any], list[Any], list[Any]]:
+        envelope = await session.flow(builder.get_graph(), default_branch=parent, on_branch_created=created)
+        return envelope, await created.views[a].messages(), await created.views[b].messages()
+
+    envelope, a_messages, b_messages = run(scenario())
+
+    results = envelope["operation_results"]
+    a_history = [SEED, {"role": "note", "content": "a's notes"}, *turn("a step", results[a])]
+    assert a_messages == a_history  # b's own turn never reached a's branch
+    assert results[b] == a_history
+    assert b_messages == [*a_history, *turn("b step", results[b])]
+
+
+def test_branch_hooks_fire_for_preallocated_and_reactive_clones(session):
+    """planner => helper (spawned), planner -> reviewer: both clones are announced.
+
+    The reviewer's clone is preallocated (reactive False); the helper's is made when its
+    spawn is admitted (reactive True) and ``spawn_branch_setup`` writes into it before
+    the helper starts.
+    """
+
+    async def plan(branch: Any, **parameters: Any) -> dict[str, Any]:
+        return {"plan": "delegate", "spawn": SpawnRequest(instruction="help out")}
+
+    def spawn_branch_setup(child: Any, branch: Any) -> None:
+        branch.append({"role": "system", "content": f"setup for {child.parameters['instruction']}"})
+
+    session.register_operation("plan_and_delegate", plan, record_turn=False)
+    session.register_operation("operate", history_then_note, record_turn=False)
+    session.register_operation("review", history_then_note, record_turn=False)
+    parent = session.new_branch(messages=[SEED])
+    builder = OperationGraphBuilder("hooks")
+    planner = builder.add_operation("plan_and_delegate", instruction="plan the work")
+    reviewer = builder.add_operation("review", instruction="review")
+    graph = builder.get_graph()
+    created = BranchesCreated()
+
+    async def scenario() -> tuple[dict[str, Any], list[Any]]:
+        envelope = await session.flow(graph, default_branch=parent, reactive=True, on_branch_created=created,
+                                      spawn_branch_setup=spawn_branch_setup)
+        return envelope, await session.messages(parent)
+
+    envelope, parent_messages = run(scenario())
+
+    [helper] = [node_id for node_id in envelope["operation_statuses"] if node_id not in graph.nodes]
+    assert set(created.views) == {reviewer, helper}
+    assert created.views[reviewer].reactive is False
+    assert created.views[helper].reactive is True
+    assert created.views[helper].id not in (parent, created.views[reviewer].id)
+    assert envelope["operation_statuses"][planner] == "completed"
+    assert envelope["operation_results"][helper] == [SEED, {"role": "system", "content": "setup for help out"}]
+    assert parent_messages == [SEED]  # the setup wrote into the helper's clone only

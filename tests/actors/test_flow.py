@@ -1,0 +1,240 @@
+"""Session.flow end to end: capacity, order, conditions, context and signals across processes.
+
+Every test runs real operations in the OperationWorker pool, driven by the shared
+GraphExecutor; what a test asserts is measured inside the operations themselves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+import ray
+
+from opgraph.kernel import EdgeCondition, Graph, OperationError, OperationGraphBuilder, create_operation
+
+FLOW_TIMEOUT = 60.0
+
+
+def run(coroutine: Any) -> Any:
+    """Drive one test's coroutine; a run that hangs fails the test instead."""
+    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
+
+
+def gauged_operation(gauge: Any, seconds: float):
+    """An operation that holds a Gauge slot under its ``key`` for ``seconds``."""
+
+    async def gauged(branch: Any, key: str, **parameters: Any) -> str:
+        entered = gauge.enter.remote(key)  # submitted now, so exit always pairs with it
+        try:
+            await entered
+            await asyncio.sleep(seconds)
+        finally:
+            await gauge.exit.remote(key)
+        return "done"
+
+    return gauged
+
+
+async def timed(branch: Any, seconds: float = 0.05, **parameters: Any) -> dict[str, Any]:
+    """Report when the operation started and ended (one clock: every process is on this host)."""
+    started = time.time()
+    await asyncio.sleep(seconds)
+    return {"start": started, "end": time.time()}
+
+
+class ResultSays(EdgeCondition):
+    """Pass when the predecessor's result has ``verdict`` equal to ``expected`` (a sync apply)."""
+
+    def __init__(self, expected: str) -> None:
+        self.expected = expected
+
+    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002 - the record's name
+        return input["result"]["verdict"] == self.expected
+
+
+def fan_out(operation: str, count: int, **parameters: Any) -> Graph:
+    builder = OperationGraphBuilder("fan-out")
+    for _ in range(count):
+        builder.add_operation(operation, depends_on=[], **parameters)
+    return builder.get_graph()
+
+
+def test_fan_out_in_flight_is_bounded_by_max_concurrent(session, gauge):
+    """Twelve independent roots, max_concurrent=3: exactly three run at once, never more."""
+    session.register_operation("gauged_fan_out", gauged_operation(gauge, 0.2), record_turn=False)
+    graph = fan_out("gauged_fan_out", 12, key="fan-out-3")
+
+    envelope = run(session.flow(graph, max_concurrent=3))
+
+    assert envelope["status"] == "completed"
+    assert len(envelope["completed_operations"]) == 12
+    assert ray.get(gauge.snapshot.remote("fan-out-3")) == {"in_flight": 0, "peak": 3, "entered": 12}
+
+
+def test_sequential_flow_runs_one_operation_at_a_time(session, gauge):
+    """Four independent roots with parallel=False: the peak in flight is one."""
+    session.register_operation("gauged_sequential", gauged_operation(gauge, 0.05), record_turn=False)
+    graph = fan_out("gauged_sequential", 4, key="sequential")
+
+    envelope = run(session.flow(graph, parallel=False, max_concurrent=5))
+
+    assert envelope["status"] == "completed"
+    assert ray.get(gauge.snapshot.remote("sequential")) == {"in_flight": 0, "peak": 1, "entered": 4}
+
+
+def test_dependents_start_after_their_dependency_ends(session):
+    """a -> b -> c: each starts only after its predecessor has finished."""
+    session.register_operation("timed", timed, record_turn=False)
+    builder = OperationGraphBuilder("chain")
+    a = builder.add_operation("timed")
+    b = builder.add_operation("timed")
+    c = builder.add_operation("timed")
+
+    envelope = run(session.flow(builder.get_graph(), max_concurrent=5))
+
+    results = envelope["operation_results"]
+    assert envelope["completed_operations"] == [a, b, c]
+    assert results[b]["start"] >= results[a]["end"]
+    assert results[c]["start"] >= results[b]["end"]
+
+
+def test_false_condition_skips_the_node_and_its_only_descendant(session):
+    """check -(verdict == yes)-> yes ; check -(verdict == no)-> no -> after_no.
+
+    ``check`` says yes: ``yes`` runs; ``no`` is skipped, and so is ``after_no``, whose
+    only incoming path is skipped. on_progress reports "skipped", never "failed".
+    """
+
+    async def check(branch: Any, **parameters: Any) -> dict[str, str]:
+        return {"verdict": "yes"}
+
+    async def branch_taken(branch: Any, **parameters: Any) -> str:
+        return "ran"
+
+    session.register_operation("check", check, record_turn=False)
+    session.register_operation("branch_taken", branch_taken, record_turn=False)
+    graph = Graph("conditional")
+    check_node = graph.add_node(create_operation("check"))
+    yes = graph.add_node(create_operation("branch_taken"))
+    no = graph.add_node(create_operation("branch_taken"))
+    after_no = graph.add_node(create_operation("branch_taken"))
+    graph.add_edge(check_node, yes, condition=ResultSays("yes"))
+    graph.add_edge(check_node, no, condition=ResultSays("no"))
+    graph.add_edge(no, after_no)
+    progress: dict[str, list[str]] = {}
+
+    def on_progress(op_id: str, name: str, status: str, elapsed: float) -> None:
+        progress.setdefault(op_id, []).append(status)
+
+    envelope = run(session.flow(graph, on_progress=on_progress))
+
+    statuses = envelope["operation_statuses"]
+    assert statuses == {check_node.id: "completed", yes.id: "completed", no.id: "skipped", after_no.id: "skipped"}
+    assert envelope["skipped_operations"] == [no.id, after_no.id]
+    assert envelope["operation_results"][yes.id] == "ran"
+    assert no.id not in envelope["operation_results"]
+    assert progress[no.id] == ["queued", "skipped"]
+    assert progress[after_no.id] == ["queued", "skipped"]
+    assert all("failed" not in seen for seen in progress.values())
+
+
+def test_dependent_sees_its_predecessor_result_under_its_uuid_key(session):
+    """a -> b: b's context holds ``<a>_result`` with a's response."""
+
+    async def produce(branch: Any, **parameters: Any) -> dict[str, Any]:
+        return {"answer": 42}
+
+    async def show_context(branch: Any, context: dict[str, Any], **parameters: Any) -> dict[str, Any]:
+        return {"seen": context}
+
+    session.register_operation("produce", produce, record_turn=False)
+    session.register_operation("show_context", show_context, record_turn=False)
+    builder = OperationGraphBuilder("context-keys")
+    a = builder.add_operation("produce")
+    b = builder.add_operation("show_context")
+
+    envelope = run(session.flow(builder.get_graph()))
+
+    seen = envelope["operation_results"][b]["seen"]
+    assert seen[f"{a}_result"] == {"answer": 42}
+
+
+def test_response_context_merges_into_shared_context_for_later_nodes(session):
+    """a -> b with context={"tenant": "acme"}: a's ``{"context": {...}}`` reaches b and final_context."""
+
+    async def plan(branch: Any, **parameters: Any) -> dict[str, Any]:
+        return {"context": {"plan": "three steps"}, "value": 1}
+
+    async def show_context(branch: Any, context: dict[str, Any], **parameters: Any) -> dict[str, Any]:
+        return {"seen": context}
+
+    session.register_operation("plan", plan, record_turn=False)
+    session.register_operation("show_context", show_context, record_turn=False)
+    builder = OperationGraphBuilder("shared-context")
+    builder.add_operation("plan")
+    b = builder.add_operation("show_context")
+
+    envelope = run(session.flow(builder.get_graph(), context={"tenant": "acme"}))
+
+    seen = envelope["operation_results"][b]["seen"]
+    assert seen["plan"] == "three steps"
+    assert seen["tenant"] == "acme"
+    assert envelope["final_context"] == {"tenant": "acme", "plan": "three steps"}
+
+
+def test_cyclic_graph_raises_the_typed_operation_error(session):
+    """a -> b -> a: flow raises OperationError (translated, not a Ray error)."""
+    graph = Graph("cycle")
+    a = graph.add_node(create_operation("noop"))
+    b = graph.add_node(create_operation("noop"))
+    graph.add_edge(a, b)
+    graph.add_edge(b, a)
+
+    with pytest.raises(OperationError) as raised:
+        run(session.flow(graph))
+
+    assert type(raised.value) is OperationError
+    assert str(raised.value) == "Graph must be acyclic for flow execution"
+
+
+def test_lifecycle_signals_are_drained_before_flow_returns(session):
+    """root -> (x1..x4) -> join: every node's queued, started, completed arrive before return."""
+    builder = OperationGraphBuilder("signals")
+    root = builder.add_operation("sleep", seconds=0.02)
+    middle = [builder.add_operation("sleep", depends_on=[root], seconds=0.02) for _ in range(4)]
+    builder.add_aggregation("sleep", source_node_ids=middle, seconds=0.02)
+    graph = builder.get_graph()
+    progress: dict[str, list[str]] = {}
+
+    def on_progress(op_id: str, name: str, status: str, elapsed: float) -> None:
+        progress.setdefault(op_id, []).append(status)
+
+    async def flow_then_snapshot() -> dict[str, list[str]]:
+        await session.flow(graph, on_progress=on_progress)
+        # No await between return and snapshot: nothing may arrive later.
+        return {node_id: list(seen) for node_id, seen in progress.items()}
+
+    snapshot = run(flow_then_snapshot())
+
+    assert snapshot == {node_id: ["queued", "started", "completed"] for node_id in graph.nodes}
+
+
+def test_graph_objects_reflect_the_settled_run(session):
+    """a -> b: the caller's Operation objects carry status and response after flow."""
+
+    async def answer(branch: Any, **parameters: Any) -> str:
+        return "forty-two"
+
+    session.register_operation("answer", answer, record_turn=False)
+    builder = OperationGraphBuilder("write-back")
+    a = builder.add_operation("answer")
+    b = builder.add_operation("answer")
+    graph = builder.get_graph()
+
+    run(session.flow(graph))
+
+    assert [graph.nodes[n].status for n in (a, b)] == ["completed", "completed"]
+    assert graph.nodes[b].response == "forty-two"

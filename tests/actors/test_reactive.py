@@ -1,0 +1,214 @@
+"""Reactive runs end to end: spawns, the cap, duplicates, injection, routing errors, escalation.
+
+Requests leave an operation in a worker process (returned in its response, or sent live
+with ``branch.emit``) and are admitted by the GraphExecutor's scheduler. Children run
+the ``operate`` operation registered here. Cycle rollback cannot be reached through a
+spawn (a new node has no out-edges); the kernel tests cover it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from opgraph.kernel import (
+    EscalationRequest,
+    Graph,
+    SpawnRequest,
+    create_operation,
+    role_node_builder,
+)
+
+FLOW_TIMEOUT = 60.0
+SIGNAL_TIMEOUT = 30.0
+
+
+def run(coroutine: Any) -> Any:
+    """Drive one test's coroutine; a run that hangs fails the test instead."""
+    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
+
+
+async def operate(branch: Any, instruction: str = "", **parameters: Any) -> dict[str, str]:
+    """What spawned children run: echo the instruction they were given."""
+    return {"handled": instruction}
+
+
+def single_node(operation: str, **parameters: Any) -> tuple[Graph, str]:
+    graph = Graph("reactive")
+    node = graph.add_node(create_operation(operation, parameters))
+    return graph, node.id
+
+
+def children_of(envelope: dict[str, Any], graph: Graph) -> list[str]:
+    """Node ids the run added to the graph (the caller's graph keeps only its own nodes)."""
+    return [node_id for node_id in envelope["operation_statuses"] if node_id not in graph.nodes]
+
+
+def test_spawn_request_in_a_response_runs_a_child(session):
+    """emitter => child: one SpawnRequest in the response becomes one completed child."""
+
+    async def spawn_one(branch: Any, **parameters: Any) -> dict[str, Any]:
+        return {"summary": "needs a helper", "spawn": SpawnRequest(instruction="write the helper")}
+
+    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("spawn_one", spawn_one, record_turn=False)
+    graph, emitter = single_node("spawn_one")
+
+    envelope = run(session.flow(graph, reactive=True))
+
+    [child] = children_of(envelope, graph)
+    assert envelope["spawned_operations"] == 1
+    assert envelope["dropped_spawns"] == []
+    assert envelope["operation_statuses"] == {emitter: "completed", child: "completed"}
+    assert envelope["operation_results"][child] == {"handled": "write the helper"}
+
+
+def test_spawns_past_max_spawn_are_dropped_with_the_cap_reason(session):
+    """emitter => four requests, max_spawn=2: two children run, two ledger entries."""
+
+    async def spawn_four(branch: Any, **parameters: Any) -> list[SpawnRequest]:
+        return [SpawnRequest(instruction=f"task {index}") for index in range(4)]
+
+    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("spawn_four", spawn_four, record_turn=False)
+    graph, emitter = single_node("spawn_four")
+
+    envelope = run(session.flow(graph, reactive=True, max_spawn=2))
+
+    children = children_of(envelope, graph)
+    assert envelope["spawned_operations"] == 2
+    assert len(children) == 2
+    assert all(envelope["operation_statuses"][child] == "completed" for child in children)
+    assert [entry["reason"] for entry in envelope["dropped_spawns"]] == ["max_spawn_exceeded"] * 2
+    assert all(entry["emitter_id"] == emitter for entry in envelope["dropped_spawns"])
+
+
+@pytest.mark.parametrize("linger", [0.1, 0.0], ids=["live-first", "racing-outcome"])
+def test_request_emitted_live_and_returned_is_admitted_once(session, linger):
+    """emitter => child: the same request sent by ``branch.emit`` and returned counts once.
+
+    With ``linger`` the live message lands while the emitter still runs; without it, it
+    races the outcome. Either order admits one child and records one duplicate.
+    """
+
+    async def emit_and_return(branch: Any, **parameters: Any) -> dict[str, Any]:
+        request = SpawnRequest(instruction="only once")
+        branch.emit(request)
+        await asyncio.sleep(linger)
+        return {"spawn": request}
+
+    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("emit_and_return", emit_and_return, record_turn=False)
+    graph, emitter = single_node("emit_and_return")
+
+    envelope = run(session.flow(graph, reactive=True))
+
+    assert envelope["spawned_operations"] == 1
+    assert len(children_of(envelope, graph)) == 1
+    assert envelope["dropped_spawns"] == [{"reason": "duplicate", "assignee": None, "emitter_id": emitter}]
+
+
+def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session):
+    """root (slow) + injected: inject -> True; the same op again -> False (duplicate); after -> False."""
+    session.register_operation("operate", operate, record_turn=False)
+    graph, root = single_node("sleep", seconds=0.5)
+    injected = create_operation("operate", {"instruction": "injected work"})
+    executor_ref: dict[str, Any] = {}
+    started = asyncio.Event()
+
+    def on_progress(op_id: str, name: str, status: str, elapsed: float) -> None:
+        if op_id == root and status == "started":
+            started.set()
+
+    async def scenario() -> tuple[list[bool], dict[str, Any], bool]:
+        flow = asyncio.create_task(
+            session.flow(graph, reactive=True, executor_ref=executor_ref, on_progress=on_progress)
+        )
+        await asyncio.wait_for(started.wait(), SIGNAL_TIMEOUT)
+        control = executor_ref["executor"]
+        during = [await control.inject(injected), await control.inject(injected)]
+        envelope = await flow
+        after = await control.inject(create_operation("operate", {"instruction": "too late"}))
+        return during, envelope, after
+
+    during, envelope, after = run(scenario())
+
+    assert during == [True, False]
+    assert after is False
+    assert envelope["spawned_operations"] == 1
+    assert envelope["operation_statuses"][injected.id] == "completed"
+    assert envelope["operation_results"][injected.id] == {"handled": "injected work"}
+    assert [(entry["reason"], entry["op_id"]) for entry in envelope["dropped_spawns"]] == [
+        ("duplicate", injected.id)
+    ]
+
+
+def test_inject_into_a_run_that_is_not_reactive_is_refused(session):
+    """root (slow), reactive=False: inject answers False and the graph is unchanged."""
+    session.register_operation("operate", operate, record_turn=False)
+    graph, root = single_node("sleep", seconds=0.3)
+    executor_ref: dict[str, Any] = {}
+    started = asyncio.Event()
+
+    def on_progress(op_id: str, name: str, status: str, elapsed: float) -> None:
+        if status == "started":
+            started.set()
+
+    async def scenario() -> tuple[bool, dict[str, Any]]:
+        flow = asyncio.create_task(session.flow(graph, executor_ref=executor_ref, on_progress=on_progress))
+        await asyncio.wait_for(started.wait(), SIGNAL_TIMEOUT)
+        accepted = await executor_ref["executor"].inject(create_operation("operate", {"instruction": "x"}))
+        return accepted, await flow
+
+    accepted, envelope = run(scenario())
+
+    assert accepted is False
+    assert list(envelope["operation_statuses"]) == [root]
+
+
+def test_unknown_assignee_is_a_builder_error_in_the_ledger(session):
+    """emitter => writer child; a request for an unknown role is dropped as builder_error."""
+
+    async def assign(branch: Any, **parameters: Any) -> list[SpawnRequest]:
+        return [
+            SpawnRequest(instruction="draft it", assignee="writer"),
+            SpawnRequest(instruction="haunt it", assignee="ghost"),
+        ]
+
+    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("assign", assign, record_turn=False)
+    graph, emitter = single_node("assign")
+
+    envelope = run(session.flow(graph, reactive=True, node_builder=role_node_builder({"writer": None})))
+
+    [child] = children_of(envelope, graph)
+    assert envelope["spawned_operations"] == 1
+    assert envelope["operation_results"][child] == {"handled": "draft it"}
+    [dropped] = envelope["dropped_spawns"]
+    assert dropped["reason"] == "builder_error"
+    assert dropped["assignee"] == "ghost"
+    assert dropped["emitter_id"] == emitter
+    assert "unknown assignee 'ghost'" in dropped["error"]
+
+
+def test_higher_tier_escalation_runs_an_independent_retry_with_the_notice(session):
+    """emitter => retry: the emitter escalates; a child of the same operation runs with the notice."""
+
+    async def solve(branch: Any, instruction: str = "", **parameters: Any) -> Any:
+        if instruction.startswith("[ESCALATION]"):
+            return {"solved_with": instruction}
+        return EscalationRequest(reason="too hard", route="higher_tier")
+
+    session.register_operation("solve", solve, record_turn=False)
+    graph, emitter = single_node("solve", instruction="prove the lemma")
+
+    envelope = run(session.flow(graph, reactive=True))
+
+    [retry] = children_of(envelope, graph)
+    assert envelope["escalated_operations"] == [emitter]
+    assert envelope["operation_statuses"][retry] == "completed"
+    notice = envelope["operation_results"][retry]["solved_with"]
+    assert "too hard" in notice
+    assert notice.endswith("prove the lemma")

@@ -1,0 +1,238 @@
+"""Role-task graph builders, ordinal dependencies and the emission contracts (ADR-0033 D2-D3)."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from opgraph.kernel import (
+    SPAWN_ALLOWED_OPERATIONS,
+    EscalationRequest,
+    RoutingError,
+    SpawnRequest,
+    TaskAssignment,
+    build_dag_graph,
+    build_fanout_graph,
+    create_operation,
+    default_node_builder,
+    extract_requests,
+    normalise_dependency_ordinals,
+    role_node_builder,
+)
+from opgraph.kernel.patterns import DependencyReferenceWarning
+
+ROLES = {"writer": "br-writer", "critic": None}
+
+
+def task(name: str, assignee: str = "writer", depends_on: tuple[str, ...] = (), **extra) -> TaskAssignment:
+    return TaskAssignment(task=name, assignee=assignee, depends_on=list(depends_on), **extra)
+
+
+# -- normalise_dependency_ordinals -------------------------------------------------------
+def test_ordinals_are_stripped_parsed_and_made_zero_based():
+    assert normalise_dependency_ordinals([" 2 ", "3"], index=0, count=3) == [1, 2]
+
+
+def test_a_forward_reference_is_kept():
+    assert normalise_dependency_ordinals(["3"], index=0, count=3) == [2]
+
+
+def test_duplicate_references_are_kept():
+    assert normalise_dependency_ordinals(["1", " 1"], index=2, count=3) == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("ref", "reason"),
+    [("1", "itself"), ("0", "out of range"), ("4", "out of range"), ("two", "not an integer"), ("1.5", "not an integer")],
+)
+def test_a_bad_reference_is_dropped_with_a_warning(ref, reason):
+    with pytest.warns(DependencyReferenceWarning, match=reason):
+        assert normalise_dependency_ordinals([ref, "2"], index=0, count=3) == [1]
+
+
+# -- build_fanout_graph ----------------------------------------------------------------------
+def test_a_fanout_without_synthesis_has_no_edges():
+    graph, ids = build_fanout_graph([task("a"), task("b", "critic")], ROLES)
+    assert graph.edges == {}
+    assert graph.heads() == ids
+    writer, critic = (graph.nodes[i] for i in ids)
+    assert (writer.branch_id, writer.metadata["assignee"]) == ("br-writer", "writer")
+    assert (critic.branch_id, critic.metadata["assignee"]) == (None, "critic")
+
+
+def test_a_fanout_node_carries_the_task_exit_criteria_and_inputs():
+    graph, (node_id,) = build_fanout_graph([task("write", exit_criteria="500 words", inputs=["notes"])], ROLES)
+    node = graph.nodes[node_id]
+    assert node.operation == "operate"
+    assert node.parameters == {"instruction": "write\n\nExit criteria: 500 words", "inputs": ["notes"]}
+
+
+def test_a_fanout_synthesis_node_aggregates_every_task():
+    """a, b -> synthesis."""
+    graph, ids = build_fanout_graph([task("a"), task("b")], ROLES, synthesis_role="critic")
+    *tasks, synthesis = ids
+    node = graph.nodes[synthesis]
+    assert graph.predecessors(synthesis) == tasks
+    assert all(edge.label == ["aggregate"] for edge in graph.in_edges(synthesis))
+    assert node.metadata["aggregation_sources"] == tasks
+    assert node.parameters["aggregation_sources"] == tasks and node.parameters["aggregation_count"] == 2
+    assert node.metadata["reference_id"] == "synthesis"
+    assert node.metadata["assignee"] == "critic"
+
+
+def test_a_fanout_skips_assignments_with_unknown_roles():
+    graph, ids = build_fanout_graph([task("a"), task("lost", "ghost"), task("b")], ROLES)
+    assert len(ids) == 2 and len(graph) == 2
+
+
+def test_a_fanout_with_no_routable_assignment_raises():
+    with pytest.raises(ValueError, match="no assignment maps"):
+        build_fanout_graph([task("lost", "ghost")], ROLES)
+
+
+def test_a_fanout_with_an_unknown_synthesis_role_raises():
+    with pytest.raises(ValueError, match="synthesis role"):
+        build_fanout_graph([task("a")], ROLES, synthesis_role="ghost")
+
+
+# -- build_dag_graph ---------------------------------------------------------------------------
+def test_a_dag_keeps_a_placeholder_so_ordinals_stay_aligned():
+    """1: a, 2: lost (unknown role), 3: c depends on 1 and 2 -> only a -> c."""
+    graph, ids = build_dag_graph([task("a"), task("lost", "ghost"), task("c", depends_on=("1", "2"))], ROLES)
+    a, placeholder, c = ids
+    assert placeholder is None
+    assert graph.predecessors(c) == [a]
+    assert graph.in_edges(c)[0].label == ["depends_on"]
+
+
+def test_a_dag_draws_edges_from_ordinals_including_forward_references():
+    """1: a depends on 2; 2: b -> edge b -> a."""
+    graph, (a, b) = build_dag_graph([task("a", depends_on=("2",)), task("b")], ROLES)
+    assert graph.predecessors(a) == [b]
+    assert graph.predecessors(b) == []
+
+
+def test_a_dag_with_a_bad_reference_warns_and_drops_it():
+    with pytest.warns(DependencyReferenceWarning):
+        graph, (a,) = build_dag_graph([task("a", depends_on=("1",))], ROLES)
+    assert graph.edges == {}
+
+
+def test_a_dag_with_no_routable_assignment_raises():
+    with pytest.raises(ValueError):
+        build_dag_graph([task("lost", "ghost")], ROLES)
+
+
+# -- extract_requests --------------------------------------------------------------------------
+class Envelope(BaseModel):
+    note: str = ""
+    request: SpawnRequest | None = None
+    more: list[EscalationRequest] = []
+
+
+def nest(value, depth: int):
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_requests_are_found_in_lists_tuples_and_dict_values():
+    first, second, third = (SpawnRequest(instruction=str(i)) for i in range(3))
+    found = extract_requests({"a": [first, (second,)], "b": {"deep": third}, first.instruction: "keys are not searched"})
+    assert found == [first, second, third]
+
+
+def test_a_direct_request_is_found():
+    request = SpawnRequest(instruction="me")
+    assert extract_requests(request) == [request]
+
+
+def test_requests_are_found_in_pydantic_model_fields():
+    spawn, escalation = SpawnRequest(instruction="s"), EscalationRequest(reason="r")
+    assert extract_requests(Envelope(request=spawn, more=[escalation])) == [spawn, escalation]
+
+
+def test_a_request_four_levels_deep_is_found():
+    request = SpawnRequest(instruction="deep")
+    assert extract_requests(nest(request, 4)) == [request]
+
+
+def test_a_request_five_levels_deep_is_not_found():
+    assert extract_requests(nest(SpawnRequest(instruction="too deep"), 5)) == []
+
+
+def test_the_same_object_is_returned_once():
+    request = SpawnRequest(instruction="twice")
+    assert extract_requests([request, {"again": request}]) == [request]
+
+
+def test_equal_but_distinct_requests_are_both_returned():
+    found = extract_requests([SpawnRequest(instruction="same"), SpawnRequest(instruction="same")])
+    assert len(found) == 2
+
+
+def test_only_the_requested_kinds_are_extracted():
+    spawn, escalation = SpawnRequest(instruction="s"), EscalationRequest(reason="r")
+    assert extract_requests([spawn, escalation], (EscalationRequest,)) == [escalation]
+
+
+# -- builders from requests ----------------------------------------------------------------------
+def test_the_default_builder_keeps_only_the_instruction():
+    child = default_node_builder(SpawnRequest(instruction="go", operation="chat", assignee="x", reason="r"), None)
+    assert (child.operation, child.parameters) == ("chat", {"instruction": "go"})
+
+
+def test_an_operation_outside_the_allowlist_falls_back_to_operate():
+    request = SpawnRequest.model_construct(instruction="go", operation="custom_op", assignee=None, independent=False)
+    assert "custom_op" not in SPAWN_ALLOWED_OPERATIONS
+    assert role_node_builder(ROLES)(request, None).operation == "operate"
+    assert default_node_builder(request, None).operation == "operate"
+
+
+@pytest.mark.parametrize("operation", sorted(SPAWN_ALLOWED_OPERATIONS))
+def test_an_allowlisted_operation_is_kept(operation):
+    child = role_node_builder(ROLES)(SpawnRequest(instruction="go", operation=operation), None)
+    assert child.operation == operation
+
+
+def test_an_unknown_assignee_raises_a_routing_error_that_is_a_value_error():
+    emitter = create_operation("chat")
+    with pytest.raises(ValueError) as caught:
+        role_node_builder(ROLES)(SpawnRequest(instruction="go", assignee="ghost"), emitter)
+    assert isinstance(caught.value, RoutingError)
+    assert caught.value.node_id == emitter.id
+    assert "critic, writer" in str(caught.value)
+
+
+def test_spawn_ids_are_monotonic_and_stored_as_spawn_and_reference_id():
+    build = role_node_builder(ROLES)
+    first = build(SpawnRequest(instruction="1"), None)
+    with pytest.raises(RoutingError):
+        build(SpawnRequest(instruction="x", assignee="ghost"), None)
+    second = build(SpawnRequest(instruction="2"), None)
+    assert [c.metadata["spawn_id"] for c in (first, second)] == ["spawn-1", "spawn-2"]
+    assert [c.reference_id for c in (first, second)] == ["spawn-1", "spawn-2"]
+    assert role_node_builder(ROLES)(SpawnRequest(instruction="3"), None).metadata["spawn_id"] == "spawn-1"
+
+
+def test_the_assignee_is_stamped_and_routed_to_its_branch():
+    build = role_node_builder(ROLES)
+    writer = build(SpawnRequest(instruction="w", assignee="writer"), None)
+    critic = build(SpawnRequest(instruction="c", assignee="critic"), None)
+    anonymous = build(SpawnRequest(instruction="a"), None)
+    assert (writer.metadata["assignee"], writer.branch_id) == ("writer", "br-writer")
+    assert (critic.metadata["assignee"], critic.branch_id) == ("critic", None)
+    assert "assignee" not in anonymous.metadata and anonymous.branch_id is None
+
+
+def test_decorate_instruction_receives_the_request_and_its_spawn_id():
+    seen = []
+
+    def decorate(request, spawn_id):
+        seen.append((request, spawn_id))
+        return f"[{spawn_id}] {request.instruction}"
+
+    request = SpawnRequest(instruction="go", assignee="writer")
+    child = role_node_builder(ROLES, decorate_instruction=decorate)(request, None)
+    assert seen == [(request, "spawn-1")]
+    assert child.parameters == {"instruction": "[spawn-1] go"}
