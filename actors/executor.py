@@ -45,7 +45,7 @@ from opgraph.kernel import (
     SpawnRequested,
 )
 
-from .workers import OperationCall, Outcome
+from .workers import OperationCall, Outcome, RunResources
 
 __all__ = ["GraphExecutor", "RunOptions", "UnknownRunError"]
 
@@ -73,7 +73,7 @@ class RunOptions:
     default_branch_id: str | None = None
     default_store_index: int = 0
     known_branches: dict[str, int] = field(default_factory=dict)
-    operations: dict[str, Any] = field(default_factory=dict)
+    resources: RunResources = field(default_factory=RunResources)
     spawn_branch_setup: Any = None
     want_signals: bool = True
     want_events: bool = False
@@ -154,7 +154,7 @@ class GraphExecutor:
         instructions = state.handle(FlowStarted(now=time.time()))  # raises OperationError on a bad graph
         self.runs[run_id] = run
         self.totals["runs"] += 1
-        await asyncio.gather(*(w.prepare.remote(run_id, options.operations) for w in self.workers))
+        await asyncio.gather(*(w.prepare.remote(run_id, options.resources) for w in self.workers))
         await self._carry_out(run, instructions)
         return run_id
 
@@ -505,7 +505,7 @@ class GraphExecutor:
             self.workers[index] = replacement
             for run in self.runs.values():
                 if not run.state.finished:
-                    await replacement.prepare.remote(run.run_id, run.options.operations)
+                    await replacement.prepare.remote(run.run_id, run.options.resources)
 
     async def _evaluate_conditions(self, run: _Run, instruction: EvaluateConditions) -> None:
         edges = run.state.graph.edges

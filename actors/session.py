@@ -21,7 +21,8 @@ from opgraph.kernel import NODE_PROGRESS_KINDS, ExecutionError, FlowEvent, Graph
 from .branches import shard_for
 from .executor import RunOptions
 from .runtime import Runtime, connect
-from .workers import RegisteredOperation
+from .models import ModelProvider, parse_model_id
+from .workers import RegisteredOperation, RunResources
 
 __all__ = ["BranchView", "RunControl", "RuntimeLostError", "Session", "flow_stream"]
 
@@ -110,7 +111,12 @@ class Session:
     """
 
     def __init__(self, address: str | None = None, *, workers: int = 2, branch_stores: int = 1,
-                 namespace: str = "opgraph", detached: bool = False) -> None:
+                 namespace: str = "opgraph", detached: bool = False,
+                 default_model: str | None = None) -> None:
+        if default_model is not None:
+            parse_model_id(default_model)  # fail fast on "gpt-4" instead of "openai/gpt-4"
+        self.default_model = default_model or os.environ.get("OPGRAPH_DEFAULT_MODEL", "sim/default")
+        self.providers: dict[str, ModelProvider] = {}
         connect(address, namespace=namespace)
         self.id = str(uuid.uuid4())
         self.runtime = Runtime.get_or_start(workers=workers, branch_stores=branch_stores, detached=detached)
@@ -149,6 +155,16 @@ class Session:
         if not asyncio.iscoroutinefunction(fn):
             raise OpGraphError(f"operation {name!r} must be an async function")
         self.operations[name] = RegisteredOperation(fn, record_turn, timeout)
+
+    def register_provider(self, name: str, provider: ModelProvider) -> None:
+        """Serve ``name`` (a provider prefix like "scripted", or one "provider/model") with ``provider``.
+
+        Shipped to workers with each run, so a scripted provider built in the driver is
+        what operations call. Stateful providers are copied per worker process.
+        """
+        if not isinstance(provider, ModelProvider):
+            raise OpGraphError(f"provider for {name!r} must implement async complete(request)")
+        self.providers[name] = provider
 
     async def messages(self, branch: str) -> list[Any]:
         """A branch's messages, wherever its store shard is."""
@@ -190,7 +206,8 @@ class Session:
             default_branch_id=default_branch_id,
             default_store_index=known.get(default_branch_id, 0),
             known_branches=known,
-            operations=dict(self.operations),
+            resources=RunResources(dict(self.operations), dict(self.providers),
+                                   {"default_model": self.default_model}),
             spawn_branch_setup=spawn_branch_setup,
             want_signals=want_signals,
             want_events=want_events,

@@ -18,7 +18,9 @@ import ray
 
 from opgraph.kernel import EscalationRequest, SpawnRequest, extract_requests, to_mapping
 
-__all__ = ["OperationCall", "OperationWorker", "Outcome", "RemoteBranch", "RegisteredOperation"]
+from .models import parse_model_id
+
+__all__ = ["OperationCall", "OperationWorker", "Outcome", "RegisteredOperation", "RemoteBranch", "RunResources"]
 
 
 OUTCOME_WINDOW = 0.002  # seconds
@@ -52,6 +54,15 @@ class Outcome:
 
 
 @dataclass(slots=True)
+class RunResources:
+    """What a run ships to each worker once: operations, providers and settings."""
+
+    operations: dict[str, Any] = field(default_factory=dict)
+    providers: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class RegisteredOperation:
     """A user operation: ``async fn(branch, **parameters)``.
 
@@ -72,13 +83,30 @@ class RemoteBranch:
     """
 
     def __init__(self, branch_id: str | None, store: Any, run_id: str, node_id: str,
-                 executor: Any, emitted: list[tuple[str, Any, Any, bool]]) -> None:
+                 executor: Any, emitted: list[tuple[str, Any, Any, bool]],
+                 run: RunResources | None = None) -> None:
         self.id = branch_id
         self._store = store
         self.run_id = run_id
         self.node_id = node_id
         self._executor = executor
         self._emitted = emitted
+        self._run = run or RunResources()
+
+    @property
+    def default_model(self) -> str | None:
+        """The run's default ``provider/model`` (Session(default_model=...))."""
+        return self._run.settings.get("default_model")
+
+    def provider_for(self, model: str) -> Any:
+        """The ModelProvider serving ``model``: one registered on the Session, else a built-in."""
+        provider_name, _ = parse_model_id(model)
+        registered = self._run.providers.get(model) or self._run.providers.get(provider_name)
+        if registered is not None:
+            return registered
+        from .providers import builtin_provider  # local: providers import httpx lazily
+
+        return builtin_provider(provider_name)
 
     async def messages(self) -> list[Any]:
         if self.id is None:
@@ -124,7 +152,7 @@ class OperationWorker:
     def __init__(self, stores: list[Any], index: int = 0) -> None:
         self.stores = stores
         self.index = index
-        self.operations: dict[str, dict[str, RegisteredOperation]] = {}
+        self.runs: dict[str, RunResources] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.executed = 0
         self.failed = 0
@@ -134,13 +162,13 @@ class OperationWorker:
     async def ping(self) -> int:
         return self.index
 
-    async def prepare(self, run_id: str, operations: dict[str, RegisteredOperation]) -> int:
-        """Load a run's registered operations (shipped once per run by cloudpickle)."""
-        self.operations[run_id] = operations
-        return len(operations)
+    async def prepare(self, run_id: str, resources: RunResources) -> int:
+        """Load a run's operations, providers and settings (shipped once per run by cloudpickle)."""
+        self.runs[run_id] = resources
+        return len(resources.operations)
 
     async def forget(self, run_id: str) -> None:
-        self.operations.pop(run_id, None)
+        self.runs.pop(run_id, None)
 
     async def cancel(self, run_id: str, node_ids: list[str]) -> int:
         cancelled = 0
@@ -177,14 +205,15 @@ class OperationWorker:
         self.in_flight += 1
         self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
         try:
-            registered = self.operations.get(run_id, {}).get(call.operation)
+            resources = self.runs.get(run_id) or RunResources()
+            registered = resources.operations.get(call.operation)
             if registered is None:
-                known = ", ".join(sorted(self.operations.get(run_id, {}))) or "none"
+                known = ", ".join(sorted(resources.operations)) or "none"
                 return Outcome(call.node_id, call.attempt, "failed",
                                error=f"operation {call.operation!r} is not registered (known: {known})",
                                error_type="OperationError", started=started, finished=time.time())
             store = self.stores[call.store_index] if self.stores else None
-            branch = RemoteBranch(call.branch_id, store, run_id, call.node_id, executor, emitted)
+            branch = RemoteBranch(call.branch_id, store, run_id, call.node_id, executor, emitted, resources)
             if registered.timeout is None:
                 response = await registered.fn(branch, **call.parameters)
             else:
@@ -229,6 +258,6 @@ class OperationWorker:
             "peak_in_flight": self.peak_in_flight,
             "executed": self.executed,
             "failed": self.failed,
-            "runs": len(self.operations),
+            "runs": len(self.runs),
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         }

@@ -413,6 +413,7 @@ class FlowState:
     def _register(self, node: Operation, deps: list[str]) -> None:
         node_id = node.id
         self.state[node_id] = WAITING
+        self.history[node_id] = []
         self.rank[node_id] = (len(self.rank),)
         self.attempt[node_id] = 0
         self.deps[node_id] = deps
@@ -492,7 +493,7 @@ class FlowState:
         if (old, new) not in TRANSITIONS:
             raise StateTransitionError(f"illegal transition {old} -> {new} ({reason})", node_id=node_id)
         self.state[node_id] = new
-        self.history.setdefault(node_id, []).append((old, new, reason, self.attempt[node_id]))
+        self.history[node_id].append((old, new, reason, self.attempt[node_id]))
         if new in TERMINAL:
             self.open_nodes -= 1
             self.counters["settled"] += 1
@@ -507,11 +508,13 @@ class FlowState:
 
     def _gate(self, node_id: str) -> None:
         """OR of incoming paths: skipped heads are ignored; no passing path means skip."""
-        in_edges = self.graph.in_edges(node_id)
-        if not in_edges:
+        edge_ids = self.graph._in[node_id]
+        if not edge_ids:
             self._make_ready(node_id)
             return
-        live = [edge for edge in in_edges if self.state[edge.head] != SKIPPED]
+        edges = self.graph.edges
+        state = self.state
+        live = [edges[e] for e in edge_ids if state[edges[e].head] != SKIPPED]
         if not live:
             self._skip(node_id)
             return
@@ -635,7 +638,7 @@ class FlowState:
         # DispatchOperation must keep the context it was prepared with.
         for key, value in self.shared.data.items():
             if key != OPERATOR_MESSAGES_KEY:
-                context[key] = copy.deepcopy(value)
+                context[key] = value if type(value) in _SCALARS else copy.deepcopy(value)
         # The raw steer queue is control input, never model context (ADR-0023 D4).
         context.pop(OPERATOR_MESSAGES_KEY, None)
         return context

@@ -1,0 +1,140 @@
+"""BranchTable without Ray: copy-on-write clones, primary inheritance, and its errors.
+
+The table is the BranchStore actor's whole state, so its semantics are pinned here,
+fast and in-process; the actor tests check the same behaviour across processes.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from opgraph.actors import BranchTable, UnknownBranchError
+from opgraph.kernel import ExecutionError, OpGraphError
+
+
+def table_with(branch_id: str = "root", messages: tuple = ("m1", "m2")) -> BranchTable:
+    table = BranchTable()
+    table.create(branch_id, messages)
+    return table
+
+
+def test_create_holds_the_messages_and_refuses_a_second_create():
+    table = table_with()
+
+    assert table.messages("root") == ["m1", "m2"]
+    assert table.length("root") == 2
+    assert "root" in table
+    with pytest.raises(ExecutionError) as raised:
+        table.create("root")
+    assert raised.value.branch_id == "root"
+    assert table.create("root", ["other"], exist_ok=True) is False
+    assert table.messages("root") == ["m1", "m2"]
+
+
+def test_a_clone_sees_the_source_then_diverges_both_ways():
+    """root -> clone: appends on either side are invisible to the other."""
+    table = table_with()
+    table.clone("root", "clone")
+
+    table.append("clone", ["c1"])
+    table.append("root", ["r3"])
+
+    assert table.messages("clone") == ["m1", "m2", "c1"]
+    assert table.messages("root") == ["m1", "m2", "r3"]
+    assert table.length("clone") == 3
+
+
+def test_clones_of_clones_keep_their_frozen_prefixes():
+    """root -> a -> b, with appends at every level after each clone."""
+    table = table_with()
+    table.clone("root", "a")
+    table.append("a", ["a1"])
+    table.clone("a", "b")
+    table.append("a", ["a2"])
+    table.append("root", ["r3"])
+    table.append("b", ["b1"])
+
+    assert table.messages("b") == ["m1", "m2", "a1", "b1"]
+    assert table.messages("a") == ["m1", "m2", "a1", "a2"]
+    assert table.messages("root") == ["m1", "m2", "r3"]
+
+
+def test_a_clone_stores_only_its_own_new_messages():
+    """Ten clones of a 1,000-message branch add no message copies."""
+    table = table_with(messages=tuple(range(1000)))
+    before = table.statistics()
+
+    for index in range(10):
+        table.clone("root", f"clone-{index}")
+    table.append("clone-0", ["new"])
+
+    after = table.statistics()
+    assert after["branches"] == before["branches"] + 10
+    assert after["own_messages"] == before["own_messages"] + 1
+    assert after["clones"] == 10
+    assert table.messages("clone-9") == list(range(1000))
+
+
+def test_clone_onto_an_existing_branch_is_refused():
+    table = table_with()
+    table.create("taken")
+
+    with pytest.raises(ExecutionError) as raised:
+        table.clone("root", "taken")
+    assert raised.value.branch_id == "taken"
+
+
+def test_replace_history_adopts_the_source_without_touching_older_clones():
+    """primary -> dependent (replace_history); a clone taken earlier keeps its view."""
+    table = table_with("primary", ("p1", "p2"))
+    table.create("dependent", ["d1"])
+    table.clone("dependent", "snapshot")
+
+    table.replace_history("dependent", "primary")
+    table.append("dependent", ["d2"])
+    table.append("primary", ["p3"])
+
+    assert table.messages("dependent") == ["p1", "p2", "d2"]
+    assert table.messages("snapshot") == ["d1"]
+    assert table.messages("primary") == ["p1", "p2", "p3"]
+
+
+def test_unknown_branches_raise_a_typed_error_naming_the_branch():
+    table = table_with()
+
+    for call in (
+        lambda: table.messages("missing"),
+        lambda: table.append("missing", ["x"]),
+        lambda: table.clone("missing", "new"),
+        lambda: table.replace_history("root", "missing"),
+        lambda: table.replace_history("missing", "root"),
+        lambda: table.length("missing"),
+    ):
+        with pytest.raises(UnknownBranchError) as raised:
+            call()
+        assert raised.value.branch_id == "missing"
+    assert "new" not in table
+
+
+def test_drop_forgets_the_branch_but_not_its_clones():
+    table = table_with()
+    table.clone("root", "clone")
+
+    assert table.drop("root") is True
+    assert table.drop("root") is False
+    assert "root" not in table
+    assert table.messages("clone") == ["m1", "m2"]
+
+
+def test_unknown_branch_error_pickles_with_its_branch_id():
+    """Ray ships it from the BranchStore to callers: the id must survive the trip."""
+    error = UnknownBranchError("branch does not exist", branch_id="b-1")
+
+    copy = pickle.loads(pickle.dumps(error))
+
+    assert type(copy) is UnknownBranchError
+    assert isinstance(copy, OpGraphError)
+    assert copy.branch_id == "b-1"
+    assert str(copy) == str(error)
