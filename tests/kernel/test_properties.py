@@ -5,9 +5,10 @@ index (so the graph is acyclic by construction), per-edge conditions (none, alwa
 true, always false, sync or async), optional ``aggregation_sources``, and a scripted
 behaviour per node (complete, fail, write shared-context keys, emit SpawnRequests).
 The driver plays the executor shell: it answers DispatchOperation and
-EvaluateConditions instructions in an order the test chooses, and calls
-``validate()`` after every ``handle()``. Spawned children always complete with a
-response derived from their instruction.
+EvaluateConditions instructions in a seeded random order, one to three per
+``handle()``, sometimes toggles pause and backpressure, and calls ``validate()``
+after every ``handle()``. Spawned children always complete with a response derived
+from their instruction.
 """
 
 from __future__ import annotations
