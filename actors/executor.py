@@ -10,6 +10,7 @@ they stay responsive while the data path is saturated.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -52,6 +53,17 @@ __all__ = ["GraphExecutor", "RunOptions", "UnknownRunError"]
 _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipped: "skipped"}
 DISPATCH_BATCH = 512
 DISPATCH_WINDOW = 0.002  # seconds; bounds added latency, amortises message cost
+
+
+def tune_garbage_collector() -> None:
+    """Collect the youngest generation every 50,000 allocations instead of 700.
+
+    A run allocates several small objects per settlement; with the default threshold
+    the collector repeatedly scans a heap holding the whole graph. Measured with
+    ``python -m opgraph.cluster.kernel_bench``: about a third of scheduler time.
+    """
+    _, second, third = gc.get_threshold()
+    gc.set_threshold(50_000, second, third)
 
 
 class UnknownRunError(OpGraphError):
@@ -113,6 +125,7 @@ class GraphExecutor:
     """One executor hosts many runs; it is long-lived and never started per node."""
 
     def __init__(self, workers: list[Any], stores: list[Any], name: str = "") -> None:
+        tune_garbage_collector()
         self.workers = list(workers)
         self.stores = list(stores)
         self.name = name

@@ -3,7 +3,7 @@
 Owns the provider-neutral request/response types, model identity (``provider/model``),
 the provider error tree and the per-run provider registry that operations reach through
 their branch handle. Concrete providers live in ``actors/providers/``; verbs in
-``actors/verbs.py``. Nothing here performs I/O.
+``actors/verbs/``. Nothing here performs I/O.
 
     ProviderError (ExecutionError)
     ├── ModelIdentityError     "gpt-4" instead of "openai/gpt-4"

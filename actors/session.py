@@ -122,7 +122,10 @@ class Session:
         self.runtime = Runtime.get_or_start(workers=workers, branch_stores=branch_stores, detached=detached)
         self.branches: dict[str, str] = {}
         self._locations: dict[str, int] = {}
+        from .verbs import VERB_OPERATIONS  # local: verbs pull in the tool machinery
+
         self.operations: dict[str, RegisteredOperation] = {
+            **VERB_OPERATIONS,
             "noop": RegisteredOperation(_noop, record_turn=False),
             "sleep": RegisteredOperation(_sleep, record_turn=False),
         }

@@ -150,6 +150,9 @@ class OperationWorker:
     """An async actor; thousands of I/O-bound operations share its event loop."""
 
     def __init__(self, stores: list[Any], index: int = 0) -> None:
+        from .executor import tune_garbage_collector  # local: executor imports this module
+
+        tune_garbage_collector()
         self.stores = stores
         self.index = index
         self.runs: dict[str, RunResources] = {}

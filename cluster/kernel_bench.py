@@ -114,7 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every size by this")
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
+    parser.add_argument("--gc-threshold", type=int, default=None,
+                        help="generation-0 GC threshold (the executor runs with 50,000; Python's default is 700)")
     args = parser.parse_args(argv)
+    if args.gc_threshold is not None:
+        _, second, third = gc.get_threshold()
+        gc.set_threshold(args.gc_threshold, second, third)
+    print(f"gc threshold: {gc.get_threshold()}")
     shapes = [
         ("fan-out + aggregation", shape_fanout, int(100_000 * args.scale)),
         ("chain", shape_chain, int(10_000 * args.scale)),

@@ -1,0 +1,57 @@
+"""opgraph.actors.verbs: the branch verbs of ADR-0023 D1, as registered operations.
+
+Owns the public verb surface and ``VERB_OPERATIONS``, the table the Session registers.
+Each verb is ``async def verb(branch, instruction="", context=None, model=None, ...)``
+and appends its own turns to the branch, so all register with ``record_turn=False``.
+"""
+
+from __future__ import annotations
+
+from ..workers import RegisteredOperation
+from .chat import chat, chat_and_record, communicate, interpret
+from .conversation import MODEL_OPTIONS, UsageTally
+from .errors import ParseError, SelectionError, ToolDefinitionError, VerbError, VerbParameterError
+from .operate import operate
+from .parse import parse, select
+from .react import ReAct, ReActStream, act, react_stream_rounds
+from .structured import json_candidates
+from .tools import Tool, tool
+
+__all__ = [
+    "MODEL_OPTIONS",
+    "VERB_OPERATIONS",
+    "ParseError",
+    "ReAct",
+    "ReActStream",
+    "SelectionError",
+    "Tool",
+    "ToolDefinitionError",
+    "UsageTally",
+    "VerbError",
+    "VerbParameterError",
+    "act",
+    "chat",
+    "chat_and_record",
+    "communicate",
+    "interpret",
+    "json_candidates",
+    "operate",
+    "parse",
+    "react_stream_rounds",
+    "select",
+    "tool",
+]
+
+VERB_OPERATIONS: dict[str, RegisteredOperation] = {
+    "chat": RegisteredOperation(chat, record_turn=False),
+    "chat_and_record": RegisteredOperation(chat_and_record, record_turn=False),
+    "operate": RegisteredOperation(operate, record_turn=False),
+    "communicate": RegisteredOperation(communicate, record_turn=False),
+    "parse": RegisteredOperation(parse, record_turn=False),
+    "ReAct": RegisteredOperation(ReAct, record_turn=False),
+    "select": RegisteredOperation(select, record_turn=False),
+    "interpret": RegisteredOperation(interpret, record_turn=False),
+    "act": RegisteredOperation(act, record_turn=False),
+    # The generator itself cannot be awaited; the graph gets its rounds as one list.
+    "ReActStream": RegisteredOperation(react_stream_rounds, record_turn=False),
+}

@@ -1,0 +1,198 @@
+"""What every verb shares: the bound model, usage accounting and message shapes.
+
+Owns how a verb resolves its model (``model=`` or the run's default), calls the provider,
+tallies token usage, renders the flow context, and shapes OpenAI-style messages. It
+performs no I/O of its own beyond the provider call and never writes to a branch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opgraph.kernel import to_mapping
+
+from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderError, ToolCall, Usage
+from .errors import VerbParameterError
+
+__all__ = [
+    "MODEL_OPTIONS",
+    "BoundModel",
+    "UsageTally",
+    "assistant_message",
+    "assistant_tool_call_message",
+    "check_options",
+    "compact_json",
+    "model_history",
+    "render_context",
+    "system_messages",
+    "user_turn",
+    "where",
+    "with_call_ids",
+]
+
+# The options every model-calling verb passes straight into the ChatRequest.
+MODEL_OPTIONS = ("temperature", "max_tokens", "timeout")
+
+
+def where(branch: Any) -> dict[str, Any]:
+    """The ids a verb error carries: the node running the verb and its branch."""
+    return {"node_id": getattr(branch, "node_id", None), "branch_id": getattr(branch, "id", None)}
+
+
+def compact_json(value: Any) -> str:
+    """``value`` as compact JSON; models and unknown objects degrade to their mapping or str."""
+    return json.dumps(to_mapping(value), separators=(",", ":"), ensure_ascii=False, default=str)
+
+
+@dataclass(slots=True)
+class UsageTally:
+    """Token usage summed over every model call one verb made."""
+
+    calls: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, usage: Usage) -> None:
+        self.calls += 1
+        self.prompt_tokens += usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "calls": self.calls,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def check_options(branch: Any, options: Mapping[str, Any], verb: str) -> None:
+    """Reject options a verb does not know, so a misspelt parameter never passes silently."""
+    unknown = sorted(set(options) - set(MODEL_OPTIONS))
+    if unknown:
+        raise VerbParameterError(
+            f"{verb} got unknown parameter(s) {', '.join(unknown)}; model options are {', '.join(MODEL_OPTIONS)}",
+            **where(branch),
+        )
+
+
+def with_call_ids(calls: Sequence[ToolCall], taken: set[str]) -> list[ToolCall]:
+    """The calls with unique, non-empty ids (some local servers send none); ``taken`` grows."""
+    shaped = []
+    for call in calls:
+        call_id = call.id
+        if not call_id or call_id in taken:
+            call_id = f"call_{len(taken) + 1}"
+            while call_id in taken:
+                call_id += "_"
+        taken.add(call_id)
+        shaped.append(ToolCall(call_id, call.name, call.arguments))
+    return shaped
+
+
+def system_messages(system: str | None) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": system}] if system else []
+
+
+class BoundModel:
+    """The model one verb call talks to, with its request options and usage tally.
+
+    ``model`` wins over the run's ``branch.default_model``; options other than
+    ``MODEL_OPTIONS`` are a typed error, so a misspelt parameter never passes silently.
+    """
+
+    def __init__(self, branch: Any, model: str | None, options: Mapping[str, Any], verb: str) -> None:
+        check_options(branch, options, verb)
+        model_id = model or getattr(branch, "default_model", None)
+        if not model_id:
+            raise ProviderConfigError(
+                f"{verb} has no model: pass model='provider/model' on the node or set "
+                "Session(default_model=...)",
+                node_id=getattr(branch, "node_id", None),
+            )
+        self.branch = branch
+        self.model_id: str = model_id
+        self.provider = branch.provider_for(model_id)
+        self.options = dict(options)
+        self.usage = UsageTally()
+        self.last: ChatResponse | None = None
+
+    async def complete(self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                       response_format: dict[str, Any] | None = None) -> ChatResponse:
+        request = ChatRequest(model=self.model_id, messages=list(messages), tools=tools or None,
+                              response_format=response_format, **self.options)
+        try:
+            response = await self.provider.complete(request)
+        except ProviderError as error:
+            # Providers do not know which node called them; the verb does.
+            if error.node_id is None:
+                error.node_id = getattr(self.branch, "node_id", None)
+            raise
+        self.usage.add(response.usage)
+        self.last = response
+        return response
+
+
+def render_context(context: Any) -> str | None:
+    """The flow context as one compact preamble, or None when there is nothing to say.
+
+    Predecessor results arrive as ``<node id>_result`` keys next to the shared context;
+    they are rendered as JSON so the model sees structure, not Python reprs.
+    """
+    if context is None or (isinstance(context, (Mapping, Sequence, str)) and len(context) == 0):
+        return None
+    return "Context (results of earlier steps and shared data):\n" + compact_json(context)
+
+
+def user_turn(instruction: str, context: Any, *, guidance: str | None = None
+              ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """The user message the model sees, and the one the branch records.
+
+    The model sees the context preamble, the instruction and any verb guidance in one
+    message (one user turn suits every provider). The branch records the instruction
+    alone: context is rebuilt for every node from the flow, so copying it into history
+    would repeat predecessor results in every descendant's conversation.
+    """
+    parts = [part for part in (render_context(context), instruction or None, guidance) if part]
+    seen = {"role": "user", "content": "\n\n".join(parts)} if parts else None
+    recorded = {"role": "user", "content": instruction} if instruction else None
+    return seen, recorded
+
+
+def model_history(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """Branch messages as OpenAI-shaped dicts; non-text content becomes JSON text."""
+    history: list[dict[str, Any]] = []
+    for message in messages:
+        if isinstance(message, Mapping) and "role" in message:
+            shaped = dict(message)
+            content = shaped.get("content")
+            if content is not None and not isinstance(content, str):
+                shaped["content"] = compact_json(content)
+            history.append(shaped)
+        elif isinstance(message, str):
+            history.append({"role": "user", "content": message})
+        else:
+            history.append({"role": "user", "content": compact_json(message)})
+    return history
+
+
+def assistant_message(text: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": text}
+
+
+def assistant_tool_call_message(content: str | None, calls: Sequence[ToolCall]) -> dict[str, Any]:
+    """The assistant turn that proposed ``calls``; tool results must follow it in history."""
+    return {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [
+            {"id": call.id, "type": "function",
+             "function": {"name": call.name,
+                          "arguments": call.arguments if isinstance(call.arguments, str)
+                          else compact_json(call.arguments)}}
+            for call in calls
+        ],
+    }
