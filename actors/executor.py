@@ -124,8 +124,9 @@ class _Run:
 class GraphExecutor:
     """One executor hosts many runs; it is long-lived and never started per node."""
 
-    def __init__(self, workers: list[Any], stores: list[Any], name: str = "") -> None:
+    def __init__(self, workers: list[Any], stores: list[Any], name: str = "", detached: bool = False) -> None:
         tune_garbage_collector()
+        self.detached = detached
         self.workers = list(workers)
         self.stores = list(stores)
         self.name = name
@@ -499,22 +500,28 @@ class GraphExecutor:
                     pending.pop(outcome.node_id, None)
                     run.latencies.append(outcome.finished - outcome.started)
                 await self._feed(run, [self._finished_event(o) for o in outcomes])
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorDiedError, ray.exceptions.RayTaskError) as exc:
+        except ray.exceptions.RayActorError as exc:
             self.worker_deaths += 1
-            now = time.time()
-            reason = f"operation worker {index} died: {type(exc).__name__}"
-            await self._feed(run, [
-                OperationFinished(now=now, node_id=call.node_id, attempt=call.attempt, status="failed",
-                                  error=reason, error_type="WorkerDied")
-                for call in pending.values()
-            ])
+            await self._fail_pending(run, pending, f"operation worker {index} died: {type(exc).__name__}",
+                                     "WorkerDied")
             await self._replace_worker(index, worker)
+        except ray.exceptions.RayTaskError as exc:
+            # The worker is alive but its batch loop raised: a bug, not a death.
+            await self._fail_pending(run, pending, f"operation worker {index} failed: {exc}", "WorkerError")
+
+    async def _fail_pending(self, run: _Run, pending: dict[str, OperationCall], reason: str, kind: str) -> None:
+        now = time.time()
+        await self._feed(run, [
+            OperationFinished(now=now, node_id=call.node_id, attempt=call.attempt, status="failed",
+                              error=reason, error_type=kind)
+            for call in pending.values()
+        ])
 
     async def _replace_worker(self, index: int, dead: Any) -> None:
         if index < len(self.workers) and self.workers[index] is dead:
             from .runtime import start_worker  # local: runtime imports this module
 
-            replacement = start_worker(self.stores, index)
+            replacement = start_worker(self.stores, index, detached=self.detached)
             self.workers[index] = replacement
             for run in self.runs.values():
                 if not run.state.finished:

@@ -66,5 +66,5 @@ class Runtime:
             get_if_exists=True,
             max_concurrency=EXECUTOR_CONCURRENCY,
             lifetime=lifetime,
-        ).remote(pool, stores, "opgraph-executor-0")
+        ).remote(pool, stores, "opgraph-executor-0", detached)
         return cls(executor=executor, workers=pool, stores=stores)

@@ -31,8 +31,10 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class Gauge:
     """Counts operations in flight per key; remembers the peak, the total and who ran what.
 
-    An async actor, so ``wait_entered`` can block on a condition instead of the test
-    polling: operations call ``enter``/``exit``, the test awaits ``wait_entered``.
+    An async actor, so waits block on a condition instead of polling: operations call
+    ``enter``/``exit`` and the test awaits ``wait_entered``. It is also a latch: an
+    operation can ``wait_released`` until the test calls ``release``, which pins an
+    operation in flight for exactly as long as the test needs it there.
     """
 
     def __init__(self) -> None:
@@ -40,6 +42,7 @@ class Gauge:
         self.peak: dict[str, int] = {}
         self.entered: dict[str, int] = {}
         self.workers: dict[str, dict[str, str]] = {}  # key -> label -> worker actor id
+        self.released: set[str] = set()
         self.changed = asyncio.Condition()
 
     async def enter(self, key: str, label: str | None = None, worker: str | None = None) -> int:
@@ -64,6 +67,15 @@ class Gauge:
         async with self.changed:
             await self.changed.wait_for(lambda: self.entered.get(key, 0) >= count)
             return self.entered[key]
+
+    async def release(self, key: str) -> None:
+        async with self.changed:
+            self.released.add(key)
+            self.changed.notify_all()
+
+    async def wait_released(self, key: str) -> None:
+        async with self.changed:
+            await self.changed.wait_for(lambda: key in self.released)
 
     async def snapshot(self, key: str) -> dict[str, int]:
         return {

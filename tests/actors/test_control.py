@@ -53,16 +53,21 @@ async def watch_dispatches(control: Any, baseline: int, dispatched: asyncio.Even
         await asyncio.sleep(0.05)
 
 
-def test_operator_steer_is_rendered_into_the_next_dispatched_operation_only(session):
-    """a -> b -> c: steer while a runs (paused, message, resumed); b carries it, c does not."""
+def test_operator_steer_is_rendered_into_the_next_dispatched_operation_only(session, gauge):
+    """a -> b -> c: steer while a is held in flight (pause, message, resume, release a).
 
-    async def echo_instruction(branch: Any, instruction: str = "", seconds: float = 0.0, **parameters: Any) -> str:
-        await asyncio.sleep(seconds)
+    b, the next operation dispatched, carries the steer; c does not.
+    """
+
+    async def echo_instruction(branch: Any, instruction: str = "", hold: str | None = None,
+                               **parameters: Any) -> str:
+        if hold is not None:
+            await gauge.wait_released.remote(hold)
         return instruction
 
     session.register_operation("echo_instruction", echo_instruction, record_turn=False)
     builder = OperationGraphBuilder("steer")
-    a = builder.add_operation("echo_instruction", instruction="step a", seconds=0.3)
+    a = builder.add_operation("echo_instruction", instruction="step a", hold="steer")
     b = builder.add_operation("echo_instruction", instruction="step b")
     c = builder.add_operation("echo_instruction", instruction="step c")
     started = Started()
@@ -77,6 +82,7 @@ def test_operator_steer_is_rendered_into_the_next_dispatched_operation_only(sess
         assert await control.pause() is True
         assert await control.send_operator_message("go left") is True
         assert await control.resume() is True
+        await gauge.release.remote("steer")
         return await flow
 
     envelope = run(scenario())
@@ -87,9 +93,8 @@ def test_operator_steer_is_rendered_into_the_next_dispatched_operation_only(sess
     assert "go left" in results[b]
     assert results[b].endswith("step b")
     assert results[c] == "step c"
-    assert "operator_messages" not in envelope["final_context"] or all(
-        entry["rendered_into_op"] == b for entry in envelope["final_context"]["operator_messages"]
-    )
+    # The steer's breadcrumb names the one operation that consumed it.
+    assert [entry["rendered_into_op"] for entry in envelope["final_context"]["operator_messages"]] == [b]
 
 
 def test_pause_stops_new_dispatch_while_in_flight_operations_finish(session, gauge):

@@ -238,3 +238,76 @@ def test_graph_objects_reflect_the_settled_run(session):
 
     assert [graph.nodes[n].status for n in (a, b)] == ["completed", "completed"]
     assert graph.nodes[b].response == "forty-two"
+
+
+class AsyncResultSays(EdgeCondition):
+    """An ``async def apply``: evaluated by the executor shell, not inside the scheduler."""
+
+    def __init__(self, expected: str) -> None:
+        self.expected = expected
+
+    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002 - the record's name
+        await asyncio.sleep(0)
+        if input["result"]["verdict"] == "explode":
+            raise RuntimeError("condition blew up")
+        return input["result"]["verdict"] == self.expected
+
+
+def test_async_conditions_gate_and_their_errors_fail_the_node(session):
+    """check -(async yes)-> yes ; check -(async no)-> no ; explode -(async yes)-> broken.
+
+    The executor evaluates async conditions: ``yes`` runs, ``no`` is skipped, and a
+    condition that raises fails ``broken`` with error_type EdgeConditionError.
+    """
+
+    async def verdict(branch: Any, says: str, **parameters: Any) -> dict[str, str]:
+        return {"verdict": says}
+
+    async def branch_taken(branch: Any, **parameters: Any) -> str:
+        return "ran"
+
+    session.register_operation("verdict", verdict, record_turn=False)
+    session.register_operation("branch_taken", branch_taken, record_turn=False)
+    graph = Graph("async-conditions")
+    check = graph.add_node(create_operation("verdict", {"says": "yes"}))
+    explode = graph.add_node(create_operation("verdict", {"says": "explode"}))
+    yes, no, broken = (graph.add_node(create_operation("branch_taken")) for _ in range(3))
+    graph.add_edge(check, yes, condition=AsyncResultSays("yes"))
+    graph.add_edge(check, no, condition=AsyncResultSays("no"))
+    graph.add_edge(explode, broken, condition=AsyncResultSays("yes"))
+
+    envelope = run(session.flow(graph))
+
+    statuses = envelope["operation_statuses"]
+    assert (statuses[yes.id], statuses[no.id], statuses[broken.id]) == ("completed", "skipped", "failed")
+    failure = envelope["operation_results"][broken.id]
+    assert failure["error_type"] == "EdgeConditionError"
+    assert "condition blew up" in failure["error"]
+
+
+def test_operation_failures_are_typed_outcomes_not_raises(session):
+    """raises ; unregistered: both settle failed with their error type; flow itself returns."""
+
+    async def raises(branch: Any, **parameters: Any) -> str:
+        raise KeyError("missing piece")
+
+    session.register_operation("raises", raises, record_turn=False)
+    graph = Graph("failures")
+    raising = graph.add_node(create_operation("raises"))
+    unregistered = graph.add_node(create_operation("never_registered_anywhere"))
+    progress: dict[str, list[str]] = {}
+
+    def on_progress(op_id: str, name: str, status: str, elapsed: float) -> None:
+        progress.setdefault(op_id, []).append(status)
+
+    envelope = run(session.flow(graph, on_progress=on_progress))
+
+    results = envelope["operation_results"]
+    assert envelope["status"] == "failed"
+    assert envelope["failed_operations"] == [raising.id, unregistered.id]
+    assert results[raising.id]["error_type"] == "KeyError"
+    assert "missing piece" in results[raising.id]["error"]
+    assert results[unregistered.id]["error_type"] == "OperationError"
+    assert "'never_registered_anywhere' is not registered" in results[unregistered.id]["error"]
+    assert progress == {node_id: ["queued", "started", "failed"] for node_id in graph.nodes}
+    assert graph.nodes[raising.id].status == "failed"

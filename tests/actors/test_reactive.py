@@ -35,6 +35,16 @@ async def operate(branch: Any, instruction: str = "", **parameters: Any) -> dict
     return {"handled": instruction}
 
 
+def held_operation(gauge: Any):
+    """An operation that stays in flight until the test releases its ``hold`` latch."""
+
+    async def held(branch: Any, hold: str, **parameters: Any) -> str:
+        await gauge.wait_released.remote(hold)
+        return "released"
+
+    return held
+
+
 def single_node(operation: str, **parameters: Any) -> tuple[Graph, str]:
     graph = Graph("reactive")
     node = graph.add_node(create_operation(operation, parameters))
@@ -110,10 +120,11 @@ def test_request_emitted_live_and_returned_is_admitted_once(session, linger):
     assert envelope["dropped_spawns"] == [{"reason": "duplicate", "assignee": None, "emitter_id": emitter}]
 
 
-def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session):
-    """root (slow) + injected: inject -> True; the same op again -> False (duplicate); after -> False."""
+def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session, gauge):
+    """root (held) + injected: inject -> True; the same op again -> False (duplicate); after -> False."""
     session.register_operation("operate", operate, record_turn=False)
-    graph, root = single_node("sleep", seconds=0.5)
+    session.register_operation("held", held_operation(gauge), record_turn=False)
+    graph, root = single_node("held", hold="inject")
     injected = create_operation("operate", {"instruction": "injected work"})
     executor_ref: dict[str, Any] = {}
     started = asyncio.Event()
@@ -129,6 +140,7 @@ def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session)
         await asyncio.wait_for(started.wait(), SIGNAL_TIMEOUT)
         control = executor_ref["executor"]
         during = [await control.inject(injected), await control.inject(injected)]
+        await gauge.release.remote("inject")
         envelope = await flow
         after = await control.inject(create_operation("operate", {"instruction": "too late"}))
         return during, envelope, after
@@ -145,10 +157,11 @@ def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session)
     ]
 
 
-def test_inject_into_a_run_that_is_not_reactive_is_refused(session):
-    """root (slow), reactive=False: inject answers False and the graph is unchanged."""
+def test_inject_into_a_run_that_is_not_reactive_is_refused(session, gauge):
+    """root (held), reactive=False: inject answers False and the graph is unchanged."""
     session.register_operation("operate", operate, record_turn=False)
-    graph, root = single_node("sleep", seconds=0.3)
+    session.register_operation("held", held_operation(gauge), record_turn=False)
+    graph, root = single_node("held", hold="inject-refused")
     executor_ref: dict[str, Any] = {}
     started = asyncio.Event()
 
@@ -160,6 +173,7 @@ def test_inject_into_a_run_that_is_not_reactive_is_refused(session):
         flow = asyncio.create_task(session.flow(graph, executor_ref=executor_ref, on_progress=on_progress))
         await asyncio.wait_for(started.wait(), SIGNAL_TIMEOUT)
         accepted = await executor_ref["executor"].inject(create_operation("operate", {"instruction": "x"}))
+        await gauge.release.remote("inject-refused")
         return accepted, await flow
 
     accepted, envelope = run(scenario())

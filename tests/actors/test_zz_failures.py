@@ -23,20 +23,38 @@ def run(coroutine: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
 
 
-def held_operation(gauge: Any, seconds: float):
-    """An operation that tells the Gauge which worker runs it, then holds for ``seconds``."""
+def held_operation(gauge: Any):
+    """An operation that tells the Gauge which worker runs it, then holds until ``key`` is released."""
 
     async def held(branch: Any, key: str, label: str, **parameters: Any) -> str:
         worker = ray.get_runtime_context().get_actor_id()
         entered = gauge.enter.remote(key, label, worker)
         try:
             await entered
-            await asyncio.sleep(seconds)
+            await gauge.wait_released.remote(key)
         finally:
             await gauge.exit.remote(key)
         return label
 
     return held
+
+
+class Failures:
+    """on_progress that counts failed nodes; ``wait_count(n)`` returns once n have failed."""
+
+    def __init__(self) -> None:
+        self.failed: list[str] = []
+        self.changed = asyncio.Event()
+
+    def __call__(self, op_id: str, name: str, status: str, elapsed: float) -> None:
+        if status == "failed":
+            self.failed.append(op_id)
+            self.changed.set()
+
+    async def wait_count(self, count: int) -> None:
+        while len(self.failed) < count:
+            self.changed.clear()
+            await self.changed.wait()
 
 
 def labelled_fan_out(operation: str, key: str) -> tuple[Any, dict[str, str]]:
@@ -46,21 +64,28 @@ def labelled_fan_out(operation: str, key: str) -> tuple[Any, dict[str, str]]:
 
 
 def test_killing_a_worker_mid_operation_fails_only_its_operations(session, gauge):
-    """n0..n3 (independent, 1 s each) spread over the pool; one worker is killed mid-run.
+    """n0..n3 (independent, held in flight) spread over the pool; one worker is killed mid-run.
 
     The nodes it held fail with error_type WorkerDied, the others complete, and flow
     returns instead of waiting for outcomes that will never come.
     """
-    session.register_operation("held", held_operation(gauge, 1.0), record_turn=False)
+    session.register_operation("held", held_operation(gauge), record_turn=False)
     graph, ids = labelled_fan_out("held", "kill")
 
+    failures = Failures()
+
     async def scenario() -> tuple[dict[str, Any], dict[str, str], str]:
-        flow = asyncio.create_task(session.flow(graph, max_concurrent=len(LABELS)))
+        flow = asyncio.create_task(session.flow(graph, max_concurrent=len(LABELS), on_progress=failures))
         await asyncio.wait_for(gauge.wait_entered.remote("kill", len(LABELS)), SIGNAL_TIMEOUT)
         placement = await gauge.worker_of.remote("kill")
         victim = placement["n0"]
         [handle] = [w for w in session.runtime.workers if w._actor_id.hex() == victim]
         ray.kill(handle, no_restart=True)
+        # Release the survivors only once the victim's nodes have failed, so that none of
+        # them can slip out a result before the kill lands.
+        on_victim = sum(1 for worker in placement.values() if worker == victim)
+        await asyncio.wait_for(failures.wait_count(on_victim), SIGNAL_TIMEOUT)
+        await gauge.release.remote("kill")
         return await flow, placement, victim
 
     envelope, placement, victim = run(scenario())
@@ -78,8 +103,9 @@ def test_killing_a_worker_mid_operation_fails_only_its_operations(session, gauge
 
 def test_the_pool_runs_flows_after_a_worker_died(session, gauge):
     """n0..n3 again, after the kill: every node completes on live workers."""
-    session.register_operation("held_after_kill", held_operation(gauge, 0.05), record_turn=False)
+    session.register_operation("held_after_kill", held_operation(gauge), record_turn=False)
     graph, ids = labelled_fan_out("held_after_kill", "after-kill")
+    ray.get(gauge.release.remote("after-kill"))  # nothing to hold this time
 
     envelope = run(session.flow(graph, max_concurrent=len(LABELS)))
 

@@ -1,0 +1,186 @@
+"""OpenAI-compatible chat completions: OpenAI itself and local servers (vLLM, Ollama, llama.cpp).
+
+Owns the chat-completions wire format: building the request body from a ChatRequest and
+reading choices, tool calls, usage and finish reason back into a ChatResponse. HTTP,
+retries and error translation belong to ``http.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import httpx
+
+from ..models import (
+    ChatRequest,
+    ChatResponse,
+    ProviderConfigError,
+    ProviderError,
+    ProviderResponseError,
+    ToolCall,
+    Usage,
+    parse_model_id,
+)
+from .http import ProviderHTTPClient, RetryPolicy
+from .limits import record_call, record_failure
+
+__all__ = ["DEFAULT_OPENAI_BASE_URL", "OpenAICompatibleProvider"]
+
+DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
+
+
+class OpenAICompatibleProvider:
+    """POSTs to ``{base_url}/chat/completions``; the model name is the part after ``provider/``.
+
+    ``base_url`` and ``api_key`` default to ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``. A
+    key is required only for the default OpenAI URL: local servers need none.
+    ``max_retries`` retries follow the first attempt; ``backoff`` and ``max_delay`` shape
+    the waits (see ``RetryPolicy``); ``concurrency`` caps calls in flight cluster-wide.
+    """
+
+    def __init__(self, base_url: str | None = None, api_key: str | None = None, *, name: str = "openai",
+                 timeout: float = 60.0, max_retries: int = 3, backoff: float = 0.5, max_delay: float = 20.0,
+                 concurrency: int | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        base_url = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_OPENAI_BASE_URL
+        api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
+        if not api_key and base_url.rstrip("/") == DEFAULT_OPENAI_BASE_URL:
+            raise ProviderConfigError(
+                f"provider {name!r}: no API key for {DEFAULT_OPENAI_BASE_URL}; set OPENAI_API_KEY, "
+                "or set OPENAI_BASE_URL to a local OpenAI-compatible server (vLLM, Ollama, llama.cpp)",
+                provider=name,
+            )
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = ProviderHTTPClient(
+            name, self.base_url, headers, timeout=timeout, transport=transport, concurrency=concurrency,
+            retry=RetryPolicy(max_retries=max_retries, backoff=backoff, max_delay=max_delay),
+        )
+
+    def __repr__(self) -> str:
+        return f"OpenAICompatibleProvider(name={self.name!r}, base_url={self.base_url!r})"
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> OpenAICompatibleProvider:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def complete(self, request: ChatRequest) -> ChatResponse:
+        _, model_name = parse_model_id(request.model)
+        try:
+            reply = await self._http.post_json("/chat/completions", self.request_body(request, model_name),
+                                               timeout=request.timeout)
+            response = self.parse_body(reply.body, request, status=reply.status)
+        except ProviderError:
+            record_failure(self.name)
+            raise
+        response.retries = reply.retries
+        record_call(self.name, response.usage)
+        return response
+
+    @staticmethod
+    def request_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": model_name, "messages": [_wire_message(m) for m in request.messages]}
+        if request.tools:
+            body["tools"] = [_wire_tool(tool) for tool in request.tools]
+        if request.response_format is not None:
+            body["response_format"] = request.response_format
+        if request.temperature is not None:
+            body["temperature"] = request.temperature
+        if request.max_tokens is not None:
+            body["max_tokens"] = request.max_tokens
+        return body
+
+    def parse_body(self, body: Any, request: ChatRequest, *, status: int | None = None) -> ChatResponse:
+        """Read a chat-completions body; anything malformed is a ProviderResponseError."""
+
+        def malformed(what: str) -> ProviderResponseError:
+            return ProviderResponseError(f"{self.name}: malformed chat-completions body ({what}): {body!r:.300}",
+                                         provider=self.name, status=status)
+
+        if not isinstance(body, dict):
+            raise malformed("not a JSON object")
+        if "error" in body and "choices" not in body:
+            raise malformed(f"error object instead of choices: {body['error']!r:.200}")
+        choices = body.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise malformed("no choices")
+        message = choices[0].get("message")
+        if not isinstance(message, dict):
+            raise malformed("choices[0] has no message")
+        tool_calls = [self._tool_call(raw, index, malformed) for index, raw in enumerate(message.get("tool_calls") or [])]
+        usage = body.get("usage") or {}
+        if not isinstance(usage, dict):
+            raise malformed("usage is not an object")
+        return ChatResponse(
+            content=_text(message.get("content"), malformed),
+            tool_calls=tool_calls,
+            usage=Usage(prompt_tokens=_count(usage.get("prompt_tokens"), malformed),
+                        completion_tokens=_count(usage.get("completion_tokens"), malformed)),
+            model=request.model,
+            provider=self.name,
+            finish_reason=choices[0].get("finish_reason"),
+        )
+
+    @staticmethod
+    def _tool_call(raw: Any, index: int, malformed: Any) -> ToolCall:
+        function = raw.get("function") if isinstance(raw, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise malformed(f"tool call {index} has no function name")
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except ValueError as exc:
+                raise malformed(f"tool call {function['name']!r} arguments are not JSON: {arguments!r:.200}") from exc
+        elif arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise malformed(f"tool call {function['name']!r} arguments are not a JSON object")
+        return ToolCall(id=str(raw.get("id") or f"call_{index}"), name=function["name"], arguments=arguments)
+
+
+def _count(value: Any, malformed: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise malformed(f"token count {value!r} is not an integer")
+
+
+def _text(content: Any, malformed: Any) -> str | None:
+    """Message content: a string, None, or (some servers) a list of text parts."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    raise malformed("message content is neither text nor parts")
+
+
+def _wire_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI function schema; a bare {name, description, parameters} is wrapped."""
+    if tool.get("type") == "function" and "function" in tool:
+        return tool
+    return {"type": "function", "function": tool}
+
+
+def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
+    """The message as OpenAI expects it: tool-call arguments as JSON strings."""
+    tool_calls = message.get("tool_calls")
+    if not tool_calls:
+        return message
+    wired = []
+    for call in tool_calls:
+        if isinstance(call, ToolCall):
+            call = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+        function = dict(call.get("function", {}))
+        if not isinstance(function.get("arguments"), str):
+            function["arguments"] = json.dumps(function.get("arguments") or {})
+        wired.append({**call, "type": call.get("type", "function"), "function": function})
+    return {**message, "tool_calls": wired}
