@@ -51,7 +51,7 @@ from .workers import OperationCall, Outcome, RunResources
 __all__ = ["GraphExecutor", "RunOptions", "UnknownRunError"]
 
 _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipped: "skipped"}
-DISPATCH_BATCH = 512
+DISPATCH_BATCH = 256  # calls per message; measured flat between 64 and 512 on 2 cores
 DISPATCH_WINDOW = 0.002  # seconds; bounds added latency, amortises message cost
 
 
@@ -353,7 +353,7 @@ class GraphExecutor:
         )
         return OperationFinished(now=outcome.finished, node_id=outcome.node_id, attempt=outcome.attempt,
                                  status=outcome.status, response=outcome.response, error=outcome.error,
-                                 error_type=outcome.error_type, requests=requests)
+                                 error_type=outcome.error_type, requests=requests, extracted=True)
 
     async def _carry_out(self, run: _Run, instructions: list[Any]) -> None:
         """Turn instructions into messages. Branch work is awaited before dispatch."""

@@ -24,6 +24,7 @@ __all__ = ["OperationCall", "OperationWorker", "Outcome", "RegisteredOperation",
 
 
 OUTCOME_WINDOW = 0.002  # seconds
+OUTCOME_BATCH = 256  # outcomes per streamed message
 
 
 @dataclass(slots=True)
@@ -195,7 +196,7 @@ class OperationWorker:
             if remaining > 1:
                 # A short window gathers outcomes that finish together into one message.
                 await asyncio.sleep(OUTCOME_WINDOW)
-            while not queue.empty():
+            while not queue.empty() and len(batch) < OUTCOME_BATCH:
                 batch.append(queue.get_nowait())
             remaining -= len(batch)
             for outcome in batch:

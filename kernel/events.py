@@ -60,6 +60,9 @@ class OperationFinished(Event):
     error: str | None = None
     error_type: str | None = None
     requests: tuple[Any, ...] = ()
+    # True when the shell already extracted requests from the response (the worker
+    # does, where object identity still means something); skips a second walk.
+    extracted: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -228,7 +228,10 @@ class Graph:
 
     def predecessors(self, node_id: str) -> list[str]:
         """Distinct predecessor ids, in edge insertion order."""
-        return list(dict.fromkeys(self.edges[e].head for e in self._in[node_id]))
+        edge_ids = self._in[node_id]
+        if len(edge_ids) < 2:  # the common case, without building a dict
+            return [self.edges[e].head for e in edge_ids]
+        return list(dict.fromkeys(self.edges[e].head for e in edge_ids))
 
     def successors(self, node_id: str) -> list[str]:
         return list(dict.fromkeys(self.edges[e].tail for e in self._out[node_id]))

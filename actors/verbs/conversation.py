@@ -18,6 +18,7 @@ from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderErr
 from .errors import VerbParameterError
 
 __all__ = [
+    "GRAPH_PARAMETERS",
     "MODEL_OPTIONS",
     "BoundModel",
     "UsageTally",
@@ -35,6 +36,10 @@ __all__ = [
 
 # The options every model-calling verb passes straight into the ChatRequest.
 MODEL_OPTIONS = ("temperature", "max_tokens", "timeout")
+
+# Parameters the graph builder itself puts on a node (``add_aggregation``): bookkeeping
+# for the scheduler, accepted by every verb and never sent to the model.
+GRAPH_PARAMETERS = ("aggregation_sources", "aggregation_count")
 
 
 def where(branch: Any) -> dict[str, Any]:
@@ -71,7 +76,7 @@ class UsageTally:
 
 def check_options(branch: Any, options: Mapping[str, Any], verb: str) -> None:
     """Reject options a verb does not know, so a misspelt parameter never passes silently."""
-    unknown = sorted(set(options) - set(MODEL_OPTIONS))
+    unknown = sorted(set(options) - set(MODEL_OPTIONS) - set(GRAPH_PARAMETERS))
     if unknown:
         raise VerbParameterError(
             f"{verb} got unknown parameter(s) {', '.join(unknown)}; model options are {', '.join(MODEL_OPTIONS)}",
@@ -116,7 +121,7 @@ class BoundModel:
         self.branch = branch
         self.model_id: str = model_id
         self.provider = branch.provider_for(model_id)
-        self.options = dict(options)
+        self.options = {key: value for key, value in options.items() if key in MODEL_OPTIONS}
         self.usage = UsageTally()
         self.last: ChatResponse | None = None
 

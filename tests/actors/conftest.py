@@ -115,3 +115,19 @@ def _pickle_test_module_by_value(request):
     cloudpickle.register_pickle_by_value(module)
     yield
     cloudpickle.unregister_pickle_by_value(module)
+
+
+@pytest.fixture(autouse=True)
+def _restore_registrations(request):
+    """Tests may replace operations (e.g. ``operate`` for spawned children) on the shared
+    session; put the session's registrations back afterwards so modules stay independent."""
+    if "session" not in request.fixturenames:
+        yield
+        return
+    shared = request.getfixturevalue("session")
+    operations, providers = dict(shared.operations), dict(shared.providers)
+    yield
+    shared.operations.clear()
+    shared.operations.update(operations)
+    shared.providers.clear()
+    shared.providers.update(providers)
