@@ -256,6 +256,8 @@ class OperationWorker:
     async def statistics(self) -> dict[str, Any]:
         import resource  # local: only statistics reads process memory
 
+        from .providers.limits import latency_totals, usage_totals  # local: providers import httpx lazily
+
         return {
             "index": self.index,
             "in_flight": self.in_flight,
@@ -264,4 +266,7 @@ class OperationWorker:
             "failed": self.failed,
             "runs": len(self.runs),
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            # Model calls run in this process, so its totals are this worker's provider usage.
+            "providers": usage_totals(),
+            "provider_latency": latency_totals(),
         }

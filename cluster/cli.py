@@ -26,6 +26,20 @@ def _run_demo(arguments: argparse.Namespace) -> int:
     return demo_main(kernel_only=arguments.kernel)
 
 
+def _serve_metrics(arguments: argparse.Namespace) -> int:
+    # Lazy: the exporter imports Ray and the runtime.
+    from opgraph.cluster.metrics import serve
+
+    return serve(arguments.address, arguments.port, arguments.host,
+                 namespace=arguments.namespace, timeout=arguments.scrape_timeout)
+
+
+def _print_help_of(parser: argparse.ArgumentParser) -> int:
+    """A command group run without an action: show its actions, exit as a usage error."""
+    parser.print_help()
+    return 2
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opgraph",
@@ -44,6 +58,22 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--kernel", action="store_true",
                       help="drive the kernel state machine alone, without Ray")
     demo.set_defaults(handler=_run_demo)
+
+    metrics = subcommands.add_parser("metrics", help="Prometheus metrics of a running runtime")
+    metrics.set_defaults(handler=lambda _: _print_help_of(metrics))
+    metrics_commands = metrics.add_subparsers(dest="metrics_command", metavar="ACTION")
+    serve = metrics_commands.add_parser(
+        "serve",
+        help="serve /metrics for the executor, workers and branch stores until Ctrl-C",
+    )
+    serve.add_argument("--port", type=int, default=9464, help="port to listen on, 0 for any free one (9464)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1)")
+    serve.add_argument("--address", default=None,
+                       help='Ray address: "auto", "ray://host:port" or "host:port" (default: embedded local Ray)')
+    serve.add_argument("--namespace", default="opgraph", help="Ray namespace of the runtime (opgraph)")
+    serve.add_argument("--scrape-timeout", type=float, default=2.0,
+                       help="seconds a scrape waits for the actors' snapshots (2.0)")
+    serve.set_defaults(handler=_serve_metrics)
     return parser
 
 

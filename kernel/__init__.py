@@ -67,6 +67,15 @@ from .signals import (
     NodeStarted,
     Signal,
 )
+from .expressions import (
+    CONDITION_NAMES,
+    MAX_AST_DEPTH,
+    MAX_EXPRESSION_LENGTH,
+    CompiledExpression,
+    ExpressionCondition,
+    UnsafeExpressionError,
+    parse_expression,
+)
 
 __all__ = [
     "AdmissionDecided",
@@ -139,4 +148,11 @@ __all__ = [
     "render_operator_messages",
     "role_node_builder",
     "to_mapping",
+    "CONDITION_NAMES",
+    "CompiledExpression",
+    "ExpressionCondition",
+    "MAX_AST_DEPTH",
+    "MAX_EXPRESSION_LENGTH",
+    "UnsafeExpressionError",
+    "parse_expression",
 ]

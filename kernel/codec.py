@@ -116,7 +116,12 @@ def _decode_condition(payload: Any, edge_id: str) -> Any:
     decoder = _CONDITION_DECODERS.get(kind)
     if decoder is None:
         raise CodecError(f"unknown edge condition kind {kind!r}", edge_id=edge_id)
-    return decoder(payload)
+    try:
+        return decoder(payload)
+    except CodecError as exc:
+        if exc.edge_id is None:
+            raise CodecError(exc.message, edge_id=edge_id) from exc
+        raise
 
 
 def _object_hook(obj: dict[str, Any]) -> Any:

@@ -7,6 +7,7 @@ translated into these at the boundary, so callers never catch a foreign type::
     ├── OperationError            graph/operation contract violations (ADR-0023 D1/D2)
     │   ├── GraphCycleError       the graph (or a mutation) would contain a cycle
     │   ├── EdgeConditionError    an edge condition is invalid or raised
+    │   ├── UnsafeExpressionError an edge expression is outside the safe grammar (expressions.py)
     │   └── UnknownNodeError      a referenced node id is not in the graph
     ├── ExecutionError            an operation could not be invoked (no branch, ...)
     ├── RoutingError (ValueError) a spawn request cannot be routed (unknown assignee)

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 import httpx
+import time
 
 from ..models import (
     ChatRequest,
@@ -78,6 +79,7 @@ class AnthropicProvider:
         await self.aclose()
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
+        started = time.perf_counter()
         _, model_name = parse_model_id(request.model)
         try:
             reply = await self._http.post_json("/v1/messages", self.request_body(request, model_name),
@@ -87,7 +89,7 @@ class AnthropicProvider:
             record_failure(self.name)
             raise
         response.retries = reply.retries
-        record_call(self.name, response.usage)
+        record_call(self.name, response.usage, time.perf_counter() - started)
         return response
 
     @staticmethod

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+from ..histogram import LatencyHistogram
 from ..models import ProviderConfigError, ProviderUnavailable, Usage
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "ProviderLimiter",
     "estimate_tokens",
     "provider_slot",
+    "latency_totals",
     "record_call",
     "record_failure",
     "record_retry",
@@ -211,6 +213,7 @@ async def provider_slot(provider: str, limit: int | None) -> AsyncIterator[None]
 _USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "calls", "retries", "failures")
 _usage_lock = threading.Lock()
 _usage: dict[str, dict[str, int]] = {}
+_latency: dict[str, LatencyHistogram] = {}
 
 
 def _totals_for(provider: str) -> dict[str, int]:
@@ -220,13 +223,27 @@ def _totals_for(provider: str) -> dict[str, int]:
     return totals
 
 
-def record_call(provider: str, usage: Usage) -> None:
-    """Count one successful call and its tokens (retries are counted as they happen)."""
+def record_call(provider: str, usage: Usage, seconds: float | None = None) -> None:
+    """Count one successful call, its tokens and (when given) its duration.
+
+    Retries are counted as they happen; ``seconds`` covers the whole call, retries included.
+    """
     with _usage_lock:
         totals = _totals_for(provider)
         totals["prompt_tokens"] += usage.prompt_tokens
         totals["completion_tokens"] += usage.completion_tokens
         totals["calls"] += 1
+        if seconds is not None:
+            histogram = _latency.get(provider)
+            if histogram is None:
+                histogram = _latency[provider] = LatencyHistogram()
+            histogram.observe(seconds)
+
+
+def latency_totals() -> dict[str, dict[str, Any]]:
+    """This process's model-call latency per provider, as histogram snapshots."""
+    with _usage_lock:
+        return {provider: histogram.snapshot() for provider, histogram in _latency.items()}
 
 
 def record_retry(provider: str) -> None:
@@ -248,6 +265,7 @@ def usage_totals() -> dict[str, dict[str, int]]:
 def reset_usage_totals() -> None:
     with _usage_lock:
         _usage.clear()
+        _latency.clear()
 
 
 def estimate_tokens(text: str) -> int:

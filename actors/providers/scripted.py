@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,6 +57,7 @@ class ScriptedProvider:
         return None if self._script is not None else len(self._replies) - self._position
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
+        started = time.perf_counter()
         try:
             reply = await self._next_reply(request)
             if isinstance(reply, ProviderError):
@@ -64,7 +66,7 @@ class ScriptedProvider:
         except ProviderError:
             record_failure(self.name)
             raise
-        record_call(self.name, response.usage)
+        record_call(self.name, response.usage, time.perf_counter() - started)
         return response
 
     async def _next_reply(self, request: ChatRequest) -> Any:

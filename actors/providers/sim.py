@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import random
+import time
 from typing import Any
 
 from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderUnavailable, Usage, parse_model_id
@@ -65,6 +66,7 @@ class SimulatedProvider:
         return dataclasses.replace(self.settings, **preset) if preset else self.settings
 
     async def complete(self, request: ChatRequest) -> ChatResponse:
+        started = time.perf_counter()
         _, model_name = parse_model_id(request.model)
         settings = self.settings_for(model_name)
         # Draw both numbers up front so the sequence does not depend on which calls fail.
@@ -85,7 +87,7 @@ class SimulatedProvider:
         )
         response = ChatResponse(content=self._content(request, model_name), usage=usage, model=request.model,
                                 provider=self.name, finish_reason="stop")
-        record_call(self.name, usage)
+        record_call(self.name, usage, time.perf_counter() - started)
         return response
 
     @staticmethod

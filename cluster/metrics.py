@@ -1,0 +1,342 @@
+"""Prometheus metrics for a running opgraph runtime, made from its actors' statistics() snapshots.
+
+Owns the one translation from snapshots to metric families (``RuntimeCollector``) and the
+HTTP endpoint that serves them (``serve_metrics``, ``opgraph metrics serve``). It only reads:
+it never changes actor state, and no kernel or actor module imports a metrics library.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from opgraph.actors import Runtime, connect
+
+__all__ = ["DEFAULT_PORT", "MetricsServer", "RuntimeCollector", "find_runtime", "serve", "serve_metrics"]
+
+DEFAULT_PORT = 9464
+SCRAPE_TIMEOUT = 2.0  # seconds one scrape waits for all actors' snapshots together
+
+# The actor names runtime.py gives each namespace's shared actors.
+_EXECUTOR_NAME = "opgraph-executor-0"
+_WORKER_NAME = "opgraph-worker-{}"
+_STORE_NAME = "opgraph-branches-{}"
+_MAX_DISCOVERED = 1024  # bounds the by-name search for workers and store shards
+
+
+@dataclass(frozen=True)
+class _Reading:
+    """One actor's answer to a scrape: its snapshot, or None when it was dead or too slow."""
+
+    component: str  # executor | worker | branch_store
+    index: int
+    snapshot: dict[str, Any] | None
+
+
+class RuntimeCollector(Collector):
+    """Polls the executor, workers and branch stores on every scrape and yields metric families.
+
+    All actors are asked at once and waited for together for at most ``timeout``
+    seconds. An actor that is dead, raises, or misses the deadline is reported as
+    ``opgraph_up 0`` and contributes no other samples; the scrape itself always succeeds.
+    """
+
+    def __init__(self, runtime: Runtime, *, timeout: float = SCRAPE_TIMEOUT) -> None:
+        self.runtime = runtime
+        self.timeout = timeout
+        self._lock = threading.Lock()  # concurrent scrapes share the handle lists
+
+    # -- polling ------------------------------------------------------------------------
+    def _poll(self) -> list[_Reading]:
+        with self._lock:
+            actors = [("executor", 0, self.runtime.executor)]
+            actors += [("worker", index, handle) for index, handle in enumerate(self.runtime.workers)]
+            actors += [("branch_store", index, handle) for index, handle in enumerate(self.runtime.stores)]
+        refs = []
+        for component, index, handle in actors:
+            try:
+                refs.append(handle.statistics.remote())
+            except ray.exceptions.RayError:
+                refs.append(None)
+        live = [ref for ref in refs if ref is not None]
+        ready: set[Any] = set()
+        if live:
+            done, _ = ray.wait(live, num_returns=len(live), timeout=self.timeout)
+            ready = set(done)
+        readings = []
+        for (component, index, _), ref in zip(actors, refs):
+            snapshot = None
+            if ref is not None and ref in ready:
+                try:
+                    snapshot = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    self._refresh(component, index)
+                except ray.exceptions.RayError:
+                    pass  # alive but its statistics() raised: reported as up 0 below
+            readings.append(_Reading(component, index, snapshot))
+        return readings
+
+    def _refresh(self, component: str, index: int) -> None:
+        """A dead worker is replaced by the executor under the same name; find the new one."""
+        if component != "worker":
+            return
+        try:
+            replacement = ray.get_actor(_WORKER_NAME.format(index))
+        except ValueError:
+            return  # not replaced (yet): the next scrape tries again
+        with self._lock:
+            if index < len(self.runtime.workers):
+                self.runtime.workers[index] = replacement
+
+    # -- translation --------------------------------------------------------------------
+    def collect(self) -> Iterator[Metric]:
+        readings = self._poll()
+        up = GaugeMetricFamily("opgraph_up", "1 when the actor answered statistics() within the scrape timeout.",
+                               labels=["component", "index"])
+        memory = GaugeMetricFamily("opgraph_actor_max_rss_bytes", "Peak resident memory of the actor's process.",
+                                   labels=["component", "index"])
+        for reading in readings:
+            labels = [reading.component, str(reading.index)]
+            up.add_metric(labels, 0 if reading.snapshot is None else 1)
+            if reading.snapshot is not None and "max_rss_mib" in reading.snapshot:
+                memory.add_metric(labels, reading.snapshot["max_rss_mib"] * 1024 * 1024)
+        yield up
+        yield memory
+        executor = next((r.snapshot for r in readings if r.component == "executor"), None)
+        yield from _executor_families(executor or {})
+        yield from _worker_families([r for r in readings if r.component == "worker" and r.snapshot is not None])
+        yield from _store_families([r for r in readings if r.component == "branch_store" and r.snapshot is not None])
+
+
+def _executor_families(snapshot: dict[str, Any]) -> Iterator[Metric]:
+    """Families from GraphExecutor.statistics(); every family is yielded even without samples."""
+    gauges = [
+        ("opgraph_operations_in_flight", "Operations dispatched and not yet settled, over unfinished runs.",
+         "in_flight"),
+        ("opgraph_operations_queued", "Operations ready but held back by capacity or a pause, over unfinished runs.",
+         "queued"),
+        ("opgraph_runs_active", "Runs started and not yet finished.", "active_runs"),
+        ("opgraph_executor_loop_lag_seconds", "How late the executor's event loop woke for a 0.25 s timer.",
+         "loop_lag_seconds"),
+    ]
+    for name, documentation, key in gauges:
+        family = GaugeMetricFamily(name, documentation)
+        if key in snapshot:
+            family.add_metric([], snapshot[key])
+        yield family
+    counters = [
+        ("opgraph_runs_started_total", "Runs started on the executor.", "runs_started"),
+        ("opgraph_operations_dispatched_total", "Operation calls sent to workers.", "dispatched"),
+        ("opgraph_spawns_accepted_total", "Spawned operations admitted into reactive runs (spawned_operations).",
+         "spawned"),
+        ("opgraph_worker_deaths_total", "Operation workers found dead (and replaced) by the executor.",
+         "worker_deaths"),
+    ]
+    for name, documentation, key in counters:
+        family = CounterMetricFamily(name, documentation)
+        if key in snapshot:
+            family.add_metric([], snapshot[key])
+        yield family
+    yield _labelled_counter("opgraph_spawns_dropped_total", "Spawn requests dropped, by dropped_spawns reason.",
+                            "reason", snapshot.get("dropped_spawns_by_reason", {}))
+    yield _labelled_counter("opgraph_nodes_settled_total", "Nodes that reached a terminal status, by status.",
+                            "status", snapshot.get("settled_by_status", {}))
+    latency = HistogramMetricFamily("opgraph_node_latency_seconds",
+                                    "Operation duration in the worker, by outcome status.", labels=["status"])
+    for status, histogram in sorted(snapshot.get("node_latency_seconds", {}).items()):
+        buckets = [(floatToGoString(bound), count) for bound, count in histogram["buckets"]]
+        latency.add_metric([status], buckets, histogram["sum"])
+    yield latency
+    yield from _run_families(snapshot.get("runs", {}))
+
+
+def _run_families(runs: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Per-run gauges, for unfinished runs only: a finished run has nothing left to show."""
+    live = {run_id: stats for run_id, stats in runs.items() if not stats.get("finished")}
+    paused = GaugeMetricFamily("opgraph_runs_paused", "Unfinished runs that are paused.")
+    paused.add_metric([], sum(1 for stats in live.values() if stats.get("paused")))
+    yield paused
+    per_run = [
+        ("opgraph_run_operations_in_flight", "Operations of the run dispatched and not yet settled.", "running"),
+        ("opgraph_run_operations_queued", "Operations of the run ready but not yet dispatched.", "ready"),
+        ("opgraph_run_operations_waiting", "Operations of the run waiting on dependencies.", "waiting"),
+        ("opgraph_run_capacity", "The run's limit on operations in flight (max_concurrent).", "capacity"),
+        ("opgraph_run_paused", "1 while the run is paused.", "paused"),
+    ]
+    for name, documentation, key in per_run:
+        family = GaugeMetricFamily(name, documentation, labels=["run_id"])
+        for run_id, stats in sorted(live.items()):
+            value = stats.get(key)
+            if value is not None:  # capacity is None for an unlimited run
+                family.add_metric([run_id], float(value))
+        yield family
+
+
+def _worker_families(readings: list[_Reading]) -> Iterator[Metric]:
+    in_flight = GaugeMetricFamily("opgraph_worker_operations_in_flight", "Operations running in the worker.",
+                                  labels=["worker"])
+    for reading in readings:
+        in_flight.add_metric([str(reading.index)], reading.snapshot.get("in_flight", 0))
+    yield in_flight
+    # Provider usage is counted per process; model calls run in the workers, so their sum
+    # is the runtime's usage. A replaced worker starts again from zero (a counter reset).
+    usage: dict[str, dict[str, int]] = {}
+    for reading in readings:
+        for provider, totals in reading.snapshot.get("providers", {}).items():
+            summed = usage.setdefault(provider, {})
+            for key, value in totals.items():
+                summed[key] = summed.get(key, 0) + value
+    tokens = CounterMetricFamily("opgraph_provider_tokens_total", "Model tokens used, by provider and kind.",
+                                 labels=["provider", "kind"])
+    for provider, totals in sorted(usage.items()):
+        tokens.add_metric([provider, "prompt"], totals.get("prompt_tokens", 0))
+        tokens.add_metric([provider, "completion"], totals.get("completion_tokens", 0))
+    yield tokens
+    model_latency = HistogramMetricFamily("opgraph_model_call_latency_seconds",
+                                          "Model-call duration (retries included), by provider.",
+                                          labels=["provider"])
+    merged: dict[str, dict[str, Any]] = {}
+    for reading in readings:
+        for provider, histogram in reading.snapshot.get("provider_latency", {}).items():
+            total = merged.setdefault(provider, {"buckets": {}, "sum": 0.0})
+            total["sum"] += histogram["sum"]
+            for bound, count in histogram["buckets"]:
+                total["buckets"][bound] = total["buckets"].get(bound, 0) + count
+    for provider, total in sorted(merged.items()):
+        buckets = [(floatToGoString(bound), count) for bound, count in sorted(total["buckets"].items())]
+        model_latency.add_metric([provider], buckets, total["sum"])
+    yield model_latency
+    for name, documentation, key in [
+        ("opgraph_provider_calls_total", "Successful model calls, by provider.", "calls"),
+        ("opgraph_provider_retries_total", "Model-call retries (after a retryable failure), by provider.", "retries"),
+        ("opgraph_provider_failures_total", "Model calls that failed for good, by provider.", "failures"),
+    ]:
+        yield _labelled_counter(name, documentation, "provider",
+                                {provider: totals.get(key, 0) for provider, totals in usage.items()})
+
+
+def _store_families(readings: list[_Reading]) -> Iterator[Metric]:
+    for family_type, name, documentation, key in [
+        (GaugeMetricFamily, "opgraph_branches", "Branches held by the store shard.", "branches"),
+        (GaugeMetricFamily, "opgraph_branch_store_bytes", "Bytes of messages the store shard holds itself "
+                                                          "(shared prefixes are counted once).", "bytes"),
+        (GaugeMetricFamily, "opgraph_branch_store_messages", "Messages the store shard holds itself.",
+         "own_messages"),
+        (CounterMetricFamily, "opgraph_branch_clones_total", "Copy-on-write branch clones made by the shard.",
+         "clones"),
+    ]:
+        family = family_type(name, documentation, labels=["store"])
+        for reading in readings:
+            family.add_metric([str(reading.index)], reading.snapshot.get(key, 0))
+        yield family
+
+
+def _labelled_counter(name: str, documentation: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value_label, value in sorted(values.items()):
+        family.add_metric([value_label], value)
+    return family
+
+
+# -- the endpoint ---------------------------------------------------------------------------
+
+
+class MetricsServer:
+    """A running metrics endpoint; ``stop()`` (or leaving a ``with`` block) closes it."""
+
+    def __init__(self, server: Any, thread: threading.Thread, registry: CollectorRegistry) -> None:
+        self._server = server
+        self._thread = thread
+        self.registry = registry
+
+    @property
+    def host(self) -> str:
+        return self._server.server_address[0]
+
+    @property
+    def port(self) -> int:
+        """The bound port (the real one when 0 asked for any free port)."""
+        return self._server.server_port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.stop()
+
+
+def serve_metrics(session_or_runtime: Any, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,
+                  timeout: float = SCRAPE_TIMEOUT) -> MetricsServer:
+    """Serve ``/metrics`` for a Session's (or a Runtime's) actors on a background thread.
+
+    ``port=0`` binds any free port (read it back from ``.port``). The registry is the
+    server's own, so nothing else registered in this process leaks into the output.
+    """
+    runtime = getattr(session_or_runtime, "runtime", session_or_runtime)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(RuntimeCollector(runtime, timeout=timeout))
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(server, thread, registry)
+
+
+def find_runtime() -> Runtime | None:
+    """The shared actors of the current Ray namespace, looked up by name; None without an executor."""
+    try:
+        executor = ray.get_actor(_EXECUTOR_NAME)
+    except ValueError:
+        return None
+    return Runtime(executor=executor, workers=_named(_WORKER_NAME), stores=_named(_STORE_NAME))
+
+
+def _named(pattern: str) -> list[Any]:
+    handles = []
+    for index in range(_MAX_DISCOVERED):
+        try:
+            handles.append(ray.get_actor(pattern.format(index)))
+        except ValueError:
+            break
+    return handles
+
+
+def serve(address: str | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,
+          namespace: str = "opgraph", timeout: float = SCRAPE_TIMEOUT) -> int:
+    """``opgraph metrics serve``: join Ray, find (or start) the runtime, serve until Ctrl-C."""
+    connect(address, namespace=namespace)
+    runtime = find_runtime()
+    if runtime is None:
+        # Nothing runs in this namespace yet (always so for the embedded local Ray):
+        # start the shared actors, so runs started later in this Ray find and share them.
+        print(f"no opgraph runtime in namespace {namespace!r}; starting one", file=sys.stderr)
+        runtime = Runtime.get_or_start()
+    try:
+        server = serve_metrics(runtime, port, host, timeout=timeout)
+    except OSError as exc:
+        print(f"cannot serve metrics on {host}:{port}: {exc}", file=sys.stderr)
+        return 1
+    print(f"serving opgraph metrics on {server.url} (Ctrl-C to stop)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
