@@ -130,9 +130,11 @@ class _Run:
 class GraphExecutor:
     """One executor hosts many runs; it is long-lived and never started per node."""
 
-    def __init__(self, workers: list[Any], stores: list[Any], name: str = "", detached: bool = False) -> None:
+    def __init__(self, workers: list[Any], stores: list[Any], name: str = "", detached: bool = False,
+                 namespace: str | None = None) -> None:
         tune_garbage_collector()
         self.detached = detached
+        self.namespace = namespace
         self.workers = list(workers)
         self.stores = list(stores)
         self.name = name
@@ -569,7 +571,7 @@ class GraphExecutor:
         if index < len(self.workers) and self.workers[index] is dead:
             from .runtime import start_worker  # local: runtime imports this module
 
-            replacement = start_worker(self.stores, index, detached=self.detached)
+            replacement = start_worker(self.stores, index, namespace=self.namespace, detached=self.detached)
             self.workers[index] = replacement
             for run in self.runs.values():
                 if not run.state.finished:

@@ -54,17 +54,21 @@ class Runtime:
     stores: list[Any]
 
     @classmethod
-    def get_or_start(cls, *, workers: int = 2, branch_stores: int = 1, detached: bool = False) -> Runtime:
+    def get_or_start(cls, *, workers: int = 2, branch_stores: int = 1, detached: bool = False,
+                     namespace: str | None = None) -> Runtime:
+        """Find or start the actors of ``namespace`` (default: the job's namespace)."""
         lifetime = "detached" if detached else None
         stores = [
-            BranchStore.options(name=f"opgraph-branches-{i}", get_if_exists=True, lifetime=lifetime).remote(i)
+            BranchStore.options(name=f"opgraph-branches-{i}", namespace=namespace, get_if_exists=True,
+                                lifetime=lifetime).remote(i)
             for i in range(branch_stores)
         ]
-        pool = [start_worker(stores, i, detached=detached) for i in range(workers)]
+        pool = [start_worker(stores, i, namespace=namespace, detached=detached) for i in range(workers)]
         executor = GraphExecutor.options(
             name="opgraph-executor-0",
+            namespace=namespace,
             get_if_exists=True,
             max_concurrency=EXECUTOR_CONCURRENCY,
             lifetime=lifetime,
-        ).remote(pool, stores, "opgraph-executor-0", detached)
+        ).remote(pool, stores, "opgraph-executor-0", detached, namespace)
         return cls(executor=executor, workers=pool, stores=stores)

@@ -119,7 +119,9 @@ class Session:
         self.providers: dict[str, ModelProvider] = {}
         connect(address, namespace=namespace)
         self.id = str(uuid.uuid4())
-        self.runtime = Runtime.get_or_start(workers=workers, branch_stores=branch_stores, detached=detached)
+        # Actors are named per namespace: a Session in another namespace gets its own runtime.
+        self.runtime = Runtime.get_or_start(workers=workers, branch_stores=branch_stores, detached=detached,
+                                            namespace=namespace)
         self.branches: dict[str, str] = {}
         self._locations: dict[str, int] = {}
         from .verbs import VERB_OPERATIONS  # local: verbs pull in the tool machinery

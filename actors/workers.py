@@ -16,11 +16,11 @@ from typing import Any
 
 import ray
 
-from opgraph.kernel import EscalationRequest, SpawnRequest, extract_requests, to_mapping
+from opgraph.kernel import EscalationRequest, ExecutionError, SpawnRequest, extract_requests, to_mapping
 
 from .models import parse_model_id
 
-__all__ = ["OperationCall", "OperationWorker", "Outcome", "RegisteredOperation", "RemoteBranch", "RunResources"]
+__all__ = ["BranchStoreLostError", "OperationCall", "OperationWorker", "Outcome", "RegisteredOperation", "RemoteBranch", "RunResources"]
 
 
 OUTCOME_WINDOW = 0.002  # seconds
@@ -112,12 +112,12 @@ class RemoteBranch:
     async def messages(self) -> list[Any]:
         if self.id is None:
             return []
-        return await self._store.messages.remote(self.id)
+        return await _branch_call(self._store.messages.remote(self.id), self.id)
 
     async def append(self, *messages: Any) -> int:
         if self.id is None:
             return 0
-        return await self._store.append.remote(self.id, list(messages))
+        return await _branch_call(self._store.append.remote(self.id, list(messages)), self.id)
 
     def emit(self, request: SpawnRequest | EscalationRequest) -> None:
         kind = "escalation" if isinstance(request, EscalationRequest) else "spawn"
@@ -127,6 +127,23 @@ class RemoteBranch:
         self._emitted.append((kind, request, key, True))
         if self._executor is not None:
             self._executor.receive_request.remote(self.run_id, self.node_id, kind, request, key)
+
+
+class BranchStoreLostError(ExecutionError):
+    """The BranchStore holding this branch died; its messages cannot be read or written."""
+
+
+async def _branch_call(ref: Any, branch_id: str) -> Any:
+    """Await a store call, translating Ray's errors at this boundary."""
+    try:
+        return await ref
+    except ray.exceptions.RayActorError as exc:
+        raise BranchStoreLostError(f"branch store died: {type(exc).__name__}", branch_id=branch_id) from None
+    except ray.exceptions.RayTaskError as exc:
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, ExecutionError):
+            raise cause from None
+        raise ExecutionError(f"branch store call failed: {exc}", branch_id=branch_id) from None
 
 
 def _settled(task: asyncio.Task, call: OperationCall) -> Outcome:
@@ -232,7 +249,7 @@ class OperationWorker:
             if registered.record_turn and call.branch_id is not None and store is not None:
                 turn = [{"role": "user", "content": call.parameters.get("instruction", "")},
                         {"role": "assistant", "content": _turn_text(response)}]
-                await store.append.remote(call.branch_id, turn)
+                await _branch_call(store.append.remote(call.branch_id, turn), call.branch_id)
             requests = list(emitted)
             for found in extract_requests(response, (SpawnRequest, EscalationRequest)):
                 kind = "escalation" if isinstance(found, EscalationRequest) else "spawn"
