@@ -1,0 +1,402 @@
+"""The version-1 fixed-workflow definition (ADR-0073 D1): its typed model, validation and hash.
+
+Owns the storage rules a definition must pass before it is saved or compiled, one
+structured error per problem, and the canonical ``sha256:`` content hash. It must not
+compile, resolve engines, touch the filesystem or run anything: that is compiler.py.
+
+    OpGraphError
+    └── WorkflowDefinitionError   carries ``.errors``: [{"error", "node_id", "edge_id"}, ...]
+        ├── WorkflowValidationError   the JSON shape breaks a D1 storage rule (spec.py)
+        └── WorkflowCompileError      a valid shape cannot become a fixed graph (compiler.py)
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opgraph.actors.models import ModelIdentityError, parse_model_id
+from opgraph.kernel import OpGraphError
+
+__all__ = [
+    "MAX_EDGES",
+    "MAX_NAME_LENGTH",
+    "MAX_NODES",
+    "REMOVED_NODE_KINDS",
+    "SPEC_VERSION",
+    "STORED_NODE_KINDS",
+    "WorkflowCompileError",
+    "WorkflowDefinition",
+    "WorkflowDefinitionError",
+    "WorkflowEdge",
+    "WorkflowNode",
+    "WorkflowValidationError",
+    "canonical_json",
+    "content_hash",
+    "load_definition",
+    "normalise_name",
+    "problem",
+    "validate_definition",
+    "validate_name",
+]
+
+SPEC_VERSION = 1
+# The caps bound canvas and compiler work; the record gives no measurement behind them.
+MAX_NODES = 200
+MAX_EDGES = 400
+MAX_NAME_LENGTH = 120
+STORED_NODE_KINDS: tuple[str, ...] = ("input", "chat", "parse", "fanout", "engine")
+REMOVED_NODE_KINDS: frozenset[str] = frozenset({"gate"})
+
+
+# -- errors ----------------------------------------------------------------------------
+def problem(error: str, *, node_id: str | None = None, edge_id: str | None = None) -> dict[str, Any]:
+    """One structured problem, the public ``{error, node_id, edge_id}`` shape."""
+    return {"error": error, "node_id": node_id, "edge_id": edge_id}
+
+
+class WorkflowDefinitionError(OpGraphError):
+    """A workflow definition cannot be stored or run; ``.errors`` lists every problem found.
+
+    ``message``, ``node_id`` and ``edge_id`` are those of the first problem, so ``str()``
+    points somewhere useful; callers presenting errors (422 bodies, CLI output) should
+    print ``.errors``. Fix each listed node or edge and submit the definition again.
+    """
+
+    def __init__(
+        self,
+        errors: Sequence[Mapping[str, Any]] | str,
+        *,
+        node_id: str | None = None,
+        edge_id: str | None = None,
+    ) -> None:
+        if isinstance(errors, str):
+            errors = [problem(errors, node_id=node_id, edge_id=edge_id)]
+        self.errors: list[dict[str, Any]] = [
+            problem(str(e["error"]), node_id=e.get("node_id"), edge_id=e.get("edge_id")) for e in errors
+        ]
+        if not self.errors:
+            raise ValueError(f"{type(self).__name__} needs at least one problem")
+        first = self.errors[0]
+        message = first["error"]
+        if len(self.errors) > 1:
+            message = f"{message} (and {len(self.errors) - 1} more problem(s); see .errors)"
+        super().__init__(message, node_id=first["node_id"], edge_id=first["edge_id"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The first problem, in the record's ``to_dict`` shape."""
+        return dict(self.errors[0])
+
+    def __reduce__(self):
+        # The base class pickles message and ids only; the problem list must survive too.
+        return (_rebuild_definition_error, (type(self), self.errors))
+
+
+def _rebuild_definition_error(cls, errors):
+    return cls(errors)
+
+
+class WorkflowValidationError(WorkflowDefinitionError):
+    """The definition's JSON breaks a version-1 storage rule (ADR-0073 D1)."""
+
+
+class WorkflowCompileError(WorkflowDefinitionError):
+    """A stored definition cannot compile to a fixed graph (ADR-0073 D2-D4)."""
+
+
+# -- the typed model -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class WorkflowNode:
+    id: str
+    kind: str
+    x: float
+    y: float
+    config: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowEdge:
+    id: str
+    source: str  # the JSON "from"
+    target: str  # the JSON "to"
+    condition: str | None
+    label: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkflowDefinition:
+    """A validated version-1 definition; ``data`` is a private copy of the validated JSON."""
+
+    data: Mapping[str, Any]
+    nodes: tuple[WorkflowNode, ...]
+    edges: tuple[WorkflowEdge, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+    @property
+    def content_hash(self) -> str:
+        return _hash(self.data)
+
+    def node(self, node_id: str) -> WorkflowNode:
+        for node in self.nodes:
+            if node.id == node_id:
+                return node
+        raise KeyError(node_id)
+
+
+def load_definition(data: Any) -> WorkflowDefinition:
+    """Validate ``data`` and return the typed model, or raise ``WorkflowValidationError``.
+
+    ``None`` (a row saved without a spec) is valid storage but not a definition: it
+    raises ``WorkflowCompileError``, as the record's runner does.
+    """
+    if data is None:
+        raise WorkflowCompileError("workflow definition has no spec_json to run")
+    errors = validate_definition(data)
+    if errors:
+        raise WorkflowValidationError(errors)
+    data = copy.deepcopy(dict(data))
+    nodes = tuple(
+        WorkflowNode(
+            id=node["id"],
+            kind=node["kind"],
+            x=node["pos"]["x"],
+            y=node["pos"]["y"],
+            config=node.get("config") or {},
+        )
+        for node in data.get("nodes", [])
+    )
+    edges = tuple(
+        WorkflowEdge(
+            id=edge["id"],
+            source=edge["from"],
+            target=edge["to"],
+            condition=edge.get("condition"),
+            label=edge.get("label"),
+        )
+        for edge in data.get("edges", [])
+    )
+    return WorkflowDefinition(
+        data=data,
+        nodes=nodes,
+        edges=edges,
+        inputs=tuple(data.get("inputs", [])),
+        outputs=tuple(data.get("outputs", [])),
+    )
+
+
+# -- names -----------------------------------------------------------------------------
+def validate_name(name: Any) -> list[dict[str, Any]]:
+    """Problems with a definition name: a string of 1-120 characters once trimmed."""
+    if not isinstance(name, str):
+        return [problem(f"the workflow name must be a string, got {type(name).__name__}")]
+    trimmed = name.strip()
+    if not trimmed:
+        return [problem("the workflow name is empty; give it 1 to 120 characters")]
+    if len(trimmed) > MAX_NAME_LENGTH:
+        return [
+            problem(
+                f"the workflow name is {len(trimmed)} characters long; the limit is {MAX_NAME_LENGTH}"
+            )
+        ]
+    return []
+
+
+def normalise_name(name: Any) -> str:
+    """The trimmed name, or ``WorkflowValidationError``."""
+    errors = validate_name(name)
+    if errors:
+        raise WorkflowValidationError(errors)
+    return name.strip()
+
+
+# -- validation ------------------------------------------------------------------------
+def validate_definition(data: Any) -> list[dict[str, Any]]:
+    """Every D1 storage problem in ``data``, in document order; ``[]`` when it is valid.
+
+    Collects rather than stops at the first problem. ``None`` is valid (a row may be
+    saved without a spec); it simply cannot run. Beyond the record's rules, the whole
+    value must be plain JSON (finite numbers, string keys), because it is hashed.
+    """
+    if data is None:
+        return []
+    if not isinstance(data, Mapping):
+        return [problem(f"a workflow definition must be a JSON object, got {type(data).__name__}")]
+    errors: list[dict[str, Any]] = []
+    _check_plain_json(data, "definition", errors)
+    version = data.get("version")
+    if type(version) is not int or version != SPEC_VERSION:
+        errors.append(
+            problem(f"the definition must have \"version\": {SPEC_VERSION}, got {version!r}")
+        )
+    if "base_dir" in data:
+        errors.append(
+            problem(
+                "a definition may not set a top-level base_dir: the containment root is chosen "
+                "by whoever runs it (--base-dir / the run request)"
+            )
+        )
+    node_ids = _validate_nodes(data.get("nodes", []), errors)
+    _validate_edges(data.get("edges", []), node_ids, errors)
+    for key in ("inputs", "outputs"):
+        value = data.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+            errors.append(problem(f"{key!r} must be an array of strings"))
+    return errors
+
+
+def _check_plain_json(value: Any, path: str, errors: list[dict[str, Any]], depth: int = 0) -> None:
+    if depth > 64:
+        errors.append(problem(f"{path} nests deeper than 64 levels"))
+        return
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                errors.append(problem(f"{path} has a non-string key {key!r}"))
+                continue
+            _check_plain_json(item, f"{path}.{key}", errors, depth + 1)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_plain_json(item, f"{path}[{index}]", errors, depth + 1)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            errors.append(problem(f"{path} is {value!r}; JSON numbers must be finite"))
+    elif not isinstance(value, (str, int, bool, type(None))):
+        errors.append(problem(f"{path} is a {type(value).__name__}, which is not a JSON value"))
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _validate_nodes(nodes: Any, errors: list[dict[str, Any]]) -> set[str] | None:
+    """Check each node; return the stored ids, or None when they cannot be trusted."""
+    if not isinstance(nodes, list):
+        errors.append(problem(f"'nodes' must be an array, got {type(nodes).__name__}"))
+        return None
+    if len(nodes) > MAX_NODES:
+        # The cap bounds validation work too: the nodes themselves are not inspected.
+        errors.append(problem(f"a definition holds at most {MAX_NODES} nodes, got {len(nodes)}"))
+        return None
+    seen: dict[str, int] = {}
+    for index, node in enumerate(nodes):
+        where = f"nodes[{index}]"
+        if not isinstance(node, Mapping):
+            errors.append(problem(f"{where} must be an object, got {type(node).__name__}"))
+            continue
+        node_id = node.get("id")
+        if not isinstance(node_id, str) or not node_id:
+            errors.append(problem(f"{where} needs a non-empty string id, got {node_id!r}"))
+            node_id = None
+        elif node_id in seen:
+            errors.append(
+                problem(f"duplicate node id {node_id!r} (nodes[{seen[node_id]}] and {where})", node_id=node_id)
+            )
+        else:
+            seen[node_id] = index
+        kind = node.get("kind")
+        if kind in REMOVED_NODE_KINDS:
+            errors.append(
+                problem(
+                    f"{kind!r} nodes were removed; move the condition onto the outgoing edges "
+                    "(\"condition\") and delete the node",
+                    node_id=node_id,
+                )
+            )
+        elif kind not in STORED_NODE_KINDS:
+            errors.append(
+                problem(
+                    f"unknown node kind {kind!r}; admitted kinds: {', '.join(STORED_NODE_KINDS)}",
+                    node_id=node_id,
+                )
+            )
+        pos = node.get("pos")
+        if not isinstance(pos, Mapping) or not (_is_number(pos.get("x")) and _is_number(pos.get("y"))):
+            errors.append(problem("a node needs numeric pos.x and pos.y", node_id=node_id))
+        config = node.get("config")
+        if config is not None and not isinstance(config, Mapping):
+            errors.append(problem("a node's config must be an object", node_id=node_id))
+        elif kind == "chat":
+            _validate_chat_config(config or {}, node_id, errors)
+    return set(seen)
+
+
+def _validate_chat_config(config: Mapping[str, Any], node_id: str | None, errors: list[dict[str, Any]]) -> None:
+    prompt = config.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        errors.append(problem("a chat node needs a non-empty string config.prompt", node_id=node_id))
+    if config.get("model") is not None:
+        try:
+            parse_model_id(config["model"])
+        except ModelIdentityError as exc:
+            errors.append(problem(f"config.model: {exc.message}", node_id=node_id))
+
+
+def _validate_edges(edges: Any, node_ids: set[str] | None, errors: list[dict[str, Any]]) -> None:
+    if not isinstance(edges, list):
+        errors.append(problem(f"'edges' must be an array, got {type(edges).__name__}"))
+        return
+    if len(edges) > MAX_EDGES:
+        errors.append(problem(f"a definition holds at most {MAX_EDGES} edges, got {len(edges)}"))
+        return
+    seen: dict[str, int] = {}
+    for index, edge in enumerate(edges):
+        where = f"edges[{index}]"
+        if not isinstance(edge, Mapping):
+            errors.append(problem(f"{where} must be an object, got {type(edge).__name__}"))
+            continue
+        edge_id = edge.get("id")
+        if not isinstance(edge_id, str) or not edge_id:
+            errors.append(problem(f"{where} needs a non-empty string id, got {edge_id!r}"))
+            edge_id = None
+        elif edge_id in seen:
+            errors.append(
+                problem(f"duplicate edge id {edge_id!r} (edges[{seen[edge_id]}] and {where})", edge_id=edge_id)
+            )
+        else:
+            seen[edge_id] = index
+        for end in ("from", "to"):
+            ref = edge.get(end)
+            if not isinstance(ref, str) or not ref:
+                errors.append(problem(f"edge {end!r} must be a node id, got {ref!r}", edge_id=edge_id))
+            elif node_ids is not None and ref not in node_ids:
+                errors.append(problem(f"edge {end!r} names the unknown node {ref!r}", edge_id=edge_id))
+        condition = edge.get("condition")
+        if condition is not None and (not isinstance(condition, str) or not condition.strip()):
+            errors.append(
+                problem("an edge condition must be a non-empty string when given", edge_id=edge_id)
+            )
+        label = edge.get("label")
+        if label is not None and not isinstance(label, str):
+            errors.append(problem("an edge label must be a string when given", edge_id=edge_id))
+
+
+# -- hashing ---------------------------------------------------------------------------
+def canonical_json(definition: Any) -> bytes:
+    """Sorted keys, no whitespace, UTF-8: equal definitions give equal bytes."""
+    return json.dumps(
+        definition, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def _hash(data: Any) -> str:
+    return "sha256:" + hashlib.sha256(canonical_json(data)).hexdigest()
+
+
+def content_hash(definition: Any) -> str:
+    """``sha256:<hex>`` of the validated definition's canonical JSON.
+
+    Accepts the JSON mapping or a ``WorkflowDefinition``; an invalid mapping raises
+    ``WorkflowValidationError`` rather than hashing something that could never run.
+    """
+    if isinstance(definition, WorkflowDefinition):
+        return definition.content_hash
+    errors = validate_definition(definition)
+    if errors:
+        raise WorkflowValidationError(errors)
+    return _hash(definition)
