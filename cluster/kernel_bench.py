@@ -4,7 +4,11 @@ Owns the kernel figures of issue #2: settlements per second and peak memory for 
 fan-out plus aggregation, a chain, and reactive spawn admissions, each at N and 2N to
 show linear cost. It lives in cluster/ because it reads the clock; the kernel may not.
 
-    python -m opgraph.cluster.kernel_bench [--scale 1.0] [--repeat 3]
+    python -m opgraph.cluster.kernel_bench [--scale 1.0] [--repeat 3] [--only chain,spawns]
+
+``settle/s`` is from the median wall time. ``cpu settle/s`` is from the median process
+CPU time of the same runs: on a shared machine it moves less with other people's load,
+so compare changes with it (and with A/B runs in one session), not across days.
 """
 
 from __future__ import annotations
@@ -94,20 +98,24 @@ def shape_spawns(n: int) -> Callable[[], tuple[FlowState, int]]:
 
 def measure(build: Callable[[], tuple[FlowState, int]], repeat: int) -> dict[str, float]:
     times = []
+    cpu_times = []
     settled = 0
     for _ in range(repeat):
         state, spawns = build()
         gc.collect()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         settled = drive(state, spawns)
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     state, spawns = build()
     tracemalloc.start()
     drive(state, spawns)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     median = statistics.median(times)
-    return {"seconds": median, "settled": settled, "per_second": settled / median, "peak_mib": peak / 2**20}
+    cpu_median = statistics.median(cpu_times)
+    return {"seconds": median, "cpu_seconds": cpu_median, "settled": settled, "per_second": settled / median,
+            "cpu_per_second": settled / cpu_median, "peak_mib": peak / 2**20}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,23 +124,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
     parser.add_argument("--gc-threshold", type=int, default=None,
                         help="generation-0 GC threshold (the executor runs with 50,000; Python's default is 700)")
+    parser.add_argument("--only", default="",
+                        help="comma-separated subset of shapes to run: fanout, chain, spawns (default: all)")
     args = parser.parse_args(argv)
     if args.gc_threshold is not None:
         _, second, third = gc.get_threshold()
         gc.set_threshold(args.gc_threshold, second, third)
     print(f"gc threshold: {gc.get_threshold()}")
     shapes = [
-        ("fan-out + aggregation", shape_fanout, int(100_000 * args.scale)),
-        ("chain", shape_chain, int(10_000 * args.scale)),
-        ("spawn admissions", shape_spawns, int(10_000 * args.scale)),
+        ("fanout", "fan-out + aggregation", shape_fanout, int(100_000 * args.scale)),
+        ("chain", "chain", shape_chain, int(10_000 * args.scale)),
+        ("spawns", "spawn admissions", shape_spawns, int(10_000 * args.scale)),
     ]
-    print(f"{'shape':<24}{'nodes':>9}{'median s':>10}{'settle/s':>11}{'peak MiB':>10}{'2N/N time':>11}")
-    for label, shape, n in shapes:
+    wanted = {name.strip() for name in args.only.split(",") if name.strip()}
+    unknown = wanted - {key for key, *_ in shapes}
+    if unknown:
+        parser.error(f"unknown shape(s) {', '.join(sorted(unknown))}")
+    print(f"{'shape':<24}{'nodes':>9}{'median s':>10}{'settle/s':>11}{'cpu settle/s':>14}"
+          f"{'peak MiB':>10}{'2N/N time':>11}{'2N/N cpu':>10}")
+    for key, label, shape, n in shapes:
+        if wanted and key not in wanted:
+            continue
         base = measure(shape(n), args.repeat)
         double = measure(shape(2 * n), args.repeat)
         ratio = double["seconds"] / base["seconds"]
+        cpu_ratio = double["cpu_seconds"] / base["cpu_seconds"]
         print(f"{label:<24}{base['settled']:>9}{base['seconds']:>10.3f}{base['per_second']:>11,.0f}"
-              f"{base['peak_mib']:>10.1f}{ratio:>11.2f}")
+              f"{base['cpu_per_second']:>14,.0f}{base['peak_mib']:>10.1f}{ratio:>11.2f}{cpu_ratio:>10.2f}")
     return 0
 
 

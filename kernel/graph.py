@@ -7,7 +7,7 @@ an Operation carries a branch *id*, and the branch itself lives in a BranchStore
 
 from __future__ import annotations
 
-import uuid
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -43,8 +43,17 @@ NodeStatus = Literal["pending", "running", "completed", "failed", "skipped", "ca
 TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "skipped", "cancelled"})
 
 
-def _new_id() -> str:
-    return str(uuid.uuid4())
+def _new_id(_random_bytes=os.urandom) -> str:
+    """A random (version 4) UUID string, formatted as ``str(uuid.uuid4())`` would be.
+
+    Built from the bytes directly: spawning mints two ids per admission, and going
+    through ``uuid.UUID`` costs more than twice as much for the same string.
+    """
+    raw = bytearray(_random_bytes(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40  # version 4
+    raw[8] = (raw[8] & 0x3F) | 0x80  # RFC 4122 variant
+    digits = raw.hex()
+    return f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
 
 
 class Operation(BaseModel):

@@ -41,6 +41,8 @@ SPAWN_INSTRUCTION_CHARS = 512
 WAITING, EVALUATING, READY, RUNNING = "waiting", "evaluating", "ready", "running"
 COMPLETED, FAILED, SKIPPED, CANCELLED = "completed", "failed", "skipped", "cancelled"
 TERMINAL = frozenset({COMPLETED, FAILED, SKIPPED, CANCELLED})
+_PUBLIC_STATUS = {WAITING: "pending", EVALUATING: "pending", READY: "pending", RUNNING: RUNNING,
+                 COMPLETED: COMPLETED, FAILED: FAILED, SKIPPED: SKIPPED, CANCELLED: CANCELLED}
 
 # Every legal node transition. Anything else is a kernel bug (StateTransitionError).
 TRANSITIONS: frozenset[tuple[str, str]] = frozenset(
@@ -62,6 +64,11 @@ TRANSITIONS: frozenset[tuple[str, str]] = frozenset(
         (RUNNING, CANCELLED),
     }
 )
+# The same table keyed by the state left, so the per-transition check is one set probe.
+_ALLOWED_FROM: dict[str, frozenset[str]] = {
+    old: frozenset(new for source, new in TRANSITIONS if source == old)
+    for old in (WAITING, EVALUATING, READY, RUNNING, COMPLETED, FAILED, SKIPPED, CANCELLED)
+}
 
 
 class FlowState:
@@ -143,8 +150,9 @@ class FlowState:
     def handle(self, *events: ev.Event) -> list[ev.Instruction]:
         """Apply events in order and return the instructions the shell must carry out."""
         out = self._out = []
+        counters = self.counters
         for event in events:
-            self.counters["events"] += 1
+            counters["events"] += 1
             if event.now > self.now:
                 self.now = event.now
                 self._elapsed = max(0.0, self.now - self.start_time)
@@ -159,8 +167,7 @@ class FlowState:
 
     # -- queries ----------------------------------------------------------------
     def status_of(self, node_id: str) -> str:
-        state = self.state[node_id]
-        return "pending" if state in (WAITING, EVALUATING, READY) else state
+        return _PUBLIC_STATUS[self.state[node_id]]
 
     def story(self, node_id: str) -> list[tuple[str, str, str, int]]:
         """The node's transitions as (from, to, reason, attempt), oldest first."""
@@ -194,20 +201,27 @@ class FlowState:
         self.start_time = event.now
         self._elapsed = 0.0
         graph = self.graph
-        for node_id, node in graph.nodes.items():
-            self._register(node, self._dependencies_of(node))
+        in_order = self._register_initial_nodes()
         # One topological pass both ranks the nodes and detects cycles (edges plus
         # aggregation sources); edge conditions are validated before any work.
-        self._rank_initial_nodes()
+        self._rank_initial_nodes(in_order)
         for edge in graph.edges.values():
-            validate_condition(edge.condition, edge.id)
+            if edge.condition is not None:
+                validate_condition(edge.condition, edge.id)
         restored = []
+        # Bound once: this loop runs for every node of the submitted graph.
+        out, deps, branch, default_branch = self._out, self.deps, self.branch, self.default_branch_id
+        run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
         for node_id, node in graph.nodes.items():
-            if node.is_terminal:
+            if node.status not in TERMINAL:
+                node_deps = deps[node_id]
+                out.append(emit_signal(queued, run_id, node, elapsed, node_deps, None))
+                if node.branch_id is None and not node_deps and not node.metadata.get("inherit_context"):
+                    branch[node_id] = default_branch  # the common root: nothing to clone
+                else:
+                    self._preallocate_branch(node)
+            else:
                 restored.append(node)
-                continue
-            self._emit(sig.NodeQueued, node_id)
-            self._preallocate_branch(node)
         # Restored terminal nodes short-circuit without invocation (ADR-0023 D5). All
         # of them settle before any is released, so no restored node is ever gated.
         for node in restored:
@@ -218,15 +232,18 @@ class FlowState:
             self._transition(node.id, node.status, "restored")
         for node in restored:
             self._release_dependents(node.id)
+        state, unsettled, incoming = self.state, self.unsettled, graph._in
+        make_ready, gate = self._make_ready, self._gate
         for node_id in graph.nodes:
-            if self.state[node_id] == WAITING and self.unsettled[node_id] == 0:
-                self._gate(node_id)
+            if state[node_id] == WAITING and unsettled[node_id] == 0:
+                # A root has no incoming path to gate on (what _gate would conclude).
+                (gate if incoming[node_id] else make_ready)(node_id)
 
     def _on_finished(self, event: ev.OperationFinished) -> None:
         node_id = event.node_id
         if (
             self.state.get(node_id) != RUNNING
-            or event.attempt != self.attempt.get(node_id)
+            or event.attempt != self.attempt[node_id]
         ):
             # Stale or duplicate result of an attempt that no longer owns the node.
             self.counters["stale_results"] += 1
@@ -235,9 +252,16 @@ class FlowState:
             )
             return
         self.running.discard(node_id)
-        if event.status == COMPLETED:
+        status = event.status
+        if status == COMPLETED:
             response = event.response
-            update = response.get("context") if type(response) is dict or isinstance(response, Mapping) else None
+            response_type = type(response)
+            if response_type in _SCALARS:
+                update = None
+            elif response_type is dict or isinstance(response, Mapping):
+                update = response.get("context")
+            else:
+                update = None
             if update is not None and not isinstance(update, Mapping):
                 # Ideal over retrospective: a bad context update is a failure, not "completed".
                 message = f"response context must be a mapping, got {type(update).__name__}"
@@ -252,21 +276,28 @@ class FlowState:
                         follows=lambda other: self.graph.reaches(other, node_id),
                     )
                 self._transition(node_id, COMPLETED, "operation completed")
-                self._emit(sig.NodeCompleted, node_id)
-                self._release_dependents(node_id)
-        elif event.status == FAILED:
+                self._out.append(
+                    ev.EmitSignal(sig.NodeCompleted, self.run_id, self.graph.nodes[node_id], self._elapsed,
+                                  self.deps[node_id], None)
+                )
+                if self.dependents[node_id]:
+                    self._release_dependents(node_id)
+        elif status == FAILED:
             self._settle_failed(node_id, event.error or "operation failed", event.error_type)
-        elif event.status == CANCELLED:
+        elif status == CANCELLED:
             self._transition(node_id, CANCELLED, "operation cancelled")
             self._release_dependents(node_id)
         else:
             raise OperationError(f"unknown operation outcome {event.status!r}", node_id=node_id)
-        requests: list[ev.Event] = list(event.requests)
-        if not requests and not event.extracted and event.status == COMPLETED and type(event.response) not in _SCALARS:
+        requests: Iterable[ev.Event] = event.requests
+        if not requests and not event.extracted and status == COMPLETED and type(event.response) not in _SCALARS:
             # In-process drivers may hand back live request objects in the response.
-            for found in extract_requests(event.response, (self.spawn_type, EscalationRequest)):
-                kind = ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested
-                requests.append(kind(now=event.now, emitter_id=node_id, request=found, dedupe_key=("object", id(found))))
+            requests = [
+                (ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested)(
+                    now=event.now, emitter_id=node_id, request=found, dedupe_key=("object", id(found))
+                )
+                for found in extract_requests(event.response, (self.spawn_type, EscalationRequest))
+            ]
         for request in requests:
             _HANDLERS[type(request)](self, request)
 
@@ -407,6 +438,55 @@ class FlowState:
                 deps.append(source)
         return deps
 
+    def _register_initial_nodes(self) -> bool:
+        """``_register`` for every node of the submitted graph, in one pass.
+
+        The same bookkeeping, with dependencies read straight from the adjacency and
+        every lookup bound once; ranks are left to ``_rank_initial_nodes``, which
+        always follows. Returns True when insertion order is already topological
+        (every dependency was inserted before its dependent), the usual case for
+        built graphs, which lets ranking skip its heap.
+        """
+        graph = self.graph
+        nodes, edges, incoming = graph.nodes, graph.edges, graph._in
+        state, history, attempt, all_deps = self.state, self.history, self.attempt, self.deps
+        dependents, unsettled = self.dependents, self.unsettled
+        in_order = not state  # a node registered before the start (spawned early) may be anywhere
+        for node_id, node in nodes.items():
+            edge_ids = incoming[node_id]
+            if not edge_ids:
+                deps = []
+            elif len(edge_ids) == 1:
+                deps = [edges[edge_ids[0]].head]
+            else:
+                deps = list(dict.fromkeys([edges[edge_id].head for edge_id in edge_ids]))
+            sources = node.metadata.get("aggregation_sources")
+            if sources:
+                for source in sources:
+                    if source in nodes and source not in deps and source != node_id:
+                        deps.append(source)
+            if node_id not in dependents:
+                dependents[node_id] = []
+            waiting_on = 0
+            for dep in deps:
+                if dep in dependents:
+                    dependents[dep].append(node_id)
+                else:
+                    dependents[dep] = [node_id]
+                dep_state = state.get(dep)
+                if dep_state is None:  # not registered yet: inserted later, or the node itself
+                    in_order = False
+                    waiting_on += 1
+                elif dep_state not in TERMINAL:
+                    waiting_on += 1
+            state[node_id] = WAITING
+            history[node_id] = []
+            attempt[node_id] = 0
+            all_deps[node_id] = deps
+            unsettled[node_id] = waiting_on
+        self.open_nodes += len(nodes)
+        return in_order
+
     def _register(self, node: Operation, deps: list[str]) -> None:
         node_id = node.id
         self.state[node_id] = WAITING
@@ -423,26 +503,35 @@ class FlowState:
         self.unsettled[node_id] = unsettled
         self.open_nodes += 1
 
-    def _rank_initial_nodes(self) -> None:
+    def _rank_initial_nodes(self, in_order: bool = False) -> None:
         """Rank = position in the topological order that breaks ties by insertion order.
 
         Descendants always outrank ancestors, and parallel nodes are ordered by
         insertion, so shared-context collisions resolve the same way every run.
+        When insertion order is itself topological (``in_order``), that order *is*
+        the tie-broken topological order, and the graph is acyclic: no heap needed.
         """
+        deps, dependents, rank = self.deps, self.dependents, self.rank
+        if in_order:
+            for position, node_id in enumerate(self.graph.nodes):
+                rank[node_id] = (position,)
+            return
         order = {node_id: index for index, node_id in enumerate(self.graph.nodes)}
-        indegree = {node_id: len(self.deps[node_id]) for node_id in order}
+        indegree = {node_id: len(deps[node_id]) for node_id in order}
         heap = [order[n] for n, d in indegree.items() if d == 0]
         heapq.heapify(heap)
         names = list(order)
         position = 0
+        pop, push = heapq.heappop, heapq.heappush
         while heap:
-            node_id = names[heapq.heappop(heap)]
-            self.rank[node_id] = (position,)
+            node_id = names[pop(heap)]
+            rank[node_id] = (position,)
             position += 1
-            for dependent in self.dependents.get(node_id, ()):
-                indegree[dependent] -= 1
-                if indegree[dependent] == 0:
-                    heapq.heappush(heap, order[dependent])
+            for dependent in dependents.get(node_id, ()):
+                remaining = indegree[dependent] - 1
+                indegree[dependent] = remaining
+                if remaining == 0:
+                    push(heap, order[dependent])
         if position != len(order):
             if not self.graph.is_acyclic():
                 raise OperationError("Graph must be acyclic for flow execution")
@@ -488,21 +577,28 @@ class FlowState:
 
     # -- transitions --------------------------------------------------------------
     def _transition(self, node_id: str, new: str, reason: str) -> None:
-        old = self.state[node_id]
-        if (old, new) not in TRANSITIONS:
+        state = self.state
+        old = state[node_id]
+        if new not in _ALLOWED_FROM[old]:  # the TRANSITIONS table, keyed by ``old``
             raise StateTransitionError(f"illegal transition {old} -> {new} ({reason})", node_id=node_id)
-        self.state[node_id] = new
+        state[node_id] = new
         self.history[node_id].append((old, new, reason, self.attempt[node_id]))
         if new in TERMINAL:
             self.open_nodes -= 1
             self.counters["settled"] += 1
 
     def _release_dependents(self, node_id: str) -> None:
-        for dependent in self.dependents.get(node_id, ()):
-            if self.state[dependent] in TERMINAL:
+        dependents = self.dependents.get(node_id)
+        if not dependents:
+            return
+        state, unsettled = self.state, self.unsettled
+        for dependent in dependents:
+            current = state[dependent]  # read per dependent: gating one may settle another
+            if current in TERMINAL:
                 continue
-            self.unsettled[dependent] -= 1
-            if self.unsettled[dependent] == 0 and self.state[dependent] == WAITING and not self.cancelling:
+            remaining = unsettled[dependent] - 1
+            unsettled[dependent] = remaining
+            if remaining == 0 and current == WAITING and not self.cancelling:
                 self._gate(dependent)
 
     def _gate(self, node_id: str) -> None:
@@ -513,12 +609,13 @@ class FlowState:
             return
         edges = self.graph.edges
         state = self.state
-        live = [edges[e] for e in edge_ids if state[edges[e].head] != SKIPPED]
-        if not live:
-            self._skip(node_id)
-            return
         deferred = []
-        for edge in live:
+        # Live edges (head not skipped) in order; the first that passes readies the node.
+        # With none live, or none passing and none deferred, the node is skipped.
+        for edge_id in edge_ids:
+            edge = edges[edge_id]
+            if state[edge.head] == SKIPPED:
+                continue
             if edge.condition is None:
                 self._make_ready(node_id)
                 return
@@ -587,24 +684,27 @@ class FlowState:
         self.results[node_id] = result
         self.errors[node_id] = message
         self._transition(node_id, FAILED, message[:200])
-        self._emit(sig.NodeFailed, node_id, error=message)
+        self._emit(sig.NodeFailed, node_id, {"error": message})
         self._release_dependents(node_id)
 
     # -- dispatch -------------------------------------------------------------------
     def _pump(self) -> None:
         if self.paused or self.held or self.cancelling or not self.started:
             return
-        while self.ready and len(self.running) < self.capacity:
-            self._dispatch(self.ready.popleft())
+        ready, running, capacity = self.ready, self.running, self.capacity
+        if ready and len(running) < capacity:
+            dispatch = self._dispatch
+            for _ in range(min(len(ready), capacity - len(running))):
+                dispatch(ready.popleft())
 
     def _dispatch(self, node_id: str) -> None:
         node = self.graph.nodes[node_id]
-        self.attempt[node_id] += 1
-        attempt = self.attempt[node_id]
+        attempt = self.attempt[node_id] + 1
+        self.attempt[node_id] = attempt
         self._transition(node_id, RUNNING, "dispatched")
         self.running.add(node_id)
         branch_id = self.branch.get(node_id, self.default_branch_id)
-        if node_id in self.pending_inheritance:
+        if self.pending_inheritance and node_id in self.pending_inheritance:
             self.pending_inheritance.discard(node_id)
             primary = node.metadata.get("primary_dependency")
             if primary in self.results and self.state.get(primary) in (COMPLETED, FAILED):
@@ -612,34 +712,45 @@ class FlowState:
                 if source != branch_id:
                     self._out.append(ev.ReplaceHistory(node_id, attempt, branch_id, source))
         parameters = dict(node.parameters)
-        parameters["context"] = self._operation_context(node_id, parameters.get("context"))
-        queue = self.shared.data.get(OPERATOR_MESSAGES_KEY)
-        if isinstance(queue, list) and queue:
+        own = parameters.get("context")
+        shared = self.shared.data
+        if own is None and not shared and not self.deps[node_id]:
+            parameters["context"] = {}  # a root with nothing to pass on (the common fan-out leaf)
+        else:
+            parameters["context"] = self._operation_context(node_id, own)
+        queue = shared.get(OPERATOR_MESSAGES_KEY)
+        if queue and isinstance(queue, list):
             instruction = parameters.get("instruction") or ""
             rendered = render_operator_messages(queue, str(instruction), node_id)
             if rendered != instruction:
                 parameters["instruction"] = rendered
         self.counters["dispatched"] += 1
-        self._emit(sig.NodeStarted, node_id)
-        self._out.append(ev.DispatchOperation(node_id, attempt, node.operation, parameters, branch_id))
+        out = self._out
+        out.append(ev.EmitSignal(sig.NodeStarted, self.run_id, node, self._elapsed, self.deps[node_id], None))
+        out.append(ev.DispatchOperation(node_id, attempt, node.operation, parameters, branch_id))
 
     def _operation_context(self, node_id: str, own: Any) -> dict[str, Any]:
-        if isinstance(own, Mapping):
-            context = dict(own)
-        elif own is None:
+        if own is None:
             context = {}
+        elif isinstance(own, Mapping):
+            context = dict(own)
+            # The raw steer queue is control input, never model context (ADR-0023 D4);
+            # below, the shared context's copy of it is skipped for the same reason.
+            context.pop(OPERATOR_MESSAGES_KEY, None)
         else:
             context = {"original_context": own}
-        for dep in self.deps[node_id]:
-            if self.state[dep] != SKIPPED and dep in self.results:
-                context[f"{dep}_result"] = to_mapping(self.results[dep])
+        deps = self.deps[node_id]
+        if deps:
+            results, state = self.results, self.state
+            for dep in deps:
+                if dep in results and state[dep] != SKIPPED:
+                    result = results[dep]
+                    context[f"{dep}_result"] = result if type(result) in _SCALARS else to_mapping(result)
         # Copied, not shared: later merges mutate shared values in place, and an emitted
         # DispatchOperation must keep the context it was prepared with.
         for key, value in self.shared.data.items():
             if key != OPERATOR_MESSAGES_KEY:
                 context[key] = value if type(value) in _SCALARS else copy.deepcopy(value)
-        # The raw steer queue is control input, never model context (ADR-0023 D4).
-        context.pop(OPERATOR_MESSAGES_KEY, None)
         return context
 
     # -- reactive admission -----------------------------------------------------------
@@ -721,17 +832,9 @@ class FlowState:
         return True
 
     # -- signals and completion -------------------------------------------------------
-    def _emit(self, kind: type, node_id: str, **extra: Any) -> None:
-        self._out.append(
-            ev.EmitSignal(
-                kind,
-                self.run_id,
-                self.graph.nodes[node_id],
-                self._elapsed,
-                self.deps.get(node_id, ()),
-                extra or None,
-            )
-        )
+    def _emit(self, kind: type, node_id: str, extra: dict[str, Any] | None = None) -> None:
+        node = self.graph.nodes[node_id]
+        self._out.append(ev.EmitSignal(kind, self.run_id, node, self._elapsed, self.deps.get(node_id, ()), extra))
 
     def _maybe_finish(self) -> None:
         if self.finished or not self.started or self.open_nodes > 0 or self.running:
@@ -746,13 +849,15 @@ class FlowState:
         Done here rather than per transition: pydantic attribute assignment is the
         costliest step of a settlement, and nobody reads node fields mid-run.
         """
+        state, results, errors = self.state, self.results, self.errors
         for node_id, node in self.graph.nodes.items():
             fields = node.__dict__
-            fields["status"] = self.status_of(node_id)
-            if node_id in self.results and self.state[node_id] == COMPLETED:
-                fields["response"] = self.results[node_id]
-            if node_id in self.errors:
-                fields["error"] = self.errors[node_id]
+            current = state[node_id]
+            fields["status"] = _PUBLIC_STATUS[current]
+            if current == COMPLETED and node_id in results:
+                fields["response"] = results[node_id]
+            if node_id in errors:
+                fields["error"] = errors[node_id]
 
     def envelope(self) -> dict[str, Any]:
         """The result envelope (ADR-0023 D4/D6) plus the truthful additions of DESIGN.md.
@@ -761,17 +866,27 @@ class FlowState:
         entry and not skipped (so failures appear in it). ``failed_operations`` and
         ``operation_statuses`` tell the truth per node.
         """
-        order = list(self.state)
-        statuses = {node_id: self.status_of(node_id) for node_id in order}
+        results = self.results
+        statuses: dict[str, str] = {}
+        completed: list[str] = []
+        operation_results: dict[str, Any] = {}
+        by_state: dict[str, list[str]] = {SKIPPED: [], FAILED: [], CANCELLED: []}
+        # One pass in registration order; each list keeps that order.
+        for node_id, current in self.state.items():
+            statuses[node_id] = _PUBLIC_STATUS[current]
+            if node_id in results:
+                operation_results[node_id] = results[node_id]
+                if current != SKIPPED:
+                    completed.append(node_id)
+            if current in by_state:
+                by_state[current].append(node_id)
         envelope: dict[str, Any] = {
-            "completed_operations": [
-                n for n in order if n in self.results and self.state[n] != SKIPPED
-            ],
-            "operation_results": {n: self.results[n] for n in order if n in self.results},
+            "completed_operations": completed,
+            "operation_results": operation_results,
             "final_context": self.shared.snapshot(),
-            "skipped_operations": [n for n in order if self.state[n] == SKIPPED],
-            "failed_operations": [n for n in order if self.state[n] == FAILED],
-            "cancelled_operations": [n for n in order if self.state[n] == CANCELLED],
+            "skipped_operations": by_state[SKIPPED],
+            "failed_operations": by_state[FAILED],
+            "cancelled_operations": by_state[CANCELLED],
             "operation_statuses": statuses,
             "context_collisions": list(self.shared.collisions),
             "status": self._run_status(),
