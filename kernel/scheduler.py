@@ -15,63 +15,48 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from pydantic import BaseModel
-
 from . import events as ev
 from . import signals as sig
-from .context import OPERATOR_MESSAGES_KEY, SharedContext, render_operator_messages, to_mapping
-from .contracts import EscalationRequest, SpawnRequest, default_node_builder, extract_requests
+from .admission import ReactiveAdmission
+from .context import (
+    OPERATOR_MESSAGES_KEY,
+    SharedContext,
+    render_operator_messages,
+    to_mapping,
+)
+from .contracts import (
+    EscalationRequest,
+    SpawnRequest,
+    default_node_builder,
+    extract_requests,
+)
 from .errors import (
-    EdgeConditionError,
-    InvariantViolation,
     OperationError,
     StateTransitionError,
 )
 from .graph import Graph, Operation, condition_is_async, validate_condition
+from .invariants import InvariantChecks
 from .results import validate_envelope
+from .states import (
+    _ALLOWED_FROM,
+    _PUBLIC_STATUS,
+    CANCELLED,
+    COMPLETED,
+    EVALUATING,
+    FAILED,
+    READY,
+    RUNNING,
+    SKIPPED,
+    TERMINAL,
+    TRANSITIONS,
+    WAITING,
+)
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "FlowState", "TRANSITIONS"]
 
 DEFAULT_MAX_CONCURRENCY = 10_000
-BUILDER_ERROR_CHARS = 500
-SPAWN_INSTRUCTION_CHARS = 512
 
-# Internal node states. "waiting", "evaluating" and "ready" all project to the public
-# status "pending"; the rest are public statuses as they are.
-WAITING, EVALUATING, READY, RUNNING = "waiting", "evaluating", "ready", "running"
-COMPLETED, FAILED, SKIPPED, CANCELLED = "completed", "failed", "skipped", "cancelled"
-TERMINAL = frozenset({COMPLETED, FAILED, SKIPPED, CANCELLED})
-_PUBLIC_STATUS = {WAITING: "pending", EVALUATING: "pending", READY: "pending", RUNNING: RUNNING,
-                 COMPLETED: COMPLETED, FAILED: FAILED, SKIPPED: SKIPPED, CANCELLED: CANCELLED}
-
-# Every legal node transition. Anything else is a kernel bug (StateTransitionError).
-TRANSITIONS: frozenset[tuple[str, str]] = frozenset(
-    {
-        (WAITING, EVALUATING),
-        (WAITING, READY),
-        (WAITING, SKIPPED),
-        (WAITING, FAILED),
-        (WAITING, CANCELLED),
-        (WAITING, COMPLETED),  # restored terminal node (ADR-0023 D5)
-        (EVALUATING, READY),
-        (EVALUATING, SKIPPED),
-        (EVALUATING, FAILED),
-        (EVALUATING, CANCELLED),
-        (READY, RUNNING),
-        (READY, CANCELLED),
-        (RUNNING, COMPLETED),
-        (RUNNING, FAILED),
-        (RUNNING, CANCELLED),
-    }
-)
-# The same table keyed by the state left, so the per-transition check is one set probe.
-_ALLOWED_FROM: dict[str, frozenset[str]] = {
-    old: frozenset(new for source, new in TRANSITIONS if source == old)
-    for old in (WAITING, EVALUATING, READY, RUNNING, COMPLETED, FAILED, SKIPPED, CANCELLED)
-}
-
-
-class FlowState:
+class FlowState(ReactiveAdmission, InvariantChecks):
     """All state of one run; change it only through ``handle(*events)``.
 
     Cost per settlement is O(degree): dependents are found through the reverse
@@ -312,92 +297,6 @@ class FlowState:
         else:
             self._skip(node_id)
 
-    def _on_spawn(self, event: ev.SpawnRequested) -> None:
-        if not self.reactive or self.finished or self.cancelling:
-            return
-        request = event.request
-        emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
-        assignee = getattr(request, "assignee", None)
-        if self._is_duplicate_request(event):
-            if not event.redelivery:
-                self._drop("duplicate", assignee, event.emitter_id)
-            return
-        try:
-            child = self.node_builder(request, emitter)
-        except Exception as exc:  # user routing code: becomes a ledger entry, never a crash
-            self._drop("builder_error", assignee, event.emitter_id, error=str(exc)[:BUILDER_ERROR_CHARS])
-            return
-        if child is None:
-            self._drop("null_child", assignee, event.emitter_id)
-            return
-        independent = bool(getattr(request, "independent", False))
-        self._accept(
-            child,
-            after=None if independent or emitter is None else emitter.id,
-            emitter_id=event.emitter_id,
-            assignee=assignee,
-            independent=independent,
-        )
-
-    def _on_escalation(self, event: ev.EscalationRequested) -> None:
-        if not self.reactive or self.finished or self.cancelling:
-            return
-        request = event.request
-        if self._is_duplicate_request(event):
-            if not event.redelivery:
-                self._drop("duplicate", None, event.emitter_id)
-            return
-        emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
-        if emitter is not None:
-            self.escalated_operations.append(emitter.id)
-        child_id = None
-        if getattr(request, "route", None) == "higher_tier" and emitter is not None:
-            parameters = dict(emitter.parameters)
-            parameters.pop("context", None)
-            original = parameters.get("instruction", "")
-            parameters["instruction"] = (
-                f"[ESCALATION] The previous attempt escalated this task to a higher tier. "
-                f"Reason: {request.reason}\n\n{original}"
-            )
-            child = Operation(operation=emitter.operation, parameters=parameters)
-            child.metadata["escalated_from"] = emitter.id
-            if self._accept(child, after=None, emitter_id=emitter.id, assignee=None, independent=True):
-                child_id = child.id
-        self._out.append(
-            ev.EmitSignal(
-                sig.NodeEscalated,
-                fields={
-                    "run_id": self.run_id,
-                    "op_id": event.emitter_id or "",
-                    "route": str(getattr(request, "route", "")),
-                    "reason": str(getattr(request, "reason", ""))[:SPAWN_INSTRUCTION_CHARS],
-                    "child_id": child_id,
-                },
-            )
-        )
-
-    def _on_inject(self, event: ev.InjectRequested) -> None:
-        if not self.reactive or not self.started or self.finished or self.cancelling:
-            self._out.append(ev.AdmissionDecided(event.token, False, None, "not_running"))
-            return
-        operation = event.operation
-        if not isinstance(operation, Operation):
-            self._out.append(ev.AdmissionDecided(event.token, False, None, "builder_error"))
-            return
-        if event.after is not None and event.after not in self.graph:
-            self._drop("builder_error", None, event.after, op_id=operation.id, error="inject after an unknown node")
-            self._out.append(ev.AdmissionDecided(event.token, False, operation.id, "builder_error"))
-            return
-        accepted = self._accept(
-            operation,
-            after=None if event.independent else event.after,
-            emitter_id=event.after,
-            assignee=None,
-            independent=event.independent,
-        )
-        reason = None if accepted else self.dropped_spawns[-1]["reason"]
-        self._out.append(ev.AdmissionDecided(event.token, accepted, operation.id, reason))
-
     def _on_pause(self, event: ev.PauseRequested) -> None:
         if not self.paused:
             self.paused = True
@@ -540,15 +439,6 @@ class FlowState:
                 "Graph must be acyclic for flow execution (aggregation_sources form a cycle)",
                 node_id=stuck,
             )
-
-    def _child_rank(self, emitter_id: str | None) -> tuple[int, ...]:
-        """Spawned children rank right after their emitter, in per-emitter order."""
-        if emitter_id is None or emitter_id not in self.rank:
-            self._injected += 1
-            return (len(self.graph.nodes) + 1_000_000_000 + self._injected,)
-        count = self._children.get(emitter_id, 0)
-        self._children[emitter_id] = count + 1
-        return (*self.rank[emitter_id], count)
 
     def _new_branch_id(self, node_id: str) -> str:
         # Deterministic and unique per (run, node); a plain string is 10x cheaper than uuid5.
@@ -753,84 +643,6 @@ class FlowState:
                 context[key] = value if type(value) in _SCALARS else copy.deepcopy(value)
         return context
 
-    # -- reactive admission -----------------------------------------------------------
-    def _is_duplicate_request(self, event: ev.SpawnRequested | ev.EscalationRequested) -> bool:
-        key = event.dedupe_key
-        if key is None:
-            request = event.request
-            body = request.model_dump_json() if isinstance(request, BaseModel) else repr(request)
-            key = ("content", event.emitter_id, type(request).__name__, body)
-        if key in self._seen_requests:
-            return True
-        self._seen_requests.add(key)
-        return False
-
-    def _drop(self, reason: str, assignee: Any, emitter_id: str | None, **extra: Any) -> None:
-        entry = {"reason": reason, "assignee": assignee, "emitter_id": emitter_id}
-        entry.update(extra)
-        self.dropped_spawns.append(entry)
-
-    def _accept(
-        self,
-        child: Operation,
-        *,
-        after: str | None,
-        emitter_id: str | None,
-        assignee: Any,
-        independent: bool,
-    ) -> bool:
-        """The one admission path: cap, duplicate, insertion, edge, cycle rollback, ledger."""
-        if self.spawn_count >= self.max_spawn:
-            self._drop("max_spawn_exceeded", assignee, emitter_id, op_id=child.id)
-            return False
-        if child.id in self.graph:
-            # Ideal over retrospective (ADR-0023 delta 7): reinjection is idempotent.
-            self._drop("duplicate", assignee, emitter_id, op_id=child.id)
-            return False
-        self.graph.add_node(child)
-        if after is not None:
-            edge = self.graph.add_edge(after, child.id, label=["spawn"])
-            if self.graph.reaches(child.id, after):
-                self.graph.remove_edge(edge.id)
-                self.graph.remove_node(child.id)
-                self._drop("cycle", assignee, emitter_id, op_id=child.id)
-                return False
-            child.metadata["parent_id"] = after
-        self.spawn_count += 1
-        self.spawned_ids.append(child.id)
-        child.metadata["spawned"] = True
-        self._register(child, self._dependencies_of(child))
-        self.rank[child.id] = self._child_rank(emitter_id)
-        if self._branch_is_known(child.branch_id):
-            source = child.branch_id
-        elif after is not None:
-            source = self.branch.get(after, self.default_branch_id)
-        else:
-            source = self.default_branch_id
-        clone = self._new_branch_id(child.id)
-        self.branch[child.id] = clone
-        if self.known_branches is not None:
-            self.known_branches.add(clone)
-        self._out.append(ev.CloneBranch(child.id, clone, source, reactive=True))
-        instruction = child.parameters.get("instruction")
-        self._out.append(
-            ev.EmitSignal(
-                sig.NodeSpawned,
-                fields={
-                    "run_id": self.run_id,
-                    "op_id": child.id,
-                    "parent_id": after,
-                    "independent": independent,
-                    "assignee": assignee,
-                    "instruction": None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
-                },
-            )
-        )
-        self._emit(sig.NodeQueued, child.id)
-        if self.unsettled[child.id] == 0:
-            self._gate(child.id)
-        return True
-
     # -- signals and completion -------------------------------------------------------
     def _emit(self, kind: type, node_id: str, extra: dict[str, Any] | None = None) -> None:
         node = self.graph.nodes[node_id]
@@ -904,47 +716,6 @@ class FlowState:
         if any(state == FAILED for state in self.state.values()):
             return FAILED
         return COMPLETED
-
-    # -- invariants ---------------------------------------------------------------------
-    def validate(self) -> None:
-        """Check every cross-structure invariant; raise InvariantViolation on the first break."""
-
-        def fail(message: str, node_id: str | None = None) -> None:
-            raise InvariantViolation(message, node_id=node_id)
-
-        running = {n for n, s in self.state.items() if s == RUNNING}
-        if running != self.running:
-            fail(f"running set {sorted(self.running)} != running states {sorted(running)}")
-        if len(self.running) > self.capacity:
-            fail(f"{len(self.running)} operations in flight exceed capacity {self.capacity}")
-        if len(set(self.ready)) != len(self.ready):
-            fail("a node is queued twice")
-        for node_id in self.ready:
-            if self.state[node_id] != READY:
-                fail(f"queued node is {self.state[node_id]}", node_id)
-        ready_states = sum(1 for s in self.state.values() if s == READY)
-        if ready_states != len(self.ready):
-            fail("a ready node is missing from the queue")
-        open_nodes = sum(1 for s in self.state.values() if s not in TERMINAL)
-        if open_nodes != self.open_nodes:
-            fail(f"open node count {self.open_nodes} != {open_nodes}")
-        if set(self.state) != set(self.graph.nodes):
-            fail("scheduler state and graph disagree on the node set")
-        for node_id, state in self.state.items():
-            unsettled = sum(1 for dep in self.deps[node_id] if self.state[dep] not in TERMINAL)
-            if state not in TERMINAL and unsettled != self.unsettled[node_id]:
-                fail(f"unsettled counter {self.unsettled[node_id]} != {unsettled}", node_id)
-            if self.started and not self.cancelling and state == WAITING and unsettled == 0:
-                fail("waiting node has no unmet dependency", node_id)
-            if state in (READY, RUNNING, EVALUATING) and unsettled:
-                fail(f"{state} node has an unsettled dependency", node_id)
-            if state == SKIPPED and node_id in self.results:
-                fail("skipped node has a result entry", node_id)
-        if self.spawn_count > self.max_spawn:
-            fail("spawn cap exceeded")
-        if self.finished and (self.open_nodes or self.running):
-            fail("finished with open nodes")
-
 
 _SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 

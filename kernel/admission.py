@@ -1,0 +1,197 @@
+"""Reactive admission: the one path by which a running graph grows (ADR-0023 D6, ADR-0033 D3).
+
+Owns spawn, escalation and injection handling: request de-duplication, routing through
+the node builder, the cap, insertion, edges, cycle rollback and the dropped-spawn ledger.
+A mixin of FlowState: it keeps no state of its own and is reached only through ``handle``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from . import events as ev
+from . import signals as sig
+from .graph import Operation
+
+__all__ = ["BUILDER_ERROR_CHARS", "SPAWN_INSTRUCTION_CHARS", "ReactiveAdmission"]
+
+BUILDER_ERROR_CHARS = 500
+SPAWN_INSTRUCTION_CHARS = 512
+
+
+class ReactiveAdmission:
+    """Spawn, escalation and inject handlers plus ``_accept``, mixed into FlowState."""
+
+    def _on_spawn(self, event: ev.SpawnRequested) -> None:
+        if not self.reactive or self.finished or self.cancelling:
+            return
+        request = event.request
+        emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
+        assignee = getattr(request, "assignee", None)
+        if self._is_duplicate_request(event):
+            if not event.redelivery:
+                self._drop("duplicate", assignee, event.emitter_id)
+            return
+        try:
+            child = self.node_builder(request, emitter)
+        except Exception as exc:  # user routing code: becomes a ledger entry, never a crash
+            self._drop("builder_error", assignee, event.emitter_id, error=str(exc)[:BUILDER_ERROR_CHARS])
+            return
+        if child is None:
+            self._drop("null_child", assignee, event.emitter_id)
+            return
+        independent = bool(getattr(request, "independent", False))
+        self._accept(
+            child,
+            after=None if independent or emitter is None else emitter.id,
+            emitter_id=event.emitter_id,
+            assignee=assignee,
+            independent=independent,
+        )
+
+    def _on_escalation(self, event: ev.EscalationRequested) -> None:
+        if not self.reactive or self.finished or self.cancelling:
+            return
+        request = event.request
+        if self._is_duplicate_request(event):
+            if not event.redelivery:
+                self._drop("duplicate", None, event.emitter_id)
+            return
+        emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
+        if emitter is not None:
+            self.escalated_operations.append(emitter.id)
+        child_id = None
+        if getattr(request, "route", None) == "higher_tier" and emitter is not None:
+            parameters = dict(emitter.parameters)
+            parameters.pop("context", None)
+            original = parameters.get("instruction", "")
+            parameters["instruction"] = (
+                f"[ESCALATION] The previous attempt escalated this task to a higher tier. "
+                f"Reason: {request.reason}\n\n{original}"
+            )
+            child = Operation(operation=emitter.operation, parameters=parameters)
+            child.metadata["escalated_from"] = emitter.id
+            if self._accept(child, after=None, emitter_id=emitter.id, assignee=None, independent=True):
+                child_id = child.id
+        self._out.append(
+            ev.EmitSignal(
+                sig.NodeEscalated,
+                fields={
+                    "run_id": self.run_id,
+                    "op_id": event.emitter_id or "",
+                    "route": str(getattr(request, "route", "")),
+                    "reason": str(getattr(request, "reason", ""))[:SPAWN_INSTRUCTION_CHARS],
+                    "child_id": child_id,
+                },
+            )
+        )
+
+    def _on_inject(self, event: ev.InjectRequested) -> None:
+        if not self.reactive or not self.started or self.finished or self.cancelling:
+            self._out.append(ev.AdmissionDecided(event.token, False, None, "not_running"))
+            return
+        operation = event.operation
+        if not isinstance(operation, Operation):
+            self._out.append(ev.AdmissionDecided(event.token, False, None, "builder_error"))
+            return
+        if event.after is not None and event.after not in self.graph:
+            self._drop("builder_error", None, event.after, op_id=operation.id, error="inject after an unknown node")
+            self._out.append(ev.AdmissionDecided(event.token, False, operation.id, "builder_error"))
+            return
+        accepted = self._accept(
+            operation,
+            after=None if event.independent else event.after,
+            emitter_id=event.after,
+            assignee=None,
+            independent=event.independent,
+        )
+        reason = None if accepted else self.dropped_spawns[-1]["reason"]
+        self._out.append(ev.AdmissionDecided(event.token, accepted, operation.id, reason))
+
+    def _child_rank(self, emitter_id: str | None) -> tuple[int, ...]:
+        """Spawned children rank right after their emitter, in per-emitter order."""
+        if emitter_id is None or emitter_id not in self.rank:
+            self._injected += 1
+            return (len(self.graph.nodes) + 1_000_000_000 + self._injected,)
+        count = self._children.get(emitter_id, 0)
+        self._children[emitter_id] = count + 1
+        return (*self.rank[emitter_id], count)
+
+    def _is_duplicate_request(self, event: ev.SpawnRequested | ev.EscalationRequested) -> bool:
+        key = event.dedupe_key
+        if key is None:
+            request = event.request
+            body = request.model_dump_json() if isinstance(request, BaseModel) else repr(request)
+            key = ("content", event.emitter_id, type(request).__name__, body)
+        if key in self._seen_requests:
+            return True
+        self._seen_requests.add(key)
+        return False
+
+    def _drop(self, reason: str, assignee: Any, emitter_id: str | None, **extra: Any) -> None:
+        entry = {"reason": reason, "assignee": assignee, "emitter_id": emitter_id}
+        entry.update(extra)
+        self.dropped_spawns.append(entry)
+
+    def _accept(
+        self,
+        child: Operation,
+        *,
+        after: str | None,
+        emitter_id: str | None,
+        assignee: Any,
+        independent: bool,
+    ) -> bool:
+        """The one admission path: cap, duplicate, insertion, edge, cycle rollback, ledger."""
+        if self.spawn_count >= self.max_spawn:
+            self._drop("max_spawn_exceeded", assignee, emitter_id, op_id=child.id)
+            return False
+        if child.id in self.graph:
+            # Ideal over retrospective (ADR-0023 delta 7): reinjection is idempotent.
+            self._drop("duplicate", assignee, emitter_id, op_id=child.id)
+            return False
+        self.graph.add_node(child)
+        if after is not None:
+            edge = self.graph.add_edge(after, child.id, label=["spawn"])
+            if self.graph.reaches(child.id, after):
+                self.graph.remove_edge(edge.id)
+                self.graph.remove_node(child.id)
+                self._drop("cycle", assignee, emitter_id, op_id=child.id)
+                return False
+            child.metadata["parent_id"] = after
+        self.spawn_count += 1
+        self.spawned_ids.append(child.id)
+        child.metadata["spawned"] = True
+        self._register(child, self._dependencies_of(child))
+        self.rank[child.id] = self._child_rank(emitter_id)
+        if self._branch_is_known(child.branch_id):
+            source = child.branch_id
+        elif after is not None:
+            source = self.branch.get(after, self.default_branch_id)
+        else:
+            source = self.default_branch_id
+        clone = self._new_branch_id(child.id)
+        self.branch[child.id] = clone
+        if self.known_branches is not None:
+            self.known_branches.add(clone)
+        self._out.append(ev.CloneBranch(child.id, clone, source, reactive=True))
+        instruction = child.parameters.get("instruction")
+        self._out.append(
+            ev.EmitSignal(
+                sig.NodeSpawned,
+                fields={
+                    "run_id": self.run_id,
+                    "op_id": child.id,
+                    "parent_id": after,
+                    "independent": independent,
+                    "assignee": assignee,
+                    "instruction": None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
+                },
+            )
+        )
+        self._emit(sig.NodeQueued, child.id)
+        if self.unsettled[child.id] == 0:
+            self._gate(child.id)
+        return True

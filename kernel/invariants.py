@@ -1,0 +1,56 @@
+"""The scheduler's cross-structure invariants, stated as code.
+
+Owns ``validate()``: nothing is both waiting and running, capacity is respected, every
+waiting node has an unmet dependency, counters match the states. Tests call it after
+every step; it is a mixin of FlowState and never mutates anything.
+"""
+
+from __future__ import annotations
+
+from .errors import InvariantViolation
+from .states import EVALUATING, READY, RUNNING, SKIPPED, TERMINAL, WAITING
+
+__all__ = ["InvariantChecks"]
+
+
+class InvariantChecks:
+    """``validate()`` for FlowState."""
+
+    def validate(self) -> None:
+        """Check every cross-structure invariant; raise InvariantViolation on the first break."""
+
+        def fail(message: str, node_id: str | None = None) -> None:
+            raise InvariantViolation(message, node_id=node_id)
+
+        running = {n for n, s in self.state.items() if s == RUNNING}
+        if running != self.running:
+            fail(f"running set {sorted(self.running)} != running states {sorted(running)}")
+        if len(self.running) > self.capacity:
+            fail(f"{len(self.running)} operations in flight exceed capacity {self.capacity}")
+        if len(set(self.ready)) != len(self.ready):
+            fail("a node is queued twice")
+        for node_id in self.ready:
+            if self.state[node_id] != READY:
+                fail(f"queued node is {self.state[node_id]}", node_id)
+        ready_states = sum(1 for s in self.state.values() if s == READY)
+        if ready_states != len(self.ready):
+            fail("a ready node is missing from the queue")
+        open_nodes = sum(1 for s in self.state.values() if s not in TERMINAL)
+        if open_nodes != self.open_nodes:
+            fail(f"open node count {self.open_nodes} != {open_nodes}")
+        if set(self.state) != set(self.graph.nodes):
+            fail("scheduler state and graph disagree on the node set")
+        for node_id, state in self.state.items():
+            unsettled = sum(1 for dep in self.deps[node_id] if self.state[dep] not in TERMINAL)
+            if state not in TERMINAL and unsettled != self.unsettled[node_id]:
+                fail(f"unsettled counter {self.unsettled[node_id]} != {unsettled}", node_id)
+            if self.started and not self.cancelling and state == WAITING and unsettled == 0:
+                fail("waiting node has no unmet dependency", node_id)
+            if state in (READY, RUNNING, EVALUATING) and unsettled:
+                fail(f"{state} node has an unsettled dependency", node_id)
+            if state == SKIPPED and node_id in self.results:
+                fail("skipped node has a result entry", node_id)
+        if self.spawn_count > self.max_spawn:
+            fail("spawn cap exceeded")
+        if self.finished and (self.open_nodes or self.running):
+            fail("finished with open nodes")
