@@ -7,24 +7,29 @@ conversation branches), the OperationWorker pool (model and tool calls) and ``Se
 from .branches import BranchStore, BranchTable, UnknownBranchError
 from .executor import GraphExecutor, RunOptions, UnknownRunError
 from .runtime import Runtime, connect
-from .session import BranchView, RunControl, RuntimeLostError, Session, flow_stream
+from .session import BranchView, EventsDropped, RunControl, RunFinished, RuntimeLostError, Session, flow_stream
+from .watchers import UnknownWatcherError, envelope_summary
 from .workers import OperationWorker, Outcome, RemoteBranch
 
 __all__ = [
     "BranchStore",
     "BranchTable",
     "BranchView",
+    "EventsDropped",
     "GraphExecutor",
     "OperationWorker",
     "Outcome",
     "RemoteBranch",
     "RunControl",
+    "RunFinished",
     "RunOptions",
     "Runtime",
     "RuntimeLostError",
     "Session",
     "UnknownBranchError",
     "UnknownRunError",
+    "UnknownWatcherError",
     "connect",
+    "envelope_summary",
     "flow_stream",
 ]

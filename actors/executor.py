@@ -4,7 +4,8 @@ Owns, per run, one kernel ``FlowState`` and every in-flight reference made on it
 behalf. All state changes happen on the actor's main event loop, one ``handle`` call at
 a time, so admission is atomic without a lock. Control calls (pause, inject, cancel,
 status...) arrive on their own concurrency group and are marshalled onto that loop, so
-they stay responsive while the data path is saturated.
+they stay responsive while the data path is saturated. Watchers (other client processes
+that attached to a run by id) get their own bounded queues and never hold up the run.
 """
 
 from __future__ import annotations
@@ -47,9 +48,18 @@ from opgraph.kernel import (
 )
 
 from .histogram import LATENCY_BUCKETS, LatencyHistogram
+from .watchers import WATCHER_IDLE_SECONDS, RunWatcher, UnknownWatcherError, envelope_summary
 from .workers import OperationCall, Outcome, RunResources
 
-__all__ = ["LATENCY_BUCKETS", "GraphExecutor", "LatencyHistogram", "RunOptions", "UnknownRunError"]
+__all__ = [
+    "LATENCY_BUCKETS",
+    "GraphExecutor",
+    "LatencyHistogram",
+    "RunOptions",
+    "UnknownRunError",
+    "UnknownWatcherError",
+    "envelope_summary",
+]
 
 _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipped: "skipped"}
 DISPATCH_BATCH = 256  # calls per message; measured flat between 64 and 512 on 2 cores
@@ -120,6 +130,7 @@ class _Run:
         self.harvested_spawns = 0
         self.harvested_drops = 0
         self.harvested_settled: dict[str, int] = {}
+        self.watchers: list[RunWatcher] = []
 
     def post(self, kind: str, item: Any) -> None:
         self.outbox.append((kind, item))
@@ -151,6 +162,7 @@ class GraphExecutor:
         self.settled_by_status: dict[str, int] = {}
         self.dropped_spawns_by_reason: dict[str, int] = {}
         self.node_latency: dict[str, LatencyHistogram] = {}  # outcome status -> histogram
+        self.watchers: dict[str, RunWatcher] = {}  # watcher id -> watcher; outlives forget_run
         self._lag_task: asyncio.Task | None = None
 
     # -- data path (main loop) ------------------------------------------------
@@ -230,11 +242,29 @@ class GraphExecutor:
         if run is None:
             return False
         self._harvest(run, run.state.statistics())
+        for watcher in run.watchers:
+            # Forgotten before it settled (its driver gave up): watchers must not hang.
+            watcher.finish({"run_id": run_id, "status": "forgotten",
+                            "detail": "the owning client left before the run settled"})
         for task in run.tasks:
             task.cancel()
         for worker in self.workers:
             worker.forget.remote(run_id)
         return True
+
+    async def next_watch_events(self, watcher_id: str, max_items: int = 2048,
+                                timeout: float = 5.0) -> tuple[list[FlowEvent], int, dict[str, Any] | None]:
+        """Long-poll for a watcher: (events, dropped since last poll, summary once the run ended).
+
+        A watcher is removed once it has been handed its summary with nothing left queued.
+        """
+        watcher = self.watchers.get(watcher_id)
+        if watcher is None:
+            raise UnknownWatcherError(f"watcher {watcher_id} is not known to this executor")
+        items, dropped, finished = await watcher.next_items(max_items, timeout)
+        if finished is not None:
+            self._remove_watcher(watcher)
+        return items, dropped, finished
 
     # -- control surface (own concurrency group, marshalled to the main loop) ---------
     @ray.method(concurrency_group="control")
@@ -257,6 +287,15 @@ class GraphExecutor:
     @ray.method(concurrency_group="control")
     async def inject(self, run_id: str, operation: Any, after: str | None = None, independent: bool = False) -> bool:
         return await self._on_main(self._inject(run_id, operation, after, independent))
+
+    @ray.method(concurrency_group="control")
+    async def watch(self, run_id: str, buffer: int = 1024) -> str:
+        """Attach a watcher to a run; poll it with ``next_watch_events``. Raises UnknownRunError."""
+        return await self._on_main(self._watch(run_id, buffer))
+
+    @ray.method(concurrency_group="control")
+    async def unwatch(self, watcher_id: str) -> bool:
+        return await self._on_main(self._unwatch(watcher_id))
 
     @ray.method(concurrency_group="control")
     async def status(self, run_id: str) -> dict[str, Any]:
@@ -300,6 +339,50 @@ class GraphExecutor:
                                                 independent=independent, token=token)])
         return await waiter
 
+    async def _watch(self, run_id: str, buffer: int) -> str:
+        self._drop_idle_watchers()
+        run = self._run(run_id)
+        self.next_token += 1
+        watcher = RunWatcher(f"{run_id}/watcher-{self.next_token}", run_id, buffer)
+        self.watchers[watcher.id] = watcher
+        run.watchers.append(watcher)
+        if run.done.is_set():
+            watcher.finish(self._final_summary(run))
+        return watcher.id
+
+    async def _unwatch(self, watcher_id: str) -> bool:
+        watcher = self.watchers.get(watcher_id)
+        if watcher is None:
+            return False
+        self._remove_watcher(watcher)
+        watcher.finish({"run_id": watcher.run_id, "status": "unwatched"})
+        return True
+
+    def _remove_watcher(self, watcher: RunWatcher) -> None:
+        self.watchers.pop(watcher.id, None)
+        run = self.runs.get(watcher.run_id)
+        if run is not None and watcher in run.watchers:
+            run.watchers.remove(watcher)
+
+    def _drop_idle_watchers(self) -> None:
+        """Watchers whose client died never poll again; bound what they hold."""
+        cutoff = time.monotonic() - WATCHER_IDLE_SECONDS
+        for watcher in list(self.watchers.values()):
+            if watcher.idle_since(cutoff):
+                self._remove_watcher(watcher)
+
+    @staticmethod
+    def _final_summary(run: _Run) -> dict[str, Any]:
+        if run.error is not None:
+            return {"run_id": run.run_id, "status": "error",
+                    "error": f"{type(run.error).__name__}: {run.error}"}
+        return envelope_summary(run.envelope or {})
+
+    def _finish_watchers(self, run: _Run) -> None:
+        summary = self._final_summary(run)
+        for watcher in run.watchers:
+            watcher.finish(summary)
+
     async def _status(self, run_id: str) -> dict[str, Any]:
         run = self._run(run_id)
         stats = run.state.statistics()
@@ -307,6 +390,7 @@ class GraphExecutor:
         stats["undelivered_events"] = run.undelivered_events
         stats["held"] = run.state.held
         stats["messages"] = run.messages
+        stats["watchers"] = len(run.watchers)
         return stats
 
     async def _statistics(self) -> dict[str, Any]:
@@ -387,6 +471,7 @@ class GraphExecutor:
         run.error = exc
         run.done.set()
         run.wakeup.set()
+        self._finish_watchers(run)
 
     def _finished_event(self, outcome: Outcome) -> OperationFinished:
         requests = tuple(
@@ -438,6 +523,7 @@ class GraphExecutor:
                 run.envelope["scheduler_messages"] = run.messages
                 run.done.set()
                 run.wakeup.set()
+                self._finish_watchers(run)
                 for worker in self.workers:
                     worker.forget.remote(run.run_id)
         for shard, pairs in clones.items():
@@ -495,13 +581,17 @@ class GraphExecutor:
         kind = instruction.kind
         if kind in _TERMINAL_SIGNALS:
             self.totals["settled"] += 1
-            if run.options.want_events:
+            if run.options.want_events or run.watchers:
                 node_id = instruction.op_id
                 node = run.state.graph.nodes[node_id]
-                run.post("event", FlowEvent(node_id, node.metadata.get("reference_id") or node.operation,
-                                            _TERMINAL_SIGNALS[kind], run.state.results.get(node_id),
-                                            bool(node.metadata.get("spawned"))))
-                run.undelivered_events += 1
+                event = FlowEvent(node_id, node.metadata.get("reference_id") or node.operation,
+                                  _TERMINAL_SIGNALS[kind], run.state.results.get(node_id),
+                                  bool(node.metadata.get("spawned")))
+                for watcher in run.watchers:
+                    watcher.push(event)
+                if run.options.want_events:
+                    run.post("event", event)
+                    run.undelivered_events += 1
         if run.options.want_signals:
             run.post("signal", instruction.signal)
 

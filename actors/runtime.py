@@ -17,9 +17,10 @@ from .branches import BranchStore
 from .executor import GraphExecutor
 from .workers import OperationWorker
 
-__all__ = ["Runtime", "connect", "start_worker"]
+__all__ = ["DEFAULT_NAMESPACE", "EXECUTOR_NAME", "Runtime", "connect", "start_worker"]
 
 DEFAULT_NAMESPACE = "opgraph"
+EXECUTOR_NAME = "opgraph-executor-0"
 WORKER_CONCURRENCY = 100_000
 EXECUTOR_CONCURRENCY = 100_000
 
@@ -65,10 +66,10 @@ class Runtime:
         ]
         pool = [start_worker(stores, i, namespace=namespace, detached=detached) for i in range(workers)]
         executor = GraphExecutor.options(
-            name="opgraph-executor-0",
+            name=EXECUTOR_NAME,
             namespace=namespace,
             get_if_exists=True,
             max_concurrency=EXECUTOR_CONCURRENCY,
             lifetime=lifetime,
-        ).remote(pool, stores, "opgraph-executor-0", detached, namespace)
+        ).remote(pool, stores, EXECUTOR_NAME, detached, namespace)
         return cls(executor=executor, workers=pool, stores=stores)

@@ -12,6 +12,7 @@ import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -19,12 +20,12 @@ import ray
 from opgraph.kernel import NODE_PROGRESS_KINDS, ExecutionError, FlowEvent, Graph, OpGraphError, Operation
 
 from .branches import shard_for
-from .executor import RunOptions
-from .runtime import Runtime, connect
+from .executor import RunOptions, UnknownRunError
+from .runtime import DEFAULT_NAMESPACE, EXECUTOR_NAME, Runtime, connect
 from .models import ModelProvider, parse_model_id
 from .workers import RegisteredOperation, RunResources
 
-__all__ = ["BranchView", "RunControl", "RuntimeLostError", "Session", "flow_stream"]
+__all__ = ["BranchView", "EventsDropped", "RunControl", "RunFinished", "RuntimeLostError", "Session", "flow_stream"]
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -52,12 +53,62 @@ async def _call(ref: Any) -> Any:
         raise RuntimeLostError(f"an opgraph actor died: {type(exc).__name__}") from None
 
 
+@dataclass(frozen=True)
+class EventsDropped:
+    """``RunControl.watch()`` fell behind: ``count`` settled-node events were dropped for it."""
+
+    count: int
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """The last item ``RunControl.watch()`` yields: how the run ended.
+
+    ``status`` is the envelope's ("completed", "failed", "cancelled"), or "error" when the
+    run failed as a whole, or "forgotten" when its owner left before it settled.
+    """
+
+    status: str
+    summary: dict[str, Any]
+
+
 class RunControl:
-    """Live control of one run (the ``executor_ref`` handle): pause, resume, inject, steer, cancel."""
+    """Live control of one run (the ``executor_ref`` handle): pause, resume, inject, steer, cancel.
+
+    A second client process finds a run by id with ``RunControl.attach(run_id, address=...)``
+    and can also ``watch()`` its settled nodes. The run lives as long as the client that
+    started it waits on ``flow()``; that client owns the result envelope.
+    """
 
     def __init__(self, executor: Any, run_id: str) -> None:
         self.executor = executor
         self.run_id = run_id
+
+    @classmethod
+    def attach(cls, run_id: str, *, address: str | None = "auto",
+               namespace: str = DEFAULT_NAMESPACE) -> RunControl:
+        """Join the cluster at ``address`` and find run ``run_id`` on the namespace's executor.
+
+        Raises ``UnknownRunError`` when the namespace has no executor or the executor has
+        no such run (never started, or already settled and returned to its owner).
+        Starts no actors. Call it outside a running event loop, like ``Session()``.
+        """
+        connect(address, namespace=namespace)
+        try:
+            executor = ray.get_actor(EXECUTOR_NAME, namespace=namespace)
+        except ValueError:
+            raise UnknownRunError(f"no opgraph executor in namespace {namespace!r}: "
+                                  f"nothing has run there; check --address and --namespace") from None
+        try:
+            ray.get(executor.status.remote(run_id))
+        except ray.exceptions.RayTaskError as exc:
+            cause = _unwrap(exc)
+            if cause is exc:
+                raise ExecutionError(f"remote call failed: {exc}") from None
+            raise cause from None
+        except ray.exceptions.RayActorError as exc:
+            raise RuntimeLostError(f"the opgraph executor died: {type(exc).__name__}") from None
+        return cls(executor, run_id)
 
     async def pause(self) -> bool:
         return await _call(self.executor.pause.remote(self.run_id))
@@ -79,6 +130,34 @@ class RunControl:
 
     async def status(self) -> dict[str, Any]:
         return await _call(self.executor.status.remote(self.run_id))
+
+    async def watch(self, *, buffer: int = 1024, poll_timeout: float = 5.0,
+                    ) -> AsyncIterator[FlowEvent | EventsDropped | RunFinished]:
+        """Yield this run's settled nodes from now on, then one ``RunFinished``.
+
+        Ideal over retrospective: a watcher has its own bounded queue on the executor
+        and never slows the run; when it falls ``buffer`` events behind, the oldest are
+        dropped and an ``EventsDropped`` says how many. Nodes settled before attaching
+        are not replayed (``status()`` counts them). Leaving early detaches the watcher.
+        """
+        executor = self.executor
+        watcher_id = await _call(executor.watch.remote(self.run_id, buffer))
+        finished = False
+        try:
+            while True:
+                items, dropped, summary = await _call(
+                    executor.next_watch_events.remote(watcher_id, 2048, poll_timeout))
+                if dropped:
+                    yield EventsDropped(dropped)
+                for event in items:
+                    yield event
+                if summary is not None:
+                    finished = True
+                    yield RunFinished(str(summary.get("status")), summary)
+                    return
+        finally:
+            if not finished:
+                await _call(executor.unwatch.remote(watcher_id))
 
 
 class BranchView:
@@ -238,13 +317,15 @@ class Session:
         on_branch_created: Callable[[Any], Any] | None = None,
         spawn_branch_setup: Callable[[Any, Any], Any] | None = None,
         reducers: dict[str, Callable[[Any, Any], Any]] | None = None,
+        run_id: str | None = None,
     ) -> dict[str, Any]:
         """Run ``graph`` on the executor and return the result envelope (ADR-0033 D1).
 
         Ideal over retrospective: lifecycle signals are emitted for every run and
         drained before return; ``on_branch_created`` fires for reactive clones too.
         ``alcall_params`` is accepted for signature compatibility and has no effect:
-        capacity is the executor's counter, not an in-process limiter.
+        capacity is the executor's counter, not an in-process limiter. ``run_id`` names
+        the run (default: a fresh uuid) so another process can ``RunControl.attach`` to it.
         """
         del alcall_params
         options = self._options(
@@ -254,7 +335,7 @@ class Session:
             want_signals=bool(on_progress or verbose or on_branch_created),
             want_events=False, stream_buffer=1 << 30,
         )
-        run_id = str(uuid.uuid4())
+        run_id = run_id or str(uuid.uuid4())
         executor = self.runtime.executor
         await _call(executor.start_run.remote(run_id, graph, options))
         if executor_ref is not None:
@@ -306,6 +387,10 @@ class Session:
                 node.response = results.get(node_id)
             elif status == "failed":
                 node.error = str(results.get(node_id, {}).get("error")) if isinstance(results.get(node_id), dict) else None
+
+    def run_control(self, run_id: str) -> RunControl:
+        """Control of a run on this session's executor, by id (started here or elsewhere)."""
+        return RunControl(self.runtime.executor, run_id)
 
     def run(self, graph: Graph, **kwargs: Any) -> dict[str, Any]:
         """Synchronous ``flow`` for scripts (not from inside a running event loop)."""

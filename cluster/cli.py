@@ -34,6 +34,25 @@ def _serve_metrics(arguments: argparse.Namespace) -> int:
                  namespace=arguments.namespace, timeout=arguments.scrape_timeout)
 
 
+def _submit_job(arguments: argparse.Namespace) -> int:
+    from opgraph.cluster.client import submit_job
+
+    entrypoint = list(arguments.entrypoint)
+    if entrypoint[:1] == ["--"]:
+        entrypoint = entrypoint[1:]
+    return submit_job(entrypoint, address=arguments.address, working_dir=arguments.working_dir,
+                      no_wait=arguments.no_wait, submission_id=arguments.submission_id)
+
+
+def _run_action(arguments: argparse.Namespace) -> int:
+    # Lazy: attaching imports Ray and the runtime.
+    from opgraph.cluster.client import run_action
+
+    return run_action(arguments.action, arguments.run_id, address=arguments.address,
+                      namespace=arguments.namespace, text=getattr(arguments, "text", None),
+                      limit=getattr(arguments, "limit", None))
+
+
 def _print_help_of(parser: argparse.ArgumentParser) -> int:
     """A command group run without an action: show its actions, exit as a usage error."""
     parser.print_help()
@@ -74,6 +93,48 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--scrape-timeout", type=float, default=2.0,
                        help="seconds a scrape waits for the actors' snapshots (2.0)")
     serve.set_defaults(handler=_serve_metrics)
+
+    job = subcommands.add_parser("job", help="Ray jobs running opgraph")
+    job.set_defaults(handler=lambda _: _print_help_of(job))
+    job_commands = job.add_subparsers(dest="job_command", metavar="ACTION")
+    submit = job_commands.add_parser(
+        "submit",
+        help="ray job submit --working-dir . -- python -m opgraph.cluster.job ARGS...",
+        description="A thin wrapper: runs `ray job submit` with the job entrypoint and passes its "
+                    "exit status through (non-zero when the job fails).",
+    )
+    submit.add_argument("--address", default=None,
+                        help="the cluster's job server, e.g. http://127.0.0.1:8265 "
+                             "(default: Ray's own default, RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
+    submit.add_argument("--working-dir", default=".", help="directory uploaded with the job (.)")
+    submit.add_argument("--submission-id", default=None, help="job id to use instead of a generated one")
+    submit.add_argument("--no-wait", action="store_true", help="return once submitted instead of tailing logs")
+    submit.add_argument("entrypoint", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                        help="arguments of python -m opgraph.cluster.job, e.g. -- fanout --nodes 1000")
+    submit.set_defaults(handler=_submit_job)
+
+    run = subcommands.add_parser("run", help="find a live run by id on a running cluster and control it")
+    run.set_defaults(handler=lambda _: _print_help_of(run))
+    run_commands = run.add_subparsers(dest="action", metavar="ACTION")
+    for action, help_text in [
+        ("status", "print the run's counters as JSON"),
+        ("pause", "stop new dispatches; in-flight operations finish"),
+        ("resume", "dispatch again after pause"),
+        ("cancel", "cancel what has not settled; the owning client gets status 'cancelled'"),
+        ("message", "send an operator message, rendered into the next dispatched instructions"),
+        ("watch", "stream settled nodes as JSON lines until the run ends"),
+    ]:
+        command = run_commands.add_parser(action, help=help_text)
+        command.add_argument("run_id", metavar="RUN_ID")
+        if action == "message":
+            command.add_argument("text", metavar="TEXT")
+        if action == "watch":
+            command.add_argument("--limit", type=int, default=None, metavar="N",
+                                 help="stop after N settled nodes (default: watch to the end)")
+        command.add_argument("--address", default=None,
+                             help='Ray address ("auto", "ray://host:port", "host:port"; default: RAY_ADDRESS or auto)')
+        command.add_argument("--namespace", default="opgraph", help="Ray namespace of the runtime (opgraph)")
+        command.set_defaults(handler=_run_action)
     return parser
 
 

@@ -15,7 +15,6 @@ import pickle
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 

@@ -1,0 +1,123 @@
+"""A client against a running cluster: `opgraph run ...` on a run found by id, and `opgraph job submit`.
+
+Owns the command-line face of ``RunControl.attach``: one JSON line per answer or event,
+and exit statuses a shell can test. `opgraph job submit` only assembles and runs
+`ray job submit`; Ray's job server does the rest. Nothing here starts opgraph actors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["RUN_ACTIONS", "job_submit_command", "run_action", "submit_job"]
+
+RUN_ACTIONS = ("status", "pause", "resume", "cancel", "message", "watch")
+EXIT_REFUSED = 1  # the run is unknown, already settled, or ended other than "completed"
+
+
+def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
+                       no_wait: bool = False, submission_id: str | None = None,
+                       python: str = "python") -> list[str]:
+    """The `ray job submit` command line that runs ``python -m opgraph.cluster.job ENTRYPOINT...``."""
+    command = ["ray", "job", "submit"]
+    if address:
+        command += ["--address", address]
+    command += ["--working-dir", working_dir]
+    if submission_id:
+        command += ["--submission-id", submission_id]
+    if no_wait:
+        command.append("--no-wait")
+    return command + ["--", python, "-m", "opgraph.cluster.job", *entrypoint]
+
+
+def submit_job(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
+               no_wait: bool = False, submission_id: str | None = None) -> int:
+    """Run `ray job submit` and return its exit status (non-zero when the job FAILED)."""
+    if not entrypoint:
+        print("opgraph job submit: give the job's arguments after '--', e.g. "
+              "opgraph job submit -- fanout --nodes 1000", file=sys.stderr)
+        return 2
+    command = job_submit_command(entrypoint, address=address, working_dir=working_dir, no_wait=no_wait,
+                                 submission_id=submission_id)
+    print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
+    try:
+        return subprocess.run(command, check=False).returncode
+    except FileNotFoundError:
+        print("opgraph job submit: the `ray` command is not on PATH (pip install 'ray[default]')",
+              file=sys.stderr)
+        return 2
+
+
+def _event_line(item: Any) -> dict[str, Any]:
+    from opgraph.actors import EventsDropped, RunFinished
+
+    if isinstance(item, EventsDropped):
+        return {"event": "dropped", "count": item.count}
+    if isinstance(item, RunFinished):
+        return {"event": "finished", "status": item.status, "summary": item.summary}
+    return {"event": "settled", "operation_id": item.operation_id, "name": item.name,
+            "status": item.status, "spawned": item.spawned, "result": item.result}
+
+
+def _emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record, sort_keys=True, default=repr), flush=True)
+
+
+async def _act(control: Any, action: str, text: str | None, limit: int | None) -> int:
+    if action == "status":
+        _emit(await control.status())
+        return 0
+    if action == "watch":
+        seen = 0
+        watch = control.watch()
+        try:
+            async for item in watch:
+                record = _event_line(item)
+                _emit(record)
+                if record["event"] == "finished":
+                    return 0 if record["status"] == "completed" else EXIT_REFUSED
+                if record["event"] == "settled":
+                    seen += 1
+                    if limit is not None and seen >= limit:
+                        return 0
+        finally:
+            await watch.aclose()  # detaches the watcher when leaving early
+        return 0
+    if action == "message":
+        accepted = await control.send_operator_message(text or "")
+    else:
+        accepted = await getattr(control, action)()
+    _emit({"run_id": control.run_id, "action": action, "accepted": accepted})
+    if not accepted:
+        print(f"opgraph run {action}: run {control.run_id} has already settled", file=sys.stderr)
+    return 0 if accepted else EXIT_REFUSED
+
+
+def run_action(action: str, run_id: str, *, address: str | None = None, namespace: str = "opgraph",
+               text: str | None = None, limit: int | None = None) -> int:
+    """`opgraph run ACTION RUN_ID`: attach to a run on a running cluster and act on it."""
+    import ray  # local: the CLI's other commands must not pay for Ray
+    from opgraph.actors import RunControl
+    from opgraph.kernel import OpGraphError
+
+    if action not in RUN_ACTIONS:
+        raise ValueError(f"unknown run action {action!r}; expected one of {RUN_ACTIONS}")
+    address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        control = RunControl.attach(run_id, address=address, namespace=namespace)
+        return asyncio.run(_act(control, action, text, limit))
+    except OpGraphError as exc:
+        print(f"opgraph run {action}: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    except ConnectionError as exc:
+        print(f"opgraph run {action}: cannot reach a Ray cluster at {address!r}: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    finally:
+        ray.shutdown()

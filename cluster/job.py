@@ -1,0 +1,222 @@
+"""The job entrypoint: one large run as a Ray job, reported in the job's logs.
+
+Owns what a job driver prints and returns: periodic progress lines, the summary of the
+result envelope as the last stdout line (JSON), the full envelope in a file on request,
+and an exit status that is non-zero unless the run completed. It builds graphs and
+calls ``Session.flow``; it never schedules anything itself.
+
+    ray job submit --working-dir . -- python -m opgraph.cluster.job fanout --nodes 10000 --latency 0.05
+    python -m opgraph.cluster.job fanout --nodes 200 --latency 0.01     # embedded local Ray
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+from opgraph.kernel import Graph, create_operation
+
+__all__ = ["EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "fanout_graph", "main"]
+
+EXIT_RUN_NOT_COMPLETED = 1  # the run failed or was cancelled: the job is marked FAILED
+EXIT_USAGE = 2  # bad arguments, or a mode that is not available yet
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the ``fail`` operation that ``--fail-every`` places in a fan-out."""
+
+
+async def fail(branch: Any, **parameters: Any) -> Any:
+    """An operation that always fails: lets a job show what a failed run looks like."""
+    raise InjectedFailure(f"injected failure (node {parameters.get('index')})")
+
+
+def fanout_graph(nodes: int, latency: float, *, fail_every: int = 0) -> Graph:
+    """``nodes`` independent roots; each sleeps ``latency`` s (every ``fail_every``-th one fails)."""
+    graph = Graph("fanout")
+    for index in range(nodes):
+        if fail_every and (index + 1) % fail_every == 0:
+            graph.add_node(create_operation("fail", {"index": index}))
+        else:
+            graph.add_node(create_operation("sleep", {"seconds": latency, "result": index}))
+    return graph
+
+
+class ProgressLog:
+    """The ``on_progress`` callback of a job: counts node lifecycle signals, prints a line
+    whenever another ``step`` of the nodes has settled or ``interval`` seconds have passed.
+
+    Settled counts completed, failed and skipped nodes (cancelled nodes send no signal);
+    in flight is started minus finished. A line looks like
+    ``progress: settled 120/200 (60%), in flight 20, failed 0, 1.4 s``.
+    """
+
+    def __init__(self, total: int, *, out: TextIO | None = None, interval: float = 1.0,
+                 step: float = 0.05, clock: Callable[[], float] = time.monotonic) -> None:
+        self.total = total
+        self.out = out if out is not None else sys.stdout
+        self.interval = interval
+        self.step_nodes = max(1, int(total * step))
+        self.clock = clock
+        self.started_at = clock()
+        self.counts = {"started": 0, "completed": 0, "failed": 0, "skipped": 0}
+        self.lines = 0
+        self._last_line_at = self.started_at
+        self._last_line_settled = 0
+
+    @property
+    def settled(self) -> int:
+        return self.counts["completed"] + self.counts["failed"] + self.counts["skipped"]
+
+    @property
+    def in_flight(self) -> int:
+        return max(0, self.counts["started"] - self.counts["completed"] - self.counts["failed"])
+
+    def __call__(self, op_id: str, name: str, status: str, elapsed: float) -> None:
+        if status in self.counts:
+            self.counts[status] += 1
+        now = self.clock()
+        if (self.settled - self._last_line_settled >= self.step_nodes
+                or now - self._last_line_at >= self.interval):
+            self.report(now)
+
+    def close(self) -> None:
+        """The last line, unless the last one printed already says everything settled."""
+        if self.lines == 0 or self._last_line_settled != self.settled:
+            self.report()
+
+    def report(self, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        percent = 100.0 * self.settled / self.total if self.total else 100.0
+        print(f"progress: settled {self.settled}/{self.total} ({percent:.0f}%), in flight {self.in_flight}, "
+              f"failed {self.counts['failed']}, {now - self.started_at:.1f} s", file=self.out, flush=True)
+        self.lines += 1
+        self._last_line_at = now
+        self._last_line_settled = self.settled
+
+
+def _address(arguments: argparse.Namespace) -> str | None:
+    """Where to run: --address, else the cluster Ray names for job drivers, else ray.init()'s default."""
+    if arguments.address:
+        return arguments.address
+    if os.environ.get("RAY_ADDRESS"):
+        return "auto"  # `ray job submit` sets RAY_ADDRESS for the driver
+    return None
+
+
+async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], float]:
+    """Run the fan-out; return its envelope and the seconds it took."""
+    import ray  # local: `--help` and usage errors must not pay for Ray
+
+    from opgraph.actors import Session
+
+    address = _address(arguments)
+    detached = arguments.detached if arguments.detached is not None else address is not None
+    session = Session(address=address, namespace=arguments.namespace, detached=detached)
+    session.register_operation("fail", fail, record_turn=False)
+    metrics = None
+    try:
+        if arguments.metrics_port is not None:
+            from opgraph.cluster.metrics import serve_metrics  # local: prometheus only when asked
+
+            metrics = serve_metrics(session, arguments.metrics_port, arguments.metrics_host)
+            print(f"metrics: {metrics.url}", flush=True)
+        graph = fanout_graph(arguments.nodes, arguments.latency, fail_every=arguments.fail_every)
+        run_id = arguments.run_id or f"fanout-{uuid.uuid4()}"
+        where = address or "ray.init() default"
+        print(f"run_id: {run_id}", flush=True)
+        print(f"starting fan-out of {arguments.nodes} x {arguments.latency} s at max_concurrent="
+              f"{arguments.max_concurrent} on {where} (namespace {arguments.namespace!r}, "
+              f"{'detached' if detached else 'job-owned'} actors)", flush=True)
+        progress = ProgressLog(len(graph.nodes), interval=arguments.progress_interval)
+        envelope = await session.flow(graph, max_concurrent=arguments.max_concurrent, on_progress=progress,
+                                      run_id=run_id)
+        progress.close()
+        return envelope, time.monotonic() - progress.started_at
+    finally:
+        if metrics is not None:
+            metrics.stop()
+        ray.shutdown()
+
+
+def _fanout(arguments: argparse.Namespace) -> int:
+    from opgraph.actors import envelope_summary
+
+    envelope, elapsed = asyncio.run(_run_fanout(arguments))
+    summary = envelope_summary(envelope)
+    summary["elapsed_seconds"] = round(elapsed, 3)
+    if arguments.results:
+        with open(arguments.results, "w", encoding="utf-8") as handle:
+            json.dump(envelope, handle, default=repr)
+        summary["results_file"] = os.path.abspath(arguments.results)
+    print(json.dumps(summary, sort_keys=True), flush=True)
+    return 0 if envelope["status"] == "completed" else EXIT_RUN_NOT_COMPLETED
+
+
+def _workflow_not_available(arguments: argparse.Namespace) -> int:
+    print(f"opgraph.cluster.job: workflow files are not yet available (they come with issue #5); "
+          f"cannot run {arguments.file!r}. Use the 'fanout' mode.", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m opgraph.cluster.job",
+        description="Run one opgraph run as a Ray job: progress in the logs, the summary as the last line.",
+    )
+    modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
+    fanout = modes.add_parser("fanout", help="N independent nodes of the built-in 'sleep' operation")
+    fanout.add_argument("--nodes", type=_positive(int), default=1000, help="number of nodes (1000)")
+    fanout.add_argument("--latency", type=float, default=0.05, help="seconds each node sleeps (0.05)")
+    fanout.add_argument("--max-concurrent", type=_positive(int), default=100,
+                        help="operations in flight at once (100)")
+    fanout.add_argument("--fail-every", type=int, default=0, metavar="K",
+                        help="make every K-th node fail, to see a failed run (0: none)")
+    fanout.add_argument("--results", default=None, metavar="PATH",
+                        help="write the full result envelope as JSON to PATH")
+    fanout.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus /metrics on PORT during the run (0: any free port)")
+    fanout.add_argument("--metrics-host", default="127.0.0.1", help="interface for --metrics-port (127.0.0.1)")
+    fanout.add_argument("--address", default=None,
+                        help='Ray address ("auto", "ray://host:port", "host:port"); default: RAY_ADDRESS '
+                             "when set (as under `ray job submit`), else ray.init()'s choice: a cluster "
+                             "`ray start` began on this machine, or an embedded local Ray")
+    fanout.add_argument("--namespace", default="opgraph", help="Ray namespace of the opgraph actors (opgraph)")
+    fanout.add_argument("--detached", action=argparse.BooleanOptionalAction, default=None,
+                        help="keep the opgraph actors alive after this job, shared by later jobs and "
+                             "clients (default: yes with --address or RAY_ADDRESS, else no)")
+    fanout.add_argument("--run-id", default=None,
+                        help="name of the run, for `opgraph run ... RUN_ID` from another client "
+                             "(default: fanout-<uuid>, printed at start)")
+    fanout.add_argument("--progress-interval", type=float, default=1.0,
+                        help="seconds between progress lines at most (1.0); also one line per 5%% settled")
+    fanout.set_defaults(handler=_fanout)
+    workflow = modes.add_parser("workflow", help="run a workflow file (not yet available: issue #5)")
+    workflow.add_argument("file")
+    workflow.set_defaults(handler=_workflow_not_available)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    arguments = build_parser().parse_args(argv)
+    return arguments.handler(arguments)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,153 @@
+"""Jobs on a real local head: `opgraph job submit` -> `ray job submit` -> `python -m opgraph.cluster.job`.
+
+    pytest --(subprocess)--> opgraph job submit --(HTTP)--> head's job server
+                                                               -> job driver: Session(address="auto")
+                                                               -> executor, workers, branch store
+
+Only subprocesses and the job server's HTTP API touch the head; this process never
+joins it. Waits poll the job's status against a deadline; nothing sleeps to synchronise.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from opgraph.cluster.client import job_submit_command
+from opgraph.cluster.job import EXIT_USAGE, ProgressLog, fanout_graph
+
+REPOSITORY = Path(__file__).resolve().parents[2]
+JOB_DEADLINE = 150.0  # seconds from submission to a terminal status
+COMMAND_TIMEOUT = 180.0
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+
+
+def job_client(head):
+    from ray.job_submission import (
+        JobSubmissionClient,  # an HTTP client: it never calls ray.init
+    )
+
+    return JobSubmissionClient(head.dashboard_url)
+
+
+def wait_for_terminal_status(head, submission_id: str) -> str:
+    client = job_client(head)
+    deadline = time.monotonic() + JOB_DEADLINE
+    while True:
+        status = str(client.get_job_status(submission_id).value)
+        if status in TERMINAL:
+            return status
+        if time.monotonic() > deadline:
+            logs = client.get_job_logs(submission_id)
+            client.stop_job(submission_id)
+            pytest.fail(f"job {submission_id} still {status} after {JOB_DEADLINE} s; logs:\n{logs}")
+        time.sleep(0.5)
+
+
+def opgraph_command(*arguments: str) -> list[str]:
+    return [sys.executable, "-m", "opgraph.cluster.cli", *arguments]
+
+
+def summary_of(logs: str) -> dict:
+    """The job's last stdout line is its JSON summary."""
+    lines = [line for line in logs.splitlines() if line.startswith("{")]
+    assert lines, f"no JSON summary in the job logs:\n{logs}"
+    return json.loads(lines[-1])
+
+
+def test_fanout_job_succeeds_with_progress_in_its_logs(ray_head, tmp_path):
+    """fan-out of 200 x 10 ms submitted with --no-wait; the job driver joins the head by RAY_ADDRESS.
+
+    The job also serves /metrics on a free port while it runs and writes the envelope to a file.
+    """
+    submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
+    results = tmp_path / "envelope.json"
+    submitted = subprocess.run(
+        opgraph_command("job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPOSITORY),
+                        "--submission-id", submission_id, "--no-wait", "--",
+                        "fanout", "--nodes", "200", "--latency", "0.01", "--max-concurrent", "20",
+                        "--progress-interval", "0.2", "--results", str(results), "--metrics-port", "0"),
+        env=ray_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert "ray job submit" in submitted.stderr  # the wrapper shows the command it ran
+
+    status = wait_for_terminal_status(ray_head, submission_id)
+    logs = job_client(ray_head).get_job_logs(submission_id)
+    assert status == "SUCCEEDED", logs
+
+    progress = [line for line in logs.splitlines() if line.startswith("progress: ")]
+    assert len(progress) >= 2, logs
+    assert progress[-1].startswith("progress: settled 200/200 (100%), in flight 0, failed 0"), progress[-1]
+    summary = summary_of(logs)
+    assert summary["status"] == "completed"
+    assert summary["nodes"] == 200
+    assert summary["by_status"] == {"completed": 200}
+    assert f"run_id: {summary['run_id']}" in logs
+    assert "metrics: http://127.0.0.1:" in logs  # served for the run's duration
+    envelope = json.loads(results.read_text())
+    assert envelope["status"] == "completed"
+    assert len(envelope["operation_statuses"]) == 200
+    assert sorted(envelope["operation_results"].values()) == list(range(200))
+
+
+def test_failed_run_fails_the_job(ray_head):
+    """fan-out of 100 where every 25th node fails; `opgraph job submit` tails the logs and exits 1."""
+    submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
+    submitted = subprocess.run(
+        opgraph_command("job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPOSITORY),
+                        "--submission-id", submission_id, "--",
+                        "fanout", "--nodes", "100", "--latency", "0.01", "--fail-every", "25"),
+        env=ray_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
+    )
+    assert submitted.returncode == 1, submitted.stdout + submitted.stderr
+    assert wait_for_terminal_status(ray_head, submission_id) == "FAILED"
+    summary = summary_of(job_client(ray_head).get_job_logs(submission_id))
+    assert summary["status"] == "failed"
+    assert summary["by_status"] == {"completed": 96, "failed": 4}
+    assert len(summary["failed_operations"]) == 4
+
+
+def test_workflow_mode_says_it_is_not_available_yet():
+    """`job workflow FILE` exits with the usage status and names the issue, without starting Ray."""
+    finished = subprocess.run([sys.executable, "-m", "opgraph.cluster.job", "workflow", "flow.yaml"],
+                              capture_output=True, text=True, timeout=60, check=False)
+    assert finished.returncode == EXIT_USAGE
+    assert "not yet available" in finished.stderr and "issue #5" in finished.stderr
+
+
+def test_job_submit_command_is_ray_job_submit_of_the_entrypoint():
+    command = job_submit_command(["fanout", "--nodes", "10"], address="http://127.0.0.1:8265", no_wait=True,
+                                 submission_id="nightly")
+    assert command == ["ray", "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
+                       "--submission-id", "nightly", "--no-wait", "--",
+                       "python", "-m", "opgraph.cluster.job", "fanout", "--nodes", "10"]
+
+
+def test_progress_log_prints_every_step_and_at_most_every_interval():
+    """10 nodes, step 20%: a line per 2 settled nodes; the clock alone also forces a line."""
+    now = [0.0]
+    out = io.StringIO()
+    progress = ProgressLog(10, out=out, interval=5.0, step=0.2, clock=lambda: now[0])
+    for index in range(4):
+        progress(f"n{index}", "sleep", "started", 0.0)
+    progress("n0", "sleep", "completed", 0.1)
+    assert progress.lines == 0
+    progress("n1", "sleep", "failed", 0.1)
+    assert out.getvalue().splitlines() == ["progress: settled 2/10 (20%), in flight 2, failed 1, 0.0 s"]
+    now[0] = 6.0
+    progress("n4", "sleep", "started", 0.0)
+    assert out.getvalue().splitlines()[-1] == "progress: settled 2/10 (20%), in flight 3, failed 1, 6.0 s"
+    progress.close()  # nothing settled since the last line
+    assert progress.lines == 2
+
+
+def test_fanout_graph_places_failing_nodes():
+    graph = fanout_graph(10, 0.0, fail_every=5)
+    assert [node.operation for node in graph.nodes.values()].count("fail") == 2
