@@ -11,22 +11,28 @@ import asyncio
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["RUN_ACTIONS", "job_submit_command", "run_action", "submit_job"]
+__all__ = ["RUN_ACTIONS", "job_submit_command", "ray_cli", "run_action", "submit_job"]
 
 RUN_ACTIONS = ("status", "pause", "resume", "cancel", "message", "watch")
 EXIT_REFUSED = 1  # the run is unknown, already settled, or ended other than "completed"
+
+
+def ray_cli() -> list[str]:
+    """``ray`` from PATH, or this interpreter's Ray CLI module when no script is on PATH."""
+    return ["ray"] if shutil.which("ray") else [sys.executable, "-m", "ray.scripts.scripts"]
 
 
 def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
                        no_wait: bool = False, submission_id: str | None = None,
                        python: str = "python") -> list[str]:
     """The `ray job submit` command line that runs ``python -m opgraph.cluster.job ENTRYPOINT...``."""
-    command = ["ray", "job", "submit"]
+    command = [*ray_cli(), "job", "submit"]
     if address:
         command += ["--address", address]
     command += ["--working-dir", working_dir]

@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -26,10 +27,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
-from ray import cloudpickle  # noqa: E402
-
 from opgraph.actors import Session  # noqa: E402
 from opgraph.cluster.metrics import serve_metrics  # noqa: E402
+from ray import cloudpickle  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -216,7 +216,8 @@ def start_local_head() -> LocalHead:
     gcs_port, dashboard_port = free_port(), free_port()
     log_path = os.path.join(temp_dir, "ray-start.log")
     command = [
-        "ray", "start", "--head", "--block", "--disable-usage-stats", "--num-cpus=2",
+        # This interpreter's Ray CLI: a fresh machine may have no `ray` script on PATH.
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats", "--num-cpus=2",
         "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
         # Every port Ray would otherwise take at a fixed default, so the embedded Ray of

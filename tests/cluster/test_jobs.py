@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from opgraph.cluster.client import job_submit_command
+from opgraph.cluster.client import job_submit_command, ray_cli
 from opgraph.cluster.job import EXIT_USAGE, ProgressLog, fanout_graph
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -125,7 +125,7 @@ def test_workflow_mode_says_it_is_not_available_yet():
 def test_job_submit_command_is_ray_job_submit_of_the_entrypoint():
     command = job_submit_command(["fanout", "--nodes", "10"], address="http://127.0.0.1:8265", no_wait=True,
                                  submission_id="nightly")
-    assert command == ["ray", "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
+    assert command == [*ray_cli(), "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
                        "--submission-id", "nightly", "--no-wait", "--",
                        "python", "-m", "opgraph.cluster.job", "fanout", "--nodes", "10"]
 
