@@ -12,20 +12,16 @@ import os
 from typing import Any
 
 import httpx
-import time
 
 from ..models import (
     ChatRequest,
     ChatResponse,
     ProviderConfigError,
-    ProviderError,
     ProviderResponseError,
     ToolCall,
     Usage,
-    parse_model_id,
 )
-from .http import RETRYABLE_STATUSES, ProviderHTTPClient, RetryPolicy
-from .limits import record_call, record_failure
+from .http import RETRYABLE_STATUSES, HTTPChatProvider, ProviderHTTPClient, RetryPolicy
 
 __all__ = ["ANTHROPIC_VERSION", "DEFAULT_ANTHROPIC_BASE_URL", "AnthropicProvider"]
 
@@ -38,13 +34,15 @@ OVERLOADED = 529  # Anthropic's "overloaded": as retryable as a 503
 _FINISH_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "tool_use": "tool_calls", "max_tokens": "length"}
 
 
-class AnthropicProvider:
+class AnthropicProvider(HTTPChatProvider):
     """POSTs to ``{base_url}/v1/messages`` with ``x-api-key`` and ``anthropic-version``.
 
     ``api_key`` and ``base_url`` default to ``ANTHROPIC_API_KEY`` and ``ANTHROPIC_BASE_URL``;
     a key is required for the default URL. ``response_format`` has no API counterpart, so a
     JSON schema becomes an instruction appended to the system prompt.
     """
+
+    endpoint = "/v1/messages"
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, *, name: str = "anthropic",
                  timeout: float = 60.0, max_retries: int = 3, backoff: float = 0.5, max_delay: float = 20.0,
@@ -68,29 +66,6 @@ class AnthropicProvider:
 
     def __repr__(self) -> str:
         return f"AnthropicProvider(name={self.name!r}, base_url={self.base_url!r})"
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> AnthropicProvider:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def complete(self, request: ChatRequest) -> ChatResponse:
-        started = time.perf_counter()
-        _, model_name = parse_model_id(request.model)
-        try:
-            reply = await self._http.post_json("/v1/messages", self.request_body(request, model_name),
-                                               timeout=request.timeout)
-            response = self.parse_body(reply.body, request, status=reply.status)
-        except ProviderError:
-            record_failure(self.name)
-            raise
-        response.retries = reply.retries
-        record_call(self.name, response.usage, time.perf_counter() - started)
-        return response
 
     @staticmethod
     def request_body(request: ChatRequest, model_name: str) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 Owns httpx: clients (one per event loop), per-attempt deadlines, exponential backoff with
 jitter on 429/5xx and dropped connections, ``Retry-After``, and the translation of every
 httpx failure into a ``ProviderError`` (``raise ProviderX(...) from exc``). It knows no
-provider's wire format; callers never see an httpx type.
+provider's wire format (``HTTPChatProvider`` leaves that to subclasses); callers never see
+an httpx type.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 import httpx
 
 from ..models import (
+    ChatRequest,
+    ChatResponse,
     ProviderConfigError,
     ProviderError,
     ProviderHTTPError,
@@ -27,10 +30,13 @@ from ..models import (
     ProviderResponseError,
     ProviderTimeout,
     ProviderUnavailable,
+    parse_model_id,
 )
-from .limits import provider_slot, record_retry
+from .limits import provider_slot, record_call, record_failure, record_retry
 
-__all__ = ["RETRYABLE_STATUSES", "JSONReply", "ProviderHTTPClient", "RetryPolicy", "retry_after_seconds"]
+__all__ = [
+    "RETRYABLE_STATUSES", "HTTPChatProvider", "JSONReply", "ProviderHTTPClient", "RetryPolicy", "retry_after_seconds",
+]
 
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 BODY_EXCERPT = 300  # characters of an error body quoted in messages
@@ -223,3 +229,44 @@ class _RetryableFailure(Exception):
 def _excerpt(response: httpx.Response) -> str:
     text = response.content[:BODY_EXCERPT].decode("utf-8", errors="replace")
     return text + ("..." if len(response.content) > BODY_EXCERPT else "")
+
+
+class HTTPChatProvider:
+    """What every HTTP chat provider shares: the call, its accounting, and closing.
+
+    Subclasses set ``endpoint`` and ``self._http`` and implement ``request_body`` and
+    ``parse_body``; ``complete`` posts, parses, and records usage, latency and failures.
+    """
+
+    name: str
+    endpoint: str
+    _http: ProviderHTTPClient
+
+    def request_body(self, request: ChatRequest, model_name: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse_body(self, body: Any, request: ChatRequest, *, status: int | None = None) -> ChatResponse:
+        raise NotImplementedError
+
+    async def complete(self, request: ChatRequest) -> ChatResponse:
+        started = time.perf_counter()
+        _, model_name = parse_model_id(request.model)
+        try:
+            reply = await self._http.post_json(self.endpoint, self.request_body(request, model_name),
+                                               timeout=request.timeout)
+            response = self.parse_body(reply.body, request, status=reply.status)
+        except ProviderError:
+            record_failure(self.name)
+            raise
+        response.retries = reply.retries
+        record_call(self.name, response.usage, time.perf_counter() - started)
+        return response
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()

@@ -12,27 +12,23 @@ import os
 from typing import Any
 
 import httpx
-import time
 
 from ..models import (
     ChatRequest,
     ChatResponse,
     ProviderConfigError,
-    ProviderError,
     ProviderResponseError,
     ToolCall,
     Usage,
-    parse_model_id,
 )
-from .http import ProviderHTTPClient, RetryPolicy
-from .limits import record_call, record_failure
+from .http import HTTPChatProvider, ProviderHTTPClient, RetryPolicy
 
 __all__ = ["DEFAULT_OPENAI_BASE_URL", "OpenAICompatibleProvider"]
 
 DEFAULT_OPENAI_BASE_URL = "https://api.openai.com/v1"
 
 
-class OpenAICompatibleProvider:
+class OpenAICompatibleProvider(HTTPChatProvider):
     """POSTs to ``{base_url}/chat/completions``; the model name is the part after ``provider/``.
 
     ``base_url`` and ``api_key`` default to ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``. A
@@ -40,6 +36,8 @@ class OpenAICompatibleProvider:
     ``max_retries`` retries follow the first attempt; ``backoff`` and ``max_delay`` shape
     the waits (see ``RetryPolicy``); ``concurrency`` caps calls in flight cluster-wide.
     """
+
+    endpoint = "/chat/completions"
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, name: str = "openai",
                  timeout: float = 60.0, max_retries: int = 3, backoff: float = 0.5, max_delay: float = 20.0,
@@ -62,29 +60,6 @@ class OpenAICompatibleProvider:
 
     def __repr__(self) -> str:
         return f"OpenAICompatibleProvider(name={self.name!r}, base_url={self.base_url!r})"
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> OpenAICompatibleProvider:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def complete(self, request: ChatRequest) -> ChatResponse:
-        started = time.perf_counter()
-        _, model_name = parse_model_id(request.model)
-        try:
-            reply = await self._http.post_json("/chat/completions", self.request_body(request, model_name),
-                                               timeout=request.timeout)
-            response = self.parse_body(reply.body, request, status=reply.status)
-        except ProviderError:
-            record_failure(self.name)
-            raise
-        response.retries = reply.retries
-        record_call(self.name, response.usage, time.perf_counter() - started)
-        return response
 
     @staticmethod
     def request_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
