@@ -40,17 +40,22 @@ class RuntimeLostError(ExecutionError):
     """An opgraph actor (the executor or a branch store) died; the run cannot be observed."""
 
 
+def _translated(exc: ray.exceptions.RayError) -> BaseException:
+    """The opgraph error for a Ray error: the actor's own typed error, or a lost runtime."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        return RuntimeLostError(f"an opgraph actor died: {type(exc).__name__}")
+    cause = _unwrap(exc)
+    if cause is exc:
+        return ExecutionError(f"remote call failed: {exc}")
+    return cause
+
+
 async def _call(ref: Any) -> Any:
     """Await a Ray call, translating Ray's errors into opgraph's at this boundary."""
     try:
         return await ref
-    except ray.exceptions.RayTaskError as exc:
-        cause = _unwrap(exc)
-        if cause is exc:
-            raise ExecutionError(f"remote call failed: {exc}") from None
-        raise cause from None
-    except ray.exceptions.RayActorError as exc:
-        raise RuntimeLostError(f"an opgraph actor died: {type(exc).__name__}") from None
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+        raise _translated(exc) from None
 
 
 @dataclass(frozen=True)
@@ -101,13 +106,8 @@ class RunControl:
                                   f"nothing has run there; check --address and --namespace") from None
         try:
             ray.get(executor.status.remote(run_id))
-        except ray.exceptions.RayTaskError as exc:
-            cause = _unwrap(exc)
-            if cause is exc:
-                raise ExecutionError(f"remote call failed: {exc}") from None
-            raise cause from None
-        except ray.exceptions.RayActorError as exc:
-            raise RuntimeLostError(f"the opgraph executor died: {type(exc).__name__}") from None
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+            raise _translated(exc) from None
         return cls(executor, run_id)
 
     async def pause(self) -> bool:
@@ -344,7 +344,8 @@ class Session:
         try:
             envelope = await self._drain(run_id, graph, on_progress, on_branch_created, verbose)
         except BaseException:
-            with contextlib.suppress(Exception):
+            # Stop the run's remaining work, then re-raise; a dead executor has nothing to stop.
+            with contextlib.suppress(ray.exceptions.RayError):
                 await executor.cancel.remote(run_id)
             raise
         finally:
