@@ -128,11 +128,6 @@ def _executor_families(snapshot: dict[str, Any]) -> Iterator[Metric]:
         ("opgraph_executor_loop_lag_seconds", "How late the executor's event loop woke for a 0.25 s timer.",
          "loop_lag_seconds"),
     ]
-    for name, documentation, key in gauges:
-        family = GaugeMetricFamily(name, documentation)
-        if key in snapshot:
-            family.add_metric([], snapshot[key])
-        yield family
     counters = [
         ("opgraph_runs_started_total", "Runs started on the executor.", "runs_started"),
         ("opgraph_operations_dispatched_total", "Operation calls sent to workers.", "dispatched"),
@@ -141,11 +136,12 @@ def _executor_families(snapshot: dict[str, Any]) -> Iterator[Metric]:
         ("opgraph_worker_deaths_total", "Operation workers found dead (and replaced) by the executor.",
          "worker_deaths"),
     ]
-    for name, documentation, key in counters:
-        family = CounterMetricFamily(name, documentation)
-        if key in snapshot:
-            family.add_metric([], snapshot[key])
-        yield family
+    for family_type, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+        for name, documentation, key in rows:
+            family = family_type(name, documentation)
+            if key in snapshot:
+                family.add_metric([], snapshot[key])
+            yield family
     yield _labelled_counter("opgraph_spawns_dropped_total", "Spawn requests dropped, by dropped_spawns reason.",
                             "reason", snapshot.get("dropped_spawns_by_reason", {}))
     yield _labelled_counter("opgraph_nodes_settled_total", "Nodes that reached a terminal status, by status.",
