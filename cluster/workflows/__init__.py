@@ -1,8 +1,8 @@
 """opgraph.cluster.workflows: the fixed-workflow lane's pure parts (ADR-0073, ADR-0068).
 
-Owns the version-1 definition model and validation, the compiler to a kernel Graph, and
-the lane's capability matrix and run provenance. It runs nothing and stores nothing:
-the store, CLI and HTTP API build on these.
+Owns the version-1 definition model and validation, the compiler to a kernel Graph, the
+lane's capability matrix and run provenance, and the SQLite store of versioned definitions
+and runs. It runs nothing itself: the runner, CLI and HTTP API build on these.
 """
 
 from .compiler import (
@@ -58,6 +58,27 @@ from .spec import (
     validate_definition,
     validate_name,
 )
+from .store import (
+    MIGRATIONS,
+    RUN_STATUSES,
+    RUN_TRANSITIONS,
+    SCHEMA_VERSION,
+    TERMINAL_RUN_STATUSES,
+    Migration,
+    RunConflictError,
+    RunNotFoundError,
+    RunRecord,
+    StoreSchemaError,
+    WorkflowNameConflictError,
+    WorkflowNotFoundError,
+    WorkflowStore,
+    WorkflowStoreError,
+    WorkflowSummary,
+    WorkflowVersion,
+    WorkflowVersionNotFoundError,
+    default_store_path,
+    migrate,
+)
 
 __all__ = [
     "Admission",
@@ -80,26 +101,45 @@ __all__ = [
     "MAX_EDGES",
     "MAX_NAME_LENGTH",
     "MAX_NODES",
+    "MIGRATIONS",
+    "Migration",
     "PlannerUse",
     "ProvenanceError",
     "REMOVED_NODE_KINDS",
+    "RUN_STATUSES",
+    "RUN_TRANSITIONS",
     "ReactiveSettings",
+    "RunConflictError",
+    "RunNotFoundError",
     "RunProvenance",
+    "RunRecord",
+    "SCHEMA_VERSION",
     "SPEC_VERSION",
     "STORED_NODE_KINDS",
     "SourceRef",
+    "StoreSchemaError",
+    "TERMINAL_RUN_STATUSES",
     "WorkflowCompileError",
     "WorkflowDefinition",
     "WorkflowDefinitionError",
     "WorkflowEdge",
+    "WorkflowNameConflictError",
     "WorkflowNode",
+    "WorkflowNotFoundError",
+    "WorkflowStore",
+    "WorkflowStoreError",
+    "WorkflowSummary",
     "WorkflowValidationError",
+    "WorkflowVersion",
+    "WorkflowVersionNotFoundError",
     "canonical_json",
     "check_control",
     "compile_workflow",
     "content_hash",
+    "default_store_path",
     "describe_capabilities",
     "load_definition",
+    "migrate",
     "normalise_name",
     "problem",
     "register_engine",
