@@ -8,6 +8,8 @@ import argparse
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+from .workflow_cli import add_flow_parser, add_run_arguments, add_workflows_parser
+
 __all__ = ["main"]
 
 
@@ -23,7 +25,13 @@ def _run_demo(arguments: argparse.Namespace) -> int:
     # Lazy: importing the runtime loads Ray, which --version must not pay for.
     from opgraph.cluster.demo import main as demo_main
 
-    return demo_main(kernel_only=arguments.kernel)
+    return demo_main(kernel_only=arguments.kernel, arguments=arguments)
+
+
+def _run_bench(arguments: argparse.Namespace) -> int:
+    from opgraph.cluster.bench import main as bench_main
+
+    return bench_main(arguments.bench_arguments)
 
 
 def _serve_metrics(arguments: argparse.Namespace) -> int:
@@ -72,11 +80,24 @@ def _build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = subcommands.add_parser(
         "demo",
-        help="run plan -> two drafts -> merge on the embedded local runtime",
+        help="run the bundled support-triage workflow on the embedded local runtime (sim/ provider)",
+        description="The main job: `opgraph flow run` on the bundled five-node workflow with a conditional "
+                    "fork, on local Ray, the SQLite store and the built-in simulated provider. Pass "
+                    "--input priority=low to take the other branch, --model to use a real provider.",
     )
     demo.add_argument("--kernel", action="store_true",
                       help="drive the kernel state machine alone, without Ray")
+    add_run_arguments(demo)
     demo.set_defaults(handler=_run_demo)
+    add_flow_parser(subcommands)
+    add_workflows_parser(subcommands)
+
+    bench = subcommands.add_parser(
+        "bench", add_help=False,
+        help="benchmark the standard shapes (opgraph bench --help for options)",
+    )
+    bench.add_argument("bench_arguments", nargs=argparse.REMAINDER)
+    bench.set_defaults(handler=_run_bench)
 
     metrics = subcommands.add_parser("metrics", help="Prometheus metrics of a running runtime")
     metrics.set_defaults(handler=lambda _: _print_help_of(metrics))
