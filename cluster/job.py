@@ -7,6 +7,7 @@ calls ``Session.flow``; it never schedules anything itself.
 
     ray job submit --working-dir . -- python -m opgraph.cluster.job fanout --nodes 10000 --latency 0.05
     python -m opgraph.cluster.job fanout --nodes 200 --latency 0.01     # embedded local Ray
+    ray job submit --working-dir . -- python -m opgraph.cluster.job workflow flow.json --input topic=x
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from opgraph.kernel import Graph, create_operation
 __all__ = ["EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "fanout_graph", "main"]
 
 EXIT_RUN_NOT_COMPLETED = 1  # the run failed or was cancelled: the job is marked FAILED
-EXIT_USAGE = 2  # bad arguments, or a mode that is not available yet
+EXIT_USAGE = 2  # bad arguments, or a workflow definition that does not validate or compile
 
 
 class InjectedFailure(RuntimeError):
@@ -160,10 +161,55 @@ def _fanout(arguments: argparse.Namespace) -> int:
     return 0 if envelope["status"] == "completed" else EXIT_RUN_NOT_COMPLETED
 
 
-def _workflow_not_available(arguments: argparse.Namespace) -> int:
-    print(f"opgraph.cluster.job: workflow files are not yet available (they come with issue #5); "
-          f"cannot run {arguments.file!r}. Use the 'fanout' mode.", file=sys.stderr)
-    return EXIT_USAGE
+async def _run_workflow(arguments: argparse.Namespace) -> Any:
+    """Run a workflow file on the fixed lane; the run is recorded in the driver's SQLite store."""
+    import ray  # local, as in _run_fanout
+
+    from opgraph.actors import Session
+    from opgraph.cluster.workflow_cli import parse_inputs
+    from opgraph.cluster.workflows.runner import compile_source, file_source, run_workflow
+    from opgraph.cluster.workflows.store import WorkflowStore
+
+    inputs = parse_inputs(arguments.input)
+    source = file_source(arguments.file)
+    compiled = compile_source(source, inputs=inputs, base_dir=arguments.base_dir, model=arguments.model)
+    address = _address(arguments)
+    detached = arguments.detached if arguments.detached is not None else address is not None
+    session = Session(address=address, namespace=arguments.namespace, detached=detached)
+    try:
+        with WorkflowStore(arguments.store) as store:
+            run_id = arguments.run_id or f"workflow-{uuid.uuid4()}"
+            print(f"run_id: {run_id}", flush=True)
+            print(f"starting {source.ref} ({source.content_hash}) with {len(compiled.graph.nodes)} operations "
+                  f"on {address or 'ray.init() default'}; store {store.path}", flush=True)
+            progress = ProgressLog(len(compiled.graph.nodes), interval=arguments.progress_interval)
+            result = await run_workflow(session, source, inputs=inputs, base_dir=arguments.base_dir,
+                                        model=arguments.model, store=store, run_id=run_id,
+                                        max_concurrent=arguments.max_concurrent, compiled=compiled,
+                                        on_progress=progress)
+            progress.close()
+            return result
+    finally:
+        ray.shutdown()
+
+
+def _workflow(arguments: argparse.Namespace) -> int:
+    from opgraph.cluster.workflows.spec import WorkflowDefinitionError
+
+    try:
+        result = asyncio.run(_run_workflow(arguments))
+    except WorkflowDefinitionError as exc:
+        print(json.dumps({"errors": exc.errors}), file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    payload = result.to_dict()
+    summary = {key: payload[key] for key in ("run_id", "status", "source", "content_hash", "statuses", "elapsed")}
+    summary["failed"] = sorted(payload["errors"])
+    if arguments.results:
+        with open(arguments.results, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle, default=repr)
+        summary["results_file"] = os.path.abspath(arguments.results)
+    print(json.dumps(summary, sort_keys=True), flush=True)
+    return 0 if result.status == "completed" else EXIT_RUN_NOT_COMPLETED
 
 
 def _positive(kind: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -193,24 +239,38 @@ def build_parser() -> argparse.ArgumentParser:
     fanout.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus /metrics on PORT during the run (0: any free port)")
     fanout.add_argument("--metrics-host", default="127.0.0.1", help="interface for --metrics-port (127.0.0.1)")
-    fanout.add_argument("--address", default=None,
-                        help='Ray address ("auto", "ray://host:port", "host:port"); default: RAY_ADDRESS '
-                             "when set (as under `ray job submit`), else ray.init()'s choice: a cluster "
-                             "`ray start` began on this machine, or an embedded local Ray")
-    fanout.add_argument("--namespace", default="opgraph", help="Ray namespace of the opgraph actors (opgraph)")
-    fanout.add_argument("--detached", action=argparse.BooleanOptionalAction, default=None,
-                        help="keep the opgraph actors alive after this job, shared by later jobs and "
-                             "clients (default: yes with --address or RAY_ADDRESS, else no)")
-    fanout.add_argument("--run-id", default=None,
-                        help="name of the run, for `opgraph run ... RUN_ID` from another client "
-                             "(default: fanout-<uuid>, printed at start)")
-    fanout.add_argument("--progress-interval", type=float, default=1.0,
-                        help="seconds between progress lines at most (1.0); also one line per 5%% settled")
+    _add_runtime_arguments(fanout, run_id_default="fanout-<uuid>")
     fanout.set_defaults(handler=_fanout)
-    workflow = modes.add_parser("workflow", help="run a workflow file (not yet available: issue #5)")
-    workflow.add_argument("file")
-    workflow.set_defaults(handler=_workflow_not_available)
+    workflow = modes.add_parser("workflow", help="run a fixed-workflow JSON file (ADR-0073), recorded in SQLite")
+    workflow.add_argument("file", metavar="FILE")
+    workflow.add_argument("--input", action="append", metavar="KEY=VALUE",
+                          help="a run input in the flow context (repeatable; JSON values are parsed)")
+    workflow.add_argument("--model", default=None, help="provider/model for every chat node")
+    workflow.add_argument("--base-dir", default=None, help="containment root for coding-engine cwd")
+    workflow.add_argument("--max-concurrent", type=_positive(int), default=5, help="operations in flight (5)")
+    workflow.add_argument("--store", default=None,
+                          help="SQLite store on the driver (default: OPGRAPH_DB or ~/.opgraph/opgraph.db)")
+    workflow.add_argument("--results", default=None, metavar="PATH",
+                          help="write the full run result (outputs, errors, provenance) as JSON to PATH")
+    _add_runtime_arguments(workflow, run_id_default="workflow-<uuid>")
+    workflow.set_defaults(handler=_workflow)
     return parser
+
+
+def _add_runtime_arguments(mode: argparse.ArgumentParser, *, run_id_default: str) -> None:
+    mode.add_argument("--address", default=None,
+                      help='Ray address ("auto", "ray://host:port", "host:port"); default: RAY_ADDRESS '
+                           "when set (as under `ray job submit`), else ray.init()'s choice: a cluster "
+                           "`ray start` began on this machine, or an embedded local Ray")
+    mode.add_argument("--namespace", default="opgraph", help="Ray namespace of the opgraph actors (opgraph)")
+    mode.add_argument("--detached", action=argparse.BooleanOptionalAction, default=None,
+                      help="keep the opgraph actors alive after this job, shared by later jobs and "
+                           "clients (default: yes with --address or RAY_ADDRESS, else no)")
+    mode.add_argument("--run-id", default=None,
+                      help="name of the run, for `opgraph run ... RUN_ID` from another client "
+                           f"(default: {run_id_default}, printed at start)")
+    mode.add_argument("--progress-interval", type=float, default=1.0,
+                      help="seconds between progress lines at most (1.0); also one line per 5%% settled")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

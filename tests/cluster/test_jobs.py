@@ -114,12 +114,45 @@ def test_failed_run_fails_the_job(ray_head):
     assert len(summary["failed_operations"]) == 4
 
 
-def test_workflow_mode_says_it_is_not_available_yet():
-    """`job workflow FILE` exits with the usage status and names the issue, without starting Ray."""
-    finished = subprocess.run([sys.executable, "-m", "opgraph.cluster.job", "workflow", "flow.yaml"],
+def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp_path):
+    """`job workflow FILE` on the head: progress in the logs, a summary, the run in the driver's store."""
+    from opgraph.cluster.workflow_cli import example_workflow_path
+    from opgraph.cluster.workflows.store import WorkflowStore
+
+    submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
+    store, results = tmp_path / "runs.db", tmp_path / "result.json"
+    submitted = subprocess.run(
+        opgraph_command("job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPOSITORY),
+                        "--submission-id", submission_id, "--",
+                        "workflow", str(example_workflow_path()), "--input", "ticket=login page is slow",
+                        "--input", "priority=low", "--model", "sim/fast", "--store", str(store),
+                        "--results", str(results), "--progress-interval", "0.1"),
+        env=ray_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert wait_for_terminal_status(ray_head, submission_id) == "SUCCEEDED"
+    logs = job_client(ray_head).get_job_logs(submission_id)
+    summary = summary_of(logs)
+    assert summary["status"] == "completed"
+    assert summary["statuses"] == {"classify": "completed", "draft_reply": "completed", "escalate": "skipped",
+                                   "check": "completed"}
+    assert any(line.startswith("progress: settled 4/4") for line in logs.splitlines()), logs
+    assert json.loads(results.read_text())["outputs"]["draft_reply"]["model"] == "sim/fast"
+    with WorkflowStore(store) as opened:
+        run = opened.get_run(summary["run_id"])
+        assert run.status == "completed" and run.content_hash == summary["content_hash"]
+
+
+def test_workflow_job_with_a_bad_definition_exits_with_usage_and_structured_errors(tmp_path):
+    """Compile errors are printed before any Ray starts; the job would be marked FAILED."""
+    spec = {"version": 1, "nodes": [{"id": "p", "kind": "parse", "pos": {"x": 0, "y": 0}}], "edges": []}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(spec))
+    finished = subprocess.run([sys.executable, "-m", "opgraph.cluster.job", "workflow", str(path)],
                               capture_output=True, text=True, timeout=60, check=False)
     assert finished.returncode == EXIT_USAGE
-    assert "not yet available" in finished.stderr and "issue #5" in finished.stderr
+    errors = json.loads(finished.stderr.strip().splitlines()[-1])["errors"]
+    assert [problem["node_id"] for problem in errors] == ["p"]
 
 
 def test_job_submit_command_is_ray_job_submit_of_the_entrypoint():
