@@ -58,6 +58,23 @@ async def _call(ref: Any) -> Any:
         raise _translated(exc) from None
 
 
+async def _start(executor: Any, run_id: str, graph: Graph, options: Any) -> None:
+    """Admit a run; if the caller is cancelled meanwhile, the run must not go on undrained.
+
+    The executor may admit it anyway (the call is already on its way), so wait for the
+    admission to settle, then cancel and forget the run before re-raising.
+    """
+    admission = executor.start_run.remote(run_id, graph, options)
+    try:
+        await _call(admission)
+    except asyncio.CancelledError:
+        with contextlib.suppress(ray.exceptions.RayError, OpGraphError):
+            await admission
+            await executor.cancel.remote(run_id)
+            executor.forget_run.remote(run_id)
+        raise
+
+
 @dataclass(frozen=True)
 class EventsDropped:
     """``RunControl.watch()`` fell behind: ``count`` settled-node events were dropped for it."""
@@ -337,7 +354,7 @@ class Session:
         )
         run_id = run_id or str(uuid.uuid4())
         executor = self.runtime.executor
-        await _call(executor.start_run.remote(run_id, graph, options))
+        await _start(executor, run_id, graph, options)
         if executor_ref is not None:
             executor_ref["executor"] = RunControl(executor, run_id)
             executor_ref["run_id"] = run_id
@@ -428,7 +445,7 @@ async def flow_stream(
     )
     run_id = str(uuid.uuid4())
     executor = session.runtime.executor
-    await _call(executor.start_run.remote(run_id, graph, options))
+    await _start(executor, run_id, graph, options)
     finished = False
     try:
         while True:
