@@ -290,27 +290,41 @@ async def run_workflow(
         if control is not None:
             control["control"] = FixedRunControl(executor_ref["executor"])
 
-    publisher = asyncio.ensure_future(publish_control()) if control is not None else None
+    async def flush_periodically() -> None:
+        # Signals reach the store while nodes run, not only when the next one arrives.
+        while True:
+            await asyncio.sleep(_SIGNAL_FLUSH_SECONDS)
+            recorder.flush()
+
+    helpers = [asyncio.ensure_future(flush_periodically())]
+    if control is not None:
+        helpers.append(asyncio.ensure_future(publish_control()))
     status, outputs, errors, statuses = "failed", {}, {}, {}
     try:
-        envelope = await session.flow(
-            compiled.graph, **compiled.flow_options(), max_concurrent=max_concurrent, run_id=run_id,
-            on_progress=recorder.progress, on_branch_created=recorder.branch_created, executor_ref=executor_ref,
-        )
-        status = _run_status(envelope)
-        outputs, errors, statuses = _summarise(envelope, compiled)
+        try:
+            envelope = await session.flow(
+                compiled.graph, **compiled.flow_options(), max_concurrent=max_concurrent, run_id=run_id,
+                on_progress=recorder.progress, on_branch_created=recorder.branch_created,
+                executor_ref=executor_ref,
+            )
+            status = _run_status(envelope)
+            outputs, errors, statuses = _summarise(envelope, compiled)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - D5: a runtime error is a failed run, recorded
+            errors = {"run": {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}}
+        finally:
+            for helper in helpers:
+                helper.cancel()
+        try:
+            await recorder.record_branches(session.default_branch, session.messages)
+        except Exception as exc:  # noqa: BLE001 - lost branch history must not hide the run's outcome
+            errors.setdefault("branches", {"error": f"could not record branch messages: {exc}"})
     except asyncio.CancelledError:
-        _finish(store, recorder, run_id, "cancelled", error={"error": "the run was cancelled"})
+        # Cancelled while running or while recording branches: the row must still end.
+        _finish(store, recorder, run_id, "cancelled",
+                error={"run": {"error": "the run was cancelled", "type": "CancelledError"}})
         raise
-    except Exception as exc:  # noqa: BLE001 - D5: a runtime error is a failed run, recorded
-        errors = {"run": {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}}
-    finally:
-        if publisher is not None:
-            publisher.cancel()
-    try:
-        await recorder.record_branches(session.default_branch, session.messages)
-    except Exception as exc:  # noqa: BLE001 - lost branch history must not hide the run's outcome
-        errors.setdefault("branches", {"error": f"could not record branch messages: {exc}"})
     _finish(store, recorder, run_id, status, outputs=outputs, error=errors or None)
     return WorkflowRunResult(run_id=run_id, status=status, source=source.label, content_hash=source.content_hash,
                              outputs=outputs, errors=errors, statuses=statuses, provenance=provenance,
