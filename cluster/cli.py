@@ -5,6 +5,7 @@ and does not start Ray."""
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
@@ -28,10 +29,12 @@ def _run_demo(arguments: argparse.Namespace) -> int:
     return demo_main(kernel_only=arguments.kernel, arguments=arguments)
 
 
-def _run_bench(arguments: argparse.Namespace) -> int:
-    from opgraph.cluster.bench import main as bench_main
+def _serve_api(arguments: argparse.Namespace) -> int:
+    # Lazy: FastAPI and uvicorn load only for the server.
+    from opgraph.cluster.workflows.api import serve
 
-    return bench_main(arguments.bench_arguments)
+    serve(arguments.host, arguments.port, store_path=arguments.store, address=arguments.address)
+    return 0
 
 
 def _serve_metrics(arguments: argparse.Namespace) -> int:
@@ -91,13 +94,23 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_run_demo)
     add_flow_parser(subcommands)
     add_workflows_parser(subcommands)
-
-    bench = subcommands.add_parser(
-        "bench", add_help=False,
-        help="benchmark the standard shapes (opgraph bench --help for options)",
+    api = subcommands.add_parser(
+        "serve", help="serve the workflow HTTP API (definitions CRUD, 202-admitted runs) until Ctrl-C",
+        description="FastAPI server of the fixed-workflow lane: /api/workflows (CRUD, versions) and "
+                    "/api/workflows/NAME/runs (202 admission), /api/runs/ID (status, signals, results, "
+                    "cancel). Interactive docs at /docs.",
     )
-    bench.add_argument("bench_arguments", nargs=argparse.REMAINDER)
-    bench.set_defaults(handler=_run_bench)
+    api.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1)")
+    api.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    api.add_argument("--store", default=None,
+                     help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
+    api.add_argument("--address", default=None, help="Ray address (default: embedded local Ray, started on first run)")
+    api.set_defaults(handler=_serve_api)
+
+    # Parsed by opgraph.cluster.bench itself: main() hands `bench ...` over before argparse
+    # (a REMAINDER positional would not take options such as --repeat).
+    subcommands.add_parser("bench", add_help=False,
+                           help="benchmark the standard shapes; `opgraph bench --help` for options")
 
     metrics = subcommands.add_parser("metrics", help="Prometheus metrics of a running runtime")
     metrics.set_defaults(handler=lambda _: _print_help_of(metrics))
@@ -160,6 +173,11 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from opgraph.cluster.bench import main as bench_main  # lazy: it starts Ray
+
+        return bench_main(argv[1:])
     parser = _build_parser()
     arguments = parser.parse_args(argv)
     handler = getattr(arguments, "handler", None)

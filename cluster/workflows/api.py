@@ -1,0 +1,420 @@
+"""The fixed-workflow lane's HTTP API (ADR-0073 D1/D5, ADR-0068 D3): definitions and runs.
+
+Owns the routes and their JSON shapes, the one mapping from typed errors to HTTP statuses,
+one lazily created Session, and this server's in-flight run tasks (admitted in the
+background, cancelled at shutdown). It must not validate, compile, store or execute a
+definition itself (spec.py, store.py, runner.py do), nor accept a control the lane has no
+consumer for. Choices the records leave open:
+
+- A run is admitted, not awaited: the 202 comes once the version is pinned, the graph
+  compiled and the run task started (ADR-0073 D5 awaited the whole run behind its 202).
+- ``message``/``pause``/``resume`` are 409 with the LaneCapabilityError message (well
+  formed, but the lane's matrix forbids it); nothing is queued and the run is untouched.
+- ``/results`` is 409 until the run is terminal; progress is the run and its ``/signals``.
+- A run this server did not start (another process, a restart) cannot be cancelled here:
+  409, because its owner holds the only handle (there is no durable cancel yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from opgraph.kernel import OpGraphError
+
+from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, LaneCapabilityError, check_control
+from .runner import compile_source, registry_source, run_workflow
+from .spec import WorkflowDefinitionError, problem
+from .store import (
+    RunNotFoundError,
+    RunRecord,
+    WorkflowNameConflictError,
+    WorkflowNotFoundError,
+    WorkflowStore,
+    WorkflowStoreError,
+    WorkflowVersion,
+)
+
+__all__ = [
+    "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "RunStateConflictError", "RunTasks", "RunWorkflowRequest",
+    "RuntimeUnavailableError", "UpdateWorkflowRequest", "create_app", "serve",
+]
+
+# How long a cancel request waits for the executor to settle the run before it also
+# cancels the driving task (which cancels on the executor again, from Session.flow).
+CANCEL_GRACE_SECONDS = 5.0
+SHUTDOWN_GRACE_SECONDS = 10.0
+_CAPABILITIES = FIXED_WORKFLOW_CAPABILITIES.as_metadata()  # what every run of this lane publishes
+
+
+# -- request bodies (D1 models, with versioning: a PUT appends an immutable version) -------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateWorkflowRequest(_Body):
+    name: str
+    description: str | None = None
+    spec: dict[str, Any] | None
+
+
+class UpdateWorkflowRequest(_Body):
+    spec: dict[str, Any] | None
+    description: str | None = None
+
+
+class RunWorkflowRequest(_Body):
+    inputs: dict[str, Any] | None = None
+    base_dir: str | None = None
+    model: str | None = None
+    version: int | None = Field(default=None, ge=1)
+
+
+class MessageRequest(_Body):
+    text: str = ""  # accepted so the request is well formed; the lane rejects it anyway
+
+
+class RunStateConflictError(OpGraphError):
+    """The request conflicts with the run's state (terminal, still running, or owned by
+    another process); ``status`` says which. Poll the run, or start a new one."""
+
+    def __init__(self, message: str, run_id: str, status: str) -> None:
+        super().__init__(message)
+        self.run_id, self.status = run_id, status
+
+    def __reduce__(self):
+        return (type(self), (self.message, self.run_id, self.status))
+
+
+class RuntimeUnavailableError(OpGraphError):
+    """The Session (Ray and the runtime actors) could not be started; no run was created."""
+
+
+# -- this server's runs -----------------------------------------------------------------
+@dataclass(frozen=True)
+class _InFlight:
+    task: asyncio.Task
+    control: dict[str, Any]  # the runner puts its FixedRunControl at "control" once admitted
+
+
+class RunTasks:
+    """The runs this server started: one asyncio task each, forgotten once it settles.
+
+    Cancelling goes through the run's FixedRunControl (the executor settles the run and
+    the runner records ``cancelled``); the task itself is cancelled only when that handle
+    is not published yet or the run does not settle within ``CANCEL_GRACE_SECONDS``.
+    """
+
+    def __init__(self, store: WorkflowStore) -> None:
+        self._store = store
+        self._runs: dict[str, _InFlight] = {}
+
+    def __contains__(self, run_id: str) -> bool:
+        return run_id in self._runs
+
+    def start(self, run_id: str, control: dict[str, Any], run: Any) -> asyncio.Task:
+        task = asyncio.create_task(run, name=f"workflow-run-{run_id}")
+        self._runs[run_id] = _InFlight(task, control)
+        task.add_done_callback(lambda done: self._settled(run_id, done))
+        return task
+
+    def _settled(self, run_id: str, task: asyncio.Task) -> None:
+        self._runs.pop(run_id, None)
+        if task.cancelled():
+            # The runner records "cancelled" itself while the flow runs; a cancellation that
+            # lands after the flow (while branches are recorded) would leave the row running.
+            # Terminal is final in the store, so this changes nothing when the runner got there.
+            error, status = {"error": "the run was cancelled"}, "cancelled"  # the runner's shape
+        elif (exc := task.exception()) is not None:
+            # The runner records runtime errors itself; anything escaping it (a store error,
+            # say) has no caller left, so it becomes the run's recorded failure.
+            kind = type(exc).__name__
+            error, status = {"run": {"error": f"{kind}: {exc}", "type": kind}}, "failed"
+        else:
+            return
+        with contextlib.suppress(RunNotFoundError):  # it ended before writing its row
+            self._store.finish_run(run_id, status, error=error)
+
+    async def cancel(self, run_id: str) -> None:
+        """Cancel through the executor, falling back to the task; wait for the run to settle."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return
+        # The runner publishes the handle once the executor admitted the run (milliseconds);
+        # cancelling the task before that could strand a run the executor just started.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCEL_GRACE_SECONDS
+        while "control" not in run.control and not run.task.done() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        control = run.control.get("control")
+        if control is None:
+            run.task.cancel()
+        else:
+            # False means the executor already settled the run: the task is recording its outcome.
+            await control.cancel()
+        done, _ = await asyncio.wait({run.task}, timeout=CANCEL_GRACE_SECONDS)
+        if not done:
+            run.task.cancel()
+            await asyncio.wait({run.task}, timeout=CANCEL_GRACE_SECONDS)
+
+    async def cancel_all(self) -> None:
+        """Shutdown: cancel every in-flight task and wait for each to record ``cancelled``."""
+        tasks = [run.task for run in self._runs.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE_SECONDS)
+
+    def statistics(self) -> dict[str, int]:
+        return {"in_flight": len(self._runs)}
+
+
+class _SessionSlot:
+    """One Session for the whole server, created on the first run (it costs seconds)."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self._factory = factory
+        self._session: Any = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> Any:
+        async with self._lock:
+            if self._session is None:
+                # Session() joins Ray with blocking calls: never on the event loop.
+                try:
+                    self._session = await run_in_threadpool(self._factory)
+                except Exception as exc:  # Ray's own errors, translated once here; the next run retries
+                    raise RuntimeUnavailableError(f"cannot start the runtime: {type(exc).__name__}: {exc}; "
+                                                  "check the Ray address, then retry") from exc
+            return self._session
+
+
+# -- JSON shapes ------------------------------------------------------------------------
+def _links(run_id: str) -> dict[str, str]:
+    base = f"/api/runs/{run_id}"
+    return {"self": base, "signals": f"{base}/signals", "results": f"{base}/results", "cancel": f"{base}/cancel"}
+
+
+def _version_json(version: WorkflowVersion, *, spec: bool = True) -> dict[str, Any]:
+    body = asdict(version)
+    body = {"id": body.pop("workflow_id"), "ref": version.ref, **body}
+    if not spec:
+        body.pop("spec")
+    return body
+
+
+def _run_json(record: RunRecord) -> dict[str, Any]:
+    body = {
+        "run_id": record.run_id, "status": record.status, "workflow": record.workflow_name or record.source_ref,
+        "workflow_id": record.workflow_id, "version": record.version, "content_hash": record.content_hash,
+        "lane": record.lane, "lane_capabilities": _CAPABILITIES,
+        "provenance": record.provenance, "inputs": record.inputs, "session_id": record.session_id,
+        "created_at": record.created_at, "started_at": record.started_at, "finished_at": record.finished_at,
+        "links": _links(record.run_id),
+    }
+    if record.terminal:
+        body.update(outputs=record.outputs, errors=record.error)
+    return body
+
+
+def _message(exc: OpGraphError) -> dict[str, Any]:
+    return {"error": exc.message}
+
+
+def _request_problem(item: dict[str, Any]) -> dict[str, Any]:
+    return problem(f"{'.'.join(str(part) for part in item.get('loc', ()))}: {item.get('msg')}")
+
+
+# Every typed error is one HTTP status and body, here and nowhere else; the most specific
+# class wins. Malformed requests get our problem list, not FastAPI's {"detail": [...]}.
+_ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any]]]] = {
+    WorkflowDefinitionError: (422, lambda exc: {"errors": exc.errors}),
+    RequestValidationError: (422, lambda exc: {"errors": [_request_problem(item) for item in exc.errors()]}),
+    WorkflowNameConflictError: (409, lambda exc: {"error": exc.message, "name": exc.name}),
+    LaneCapabilityError: (409, lambda exc: {"error": exc.message, "request_kind": exc.request_kind,
+                                            "lane": FIXED_WORKFLOW, "lane_capabilities": _CAPABILITIES}),
+    RunStateConflictError: (409, lambda exc: {"error": exc.message, "run_id": exc.run_id,
+                                              "status": exc.status, "links": _links(exc.run_id)}),
+    WorkflowNotFoundError: (404, _message),  # WorkflowVersionNotFoundError too
+    RunNotFoundError: (404, _message),
+    WorkflowStoreError: (503, _message),  # the database failed or is closed
+    RuntimeUnavailableError: (503, _message),
+}
+
+
+async def _error_response(_: Request, exc: Exception) -> JSONResponse:
+    status, body = next(_ERROR_RESPONSES[cls] for cls in type(exc).__mro__ if cls in _ERROR_RESPONSES)
+    return JSONResponse(body(exc), status_code=status)
+
+
+# -- the app ----------------------------------------------------------------------------
+def _session_factory(address: str | None = None) -> Callable[[], Any]:
+    def start() -> Any:
+        from opgraph.actors import Session  # local: it loads Ray, which definitions never need
+
+        return Session(address)
+
+    return start
+
+
+def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | None = None,
+               max_concurrent: int = 5) -> FastAPI:
+    """The API over ``store``; runs use one Session from ``session_factory`` (default ``Session()``).
+
+    The caller owns ``store`` and the Session; shutting the app down cancels its
+    in-flight runs (each is recorded ``cancelled``) but closes neither.
+    """
+    runs = RunTasks(store)
+    sessions = _SessionSlot(session_factory or _session_factory())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        await runs.cancel_all()
+
+    app = FastAPI(title="opgraph fixed workflows", lifespan=lifespan)
+    app.state.runs = runs
+    for error_type in _ERROR_RESPONSES:
+        app.add_exception_handler(error_type, _error_response)
+
+    # Definition routes are plain functions: FastAPI runs them in its thread pool, so the
+    # synchronous SQLite calls never block the loop that drives the runs.
+    @app.post("/api/workflows", status_code=201)
+    def create_workflow(body: CreateWorkflowRequest) -> dict[str, Any]:
+        return _version_json(store.create_workflow(body.name, body.spec, body.description))
+
+    @app.get("/api/workflows")
+    def list_workflows() -> dict[str, Any]:
+        return {"workflows": [asdict(summary) for summary in store.list_workflows()]}
+
+    @app.get("/api/workflows/{name}")
+    def get_workflow(name: str, version: int | None = Query(default=None, ge=1)) -> dict[str, Any]:
+        return _version_json(store.resolve(name, version))
+
+    @app.get("/api/workflows/{name}/versions")
+    def list_versions(name: str) -> dict[str, Any]:
+        versions = store.versions(name)
+        return {"name": versions[0].name, "versions": [_version_json(v, spec=False) for v in versions]}
+
+    @app.put("/api/workflows/{name}")
+    def add_version(name: str, body: UpdateWorkflowRequest) -> dict[str, Any]:
+        previous = store.resolve(name)
+        version = store.add_version(name, body.spec, body.description)
+        # An equal hash returns the existing version: versions are immutable and never duplicated.
+        return {**_version_json(version), "created": version.version != previous.version}
+
+    @app.delete("/api/workflows/{name}", status_code=204)
+    def delete_workflow(name: str) -> Response:
+        store.delete_workflow(name)
+        return Response(status_code=204)
+
+    @app.post("/api/workflows/{name}/runs", status_code=202)
+    async def start_run(name: str, body: RunWorkflowRequest | None = None) -> dict[str, Any]:
+        body = body or RunWorkflowRequest()
+        # Pin and compile before any run row exists: a compile error is a 422 and no run.
+        source = await run_in_threadpool(registry_source, store, name, body.version)
+        compiled = await run_in_threadpool(compile_source, source, inputs=body.inputs,
+                                           base_dir=body.base_dir, model=body.model)
+        session = await sessions.get()
+        run_id, control = str(uuid.uuid4()), {}
+        task = runs.start(run_id, control, run_workflow(
+            session, source, inputs=body.inputs, base_dir=body.base_dir, model=body.model, store=store,
+            run_id=run_id, max_concurrent=max_concurrent, control=control, compiled=compiled))
+        # One turn of the loop lets the task write its run row (the runner does that before
+        # its first await), so a client polling right after the 202 finds the run.
+        await asyncio.sleep(0)
+        try:
+            status = (await run_in_threadpool(store.get_run, run_id)).status
+        except RunNotFoundError:
+            if task.done():
+                task.result()  # it failed before recording the run: raise that, not a 404
+            status = "admitted"
+        return {"run_id": run_id, "status": status, "workflow": source.ref, "version": source.version,
+                "content_hash": source.content_hash, "lane": FIXED_WORKFLOW,
+                "lane_capabilities": _CAPABILITIES, "links": _links(run_id)}
+
+    @app.get("/api/runs")
+    def list_runs(workflow: str | None = None,
+                  status: Literal["admitted", "running", "completed", "failed", "cancelled"] | None = None,
+                  limit: int = Query(default=50, ge=1, le=1000)) -> dict[str, Any]:
+        return {"runs": [_run_json(run) for run in store.list_runs(workflow=workflow, status=status, limit=limit)]}
+
+    @app.get("/api/runs/{run_id}")
+    def get_run(run_id: str) -> dict[str, Any]:
+        return _run_json(store.get_run(run_id))
+
+    @app.get("/api/runs/{run_id}/signals")
+    def run_signals(run_id: str, after: int = Query(default=0, ge=0)) -> dict[str, Any]:
+        signals = store.run_signals(run_id, after)
+        status = store.get_run(run_id).status  # read after the signals: terminal means none are missing
+        return {"run_id": run_id, "status": status, "signals": signals,
+                "next_after": signals[-1]["seq"] if signals else after}
+
+    @app.get("/api/runs/{run_id}/results")
+    def run_results(run_id: str) -> dict[str, Any]:
+        record = store.get_run(run_id)
+        if not record.terminal:
+            raise RunStateConflictError(f"run {run_id} is still {record.status}; results exist once it ends "
+                                        "(poll the run or its signals)", run_id=run_id, status=record.status)
+        nodes: dict[str, str] = {}
+        for signal in store.run_signals(run_id):
+            if signal["spec_node_id"] is not None:
+                nodes[signal["spec_node_id"]] = signal["kind"]  # the last lifecycle state wins
+        return {"run_id": run_id, "status": record.status, "workflow": record.workflow_name or record.source_ref,
+                "version": record.version, "content_hash": record.content_hash, "outputs": record.outputs or {},
+                "errors": record.error, "nodes": nodes}
+
+    @app.post("/api/runs/{run_id}/cancel", status_code=202)
+    async def cancel_run(run_id: str) -> dict[str, Any]:
+        record = await run_in_threadpool(store.get_run, run_id)
+        if record.terminal:
+            raise RunStateConflictError(f"run {run_id} already ended {record.status}; there is nothing to cancel",
+                                        run_id=run_id, status=record.status)
+        check_control(FIXED_WORKFLOW, "cancel")
+        if run_id not in runs:
+            raise RunStateConflictError(
+                f"run {run_id} is {record.status} but was not started by this server; only the process "
+                "that started it can cancel it", run_id=run_id, status=record.status)
+        await runs.cancel(run_id)
+        record = await run_in_threadpool(store.get_run, run_id)
+        if record.status in ("completed", "failed"):
+            raise RunStateConflictError(f"run {run_id} ended {record.status} before the cancel took effect",
+                                        run_id=run_id, status=record.status)
+        return {"run_id": run_id, "status": record.status, "links": _links(run_id)}
+
+    async def reject_control(run_id: str, request_kind: str) -> None:
+        await run_in_threadpool(store.get_run, run_id)  # an unknown run is a 404 first
+        check_control(FIXED_WORKFLOW, request_kind)  # raises: nothing is queued anywhere
+
+    @app.post("/api/runs/{run_id}/message")
+    async def message_run(run_id: str, body: MessageRequest | None = None) -> None:
+        await reject_control(run_id, "message")
+
+    @app.post("/api/runs/{run_id}/pause")
+    async def pause_run(run_id: str) -> None:
+        await reject_control(run_id, "pause")
+
+    @app.post("/api/runs/{run_id}/resume")
+    async def resume_run(run_id: str) -> None:
+        await reject_control(run_id, "resume")
+
+    return app
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = None,
+          address: str | None = None) -> None:
+    """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray joins on the first run."""
+    import uvicorn
+
+    with WorkflowStore(store_path) as store:
+        uvicorn.run(create_app(store, session_factory=_session_factory(address)), host=host, port=port)
