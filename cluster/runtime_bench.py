@@ -13,13 +13,22 @@ import argparse
 import asyncio
 import statistics
 import time
+from typing import Any
 
 import ray
 
 from opgraph.actors import Session
 from opgraph.kernel import Graph, create_operation
 
-__all__ = ["main"]
+__all__ = ["RunNotCompleted", "main", "timed_flow"]
+
+
+class RunNotCompleted(RuntimeError):
+    """A timed run ended with a status other than "completed"; its figures would be wrong."""
+
+    def __init__(self, status: str) -> None:
+        super().__init__(f"benchmark run did not complete: {status}")
+        self.status = status
 
 
 def fanout(n: int, seconds: float) -> Graph:
@@ -40,12 +49,13 @@ def chain(n: int, seconds: float) -> Graph:
     return graph
 
 
-async def timed_flow(session: Session, graph: Graph, capacity: int) -> tuple[float, dict]:
+async def timed_flow(session: Session, graph: Graph, capacity: int, **options: Any) -> tuple[float, dict]:
+    """Wall seconds of one ``session.flow`` (``options`` pass through) and its envelope."""
     start = time.perf_counter()
-    envelope = await session.flow(graph, max_concurrent=capacity)
+    envelope = await session.flow(graph, max_concurrent=capacity, **options)
     elapsed = time.perf_counter() - start
     if envelope["status"] != "completed":
-        raise SystemExit(f"benchmark run did not complete: {envelope['status']}")
+        raise RunNotCompleted(envelope["status"])
     return elapsed, envelope
 
 
@@ -110,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         asyncio.run(run(args))
+    except RunNotCompleted as exc:
+        print(exc)
+        return 1
     finally:
         ray.shutdown()
     return 0

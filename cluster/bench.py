@@ -1,0 +1,408 @@
+"""`opgraph bench`: the standard shapes on the embedded local Ray, optionally beside lionagi.
+
+Owns the shape catalogue, the timing loop (median of ``--repeat`` runs of ``flow()``, Ray
+start excluded), the ratios to the ideal makespan, the table and the JSON file, and the
+adapter that runs the same shapes on the in-process reference library lionagi. It must
+not tune or reach into the runtime (only ``Session.flow`` with registered operations),
+and it never hides a failed or timed-out run: each is printed as such.
+
+    opgraph bench [--shapes fanout-50ms,chain] [--nodes 10000] [--repeat 3]
+                  [--compare lionagi] [--compare-timeout 120] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
+from typing import Any
+
+import ray
+
+from opgraph.actors import Session
+from opgraph.kernel import OperationGraphBuilder, SpawnRequest, create_operation
+
+from .runtime_bench import RunNotCompleted, timed_flow
+
+__all__ = ["Shape", "build_parser", "main", "standard_shapes"]
+
+SLEEP = "bench_sleep"
+EMIT_SPAWNS = "bench_emit_spawns"  # the root sends each request live: branch.emit(request)
+RETURN_SPAWNS = "bench_return_spawns"  # the root returns the requests as its result
+INSTALL_HINT = "pip install 'opgraph[bench]'"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark graph: ``width`` nodes sleeping ``latency`` s, ``capacity`` in flight."""
+
+    key: str
+    kind: str  # "fanout", "chain", "aggregation", or "spawns-emitted"/"spawns-returned" (a root, ``width`` spawns)
+    width: int
+    latency: float
+    capacity: int
+
+    @property
+    def nodes(self) -> int:
+        """Nodes a run settles: the width, plus the spawn root or the aggregation node."""
+        return self.width + (self.kind not in ("fanout", "chain"))
+
+    @property
+    def label(self) -> str:
+        each = f"x {self.latency * 1000:g} ms"
+        return {
+            "fanout": f"fan-out {self.width:,} {each} @{self.capacity}",
+            "chain": f"chain {self.width:,} {each}",
+            "spawns-emitted": f"spawns 1 -> {self.width:,} {each} @{self.capacity}, emitted",
+            "spawns-returned": f"spawns 1 -> {self.width:,} {each} @{self.capacity}, returned",
+            "aggregation": f"fan-out {self.width:,} + 1 {each} @{self.capacity}",
+        }[self.kind]
+
+    @property
+    def ideal(self) -> float:
+        """The makespan with no overhead: whole waves of ``capacity`` nodes; a chain's latency sum.
+
+        At the standard sizes a wave count is N / capacity exactly; rounding up keeps the
+        ideal honest when ``--nodes`` makes a fan-out smaller than one wave.
+        """
+        if self.kind == "chain":
+            return self.width * self.latency
+        waves = math.ceil(self.width / self.capacity) * self.latency
+        return waves + (self.latency if self.kind == "aggregation" else 0.0)
+
+
+def standard_shapes(nodes: int = 10_000) -> list[Shape]:
+    """The standard shapes; the chain and the spawns are a tenth of ``nodes`` wide.
+
+    Spawns come two ways. Emitted live, they measure the reactive admission path alone.
+    Returned as the root's result, each child also receives that result (every request)
+    as its context, as both libraries define it, so the cost grows with spawns squared.
+    """
+    tenth = max(1, nodes // 10)
+    return [
+        Shape("fanout-0ms", "fanout", nodes, 0.0, 1000),
+        Shape("fanout-50ms", "fanout", nodes, 0.05, 1000),
+        Shape("chain", "chain", tenth, 0.01, 1000),
+        # 100 in flight, so the spawns take ten waves like the fan-out rather than one.
+        Shape("spawns", "spawns-emitted", tenth, 0.05, 100),
+        Shape("spawns-returned", "spawns-returned", tenth, 0.05, 100),
+        Shape("aggregation", "aggregation", nodes, 0.05, 1000),
+    ]
+
+
+def build_graph(shape: Shape, builder: Any) -> Any:
+    """Lay ``shape`` out with an OperationGraphBuilder: opgraph's or lionagi's take the same calls."""
+    if shape.kind == "chain":
+        for index in range(shape.width):
+            builder.add_operation(SLEEP, seconds=shape.latency, result=index)  # depends_on=None chains
+    elif shape.kind.startswith("spawns"):
+        root = EMIT_SPAWNS if shape.kind == "spawns-emitted" else RETURN_SPAWNS
+        builder.add_operation(root, depends_on=[], count=shape.width)
+    else:
+        leaves = [builder.add_operation(SLEEP, depends_on=[], seconds=shape.latency, result=index)
+                  for index in range(shape.width)]
+        if shape.kind == "aggregation":
+            builder.add_aggregation(SLEEP, source_node_ids=leaves, seconds=shape.latency, result="aggregate")
+    return builder.get_graph()
+
+
+@dataclass(frozen=True)
+class SleepingChild:
+    """A node builder: each admitted SpawnRequest becomes a node sleeping ``seconds``."""
+
+    create: Callable[[str, dict[str, Any]], Any]  # the library's create_operation(operation, parameters)
+    seconds: float
+
+    def __call__(self, request: Any, emitter: Any) -> Any:
+        return self.create(SLEEP, {"seconds": self.seconds, "result": request.instruction})
+
+
+def flow_options(shape: Shape, create: Callable[[str, dict[str, Any]], Any]) -> dict[str, Any]:
+    """``flow()`` options beyond capacity: the spawn shapes run reactive, admitting every request."""
+    if not shape.kind.startswith("spawns"):
+        return {}
+    return {"reactive": True, "max_spawn": shape.width, "node_builder": SleepingChild(create, shape.latency)}
+
+
+# -- opgraph ------------------------------------------------------------------------------
+
+async def opgraph_sleep(branch: Any, seconds: float = 0.0, **parameters: Any) -> Any:
+    await asyncio.sleep(seconds)
+    return parameters.get("result")
+
+
+async def opgraph_emit_spawns(branch: Any, count: int = 0, **parameters: Any) -> int:
+    for index in range(count):
+        branch.emit(SpawnRequest(instruction=f"spawned {index}"))
+    return count
+
+
+async def opgraph_return_spawns(branch: Any, count: int = 0, **parameters: Any) -> list[SpawnRequest]:
+    return [SpawnRequest(instruction=f"spawned {index}") for index in range(count)]
+
+
+class OpgraphRunner:
+    """Runs shapes through ``Session.flow`` on the runtime the session joined."""
+
+    name = "opgraph"
+
+    def __init__(self, session: Session, timeout: float) -> None:
+        self.session = session
+        self.timeout = timeout
+        session.register_operation(SLEEP, opgraph_sleep, record_turn=False)
+        session.register_operation(EMIT_SPAWNS, opgraph_emit_spawns, record_turn=False)
+        session.register_operation(RETURN_SPAWNS, opgraph_return_spawns, record_turn=False)
+
+    def unsupported(self, shape: Shape) -> str | None:
+        return None
+
+    async def run(self, shape: Shape) -> float:
+        graph = build_graph(shape, OperationGraphBuilder())
+        options = flow_options(shape, create_operation)
+        elapsed, envelope = await asyncio.wait_for(
+            timed_flow(self.session, graph, shape.capacity, **options), self.timeout)
+        settled = len(envelope["operation_statuses"])
+        if settled != shape.nodes:
+            raise RunNotCompleted(f"settled {settled} of {shape.nodes} nodes")
+        return elapsed
+
+
+# -- lionagi, the in-process reference library -------------------------------------------
+
+async def lionagi_sleep(seconds: float = 0.0, **parameters: Any) -> Any:
+    """lionagi calls a registered operation with the node's parameters only (no branch)."""
+    await asyncio.sleep(seconds)
+    return parameters.get("result")
+
+
+async def lionagi_return_spawns(count: int = 0, **parameters: Any) -> list[Any]:
+    from lionagi.casts import SpawnRequest as LionagiSpawnRequest
+
+    return [LionagiSpawnRequest(instruction=f"spawned {index}") for index in range(count)]
+
+
+class LionagiRunner:
+    """Runs shapes through lionagi's own ``Session.flow``, in this process and event loop.
+
+    Each run gets a fresh lionagi Session (made before the clock starts): lionagi keeps
+    every branch it clones on the session, and a shared one would grow run after run.
+    """
+
+    name = "lionagi"
+
+    def __init__(self, timeout: float) -> None:
+        import lionagi
+        from lionagi.operations.node import create_operation as lionagi_create_operation
+
+        self.lionagi = lionagi
+        self.create_operation = lionagi_create_operation
+        self.timeout = timeout
+
+    def unsupported(self, shape: Shape) -> str | None:
+        if shape.kind == "spawns-emitted":
+            return "a registered lionagi operation is called without its branch, so it cannot emit live"
+        return None
+
+    async def run(self, shape: Shape) -> float:
+        session = self.lionagi.Session()
+        session.register_operation(SLEEP, lionagi_sleep)
+        session.register_operation(RETURN_SPAWNS, lionagi_return_spawns)
+        graph = build_graph(shape, self.lionagi.Builder())
+        options = flow_options(shape, self.create_operation)
+        start = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(session.flow(graph, max_concurrent=shape.capacity, **options),
+                                            self.timeout)
+        except TimeoutError:
+            raise
+        except Exception as exc:  # the foreign library's own error, translated once here
+            raise RunNotCompleted(f"{type(exc).__name__}: {exc}") from exc
+        elapsed = time.perf_counter() - start
+        completed, failed = len(result["completed_operations"]), len(result["failed_operations"])
+        if failed or completed != shape.nodes:
+            raise RunNotCompleted(f"{completed} of {shape.nodes} nodes completed, {failed} failed")
+        return elapsed
+
+
+# -- measuring ----------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    """One library's runs of one shape: the wall seconds of each, or why they stopped."""
+
+    status: str = "ok"  # "ok", "timeout", "failed" or "n/a" (the library cannot run the shape)
+    seconds: list[float] = field(default_factory=list)
+    reason: str = ""
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.seconds) if self.status == "ok" and self.seconds else None
+
+    def figures(self, shape: Shape) -> dict[str, Any]:
+        median = self.median
+        return {
+            "status": self.status,
+            "reason": self.reason,
+            "seconds": self.seconds,
+            "median_seconds": median,
+            "nodes_per_second": shape.nodes / median if median else None,
+            "ratio_to_ideal": median / shape.ideal if median and shape.ideal else None,
+        }
+
+
+async def measure_shape(shape: Shape, runners: Sequence[Any], repeat: int) -> dict[str, Outcome]:
+    """Run ``shape`` ``repeat`` times per library, interleaved so both see the same machine load."""
+    outcomes = {runner.name: Outcome() for runner in runners}
+    for runner in runners:
+        reason = runner.unsupported(shape)
+        if reason is not None:
+            outcomes[runner.name] = Outcome("n/a", reason=reason)
+    for _ in range(repeat):
+        for runner in runners:
+            outcome = outcomes[runner.name]
+            if outcome.status != "ok":
+                continue  # a timed-out or failed library gets no further runs of this shape
+            start = time.perf_counter()
+            try:
+                outcome.seconds.append(await runner.run(shape))
+            except TimeoutError:
+                outcome.status = "timeout"
+                outcome.reason = (f"a run exceeded the {runner.timeout:g} s budget "
+                                  f"(stopped after {time.perf_counter() - start:.0f} s)")
+            except RunNotCompleted as exc:
+                outcome.status, outcome.reason = "failed", str(exc)
+    return outcomes
+
+
+def table(shapes: Sequence[Shape], results: list[dict[str, Outcome]], names: Sequence[str]) -> list[str]:
+    """The aligned figures table, then one note per run that did not finish."""
+    header = ["shape", "nodes", "ideal s"]
+    for name in names:
+        header += [f"{name} s", f"{name} nodes/s", f"{name}/ideal"]
+    if len(names) == 2:
+        header.append(f"{names[0]}/{names[1]}")
+    rows, notes = [header], []
+    for shape, outcomes in zip(shapes, results):
+        row = [shape.label, f"{shape.nodes:,}", f"{shape.ideal:.2f}" if shape.ideal else "-"]
+        for name in names:
+            outcome = outcomes[name]
+            figures = outcome.figures(shape)
+            if outcome.median is None:
+                row += [outcome.status, "-", "-"]
+                notes.append(f"{name} {shape.key}: {outcome.status}: {outcome.reason}")
+                continue
+            ratio = figures["ratio_to_ideal"]
+            row += [f"{outcome.median:.2f}", f"{figures['nodes_per_second']:,.0f}",
+                    f"{ratio:.2f}x" if ratio else "-"]
+        if len(names) == 2:
+            first, second = (outcomes[name].median for name in names)
+            row.append(f"{first / second:.2f}x" if first and second else "-")
+        rows.append(row)
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) if column == 0 else cell.rjust(width)
+                       for column, (cell, width) in enumerate(zip(row, widths))) for row in rows]
+    return lines + notes
+
+
+def machine() -> dict[str, Any]:
+    described = {"cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+                 "ray": ray.__version__, "opgraph": version("opgraph")}
+    if "lionagi" in sys.modules:
+        described["lionagi"] = version("lionagi")
+    return described
+
+
+async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, ray_start: float) -> int:
+    runners: list[Any] = [OpgraphRunner(session, args.timeout)]
+    if args.compare == "lionagi":
+        runners.append(LionagiRunner(args.compare_timeout))
+    names = [runner.name for runner in runners]
+    described = machine()
+    print(f"opgraph bench: median of {args.repeat} run(s) per shape, wall seconds of flow(); "
+          f"embedded Ray start excluded ({ray_start:.1f} s)")
+    print("machine: " + ", ".join(f"{key} {value}" for key, value in described.items()))
+    if len(names) == 2:
+        print(f"{names[0]}/{names[1]}: ratio of median wall times (below 1: {names[0]} is faster); "
+              f"budget per {names[1]} run {args.compare_timeout:g} s")
+    # Warm-up, not timed: the first runs ship operations and warm every actor and import.
+    for kind in ("fanout", "spawns-emitted", "spawns-returned"):
+        await measure_shape(Shape("warm-up", kind, 100, 0.0, 100), runners, 1)
+    results = []
+    for shape in shapes:
+        outcomes = await measure_shape(shape, runners, args.repeat)
+        results.append(outcomes)
+        done = ", ".join(f"{name} {outcomes[name].median:.2f} s" if outcomes[name].median is not None
+                         else f"{name} {outcomes[name].status}" for name in names)
+        print(f"measured {shape.label}: {done}", file=sys.stderr, flush=True)
+    print("\n".join(table(shapes, results, names)))
+    if args.json:
+        document = {"repeat": args.repeat, "machine": described, "ray_start_seconds": ray_start, "libraries": names,
+                    "shapes": [{**asdict(shape), "label": shape.label, "nodes": shape.nodes, "ideal_seconds": shape.ideal,
+                                "results": {name: outcomes[name].figures(shape) for name in names}}
+                               for shape, outcomes in zip(shapes, results)]}
+        with open(args.json, "w") as handle:
+            json.dump(document, handle, indent=2)
+    return 0 if all(outcomes["opgraph"].status == "ok" for outcomes in results) else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="opgraph bench",
+        description="Benchmark the standard graph shapes on the embedded local Ray (median of --repeat runs), "
+                    "optionally beside lionagi in the same process.")
+    keys = [shape.key for shape in standard_shapes()]
+    parser.add_argument("--shapes", default=",".join(keys),
+                        help=f"comma-separated subset of: {', '.join(keys)} (default: all)")
+    parser.add_argument("--nodes", type=int, default=10_000,
+                        help="fan-out width; the chain and the spawns are a tenth of it (default 10000)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per shape, median reported (default 3)")
+    parser.add_argument("--compare", choices=["lionagi"], default=None,
+                        help=f"also run every shape on lionagi, in this process ({INSTALL_HINT})")
+    parser.add_argument("--compare-timeout", type=float, default=120.0,
+                        help="seconds one run of a shape may take on the compared library (default 120)")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds one run of a shape may take on opgraph (default 600)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.nodes < 1 or args.repeat < 1:
+        parser.error("--nodes and --repeat must be at least 1")
+    catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
+    wanted = [key.strip() for key in args.shapes.split(",") if key.strip()]
+    unknown = [key for key in wanted if key not in catalogue]
+    if unknown or not wanted:
+        parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}")
+    if args.compare == "lionagi":
+        try:
+            import lionagi  # noqa: F401
+        except ImportError:
+            print(f"opgraph bench: --compare lionagi needs the lionagi package: {INSTALL_HINT}", file=sys.stderr)
+            return 2
+    # Join a Ray that is already up (a test's shared one) and leave it up; stop only our own.
+    started_ray = not ray.is_initialized()
+    start = time.perf_counter()
+    try:
+        session = Session()
+        ray.get(session.runtime.executor.ping.remote())
+        ray_start = time.perf_counter() - start
+        return asyncio.run(run(args, [catalogue[key] for key in wanted], session, ray_start))
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""`opgraph bench` end to end: tiny shapes through the real runtime, and beside real lionagi.
+
+The runs join the shared Ray of ``session`` (the bench leaves a Ray it did not start
+running). Shapes at ``--nodes 20``: fan-outs of 20 (+ 1 aggregation node), a chain of 2,
+and spawns of 2 (root -> 2 children), emitted live or returned.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from opgraph.cluster.bench import main, standard_shapes
+
+SHAPE_KEYS = [shape.key for shape in standard_shapes()]
+
+
+def test_every_standard_shape_reports_positive_figures_at_or_above_the_ideal(session, tmp_path, capsys):
+    """Every standard shape, one run each: medians, nodes/s and ratios in the table and the JSON."""
+    path = tmp_path / "figures.json"
+
+    status = main(["--nodes", "20", "--repeat", "1", "--json", str(path)])
+
+    assert status == 0
+    output = capsys.readouterr().out
+    assert "median of 1 run(s) per shape" in output
+    assert "embedded Ray start excluded" in output
+    document = json.loads(path.read_text())
+    assert document["repeat"] == 1
+    assert document["machine"]["cores"] >= 1
+    assert [shape["key"] for shape in document["shapes"]] == SHAPE_KEYS
+    for shape in document["shapes"]:
+        figures = shape["results"]["opgraph"]
+        assert figures["status"] == "ok", figures["reason"]
+        assert figures["median_seconds"] > 0
+        assert figures["nodes_per_second"] > 0
+        assert shape["label"] in output
+        if shape["ideal_seconds"]:
+            # Real sleeps: no run beats the makespan of its latencies (5% for clock granularity).
+            assert figures["ratio_to_ideal"] >= 0.95
+        else:
+            assert figures["ratio_to_ideal"] is None  # 0 ms: nodes/s stands in for a ratio
+
+
+def test_compare_lionagi_runs_the_same_shapes_in_the_same_run(session, tmp_path, capsys):
+    """fan-out 20 x 50 ms and root -> 2 returned spawns on both libraries; emitted spawns are n/a on lionagi."""
+    path = tmp_path / "figures.json"
+
+    status = main(["--shapes", "fanout-50ms,spawns-returned,spawns", "--nodes", "20", "--repeat", "1",
+                   "--compare", "lionagi", "--json", str(path)])
+
+    assert status == 0
+    output = capsys.readouterr().out
+    header = next(line for line in output.splitlines() if line.startswith("shape"))
+    for column in ("opgraph s", "lionagi s", "lionagi nodes/s", "lionagi/ideal", "opgraph/lionagi"):
+        assert column in header
+    document = json.loads(path.read_text())
+    assert document["libraries"] == ["opgraph", "lionagi"]
+    assert document["machine"]["lionagi"]
+    results = {shape["key"]: shape["results"] for shape in document["shapes"]}
+    for key in ("fanout-50ms", "spawns-returned"):
+        for library in ("opgraph", "lionagi"):
+            figures = results[key][library]
+            assert figures["status"] == "ok", (key, library, figures["reason"])
+            assert figures["median_seconds"] > 0
+            assert figures["ratio_to_ideal"] >= 0.95
+    assert results["spawns"]["opgraph"]["status"] == "ok"
+    unsupported = results["spawns"]["lionagi"]
+    assert unsupported["status"] == "n/a" and unsupported["median_seconds"] is None
+    assert f"lionagi spawns: n/a: {unsupported['reason']}" in output
+
+
+def test_compare_lionagi_without_the_package_exits_2_naming_the_extra(monkeypatch, capsys):
+    """No lionagi importable: exit 2 before any Ray work, with the install command."""
+    monkeypatch.setitem(sys.modules, "lionagi", None)  # makes `import lionagi` raise ImportError
+
+    status = main(["--compare", "lionagi"])
+
+    assert status == 2
+    assert "pip install 'opgraph[bench]'" in capsys.readouterr().err
+
+
+def test_unknown_shape_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--shapes", "fanout-50ms,spiral"])
+    assert exit_info.value.code == 2
+    assert "unknown shape(s) spiral" in capsys.readouterr().err
