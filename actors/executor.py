@@ -549,9 +549,12 @@ class GraphExecutor:
             run.pending_dispatch.extend(dispatches)
             if not run.flush_scheduled:
                 # Coalesce dispatches from every event handled within one short window
-                # into a few batched messages instead of one round trip per feed.
+                # into a few batched messages instead of one round trip per feed. When
+                # nothing else is in flight no outcome can arrive to join the batch, so
+                # waiting would only add latency (a chain's every link): send at once.
                 run.flush_scheduled = True
-                self.loop.call_later(DISPATCH_WINDOW, self._spawn_task, run, self._flush(run))
+                window = DISPATCH_WINDOW if len(run.state.running) > len(run.pending_dispatch) else 0.0
+                self.loop.call_later(window, self._spawn_task, run, self._flush(run))
 
     async def _flush(self, run: _Run) -> None:
         run.flush_scheduled = False
