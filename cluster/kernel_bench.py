@@ -6,6 +6,15 @@ show linear cost. It lives in cluster/ because it reads the clock; the kernel ma
 
     python -m opgraph.cluster.kernel_bench [--scale 1.0] [--repeat 3] [--only chain,spawns]
 
+The driver feeds the kernel the way the GraphExecutor does (actors/executor.py). A
+worker streams outcomes back in messages of at most ``OUTCOME_BATCH`` (256, from
+actors/workers.py, gathered over a 2 ms window), and the executor turns each message
+into one ``handle(*events)`` call of ``OperationFinished`` events built with keywords,
+requests already extracted (``extracted=True``), each stamped with a later ``now``.
+Here every operation finishes at once, so outcomes are settled oldest dispatch first in
+batches of that size; ``--batch 0`` settles everything outstanding in one call instead.
+Event construction is timed too: the executor pays it for every outcome.
+
 ``settle/s`` is from the median wall time. ``cpu settle/s`` is from the median process
 CPU time of the same runs: on a shared machine it moves less with other people's load,
 so compare changes with it (and with A/B runs in one session), not across days.
@@ -18,6 +27,7 @@ import gc
 import statistics
 import time
 import tracemalloc
+from collections import deque
 from collections.abc import Callable
 
 from opgraph.kernel import (
@@ -32,6 +42,11 @@ from opgraph.kernel import (
 )
 
 __all__ = ["main"]
+
+# actors/workers.py OUTCOME_BATCH: outcomes per streamed worker message, so per handle()
+# call. Not imported: that would load Ray into a benchmark of the pure kernel.
+OUTCOME_BATCH = 256
+OUTCOME_WINDOW = 0.002  # seconds between a worker's messages (actors/workers.py)
 
 
 def fanout_graph(n: int) -> Graph:
@@ -54,24 +69,35 @@ def chain_graph(n: int) -> Graph:
     return graph
 
 
-def drive(state: FlowState, spawns_from_root: int = 0) -> int:
-    """Complete every dispatch instantly, in batches, until the run finishes."""
-    instructions = state.handle(FlowStarted(now=0.0))
+def drive(state: FlowState, spawns_from_root: int = 0, batch_size: int = OUTCOME_BATCH) -> int:
+    """Complete every dispatch instantly, oldest first, ``batch_size`` outcomes per handle()."""
+    now = 0.0
+    instructions = state.handle(FlowStarted(now=now))
+    outstanding: deque[DispatchOperation] = deque()
     settled = 0
     while not state.finished:
-        batch = []
         for instruction in instructions:
             if type(instruction) is DispatchOperation:
-                requests = ()
-                if spawns_from_root and instruction.parameters.get("instruction") == "root":
-                    requests = tuple(
-                        SpawnRequested(emitter_id=instruction.node_id, request=SpawnRequest(instruction=f"s{i}"),
-                                       dedupe_key=i)
-                        for i in range(spawns_from_root)
-                    )
-                batch.append(OperationFinished(node_id=instruction.node_id, attempt=instruction.attempt,
-                                               response="ok", requests=requests))
-        settled += len(batch)
+                outstanding.append(instruction)
+        if not outstanding:
+            raise RuntimeError("the run stalled: nothing outstanding and no FinishRun")
+        count = len(outstanding) if batch_size <= 0 else min(batch_size, len(outstanding))
+        now += OUTCOME_WINDOW
+        batch = []
+        for _ in range(count):
+            dispatch = outstanding.popleft()
+            requests = ()
+            if spawns_from_root and dispatch.parameters.get("instruction") == "root":
+                # As the executor builds them from an outcome's requests (_finished_event).
+                requests = tuple(
+                    SpawnRequested(now=now, emitter_id=dispatch.node_id, request=SpawnRequest(instruction=f"s{i}"),
+                                   dedupe_key=(dispatch.node_id, i), redelivery=False)
+                    for i in range(spawns_from_root)
+                )
+            batch.append(OperationFinished(now=now, node_id=dispatch.node_id, attempt=dispatch.attempt,
+                                           status="completed", response="ok", error=None, error_type=None,
+                                           requests=requests, extracted=True))
+        settled += count
         instructions = state.handle(*batch)
     return settled
 
@@ -96,7 +122,7 @@ def shape_spawns(n: int) -> Callable[[], tuple[FlowState, int]]:
     return build
 
 
-def measure(build: Callable[[], tuple[FlowState, int]], repeat: int) -> dict[str, float]:
+def measure(build: Callable[[], tuple[FlowState, int]], repeat: int, batch_size: int) -> dict[str, float]:
     times = []
     cpu_times = []
     settled = 0
@@ -104,12 +130,12 @@ def measure(build: Callable[[], tuple[FlowState, int]], repeat: int) -> dict[str
         state, spawns = build()
         gc.collect()
         start, cpu_start = time.perf_counter(), time.process_time()
-        settled = drive(state, spawns)
+        settled = drive(state, spawns, batch_size)
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
     state, spawns = build()
     tracemalloc.start()
-    drive(state, spawns)
+    drive(state, spawns, batch_size)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     median = statistics.median(times)
@@ -124,13 +150,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
     parser.add_argument("--gc-threshold", type=int, default=None,
                         help="generation-0 GC threshold (the executor runs with 50,000; Python's default is 700)")
+    parser.add_argument("--batch", type=int, default=OUTCOME_BATCH,
+                        help=f"outcomes per handle() call (default {OUTCOME_BATCH}, as the executor; 0: all outstanding)")
     parser.add_argument("--only", default="",
                         help="comma-separated subset of shapes to run: fanout, chain, spawns (default: all)")
     args = parser.parse_args(argv)
     if args.gc_threshold is not None:
         _, second, third = gc.get_threshold()
         gc.set_threshold(args.gc_threshold, second, third)
-    print(f"gc threshold: {gc.get_threshold()}")
+    print(f"gc threshold: {gc.get_threshold()}; outcomes per handle(): {args.batch or 'all outstanding'}")
     shapes = [
         ("fanout", "fan-out + aggregation", shape_fanout, int(100_000 * args.scale)),
         ("chain", "chain", shape_chain, int(10_000 * args.scale)),
@@ -145,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, label, shape, n in shapes:
         if wanted and key not in wanted:
             continue
-        base = measure(shape(n), args.repeat)
-        double = measure(shape(2 * n), args.repeat)
+        base = measure(shape(n), args.repeat, args.batch)
+        double = measure(shape(2 * n), args.repeat, args.batch)
         ratio = double["seconds"] / base["seconds"]
         cpu_ratio = double["cpu_seconds"] / base["cpu_seconds"]
         print(f"{label:<24}{base['settled']:>9}{base['seconds']:>10.3f}{base['per_second']:>11,.0f}"

@@ -112,12 +112,13 @@ class ReactiveAdmission:
 
     def _child_rank(self, emitter_id: str | None) -> tuple[int, ...]:
         """Spawned children rank right after their emitter, in per-emitter order."""
-        if emitter_id is None or emitter_id not in self.rank:
+        ranks = self._ranks()
+        if emitter_id is None or emitter_id not in ranks:
             self._injected += 1
             return (len(self.graph.nodes) + 1_000_000_000 + self._injected,)
         count = self._children.get(emitter_id, 0)
         self._children[emitter_id] = count + 1
-        return (*self.rank[emitter_id], count)
+        return (*ranks[emitter_id], count)
 
     def _is_duplicate_request(self, event: ev.SpawnRequested | ev.EscalationRequested) -> bool:
         key = event.dedupe_key

@@ -2,14 +2,18 @@
 
 Owns the vocabulary of ``FlowState.handle(*events) -> instructions``. Every
 node-scoped event and instruction carries the node id and attempt number, so the shell
-can drop stale results. These are small frozen dataclasses; the shell performs the
-effects, the kernel never does.
+can drop stale results. The shell performs the effects, the kernel never does.
+
+Each type is a small frozen record: a ``NamedTuple`` that compares equal only to a
+record of the same type. Several are made per node (an outcome, a dispatch, three
+signals), and a frozen dataclass costs four to five times as much to construct (one
+``object.__setattr__`` per field): at 100,000 nodes that alone was a third of the
+scheduler's time (issue #2).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .graph import Operation
 
@@ -39,20 +43,17 @@ __all__ = [
 
 
 # -- events -------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Event:
+# Every event starts with ``now``: time arrives as a field, the kernel reads no clock.
+class FlowStarted(NamedTuple):
+    """The graph was submitted: validate, preallocate branches, dispatch roots."""
+
     now: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class FlowStarted(Event):
-    """The graph was submitted: validate, preallocate branches, dispatch roots."""
-
-
-@dataclass(frozen=True, slots=True)
-class OperationFinished(Event):
+class OperationFinished(NamedTuple):
     """An operation attempt settled. ``status`` is completed, failed or cancelled."""
 
+    now: float = 0.0
     node_id: str = ""
     attempt: int = 0
     status: str = "completed"
@@ -65,17 +66,16 @@ class OperationFinished(Event):
     extracted: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ConditionsEvaluated(Event):
+class ConditionsEvaluated(NamedTuple):
     """Results of async edge conditions, edge id -> bool (or an error text)."""
 
+    now: float = 0.0
     node_id: str = ""
     results: tuple[tuple[str, bool], ...] = ()
     error: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class SpawnRequested(Event):
+class SpawnRequested(NamedTuple):
     """A SpawnRequest arrived (sent during an operation, or found in its response).
 
     ``dedupe_key`` identifies one request object across both routes; without it the
@@ -85,68 +85,61 @@ class SpawnRequested(Event):
     whereas a request genuinely seen twice is recorded as ``duplicate``.
     """
 
+    now: float = 0.0
     emitter_id: str | None = None
     request: Any = None
     dedupe_key: Any = None
     redelivery: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class EscalationRequested(Event):
+class EscalationRequested(NamedTuple):
     """An EscalationRequest arrived; ``redelivery`` as for SpawnRequested."""
 
+    now: float = 0.0
     emitter_id: str | None = None
     request: Any = None
     dedupe_key: Any = None
     redelivery: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class InjectRequested(Event):
+class InjectRequested(NamedTuple):
     """A prebuilt Operation to admit, answered by ``AdmissionDecided(token=...)``."""
 
+    now: float = 0.0
     operation: Operation | None = None
     after: str | None = None
     independent: bool = False
     token: Any = None
 
 
-@dataclass(frozen=True, slots=True)
-class PauseRequested(Event):
-    pass
+class PauseRequested(NamedTuple):
+    now: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class ResumeRequested(Event):
-    pass
+class ResumeRequested(NamedTuple):
+    now: float = 0.0
 
 
-@dataclass(frozen=True, slots=True)
-class DispatchHeld(Event):
+class DispatchHeld(NamedTuple):
     """Backpressure from the shell: while ``held``, nothing new is dispatched (no signal)."""
 
+    now: float = 0.0
     held: bool = True
 
 
-@dataclass(frozen=True, slots=True)
-class OperatorMessageReceived(Event):
+class OperatorMessageReceived(NamedTuple):
+    now: float = 0.0
     text: str = ""
     ts: Any = None
 
 
-@dataclass(frozen=True, slots=True)
-class CancelRequested(Event):
+class CancelRequested(NamedTuple):
+    now: float = 0.0
     reason: str = "cancelled"
 
 
 # -- instructions -------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Instruction:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class CloneBranch(Instruction):
+class CloneBranch(NamedTuple):
     """Create ``branch_id`` as a copy-on-write clone of ``source`` (None: the default branch).
 
     ``reactive`` clones also run ``spawn_branch_setup``; every clone fires
@@ -159,8 +152,7 @@ class CloneBranch(Instruction):
     reactive: bool = False
 
 
-@dataclass(frozen=True, slots=True)
-class ReplaceHistory(Instruction):
+class ReplaceHistory(NamedTuple):
     """Primary-dependency inheritance: ``branch_id`` takes ``source``'s messages."""
 
     node_id: str
@@ -169,8 +161,7 @@ class ReplaceHistory(Instruction):
     source: str
 
 
-@dataclass(frozen=True, slots=True)
-class DispatchOperation(Instruction):
+class DispatchOperation(NamedTuple):
     node_id: str
     attempt: int
     operation: str
@@ -178,14 +169,12 @@ class DispatchOperation(Instruction):
     branch_id: str | None
 
 
-@dataclass(frozen=True, slots=True)
-class CancelOperation(Instruction):
+class CancelOperation(NamedTuple):
     node_id: str
     attempt: int
 
 
-@dataclass(frozen=True, slots=True)
-class EvaluateConditions(Instruction):
+class EvaluateConditions(NamedTuple):
     """Evaluate async conditions: ``edges`` is ((edge_id, predecessor_result), ...)."""
 
     node_id: str
@@ -193,8 +182,7 @@ class EvaluateConditions(Instruction):
     context: dict[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
-class EmitSignal(Instruction):
+class EmitSignal(NamedTuple):
     """Deliver a lifecycle signal of class ``kind``.
 
     Node signals carry the node and the few values that change; the pydantic model is
@@ -234,14 +222,51 @@ class EmitSignal(Instruction):
         return self.kind(**payload)
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionDecided(Instruction):
+class AdmissionDecided(NamedTuple):
     token: Any
     accepted: bool
     node_id: str | None = None
     reason: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class FinishRun(Instruction):
-    envelope: dict[str, Any] = field(default_factory=dict)
+class FinishRun(NamedTuple):
+    """The run settled; ``envelope`` is its result envelope."""
+
+    envelope: dict[str, Any]
+
+
+Event = (
+    FlowStarted
+    | OperationFinished
+    | ConditionsEvaluated
+    | SpawnRequested
+    | EscalationRequested
+    | InjectRequested
+    | PauseRequested
+    | ResumeRequested
+    | DispatchHeld
+    | OperatorMessageReceived
+    | CancelRequested
+)
+Instruction = (
+    CloneBranch | ReplaceHistory | DispatchOperation | CancelOperation | EvaluateConditions | EmitSignal
+    | AdmissionDecided | FinishRun
+)
+
+
+def _same_record(self: tuple, other: object) -> bool:
+    return type(self) is type(other) and tuple.__eq__(self, other)
+
+
+def _different_record(self: tuple, other: object) -> bool:
+    return not _same_record(self, other)
+
+
+# A plain tuple compares by content alone, so PauseRequested(0.0) would equal
+# ResumeRequested(0.0) and CancelOperation("a", 1) would equal ("a", 1). Records keep
+# the dataclass rule instead: equal only to the same type with the same fields.
+for _record in (*Event.__args__, *Instruction.__args__):
+    _record.__eq__ = _same_record
+    _record.__ne__ = _different_record
+    _record.__hash__ = tuple.__hash__
+del _record

@@ -1,14 +1,23 @@
 """The scheduler's cross-structure invariants, stated as code.
 
 Owns ``validate()``: nothing is both waiting and running, capacity is respected, every
-waiting node has an unmet dependency, counters match the states. Tests call it after
-every step; it is a mixin of FlowState and never mutates anything.
+waiting node has an unmet dependency, counters match the states, and a story left
+implied is one the node's state implies. Tests call it after every step; it is a mixin
+of FlowState and never mutates anything.
 """
 
 from __future__ import annotations
 
 from .errors import InvariantViolation
-from .states import EVALUATING, READY, RUNNING, SKIPPED, TERMINAL, WAITING
+from .states import (
+    EVALUATING,
+    IMPLIED_STATES,
+    READY,
+    RUNNING,
+    SKIPPED,
+    TERMINAL,
+    WAITING,
+)
 
 __all__ = ["InvariantChecks"]
 
@@ -23,8 +32,13 @@ class InvariantChecks:
             raise InvariantViolation(message, node_id=node_id)
 
         running = {n for n, s in self.state.items() if s == RUNNING}
-        if running != self.running:
+        if running != self.running.keys():
             fail(f"running set {sorted(self.running)} != running states {sorted(running)}")
+        for node_id, (attempt, node, deps) in self.running.items():
+            if attempt != self.attempt.get(node_id):
+                fail(f"in flight as attempt {attempt}, but the node is at attempt {self.attempt.get(node_id)}", node_id)
+            if node is not self.graph.nodes.get(node_id) or deps is not self.deps.get(node_id):
+                fail("in flight with another node's record", node_id)
         if len(self.running) > self.capacity:
             fail(f"{len(self.running)} operations in flight exceed capacity {self.capacity}")
         if len(set(self.ready)) != len(self.ready):
@@ -50,6 +64,8 @@ class InvariantChecks:
                 fail(f"{state} node has an unsettled dependency", node_id)
             if state == SKIPPED and node_id in self.results:
                 fail("skipped node has a result entry", node_id)
+            if state not in IMPLIED_STATES and node_id not in self._stories:
+                fail(f"{state} node is off the common path but its story is not recorded", node_id)
         if self.spawn_count > self.max_spawn:
             fail("spawn cap exceeded")
         if self.finished and (self.open_nodes or self.running):

@@ -39,7 +39,8 @@ class FlowEvent:
 
 def validate_envelope(envelope: dict[str, Any]) -> None:
     """Completed and skipped ids are disjoint (ADR-0023 D4); dropped reasons are known."""
-    overlap = set(envelope["completed_operations"]) & set(envelope["skipped_operations"])
+    skipped = envelope["skipped_operations"]
+    overlap = set(envelope["completed_operations"]).intersection(skipped) if skipped else ()
     if overlap:
         raise InvariantViolation(
             "completed_operations and skipped_operations overlap", node_id=sorted(overlap)[0]

@@ -10,9 +10,8 @@ instructions and feeds every outcome back through ``handle``.
 from __future__ import annotations
 
 import copy
-import heapq
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from . import events as ev
@@ -36,6 +35,7 @@ from .errors import (
 )
 from .graph import Graph, Operation, condition_is_async, validate_condition
 from .invariants import InvariantChecks
+from .registration import NodeRegistration
 from .results import validate_envelope
 from .states import (
     _ALLOWED_FROM,
@@ -44,19 +44,21 @@ from .states import (
     COMPLETED,
     EVALUATING,
     FAILED,
+    IMPLIED_STEPS,
     READY,
     RUNNING,
     SKIPPED,
     TERMINAL,
     TRANSITIONS,
     WAITING,
+    implied_story,
 )
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "FlowState", "TRANSITIONS"]
 
 DEFAULT_MAX_CONCURRENCY = 10_000
 
-class FlowState(ReactiveAdmission, InvariantChecks):
+class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
     """All state of one run; change it only through ``handle(*events)``.
 
     Cost per settlement is O(degree): dependents are found through the reverse
@@ -98,19 +100,23 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         self.shared = SharedContext(context, reducers)
 
         self.state: dict[str, str] = {}
-        self.deps: dict[str, list[str]] = {}
-        self.dependents: dict[str, list[str]] = {}
+        self.deps: dict[str, Sequence[str]] = {}
+        self.dependents: dict[str, list[str]] = {}  # only nodes that have dependents
         self.unsettled: dict[str, int] = {}
-        self.attempt: dict[str, int] = {}
-        self.rank: dict[str, tuple[int, ...]] = {}
-        self.branch: dict[str, str | None] = {}
+        self.attempt: dict[str, int] = {}  # dispatches so far; a node not listed has had none
+        self.rank: dict[str, tuple[int, ...]] = {}  # read through ``_ranks()``
+        self._deferred_ranks = 0  # initial nodes whose insertion-order ranks are not written yet
+        self.branch: dict[str, str | None] = {}  # absent: the default branch
         self.pending_inheritance: set[str] = set()
         self.results: dict[str, Any] = {}
         self.errors: dict[str, str] = {}
         self.ready: deque[str] = deque()
-        self.running: set[str] = set()
+        # Operations in flight: node id -> (attempt, node, dependencies). The node and its
+        # dependencies ride along so that settling reads one small dict, not two big ones.
+        self.running: dict[str, tuple[int, Operation, Sequence[str]]] = {}
         self.open_nodes = 0
-        self.history: dict[str, list[tuple[str, str, str, int]]] = {}
+        # Recorded stories of nodes that left the common path (see ``story``).
+        self._stories: dict[str, list[tuple[str, str, str, int]]] = {}
         self.paused = False
         self.held = False
         self._pause_announced: set[str] = set()
@@ -135,16 +141,19 @@ class FlowState(ReactiveAdmission, InvariantChecks):
     def handle(self, *events: ev.Event) -> list[ev.Instruction]:
         """Apply events in order and return the instructions the shell must carry out."""
         out = self._out = []
-        counters = self.counters
-        for event in events:
-            counters["events"] += 1
-            if event.now > self.now:
-                self.now = event.now
-                self._elapsed = max(0.0, self.now - self.start_time)
-            handler = _HANDLERS.get(type(event))
-            if handler is None:
-                raise OperationError(f"unknown scheduler event {type(event).__name__}")
-            handler(self, event)
+        handled = 0
+        try:
+            for event in events:
+                handled += 1
+                if event.now > self.now:
+                    self.now = event.now
+                    self._elapsed = max(0.0, self.now - self.start_time)
+                handler = _HANDLERS.get(type(event))
+                if handler is None:
+                    raise OperationError(f"unknown scheduler event {type(event).__name__}")
+                handler(self, event)
+        finally:
+            self.counters["events"] += handled
         self._pump()
         self._maybe_finish()
         self._out = []
@@ -155,8 +164,16 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         return _PUBLIC_STATUS[self.state[node_id]]
 
     def story(self, node_id: str) -> list[tuple[str, str, str, int]]:
-        """The node's transitions as (from, to, reason, attempt), oldest first."""
-        return list(self.history.get(node_id, ()))
+        """The node's transitions as (from, to, reason, attempt), oldest first.
+
+        While a node stays on the common path (waiting, ready, running, completed) its
+        state implies its story, so nothing is recorded (``IMPLIED_STEPS``); a node
+        that leaves the path has its story written out and recorded from then on.
+        """
+        recorded = self._stories.get(node_id)
+        if recorded is not None:
+            return list(recorded)
+        return implied_story(self.state.get(node_id), self.attempt.get(node_id, 0))
 
     def statistics(self) -> dict[str, Any]:
         counts = {COMPLETED: 0, FAILED: 0, SKIPPED: 0, CANCELLED: 0}
@@ -186,7 +203,8 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         self.start_time = event.now
         self._elapsed = 0.0
         graph = self.graph
-        in_order = self._register_initial_nodes()
+        fresh = not self.state  # no node was registered before the start (spawned early)
+        in_order, roots = self._register_initial_nodes()
         # One topological pass both ranks the nodes and detects cycles (edges plus
         # aggregation sources); edge conditions are validated before any work.
         self._rank_initial_nodes(in_order)
@@ -195,16 +213,18 @@ class FlowState(ReactiveAdmission, InvariantChecks):
                 validate_condition(edge.condition, edge.id)
         restored = []
         # Bound once: this loop runs for every node of the submitted graph.
-        out, deps, branch, default_branch = self._out, self.deps, self.branch, self.default_branch_id
+        out, deps = self._out, self.deps
         run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
-        for node_id, node in graph.nodes.items():
+        # Registration filled ``deps`` in node order when nothing was registered before.
+        deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
+        for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order):
             if node.status not in TERMINAL:
-                node_deps = deps[node_id]
-                out.append(emit_signal(queued, run_id, node, elapsed, node_deps, None))
-                if node.branch_id is None and not node_deps and not node.metadata.get("inherit_context"):
-                    branch[node_id] = default_branch  # the common root: nothing to clone
-                else:
+                out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
+                if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
                     self._preallocate_branch(node)
+                elif not fresh:  # a node spawned before the start had a clone: the default replaces it
+                    self.branch.pop(node_id, None)
+                # else the common root: it runs on the default branch, which ``branch`` leaves implicit
             else:
                 restored.append(node)
         # Restored terminal nodes short-circuit without invocation (ADR-0023 D5). All
@@ -218,6 +238,18 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         for node in restored:
             self._release_dependents(node.id)
         state, unsettled, incoming = self.state, self.unsettled, graph._in
+        if fresh and not restored:
+            # Nothing has settled, so exactly the nodes without dependencies are ready, in
+            # insertion order: ``_make_ready`` for each, in bulk. No story is recorded yet
+            # (registration starts them afresh), so the step is implied, as for one node.
+            for node_id in roots:
+                state[node_id] = READY
+            self.ready.extend(roots)
+            if self.paused:
+                for node_id in roots:
+                    self._announce_pause(node_id)
+            return
+        # Restored (or early-registered) nodes may have unblocked any node: scan them all.
         make_ready, gate = self._make_ready, self._gate
         for node_id in graph.nodes:
             if state[node_id] == WAITING and unsettled[node_id] == 0:
@@ -225,25 +257,21 @@ class FlowState(ReactiveAdmission, InvariantChecks):
                 (gate if incoming[node_id] else make_ready)(node_id)
 
     def _on_finished(self, event: ev.OperationFinished) -> None:
-        node_id = event.node_id
-        if (
-            self.state.get(node_id) != RUNNING
-            or event.attempt != self.attempt[node_id]
-        ):
+        node_id, status, response = event.node_id, event.status, event.response
+        running = self.running
+        in_flight = running.get(node_id)  # running holds exactly the nodes in state RUNNING
+        if in_flight is None or in_flight[0] != event.attempt:
             # Stale or duplicate result of an attempt that no longer owns the node.
             self.counters["stale_results"] += 1
-            self.history.setdefault(node_id, []).append(
-                (self.state.get(node_id, "?"), self.state.get(node_id, "?"), "stale result dropped", event.attempt)
-            )
+            current = self.state.get(node_id, "?")
+            self._recorded_story(node_id).append((current, current, "stale result dropped", event.attempt))
             return
-        self.running.discard(node_id)
-        status = event.status
+        del running[node_id]
+        plain = type(response) in _SCALARS  # carries no context update and no request objects
         if status == COMPLETED:
-            response = event.response
-            response_type = type(response)
-            if response_type in _SCALARS:
+            if plain:
                 update = None
-            elif response_type is dict or isinstance(response, Mapping):
+            elif type(response) is dict or isinstance(response, Mapping):
                 update = response.get("context")
             else:
                 update = None
@@ -252,21 +280,7 @@ class FlowState(ReactiveAdmission, InvariantChecks):
                 message = f"response context must be a mapping, got {type(update).__name__}"
                 self._settle_failed(node_id, message, "ContextUpdateError")
             else:
-                self.results[node_id] = response
-                if update is not None:
-                    self.shared.merge(
-                        update,
-                        writer=node_id,
-                        rank=self.rank[node_id],
-                        follows=lambda other: self.graph.reaches(other, node_id),
-                    )
-                self._transition(node_id, COMPLETED, "operation completed")
-                self._out.append(
-                    ev.EmitSignal(sig.NodeCompleted, self.run_id, self.graph.nodes[node_id], self._elapsed,
-                                  self.deps[node_id], None)
-                )
-                if self.dependents[node_id]:
-                    self._release_dependents(node_id)
+                self._settle_completed(node_id, in_flight, response, update)
         elif status == FAILED:
             self._settle_failed(node_id, event.error or "operation failed", event.error_type)
         elif status == CANCELLED:
@@ -275,13 +289,13 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         else:
             raise OperationError(f"unknown operation outcome {event.status!r}", node_id=node_id)
         requests: Iterable[ev.Event] = event.requests
-        if not requests and not event.extracted and status == COMPLETED and type(event.response) not in _SCALARS:
+        if not requests and not plain and not event.extracted and status == COMPLETED:
             # In-process drivers may hand back live request objects in the response.
             requests = [
                 (ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested)(
                     now=event.now, emitter_id=node_id, request=found, dedupe_key=("object", id(found))
                 )
-                for found in extract_requests(event.response, (self.spawn_type, EscalationRequest))
+                for found in extract_requests(response, (self.spawn_type, EscalationRequest))
             ]
         for request in requests:
             _HANDLERS[type(request)](self, request)
@@ -329,153 +343,29 @@ class FlowState(ReactiveAdmission, InvariantChecks):
             elif state == RUNNING:
                 self._out.append(ev.CancelOperation(node_id, self.attempt[node_id]))
 
-    # -- structure ----------------------------------------------------------------
-    def _dependencies_of(self, node: Operation) -> list[str]:
-        deps = self.graph.predecessors(node.id)
-        for source in node.metadata.get("aggregation_sources") or ():
-            if source in self.graph and source not in deps and source != node.id:
-                deps.append(source)
-        return deps
-
-    def _register_initial_nodes(self) -> bool:
-        """``_register`` for every node of the submitted graph, in one pass.
-
-        The same bookkeeping, with dependencies read straight from the adjacency and
-        every lookup bound once; ranks are left to ``_rank_initial_nodes``, which
-        always follows. Returns True when insertion order is already topological
-        (every dependency was inserted before its dependent), the usual case for
-        built graphs, which lets ranking skip its heap.
-        """
-        graph = self.graph
-        nodes, edges, incoming = graph.nodes, graph.edges, graph._in
-        state, history, attempt, all_deps = self.state, self.history, self.attempt, self.deps
-        dependents, unsettled = self.dependents, self.unsettled
-        in_order = not state  # a node registered before the start (spawned early) may be anywhere
-        for node_id, node in nodes.items():
-            edge_ids = incoming[node_id]
-            if not edge_ids:
-                deps = []
-            elif len(edge_ids) == 1:
-                deps = [edges[edge_ids[0]].head]
-            else:
-                deps = list(dict.fromkeys([edges[edge_id].head for edge_id in edge_ids]))
-            sources = node.metadata.get("aggregation_sources")
-            if sources:
-                for source in sources:
-                    if source in nodes and source not in deps and source != node_id:
-                        deps.append(source)
-            if node_id not in dependents:
-                dependents[node_id] = []
-            waiting_on = 0
-            for dep in deps:
-                if dep in dependents:
-                    dependents[dep].append(node_id)
-                else:
-                    dependents[dep] = [node_id]
-                dep_state = state.get(dep)
-                if dep_state is None:  # not registered yet: inserted later, or the node itself
-                    in_order = False
-                    waiting_on += 1
-                elif dep_state not in TERMINAL:
-                    waiting_on += 1
-            state[node_id] = WAITING
-            history[node_id] = []
-            attempt[node_id] = 0
-            all_deps[node_id] = deps
-            unsettled[node_id] = waiting_on
-        self.open_nodes += len(nodes)
-        return in_order
-
-    def _register(self, node: Operation, deps: list[str]) -> None:
-        node_id = node.id
-        self.state[node_id] = WAITING
-        self.history[node_id] = []
-        self.rank[node_id] = (len(self.rank),)
-        self.attempt[node_id] = 0
-        self.deps[node_id] = deps
-        self.dependents.setdefault(node_id, [])
-        unsettled = 0
-        for dep in deps:
-            self.dependents.setdefault(dep, []).append(node_id)
-            if self.state.get(dep, WAITING) not in TERMINAL:
-                unsettled += 1
-        self.unsettled[node_id] = unsettled
-        self.open_nodes += 1
-
-    def _rank_initial_nodes(self, in_order: bool = False) -> None:
-        """Rank = position in the topological order that breaks ties by insertion order.
-
-        Descendants always outrank ancestors, and parallel nodes are ordered by
-        insertion, so shared-context collisions resolve the same way every run.
-        When insertion order is itself topological (``in_order``), that order *is*
-        the tie-broken topological order, and the graph is acyclic: no heap needed.
-        """
-        deps, dependents, rank = self.deps, self.dependents, self.rank
-        if in_order:
-            for position, node_id in enumerate(self.graph.nodes):
-                rank[node_id] = (position,)
-            return
-        order = {node_id: index for index, node_id in enumerate(self.graph.nodes)}
-        indegree = {node_id: len(deps[node_id]) for node_id in order}
-        heap = [order[n] for n, d in indegree.items() if d == 0]
-        heapq.heapify(heap)
-        names = list(order)
-        position = 0
-        pop, push = heapq.heappop, heapq.heappush
-        while heap:
-            node_id = names[pop(heap)]
-            rank[node_id] = (position,)
-            position += 1
-            for dependent in dependents.get(node_id, ()):
-                remaining = indegree[dependent] - 1
-                indegree[dependent] = remaining
-                if remaining == 0:
-                    push(heap, order[dependent])
-        if position != len(order):
-            if not self.graph.is_acyclic():
-                raise OperationError("Graph must be acyclic for flow execution")
-            stuck = next(n for n, remaining in indegree.items() if remaining > 0)
-            raise OperationError(
-                "Graph must be acyclic for flow execution (aggregation_sources form a cycle)",
-                node_id=stuck,
-            )
-
-    def _new_branch_id(self, node_id: str) -> str:
-        # Deterministic and unique per (run, node); a plain string is 10x cheaper than uuid5.
-        return f"branch-{self.run_id}-{node_id}" if self.run_id else f"branch-{node_id}"
-
-    def _branch_is_known(self, branch_id: str | None) -> bool:
-        return branch_id is not None and (self.known_branches is None or branch_id in self.known_branches)
-
-    def _preallocate_branch(self, node: Operation) -> None:
-        """ADR-0023 D3: reuse an explicit branch, clone for dependent or inheriting nodes."""
-        node_id = node.id
-        if self._branch_is_known(node.branch_id):
-            self.branch[node_id] = node.branch_id
-            return
-        inherits = bool(node.metadata.get("inherit_context"))
-        if self.deps[node_id] or inherits:
-            clone = self._new_branch_id(node_id)
-            self.branch[node_id] = clone
-            if self.known_branches is not None:
-                self.known_branches.add(clone)
-            self._out.append(ev.CloneBranch(node_id, clone, self.default_branch_id))
-            if inherits and node.metadata.get("primary_dependency"):
-                self.pending_inheritance.add(node_id)
-        else:
-            self.branch[node_id] = self.default_branch_id
-
     # -- transitions --------------------------------------------------------------
     def _transition(self, node_id: str, new: str, reason: str) -> None:
         state = self.state
         old = state[node_id]
         if new not in _ALLOWED_FROM[old]:  # the TRANSITIONS table, keyed by ``old``
             raise StateTransitionError(f"illegal transition {old} -> {new} ({reason})", node_id=node_id)
+        stories = self._stories
+        if node_id in stories:
+            stories[node_id].append((old, new, reason, self.attempt.get(node_id, 0)))
+        elif IMPLIED_STEPS.get(old) != (new, reason):  # off the common path: write the story out
+            self._recorded_story(node_id).append((old, new, reason, self.attempt.get(node_id, 0)))
         state[node_id] = new
-        self.history[node_id].append((old, new, reason, self.attempt[node_id]))
         if new in TERMINAL:
             self.open_nodes -= 1
             self.counters["settled"] += 1
+
+    def _recorded_story(self, node_id: str) -> list[tuple[str, str, str, int]]:
+        """The node's recorded story, written out from its current state the first time."""
+        story = self._stories.get(node_id)
+        if story is None:
+            story = implied_story(self.state.get(node_id), self.attempt.get(node_id, 0))
+            self._stories[node_id] = story
+        return story
 
     def _release_dependents(self, node_id: str) -> None:
         dependents = self.dependents.get(node_id)
@@ -499,7 +389,7 @@ class FlowState(ReactiveAdmission, InvariantChecks):
             return
         edges = self.graph.edges
         state = self.state
-        deferred = []
+        deferred = None
         # Live edges (head not skipped) in order; the first that passes readies the node.
         # With none live, or none passing and none deferred, the node is skipped.
         for edge_id in edge_ids:
@@ -510,6 +400,8 @@ class FlowState(ReactiveAdmission, InvariantChecks):
                 self._make_ready(node_id)
                 return
             if condition_is_async(edge.condition):
+                if deferred is None:
+                    deferred = []
                 deferred.append(edge)
                 continue
             try:
@@ -542,7 +434,10 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         return {"result": to_mapping(self.results.get(head)), "context": self.shared.data}
 
     def _make_ready(self, node_id: str) -> None:
-        self._transition(node_id, READY, "dependencies settled, path valid")
+        if self.state[node_id] == WAITING and node_id not in self._stories:
+            self.state[node_id] = READY  # the common path's first step: legal, and implied by the story
+        else:
+            self._transition(node_id, READY, "dependencies settled, path valid")
         self.ready.append(node_id)
         if self.paused:
             self._announce_pause(node_id)
@@ -556,6 +451,36 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         self._transition(node_id, SKIPPED, "no incoming path passed")
         self._emit(sig.NodeSkipped, node_id)
         self._release_dependents(node_id)
+
+    def _settle_completed(
+        self, node_id: str, in_flight: tuple[int, Operation, Sequence[str]], response: Any,
+        update: Mapping[str, Any] | None,
+    ) -> None:
+        """A running node's operation succeeded: record, merge, settle, release.
+
+        RUNNING -> COMPLETED is the common path's last step. Like READY -> RUNNING in
+        ``_dispatch_ready`` it is applied inline rather than through ``_transition``:
+        both are rows of TRANSITIONS (states.py asserts it), the caller has checked the
+        old state, and the step is implied by the story unless that is recorded already.
+        """
+        self.results[node_id] = response
+        if update is not None:
+            self.shared.merge(
+                update,
+                writer=node_id,
+                rank=self._ranks()[node_id],
+                follows=lambda other: self.graph.reaches(other, node_id),
+            )
+        attempt, node, deps = in_flight
+        self.state[node_id] = COMPLETED
+        stories = self._stories
+        if node_id in stories:
+            stories[node_id].append((RUNNING, COMPLETED, "operation completed", attempt))
+        self.open_nodes -= 1
+        self.counters["settled"] += 1
+        self._out.append(_new_record(ev.EmitSignal, (sig.NodeCompleted, self.run_id, node, self._elapsed, deps, None)))
+        if node_id in self.dependents:
+            self._release_dependents(node_id)
 
     def _settle_failed(
         self,
@@ -581,43 +506,68 @@ class FlowState(ReactiveAdmission, InvariantChecks):
     def _pump(self) -> None:
         if self.paused or self.held or self.cancelling or not self.started:
             return
-        ready, running, capacity = self.ready, self.running, self.capacity
-        if ready and len(running) < capacity:
-            dispatch = self._dispatch
-            for _ in range(min(len(ready), capacity - len(running))):
-                dispatch(ready.popleft())
+        count = min(len(self.ready), self.capacity - len(self.running))
+        if count > 0:
+            self._dispatch_ready(count)
 
-    def _dispatch(self, node_id: str) -> None:
-        node = self.graph.nodes[node_id]
-        attempt = self.attempt[node_id] + 1
-        self.attempt[node_id] = attempt
-        self._transition(node_id, RUNNING, "dispatched")
-        self.running.add(node_id)
-        branch_id = self.branch.get(node_id, self.default_branch_id)
-        if self.pending_inheritance and node_id in self.pending_inheritance:
-            self.pending_inheritance.discard(node_id)
-            primary = node.metadata.get("primary_dependency")
-            if primary in self.results and self.state.get(primary) in (COMPLETED, FAILED):
-                source = self.branch.get(primary, self.default_branch_id)
-                if source != branch_id:
-                    self._out.append(ev.ReplaceHistory(node_id, attempt, branch_id, source))
-        parameters = dict(node.parameters)
-        own = parameters.get("context")
-        shared = self.shared.data
-        if own is None and not shared and not self.deps[node_id]:
-            parameters["context"] = {}  # a root with nothing to pass on (the common fan-out leaf)
-        else:
-            parameters["context"] = self._operation_context(node_id, own)
-        queue = shared.get(OPERATOR_MESSAGES_KEY)
-        if queue and isinstance(queue, list):
-            instruction = parameters.get("instruction") or ""
-            rendered = render_operator_messages(queue, str(instruction), node_id)
-            if rendered != instruction:
-                parameters["instruction"] = rendered
-        self.counters["dispatched"] += 1
-        out = self._out
-        out.append(ev.EmitSignal(sig.NodeStarted, self.run_id, node, self._elapsed, self.deps[node_id], None))
-        out.append(ev.DispatchOperation(node_id, attempt, node.operation, parameters, branch_id))
+    def _dispatch_ready(self, count: int) -> None:
+        """Dispatch the ``count`` oldest ready nodes, each with its prepared parameters.
+
+        One loop with every lookup bound once, because it runs for every node of a run;
+        READY -> RUNNING is the common path's second step, applied inline (see
+        ``_settle_completed``).
+        """
+        ready, running, state, attempts, stories = self.ready, self.running, self.state, self.attempt, self._stories
+        nodes, deps, branch, default_branch = self.graph.nodes, self.deps, self.branch, self.default_branch_id
+        inheriting, shared, out = self.pending_inheritance, self.shared.data, self._out
+        run_id, elapsed, started, emit_signal, dispatch = (
+            self.run_id, self._elapsed, sig.NodeStarted, ev.EmitSignal, ev.DispatchOperation
+        )
+        dispatched = 0
+        try:
+            for _ in range(count):
+                node_id = ready.popleft()
+                if state[node_id] != READY:
+                    raise StateTransitionError(f"illegal transition {state[node_id]} -> {RUNNING} (dispatched)",
+                                               node_id=node_id)
+                attempt = attempts.get(node_id, 0) + 1
+                attempts[node_id] = attempt
+                state[node_id] = RUNNING
+                if node_id in stories:
+                    stories[node_id].append((READY, RUNNING, "dispatched", attempt))
+                node, node_deps = nodes[node_id], deps[node_id]
+                running[node_id] = (attempt, node, node_deps)
+                branch_id = branch.get(node_id, default_branch)
+                if inheriting and node_id in inheriting:
+                    self._inherit_primary_history(node, attempt, branch_id)
+                parameters = dict(node.parameters)
+                own = parameters.get("context")
+                if own is None and not shared and not node_deps:
+                    parameters["context"] = {}  # a root with nothing to pass on (the common fan-out leaf)
+                else:
+                    parameters["context"] = self._operation_context(node_id, own)
+                if shared:
+                    queue = shared.get(OPERATOR_MESSAGES_KEY)
+                    if queue and isinstance(queue, list):
+                        instruction = parameters.get("instruction") or ""
+                        rendered = render_operator_messages(queue, str(instruction), node_id)
+                        if rendered != instruction:
+                            parameters["instruction"] = rendered
+                out.append(_new_record(emit_signal, (started, run_id, node, elapsed, node_deps, None)))
+                out.append(_new_record(dispatch, (node_id, attempt, node.operation, parameters, branch_id)))
+                dispatched += 1
+        finally:  # counts what went out, should a node fail to dispatch
+            self.counters["dispatched"] += dispatched
+
+    def _inherit_primary_history(self, node: Operation, attempt: int, branch_id: str | None) -> None:
+        """ADR-0023 D3: an inheriting node's branch takes its settled primary's messages."""
+        node_id = node.id
+        self.pending_inheritance.discard(node_id)
+        primary = node.metadata.get("primary_dependency")
+        if primary in self.results and self.state.get(primary) in (COMPLETED, FAILED):
+            source = self.branch.get(primary, self.default_branch_id)
+            if source != branch_id:
+                self._out.append(ev.ReplaceHistory(node_id, attempt, branch_id, source))
 
     def _operation_context(self, node_id: str, own: Any) -> dict[str, Any]:
         if own is None:
@@ -631,11 +581,11 @@ class FlowState(ReactiveAdmission, InvariantChecks):
             context = {"original_context": own}
         deps = self.deps[node_id]
         if deps:
-            results, state = self.results, self.state
-            for dep in deps:
-                if dep in results and state[dep] != SKIPPED:
-                    result = results[dep]
-                    context[f"{dep}_result"] = result if type(result) in _SCALARS else to_mapping(result)
+            results, state, scalars, missing = self.results, self.state, _SCALARS, _MISSING
+            for dep in deps:  # all of an aggregation's inputs: keep the loop lean
+                result = results.get(dep, missing)
+                if result is not missing and state[dep] != SKIPPED:
+                    context[dep + "_result"] = result if type(result) in scalars else to_mapping(result)
         # Copied, not shared: later merges mutate shared values in place, and an emitted
         # DispatchOperation must keep the context it was prepared with.
         for key, value in self.shared.data.items():
@@ -661,14 +611,16 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         Done here rather than per transition: pydantic attribute assignment is the
         costliest step of a settlement, and nobody reads node fields mid-run.
         """
-        state, results, errors = self.state, self.results, self.errors
+        state, results, errors, public, missing = self.state, self.results, self.errors, _PUBLIC_STATUS, _MISSING
         for node_id, node in self.graph.nodes.items():
             fields = node.__dict__
             current = state[node_id]
-            fields["status"] = _PUBLIC_STATUS[current]
-            if current == COMPLETED and node_id in results:
-                fields["response"] = results[node_id]
-            if node_id in errors:
+            fields["status"] = public[current]
+            if current == COMPLETED:
+                result = results.get(node_id, missing)
+                if result is not missing:
+                    fields["response"] = result
+            if errors and node_id in errors:
                 fields["error"] = errors[node_id]
 
     def envelope(self) -> dict[str, Any]:
@@ -678,20 +630,21 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         entry and not skipped (so failures appear in it). ``failed_operations`` and
         ``operation_statuses`` tell the truth per node.
         """
-        results = self.results
-        statuses: dict[str, str] = {}
-        completed: list[str] = []
-        operation_results: dict[str, Any] = {}
+        results, state, missing = self.results, self.state, _MISSING
+        # Everything in registration order. Comprehensions and C-level passes rather
+        # than one loop with branches: at the end of a large run every node goes through.
+        statuses = dict(zip(state, map(_PUBLIC_STATUS.__getitem__, state.values())))
+        operation_results = {
+            node_id: result for node_id in state if (result := results.get(node_id, missing)) is not missing
+        }
         by_state: dict[str, list[str]] = {SKIPPED: [], FAILED: [], CANCELLED: []}
-        # One pass in registration order; each list keeps that order.
-        for node_id, current in self.state.items():
-            statuses[node_id] = _PUBLIC_STATUS[current]
-            if node_id in results:
-                operation_results[node_id] = results[node_id]
-                if current != SKIPPED:
-                    completed.append(node_id)
+        for node_id, current in [(node_id, current) for node_id, current in state.items() if current != COMPLETED]:
             if current in by_state:
                 by_state[current].append(node_id)
+        if by_state[SKIPPED]:
+            completed = [node_id for node_id in operation_results if state[node_id] != SKIPPED]
+        else:
+            completed = list(operation_results)
         envelope: dict[str, Any] = {
             "completed_operations": completed,
             "operation_results": operation_results,
@@ -701,7 +654,7 @@ class FlowState(ReactiveAdmission, InvariantChecks):
             "cancelled_operations": by_state[CANCELLED],
             "operation_statuses": statuses,
             "context_collisions": list(self.shared.collisions),
-            "status": self._run_status(),
+            "status": CANCELLED if self.cancelling else FAILED if by_state[FAILED] else COMPLETED,
         }
         if self.reactive:
             envelope["spawned_operations"] = self.spawn_count
@@ -710,14 +663,11 @@ class FlowState(ReactiveAdmission, InvariantChecks):
         validate_envelope(envelope)
         return envelope
 
-    def _run_status(self) -> str:
-        if self.cancelling:
-            return CANCELLED
-        if any(state == FAILED for state in self.state.values()):
-            return FAILED
-        return COMPLETED
-
 _SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+# Builds a NamedTuple record from a complete field tuple, skipping the generated
+# ``__new__`` and its argument handling: half the cost, for the records made per node.
+_new_record = tuple.__new__
+_MISSING = object()
 
 _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
     ev.FlowStarted: FlowState._on_started,

@@ -1,14 +1,15 @@
 """Node states of the scheduler and the one declared table of legal transitions.
 
-Owns the vocabulary every kernel module shares: internal states, their public projection
-and ``TRANSITIONS``. Anything not in the table is a kernel bug (StateTransitionError).
+Owns the vocabulary every kernel module shares: internal states, their public projection,
+``TRANSITIONS``, and the common path whose steps a node's story implies rather than
+records. Anything not in the table is a kernel bug (StateTransitionError).
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "CANCELLED", "COMPLETED", "EVALUATING", "FAILED", "READY", "RUNNING", "SKIPPED",
-    "TERMINAL", "TRANSITIONS", "WAITING",
+    "CANCELLED", "COMPLETED", "EVALUATING", "FAILED", "IMPLIED_STATES", "IMPLIED_STEPS", "READY",
+    "RUNNING", "SKIPPED", "TERMINAL", "TRANSITIONS", "WAITING", "implied_story",
 ]
 
 # Internal node states. "waiting", "evaluating" and "ready" all project to the public
@@ -44,3 +45,33 @@ _ALLOWED_FROM: dict[str, frozenset[str]] = {
     old: frozenset(new for source, new in TRANSITIONS if source == old)
     for old in (WAITING, EVALUATING, READY, RUNNING, COMPLETED, FAILED, SKIPPED, CANCELLED)
 }
+
+# The path almost every node takes, one step per state left: (next state, reason).
+# A node's story (its transitions as (from, to, reason, attempt)) is not recorded while
+# the node stays on this path, because its current state and attempt imply every step;
+# that saves a tuple per transition, three per node. The first step off the path writes
+# the implied steps out, and from then on that node's story is recorded in full.
+IMPLIED_STEPS: dict[str, tuple[str, str]] = {
+    WAITING: (READY, "dependencies settled, path valid"),
+    READY: (RUNNING, "dispatched"),
+    RUNNING: (COMPLETED, "operation completed"),
+}
+IMPLIED_STATES = frozenset({WAITING, READY, RUNNING, COMPLETED})
+assert all((old, new) in TRANSITIONS for old, (new, _) in IMPLIED_STEPS.items())
+
+
+def implied_story(current: str | None, attempt: int) -> list[tuple[str, str, str, int]]:
+    """The steps that lead along the common path to ``current`` (none if it is off the path).
+
+    Attempts count dispatches and a node is dispatched at most once, so every step from
+    ``ready`` on carries the node's one attempt number and the first step carries 0.
+    """
+    story: list[tuple[str, str, str, int]] = []
+    if current not in IMPLIED_STATES:
+        return story
+    old = WAITING
+    while old != current:
+        new, reason = IMPLIED_STEPS[old]
+        story.append((old, new, reason, 0 if old == WAITING else attempt))
+        old = new
+    return story

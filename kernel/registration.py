@@ -1,0 +1,192 @@
+"""Registration: turning graph nodes into the scheduler's indexes (ADR-0023 D2, D3).
+
+Owns each node's dependencies (edges plus aggregation sources), the reverse dependency
+index, the unsettled counters, ranks and branch preallocation: for the submitted graph
+in one pass, and for each node admitted later. A mixin of FlowState: it keeps no state
+of its own and is reached only through ``handle``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from itertools import islice
+
+from . import events as ev
+from .errors import OperationError
+from .graph import Operation
+from .states import TERMINAL, WAITING
+
+__all__ = ["NodeRegistration"]
+
+# Shared by every node without dependencies (most of a fan-out): never mutated.
+NO_DEPENDENCIES: tuple[str, ...] = ()
+
+
+class NodeRegistration:
+    """Dependency, dependent, counter, rank and branch bookkeeping, mixed into FlowState."""
+
+    def _dependencies_of(self, node: Operation) -> list[str]:
+        deps = self.graph.predecessors(node.id)
+        for source in node.metadata.get("aggregation_sources") or ():
+            if source in self.graph and source not in deps and source != node.id:
+                deps.append(source)
+        return deps
+
+    def _register_initial_nodes(self) -> tuple[bool, list[str]]:
+        """``_register`` for every node of the submitted graph, in one pass.
+
+        The same bookkeeping, with dependencies read straight from the adjacency and
+        every lookup bound once; ranks are left to ``_rank_initial_nodes``, which
+        always follows. Returns whether insertion order is already topological (every
+        dependency was inserted before its dependent, the usual case for built graphs,
+        which lets ranking skip its heap), and the nodes without dependencies, in
+        insertion order: the only ones that can be ready before anything settles.
+        """
+        graph = self.graph
+        nodes, edges, incoming = graph.nodes, graph.edges, graph._in
+        state, all_deps, dependents, unsettled = self.state, self.deps, self.dependents, self.unsettled
+        # Nothing registered before the start (a node spawned early may sit anywhere):
+        # every dependency is then waiting, so a node waits on all of them.
+        fresh = not state
+        in_order = fresh
+        if fresh:
+            # Built in one step, at full size: growing a dict of 100,000 entries one key
+            # at a time rebuilds its table over and over. ``deps`` is None until a node's
+            # turn below, which is how a dependency not registered yet shows. The empty
+            # internal indexes are replaced outright; ``state`` is public, so it is filled.
+            state.update(dict.fromkeys(nodes, WAITING))
+            self.unsettled = unsettled = dict.fromkeys(nodes, 0)
+            self.deps = all_deps = dict.fromkeys(nodes)
+            self.attempt = dict.fromkeys(nodes, 0)
+        if self._stories:  # registration starts a node's story afresh
+            for node_id in nodes:
+                self._stories.pop(node_id, None)
+        roots, terminal = [], TERMINAL
+        for node_id, node in nodes.items():
+            edge_ids = incoming[node_id]
+            if not edge_ids:
+                deps = NO_DEPENDENCIES
+            elif len(edge_ids) == 1:
+                deps = [edges[edge_ids[0]].head]
+            else:
+                deps = list(dict.fromkeys([edges[edge_id].head for edge_id in edge_ids]))
+            sources = node.metadata.get("aggregation_sources")
+            if sources:
+                deps = list(deps)
+                for source in sources:
+                    if source in nodes and source not in deps and source != node_id:
+                        deps.append(source)
+            if deps:
+                for dep in deps:
+                    listed = dependents.get(dep)
+                    if listed is None:
+                        dependents[dep] = [node_id]
+                    else:
+                        listed.append(node_id)
+                    if in_order and all_deps[dep] is None:  # not registered yet: inserted later, or itself
+                        in_order = False
+                if fresh:
+                    unsettled[node_id] = len(deps)
+                else:  # a dependency not registered yet counts as unsettled too
+                    unsettled[node_id] = sum(1 for dep in deps if state.get(dep) not in terminal)
+            else:
+                roots.append(node_id)
+                if not fresh:
+                    unsettled[node_id] = 0
+            if not fresh:
+                state[node_id] = WAITING
+            all_deps[node_id] = deps
+        self.open_nodes += len(nodes)
+        return in_order, roots
+
+    def _register(self, node: Operation, deps: list[str]) -> None:
+        node_id = node.id
+        self._stories.pop(node_id, None)
+        self.state[node_id] = WAITING
+        ranks = self._ranks()
+        ranks[node_id] = (len(ranks),)
+        self.deps[node_id] = deps
+        unsettled = 0
+        for dep in deps:
+            self.dependents.setdefault(dep, []).append(node_id)
+            if self.state.get(dep, WAITING) not in TERMINAL:
+                unsettled += 1
+        self.unsettled[node_id] = unsettled
+        self.open_nodes += 1
+
+    def _rank_initial_nodes(self, in_order: bool = False) -> None:
+        """Rank = position in the topological order that breaks ties by insertion order.
+
+        Descendants always outrank ancestors, and parallel nodes are ordered by
+        insertion, so shared-context collisions resolve the same way every run.
+        When insertion order is itself topological (``in_order``), that order *is*
+        the tie-broken topological order, and the graph is acyclic: no heap needed.
+        """
+        deps, dependents, rank = self.deps, self.dependents, self.rank
+        if in_order:
+            # The ranks are the insertion positions: written out on first use (``_ranks``),
+            # since a run without shared-context writes or spawns never asks for one.
+            self._deferred_ranks = len(self.graph.nodes)
+            return
+        order = {node_id: index for index, node_id in enumerate(self.graph.nodes)}
+        indegree = {node_id: len(deps[node_id]) for node_id in order}
+        heap = [order[n] for n, d in indegree.items() if d == 0]
+        heapq.heapify(heap)
+        names = list(order)
+        position = 0
+        pop, push = heapq.heappop, heapq.heappush
+        while heap:
+            node_id = names[pop(heap)]
+            rank[node_id] = (position,)
+            position += 1
+            for dependent in dependents.get(node_id, ()):
+                remaining = indegree[dependent] - 1
+                indegree[dependent] = remaining
+                if remaining == 0:
+                    push(heap, order[dependent])
+        if position != len(order):
+            if not self.graph.is_acyclic():
+                raise OperationError("Graph must be acyclic for flow execution")
+            stuck = next(n for n, remaining in indegree.items() if remaining > 0)
+            raise OperationError(
+                "Graph must be acyclic for flow execution (aggregation_sources form a cycle)",
+                node_id=stuck,
+            )
+
+    def _ranks(self) -> dict[str, tuple[int, ...]]:
+        """Every node's rank, writing out the deferred insertion-order ranks on first use.
+
+        Deferred ranks belong to the first nodes of the graph: nodes admitted later are
+        appended after them, and each is ranked (through here) as it is registered.
+        """
+        count = self._deferred_ranks
+        if count:
+            self._deferred_ranks = 0
+            # node -> (position,), built in C: zip over one iterable yields 1-tuples.
+            self.rank.update(zip(islice(self.graph.nodes, count), zip(range(count))))
+        return self.rank
+
+    def _new_branch_id(self, node_id: str) -> str:
+        # Deterministic and unique per (run, node); a plain string is 10x cheaper than uuid5.
+        return f"branch-{self.run_id}-{node_id}" if self.run_id else f"branch-{node_id}"
+
+    def _branch_is_known(self, branch_id: str | None) -> bool:
+        return branch_id is not None and (self.known_branches is None or branch_id in self.known_branches)
+
+    def _preallocate_branch(self, node: Operation) -> None:
+        """ADR-0023 D3: reuse an explicit branch, clone for dependent or inheriting nodes."""
+        node_id = node.id
+        if self._branch_is_known(node.branch_id):
+            self.branch[node_id] = node.branch_id
+            return
+        inherits = bool(node.metadata.get("inherit_context"))
+        if self.deps[node_id] or inherits:
+            clone = self._new_branch_id(node_id)
+            self.branch[node_id] = clone
+            if self.known_branches is not None:
+                self.known_branches.add(clone)
+            self._out.append(ev.CloneBranch(node_id, clone, self.default_branch_id))
+            if inherits and node.metadata.get("primary_dependency"):
+                self.pending_inheritance.add(node_id)
+        else:
+            self.branch[node_id] = self.default_branch_id
