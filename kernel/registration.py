@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from itertools import islice
+from typing import Any
 
 from . import events as ev
 from .errors import OperationError
@@ -27,9 +28,9 @@ class NodeRegistration:
 
     def _dependencies_of(self, node: Operation) -> list[str]:
         deps = self.graph.predecessors(node.id)
-        for source in node.metadata.get("aggregation_sources") or ():
-            if source in self.graph and source not in deps and source != node.id:
-                deps.append(source)
+        sources = node.metadata.get("aggregation_sources")
+        if sources:
+            deps = _with_sources(deps, sources, node.id, self.graph)
         return deps
 
     def _register_initial_nodes(self) -> tuple[bool, list[str]]:
@@ -72,10 +73,7 @@ class NodeRegistration:
                 deps = list(dict.fromkeys([edges[edge_id].head for edge_id in edge_ids]))
             sources = node.metadata.get("aggregation_sources")
             if sources:
-                deps = list(deps)
-                for source in sources:
-                    if source in nodes and source not in deps and source != node_id:
-                        deps.append(source)
+                deps = _with_sources(deps, sources, node_id, nodes)
             if deps:
                 for dep in deps:
                     listed = dependents.get(dep)
@@ -190,3 +188,19 @@ class NodeRegistration:
                 self.pending_inheritance.add(node_id)
         else:
             self.branch[node_id] = self.default_branch_id
+
+
+def _with_sources(deps: list[str], sources: Any, node_id: str, known: Any) -> list[str]:
+    """``deps`` plus the aggregation sources that are nodes and not yet listed, in order.
+
+    Membership goes through a set: an aggregation over N sources whose edges already list
+    them would otherwise scan the list once per source, N^2/2 string comparisons.
+    """
+    deps = list(deps)
+    listed = set(deps)
+    listed.add(node_id)
+    for source in sources:
+        if source not in listed and source in known:
+            deps.append(source)
+            listed.add(source)
+    return deps
