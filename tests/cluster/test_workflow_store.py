@@ -37,7 +37,7 @@ from opgraph.cluster.workflows import (
     default_store_path,
     migrate,
 )
-from opgraph.cluster.workflows import store as store_module
+from opgraph.cluster.workflows import schema as schema_module
 from opgraph.kernel import OpGraphError
 
 
@@ -268,8 +268,8 @@ def test_a_v1_database_with_data_upgrades_without_loss(path):
 def test_a_failing_migration_step_is_rolled_back_whole(path, monkeypatch):
     broken = Migration(SCHEMA_VERSION + 1, "broken on purpose",
                        ("CREATE TABLE half_done (x)", "CREATE TABLE no_such_syntax ((("))
-    monkeypatch.setattr(store_module, "MIGRATIONS", (*MIGRATIONS, broken))
-    monkeypatch.setattr(store_module, "SCHEMA_VERSION", broken.version)
+    monkeypatch.setattr(schema_module, "MIGRATIONS", (*MIGRATIONS, broken))
+    monkeypatch.setattr(schema_module, "SCHEMA_VERSION", broken.version)
     connection = raw(path)
     try:
         with pytest.raises(sqlite3.OperationalError):

@@ -1,0 +1,158 @@
+"""The store's schema: its migrations, run statuses and the base store errors.
+
+Owns the ordered migration steps (applied by ``PRAGMA user_version``, one transaction
+each), the run status vocabulary and its legal transitions, and where the store file
+lives by default. It must not read or write definitions or runs: store.py does.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from opgraph.kernel import OpGraphError
+
+__all__ = [
+    "MIGRATIONS",
+    "RUN_STATUSES",
+    "RUN_TRANSITIONS",
+    "SCHEMA_VERSION",
+    "TERMINAL_RUN_STATUSES",
+    "Migration",
+    "StoreSchemaError",
+    "WorkflowStoreError",
+    "default_store_path",
+    "migrate",
+    "sources_of",
+]
+
+
+class WorkflowStoreError(OpGraphError):
+    """The store cannot do what was asked: its database failed, or it was closed.
+
+    Subclasses name their fields in ``_fields``; pickling rebuilds them from those.
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __reduce__(self):
+        if not self._fields:
+            return super().__reduce__()
+        return (type(self), tuple(getattr(self, field) for field in self._fields))
+
+
+class StoreSchemaError(WorkflowStoreError):
+    """The database was written by a newer opgraph; upgrade opgraph, or use another file."""
+
+    _fields = ("path", "found", "supported")
+
+    def __init__(self, path: str, found: int, supported: int) -> None:
+        super().__init__(f"the store {path} has schema version {found}, but this opgraph knows only up to "
+                         f"{supported}; upgrade opgraph or use another store (--store / OPGRAPH_DB)")
+        self.path, self.found, self.supported = path, found, supported
+
+
+# -- schema ----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """One schema step; applied once, in its own transaction, then ``user_version = version``."""
+
+    version: int
+    description: str
+    statements: tuple[str, ...]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "workflow definitions with immutable, content-hashed versions", (
+        """CREATE TABLE workflows (
+            id TEXT PRIMARY KEY CHECK (length(id) = 12 AND id NOT GLOB '*[^0-9a-f]*'),
+            name TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 120),
+            description TEXT, created_at REAL NOT NULL, deleted_at REAL)""",
+        # Names are unique among live workflows only, so a deleted name can be reused.
+        "CREATE UNIQUE INDEX workflows_live_name ON workflows(name) WHERE deleted_at IS NULL",
+        # spec_json holds exactly the canonical bytes that content_hash hashes.
+        """CREATE TABLE workflow_versions (
+            workflow_id TEXT NOT NULL REFERENCES workflows(id),
+            version INTEGER NOT NULL CHECK (version >= 1),
+            content_hash TEXT NOT NULL CHECK (content_hash GLOB 'sha256:*' AND length(content_hash) = 71),
+            spec_json TEXT NOT NULL, description TEXT, created_at REAL NOT NULL,
+            PRIMARY KEY (workflow_id, version))""",
+        "CREATE INDEX workflow_versions_hash ON workflow_versions(content_hash)",
+        # Immutability lives in the database, so no code path (nor a sqlite3 shell) can
+        # rewrite the definition an old run pinned.
+        """CREATE TRIGGER workflow_versions_no_update BEFORE UPDATE ON workflow_versions
+           BEGIN SELECT RAISE(ABORT, 'workflow versions are immutable; add a new version'); END""",
+        """CREATE TRIGGER workflow_versions_no_delete BEFORE DELETE ON workflow_versions
+           BEGIN SELECT RAISE(ABORT, 'workflow versions are immutable; they are never deleted'); END""",
+    )),
+    Migration(2, "fixed-lane runs with provenance, lifecycle signals and branch messages", (
+        """CREATE TABLE runs (
+            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, lane TEXT NOT NULL,
+            workflow_id TEXT, workflow_name TEXT, version INTEGER, content_hash TEXT NOT NULL,
+            source_kind TEXT NOT NULL CHECK (source_kind IN ('workflow_def', 'workflow_file')),
+            source_ref TEXT NOT NULL, provenance TEXT NOT NULL, inputs TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('admitted', 'running', 'completed', 'failed', 'cancelled')),
+            outputs TEXT, error TEXT, created_at REAL NOT NULL, started_at REAL, finished_at REAL,
+            FOREIGN KEY (workflow_id, version) REFERENCES workflow_versions(workflow_id, version))""",
+        "CREATE INDEX runs_created ON runs(created_at)",
+        "CREATE INDEX runs_workflow ON runs(workflow_id)",
+        """CREATE TABLE run_signals (
+            run_id TEXT NOT NULL REFERENCES runs(run_id), seq INTEGER NOT NULL,
+            node_id TEXT NOT NULL, spec_node_id TEXT, kind TEXT NOT NULL, elapsed REAL, at REAL NOT NULL,
+            PRIMARY KEY (run_id, seq))""",
+        """CREATE TABLE run_branches (
+            run_id TEXT NOT NULL REFERENCES runs(run_id), branch_id TEXT NOT NULL,
+            node_id TEXT, messages TEXT NOT NULL, PRIMARY KEY (run_id, branch_id))""",
+    )),
+)
+SCHEMA_VERSION = MIGRATIONS[-1].version
+
+RUN_STATUSES: tuple[str, ...] = ("admitted", "running", "completed", "failed", "cancelled")
+TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+# The legal run transitions; a terminal status is final (a cancelled run stays cancelled).
+RUN_TRANSITIONS: Mapping[str, frozenset[str]] = {
+    "admitted": frozenset({"running"}) | TERMINAL_RUN_STATUSES,
+    "running": TERMINAL_RUN_STATUSES,
+    **{status: frozenset() for status in TERMINAL_RUN_STATUSES},
+}
+
+
+def sources_of(target: str) -> tuple[str, ...]:
+    return tuple(status for status in RUN_STATUSES if target in RUN_TRANSITIONS[status])
+
+
+def migrate(connection: sqlite3.Connection, *, target: int = SCHEMA_VERSION, path: str = "?") -> int:
+    """Apply the missing ``MIGRATIONS`` up to ``target``; return the schema version reached.
+
+    ``connection`` must be in autocommit mode (``isolation_level=None``): each step runs in
+    its own ``BEGIN IMMEDIATE`` transaction with its ``user_version``, so a failed step
+    leaves the previous version intact. A newer database raises ``StoreSchemaError``.
+    """
+    current = connection.execute("PRAGMA user_version").fetchone()[0]
+    if current > SCHEMA_VERSION:
+        raise StoreSchemaError(path, current, SCHEMA_VERSION)
+    for step in MIGRATIONS:
+        if current < step.version <= target:
+            connection.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in step.statements:
+                    connection.execute(statement)
+                connection.execute(f"PRAGMA user_version = {step.version:d}")
+                connection.execute("COMMIT")
+            except BaseException:
+                connection.execute("ROLLBACK")
+                raise
+            current = step.version
+    return current
+
+
+def default_store_path() -> Path:
+    """``$OPGRAPH_DB``, else ``$OPGRAPH_HOME/opgraph.db``, else ``~/.opgraph/opgraph.db``."""
+    if os.environ.get("OPGRAPH_DB"):
+        return Path(os.environ["OPGRAPH_DB"]).expanduser()
+    if os.environ.get("OPGRAPH_HOME"):
+        return Path(os.environ["OPGRAPH_HOME"]).expanduser() / "opgraph.db"
+    return Path.home() / ".opgraph" / "opgraph.db"
