@@ -299,3 +299,29 @@ def test_opgraph_serve_answers_over_http_and_stops_on_sigterm(tmp_path):
     assert "Finished server process" in output, output
     with WorkflowStore(tmp_path / "served.db") as store:
         assert store.resolve("served").version == 1
+
+
+def test_progress_display_counts_and_renders_live_on_a_terminal():
+    import io
+
+    from opgraph.cluster.workflow_cli import ProgressDisplay
+    from rich.console import Console
+
+    screen = io.StringIO()
+    console = Console(file=screen, force_terminal=True, width=100)
+    with ProgressDisplay(["a", "b", "c"], console=console) as display:
+        assert display.live_enabled  # a terminal gets the live table
+        display("a", "chat_and_record", "queued", 0.0)
+        display("a", "chat_and_record", "started", 0.1)
+        display("b", "chat_and_record", "skipped", 0.2)
+        assert display.counts() == {"queued": 0, "running": 1, "done": 0, "failed": 0, "skipped": 1}
+        display("a", "chat_and_record", "completed", 0.5)
+        display("c", "chat_and_record", "failed", 0.6)
+    assert display.counts() == {"queued": 0, "running": 0, "done": 1, "failed": 1, "skipped": 1}
+    assert "3/3 settled" in screen.getvalue()
+
+    plain = io.StringIO()
+    with ProgressDisplay(["a"], console=Console(file=plain, force_terminal=False)) as display:
+        assert not display.live_enabled
+        display("a", "chat_and_record", "completed", 1.25)
+    assert plain.getvalue().split() == ["1.25s", "completed", "a"]
