@@ -53,10 +53,15 @@ def parse_inputs(pairs: list[str] | None) -> dict[str, Any]:
     return inputs
 
 
-def _print_problems(exc: WorkflowDefinitionError, stream: Any) -> None:
-    kind = "compile" if type(exc).__name__ == "WorkflowCompileError" else "validation"
-    print(f"error: the workflow definition failed {kind} ({len(exc.errors)} problem(s)):", file=stream)
-    print(json.dumps({"errors": exc.errors}, indent=2), file=stream)
+def _refused(exc: OpGraphError) -> int:
+    """Print why nothing ran (a definition's problem list, or the typed error); exit 2."""
+    if isinstance(exc, WorkflowDefinitionError):
+        kind = "compile" if type(exc).__name__ == "WorkflowCompileError" else "validation"
+        print(f"error: the workflow definition failed {kind} ({len(exc.errors)} problem(s)):", file=sys.stderr)
+        print(json.dumps({"errors": exc.errors}, indent=2), file=sys.stderr)
+    else:
+        print(f"error: {exc}", file=sys.stderr)
+    return EXIT_INVALID
 
 
 class ProgressDisplay:
@@ -168,15 +173,11 @@ def run_flow(arguments: argparse.Namespace, target: str | None = None) -> int:
     target = target or arguments.target
     try:
         return asyncio.run(_run(arguments, target))
-    except WorkflowDefinitionError as exc:
-        _print_problems(exc, sys.stderr)
-        return EXIT_INVALID
     except KeyboardInterrupt:
         print("cancelled", file=sys.stderr)
         return EXIT_CANCELLED
     except OpGraphError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return _refused(exc)
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -216,12 +217,8 @@ def _workflows(arguments: argparse.Namespace) -> int:
     store = _open_store(arguments.store)
     try:
         return _WORKFLOW_ACTIONS[arguments.workflows_command](store, arguments)
-    except WorkflowDefinitionError as exc:
-        _print_problems(exc, sys.stderr)
-        return EXIT_INVALID
     except OpGraphError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return _refused(exc)
     finally:
         store.close()
 
@@ -258,8 +255,9 @@ def _list(store: Any, arguments: argparse.Namespace) -> int:
 
 
 def _show(store: Any, arguments: argparse.Namespace) -> int:
-    name, _, version = arguments.name.partition("@")
-    pinned = store.resolve(name, int(version) if version else None)
+    from .workflows.runner import parse_ref
+
+    pinned = store.resolve(*parse_ref(arguments.name))
     print(json.dumps({"name": pinned.name, "version": pinned.version, "content_hash": pinned.content_hash,
                       "description": pinned.description, "spec": pinned.spec}, indent=2, default=str))
     return 0

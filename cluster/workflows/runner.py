@@ -28,7 +28,7 @@ from opgraph.kernel import OpGraphError
 
 from .compiler import CompiledWorkflow, compile_workflow
 from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, RunProvenance, check_control
-from .spec import WorkflowCompileError, WorkflowValidationError, load_definition, validate_definition
+from .spec import WorkflowCompileError, WorkflowValidationError, load_definition, problem, validate_definition
 from .store import WorkflowStore
 
 __all__ = [
@@ -36,13 +36,15 @@ __all__ = [
     "WorkflowRunResult",
     "WorkflowSource",
     "file_source",
+    "parse_ref",
     "registry_source",
     "resolve_source",
     "run_workflow",
 ]
 
 # Lifecycle signals are written in batches so a wide run does not pay one SQLite
-# transaction per node; the tail is flushed when the run ends.
+# transaction per node: when a batch fills, every half second while the run goes, and
+# the tail when it ends.
 _SIGNAL_BATCH = 200
 _SIGNAL_FLUSH_SECONDS = 0.5
 
@@ -80,13 +82,12 @@ def file_source(path: str | Path) -> WorkflowSource:
     try:
         raw = resolved.read_bytes()
     except OSError as exc:
-        raise WorkflowValidationError([{"error": f"cannot read workflow file {str(resolved)!r}: "
-                                                 f"{exc.strerror or exc}", "node_id": None, "edge_id": None}]) from exc
+        raise WorkflowValidationError(
+            [problem(f"cannot read workflow file {str(resolved)!r}: {exc.strerror or exc}")]) from exc
     try:
         spec = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise WorkflowValidationError([{"error": f"workflow file {str(resolved)!r} is not JSON: {exc}",
-                                        "node_id": None, "edge_id": None}]) from exc
+        raise WorkflowValidationError([problem(f"workflow file {str(resolved)!r} is not JSON: {exc}")]) from exc
     problems = validate_definition(spec)
     if problems:
         raise WorkflowValidationError(problems)
@@ -100,12 +101,18 @@ def resolve_source(target: str, store: WorkflowStore | None) -> WorkflowSource:
         return file_source(target)
     if store is None:
         raise OpGraphError(f"{target!r} is no workflow file, and no store was given to resolve it by name")
-    name, _, version_text = target.rpartition("@") if "@" in target else (target, "", "")
-    if version_text:
-        if not version_text.isdigit() or int(version_text) < 1:
-            raise OpGraphError(f"workflow version in {target!r} must be a positive integer")
-        return registry_source(store, name, int(version_text))
-    return registry_source(store, target)
+    name, version = parse_ref(target)
+    return registry_source(store, name, version)
+
+
+def parse_ref(target: str) -> tuple[str, int | None]:
+    """``name`` -> (name, None); ``name@VERSION`` -> (name, VERSION), a positive integer."""
+    if "@" not in target:
+        return target, None
+    name, _, version_text = target.rpartition("@")
+    if not version_text.isdigit() or int(version_text) < 1:
+        raise OpGraphError(f"workflow version in {target!r} must be a positive integer")
+    return name, int(version_text)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,15 +193,14 @@ class _Recorder:
         self.spec_ids = compiled.spec_ids_by_node_id
         self.on_progress = on_progress
         self.pending: list[dict[str, Any]] = []
-        self.last_flush = time.monotonic()
         self.branches: list[Any] = []
 
     def progress(self, op_id: str, name: str, status: str, elapsed: float) -> None:
         spec_id = self.spec_ids.get(op_id)
         self.pending.append({"node_id": op_id, "spec_node_id": spec_id, "kind": status,
                              "elapsed": elapsed, "at": time.time()})
-        if len(self.pending) >= _SIGNAL_BATCH or time.monotonic() - self.last_flush > _SIGNAL_FLUSH_SECONDS:
-            self.flush()
+        if len(self.pending) >= _SIGNAL_BATCH:
+            self.flush()  # the rest goes out with run_workflow's periodic flush
         if self.on_progress is not None:
             self.on_progress(spec_id or op_id, name, status, elapsed)
 
@@ -205,7 +211,6 @@ class _Recorder:
         if self.pending and self.store is not None:
             self.store.record_signals(self.run_id, self.pending)
         self.pending = []
-        self.last_flush = time.monotonic()
 
     async def record_branches(self, default_branch: str, messages: Callable[[str], Any]) -> None:
         if self.store is None:

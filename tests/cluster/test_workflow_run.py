@@ -199,6 +199,8 @@ def test_cli_workflows_and_flow_run_in_process(session, tmp_path, capsys):
     assert capsys.readouterr().out.count("drafts@") == 2
     assert cli_main(["workflows", "show", "drafts@1", "--store", db]) == 0
     assert json.loads(capsys.readouterr().out)["spec"]["nodes"][1]["config"]["prompt"] == "Draft"
+    assert cli_main(["workflows", "show", "drafts@zero", "--store", db]) == 2
+    assert "positive integer" in capsys.readouterr().err
     assert cli_main(["workflows", "list", "--json", "--store", db]) == 0
     assert json.loads(capsys.readouterr().out)[0]["latest_version"] == 2
 
