@@ -130,20 +130,15 @@ class RunTasks:
 
     def _settled(self, run_id: str, task: asyncio.Task) -> None:
         self._runs.pop(run_id, None)
-        if task.cancelled():
-            # The runner records "cancelled" itself while the flow runs; a cancellation that
-            # lands after the flow (while branches are recorded) would leave the row running.
-            # Terminal is final in the store, so this changes nothing when the runner got there.
-            error, status = {"error": "the run was cancelled"}, "cancelled"  # the runner's shape
-        elif (exc := task.exception()) is not None:
-            # The runner records runtime errors itself; anything escaping it (a store error,
-            # say) has no caller left, so it becomes the run's recorded failure.
-            kind = type(exc).__name__
-            error, status = {"run": {"error": f"{kind}: {exc}", "type": kind}}, "failed"
-        else:
+        # A cancelled task needs nothing here: the runner records "cancelled" at any await
+        # after it wrote the row, and a task cancelled before its first step wrote none.
+        if task.cancelled() or (exc := task.exception()) is None:
             return
+        # The runner records runtime errors itself; anything escaping it (a store error,
+        # say) has no caller left, so it becomes the run's recorded failure.
+        kind = type(exc).__name__
         with contextlib.suppress(RunNotFoundError):  # it ended before writing its row
-            self._store.finish_run(run_id, status, error=error)
+            self._store.finish_run(run_id, "failed", error={"run": {"error": f"{kind}: {exc}", "type": kind}})
 
     async def cancel(self, run_id: str) -> None:
         """Cancel through the executor, falling back to the task; wait for the run to settle."""
