@@ -274,31 +274,48 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _validate_nodes(nodes: Any, errors: list[dict[str, Any]]) -> set[str] | None:
-    """Check each node; return the stored ids, or None when they cannot be trusted."""
-    if not isinstance(nodes, list):
-        errors.append(problem(f"'nodes' must be an array, got {type(nodes).__name__}"))
+def _identified(items: Any, what: str, cap: int,
+                errors: list[dict[str, Any]]) -> tuple[list[tuple[Mapping[str, Any], str | None]], set[str]] | None:
+    """What nodes and edges share: an array under ``cap`` of objects with unique string ids.
+
+    Returns each object with its id (None when missing) and the unique ids,
+    or None when the array itself is unusable. The cap bounds validation work too: over
+    it, the items themselves are not inspected.
+    """
+    plural, key = f"{what}s", f"{what}_id"
+    if not isinstance(items, list):
+        errors.append(problem(f"{plural!r} must be an array, got {type(items).__name__}"))
         return None
-    if len(nodes) > MAX_NODES:
-        # The cap bounds validation work too: the nodes themselves are not inspected.
-        errors.append(problem(f"a definition holds at most {MAX_NODES} nodes, got {len(nodes)}"))
+    if len(items) > cap:
+        errors.append(problem(f"a definition holds at most {cap} {plural}, got {len(items)}"))
         return None
     seen: dict[str, int] = {}
-    for index, node in enumerate(nodes):
-        where = f"nodes[{index}]"
-        if not isinstance(node, Mapping):
-            errors.append(problem(f"{where} must be an object, got {type(node).__name__}"))
+    entries: list[tuple[Mapping[str, Any], str | None]] = []
+    for index, item in enumerate(items):
+        where = f"{plural}[{index}]"
+        if not isinstance(item, Mapping):
+            errors.append(problem(f"{where} must be an object, got {type(item).__name__}"))
             continue
-        node_id = node.get("id")
-        if not isinstance(node_id, str) or not node_id:
-            errors.append(problem(f"{where} needs a non-empty string id, got {node_id!r}"))
-            node_id = None
-        elif node_id in seen:
-            errors.append(
-                problem(f"duplicate node id {node_id!r} (nodes[{seen[node_id]}] and {where})", node_id=node_id)
-            )
+        item_id = item.get("id")
+        if not isinstance(item_id, str) or not item_id:
+            errors.append(problem(f"{where} needs a non-empty string id, got {item_id!r}"))
+            item_id = None
+        elif item_id in seen:
+            errors.append(problem(f"duplicate {what} id {item_id!r} ({plural}[{seen[item_id]}] and {where})",
+                                  **{key: item_id}))
         else:
-            seen[node_id] = index
+            seen[item_id] = index
+        entries.append((item, item_id))
+    return entries, set(seen)
+
+
+def _validate_nodes(nodes: Any, errors: list[dict[str, Any]]) -> set[str] | None:
+    """Check each node; return the stored ids, or None when they cannot be trusted."""
+    identified = _identified(nodes, "node", MAX_NODES, errors)
+    if identified is None:
+        return None
+    entries, node_ids = identified
+    for node, node_id in entries:
         kind = node.get("kind")
         if kind in REMOVED_NODE_KINDS:
             errors.append(
@@ -323,7 +340,7 @@ def _validate_nodes(nodes: Any, errors: list[dict[str, Any]]) -> set[str] | None
             errors.append(problem("a node's config must be an object", node_id=node_id))
         elif kind == "chat":
             _validate_chat_config(config or {}, node_id, errors)
-    return set(seen)
+    return node_ids
 
 
 def _validate_chat_config(config: Mapping[str, Any], node_id: str | None, errors: list[dict[str, Any]]) -> None:
@@ -338,28 +355,10 @@ def _validate_chat_config(config: Mapping[str, Any], node_id: str | None, errors
 
 
 def _validate_edges(edges: Any, node_ids: set[str] | None, errors: list[dict[str, Any]]) -> None:
-    if not isinstance(edges, list):
-        errors.append(problem(f"'edges' must be an array, got {type(edges).__name__}"))
+    identified = _identified(edges, "edge", MAX_EDGES, errors)
+    if identified is None:
         return
-    if len(edges) > MAX_EDGES:
-        errors.append(problem(f"a definition holds at most {MAX_EDGES} edges, got {len(edges)}"))
-        return
-    seen: dict[str, int] = {}
-    for index, edge in enumerate(edges):
-        where = f"edges[{index}]"
-        if not isinstance(edge, Mapping):
-            errors.append(problem(f"{where} must be an object, got {type(edge).__name__}"))
-            continue
-        edge_id = edge.get("id")
-        if not isinstance(edge_id, str) or not edge_id:
-            errors.append(problem(f"{where} needs a non-empty string id, got {edge_id!r}"))
-            edge_id = None
-        elif edge_id in seen:
-            errors.append(
-                problem(f"duplicate edge id {edge_id!r} (edges[{seen[edge_id]}] and {where})", edge_id=edge_id)
-            )
-        else:
-            seen[edge_id] = index
+    for edge, edge_id in identified[0]:
         for end in ("from", "to"):
             ref = edge.get(end)
             if not isinstance(ref, str) or not ref:
