@@ -290,3 +290,76 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, nodes={len(self.nodes)}, edges={len(self.edges)})"
+
+    # -- pickling -------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """Pickle as rows of plain fields; every submitted graph crosses to the executor so.
+
+        Pickling each pydantic model by its ``__getstate__`` (a dict of four entries plus
+        a set per node) and rebuilding it through ``__setstate__`` cost more than the rest
+        of a 10,000-node run's admission. Here an Operation or Edge travels as its field
+        dict and the index of its fields-set among the few distinct ones, and the
+        adjacency is rebuilt from the edges (their order fixes every list's order).
+        Subclasses of Operation or Edge travel whole, by their own pickling.
+        """
+        shapes: dict[frozenset[str], int] = {}
+        nodes = [_model_row(node, Operation, shapes) for node in self.nodes.values()]
+        edges = [_model_row(edge, Edge, shapes) for edge in self.edges.values()]
+        extra = {k: v for k, v in self.__dict__.items() if k not in _GRAPH_ATTRIBUTES}
+        return _graph_from_rows, (type(self), self.name, nodes, edges, list(shapes), extra)
+
+    def __copy__(self) -> Graph:
+        """A shallow copy shares the nodes and edges, as copying the attributes would."""
+        clone = type(self).__new__(type(self))
+        clone.__dict__.update(self.__dict__)
+        return clone
+
+
+_GRAPH_ATTRIBUTES = frozenset({"name", "nodes", "edges", "_out", "_in"})
+
+
+def _model_row(model: BaseModel, exact: type[BaseModel], shapes: dict[frozenset[str], int]) -> Any:
+    """(field dict, fields-set index) for an exact ``exact`` without extras; else the model."""
+    if type(model) is not exact or model.__pydantic_extra__ or model.__pydantic_private__:
+        return model
+    fields_set = frozenset(model.__pydantic_fields_set__)
+    index = shapes.get(fields_set)
+    if index is None:
+        index = shapes[fields_set] = len(shapes)
+    return (model.__dict__, index)
+
+
+def _models_from_rows(rows: list[Any], exact: type[BaseModel], shapes: list[frozenset[str]]) -> dict[str, Any]:
+    """id -> model for rows made by ``_model_row``: what BaseModel.__setstate__ would set."""
+    models: dict[str, Any] = {}
+    new, set_attribute = exact.__new__, _set_attribute
+    for row in rows:
+        if type(row) is not tuple:
+            models[row.id] = row
+            continue
+        fields, index = row
+        model = new(exact)
+        set_attribute(model, "__dict__", fields)
+        set_attribute(model, "__pydantic_fields_set__", set(shapes[index]))
+        set_attribute(model, "__pydantic_extra__", None)
+        set_attribute(model, "__pydantic_private__", None)
+        models[fields["id"]] = model
+    return models
+
+
+def _graph_from_rows(cls: type[Graph], name: str, nodes: list[Any], edges: list[Any],
+                     shapes: list[frozenset[str]], extra: dict[str, Any]) -> Graph:
+    graph = cls.__new__(cls)
+    graph.__dict__.update(extra)
+    graph.name = name
+    graph.nodes = _models_from_rows(nodes, Operation, shapes)
+    graph.edges = _models_from_rows(edges, Edge, shapes)
+    outgoing = graph._out = {node_id: [] for node_id in graph.nodes}
+    incoming = graph._in = {node_id: [] for node_id in graph.nodes}
+    for edge_id, edge in graph.edges.items():
+        outgoing[edge.head].append(edge_id)
+        incoming[edge.tail].append(edge_id)
+    return graph
+
+
+_set_attribute = object.__setattr__

@@ -1,0 +1,103 @@
+"""A Graph pickles as rows of plain fields and comes back equal, node for node and edge for edge."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+from opgraph.kernel import Edge, EdgeCondition, Graph, Operation, create_operation
+
+
+class AlwaysTrue(EdgeCondition):
+    def apply(self, input):  # noqa: A002 - the record's name
+        return True
+
+
+class TaggedOperation(Operation):
+    tag: str = "x"
+
+
+def sample_graph() -> Graph:
+    graph = Graph("sample")
+    a = graph.add_node(create_operation("chat", {"instruction": "a"}, metadata={"reference_id": "a"}))
+    b = graph.add_node(create_operation("operate", {"instruction": "b"}, branch_id="br-1"))
+    c = graph.add_node(Operation(operation="chat", status="completed", response={"ok": [1, 2]}))
+    d = graph.add_node(create_operation("chat"))
+    graph.add_edge(a.id, b.id, label=["first"])
+    graph.add_edge(a.id, c.id, condition=AlwaysTrue())
+    graph.add_edge(b.id, d.id)
+    graph.add_edge(c.id, d.id)
+    return graph
+
+
+def round_trip(graph: Graph) -> Graph:
+    return pickle.loads(pickle.dumps(graph))
+
+
+def test_a_pickled_graph_has_the_same_nodes_edges_and_fields():
+    graph = sample_graph()
+    restored = round_trip(graph)
+    assert restored.name == "sample"
+    assert list(restored.nodes) == list(graph.nodes)
+    assert list(restored.edges) == list(graph.edges)
+    for node_id, node in graph.nodes.items():
+        assert restored.nodes[node_id] == node
+        assert restored.nodes[node_id].model_fields_set == node.model_fields_set
+    for edge_id, edge in graph.edges.items():
+        twin = restored.edges[edge_id]
+        assert (twin.head, twin.tail, twin.label) == (edge.head, edge.tail, edge.label)
+        assert type(twin.condition) is type(edge.condition)
+
+
+def test_a_pickled_graph_rebuilds_adjacency_in_the_original_edge_order():
+    graph = sample_graph()
+    a, b, c, d = graph.nodes
+    extra = graph.add_edge(a, d)
+    graph.remove_edge(graph._in[d][0])  # b -> d goes; order of what is left must hold
+    graph.add_edge(b, d)
+    restored = round_trip(graph)
+    assert restored._in == graph._in
+    assert restored._out == graph._out
+    assert restored.predecessors(d) == graph.predecessors(d) == [c, a, b]
+    assert extra.id in restored.edges
+
+
+def test_restored_nodes_are_independent_models_that_track_assignments():
+    graph = sample_graph()
+    restored = round_trip(graph)
+    node_id = next(iter(graph.nodes))
+    restored.nodes[node_id].status = "running"
+    restored.nodes[node_id].parameters["instruction"] = "changed"
+    assert graph.nodes[node_id].status == "pending"
+    assert graph.nodes[node_id].parameters["instruction"] == "a"
+    assert "status" in restored.nodes[node_id].model_fields_set
+    assert "status" not in graph.nodes[node_id].model_fields_set
+
+
+def test_subclassed_nodes_and_extra_graph_attributes_survive_pickling():
+    graph = sample_graph()
+    tagged = graph.add_node(TaggedOperation(operation="chat", tag="keep"))
+    graph.owner = "team-a"
+    restored = round_trip(graph)
+    assert type(restored.nodes[tagged.id]) is TaggedOperation
+    assert restored.nodes[tagged.id].tag == "keep"
+    assert restored.owner == "team-a"
+
+
+def test_a_restored_graph_accepts_new_nodes_and_edges():
+    restored = round_trip(sample_graph())
+    node = restored.add_node(create_operation("chat"))
+    edge = restored.add_edge(next(iter(restored.nodes)), node.id, check_cycle=True)
+    assert isinstance(edge, Edge)
+    assert restored.predecessors(node.id) == [edge.head]
+    assert restored.is_acyclic()
+
+
+def test_copy_shares_nodes_and_deepcopy_does_not():
+    graph = sample_graph()
+    shallow, deep = copy.copy(graph), copy.deepcopy(graph)
+    node_id = next(iter(graph.nodes))
+    assert shallow.nodes[node_id] is graph.nodes[node_id]
+    assert deep.nodes[node_id] is not graph.nodes[node_id]
+    assert deep.nodes[node_id] == graph.nodes[node_id]
+    assert deep._in == graph._in
