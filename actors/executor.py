@@ -194,7 +194,7 @@ class GraphExecutor:
         run.harvested_settled = dict(state.statistics()["settled_by_status"])
         self.runs[run_id] = run
         self.totals["runs"] += 1
-        await asyncio.gather(*(w.prepare.remote(run_id, options.resources) for w in self.workers))
+        await asyncio.gather(*(w.prepare.remote(run_id, options.resources, self.self_handle) for w in self.workers))
         await self._carry_out(run, instructions)
         return run_id
 
@@ -630,7 +630,7 @@ class GraphExecutor:
         pending = {call.node_id: call for call in calls}
         run.messages += 1
         try:
-            stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls, self.self_handle)
+            stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls)
             async for ref in stream:
                 outcomes = await ref
                 run.messages += 1
@@ -668,7 +668,7 @@ class GraphExecutor:
             self.workers[index] = replacement
             for run in self.runs.values():
                 if not run.state.finished:
-                    await replacement.prepare.remote(run.run_id, run.options.resources)
+                    await replacement.prepare.remote(run.run_id, run.options.resources, self.self_handle)
 
     async def _evaluate_conditions(self, run: _Run, instruction: EvaluateConditions) -> None:
         edges = run.state.graph.edges

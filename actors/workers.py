@@ -174,6 +174,9 @@ class OperationWorker:
         self.stores = stores
         self.index = index
         self.runs: dict[str, RunResources] = {}
+        # run id -> the executor that owns it, for live emissions. Sent once with
+        # ``prepare``: an actor handle in every batch cost a deserialisation per batch.
+        self.executors: dict[str, Any] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         self.executed = 0
         self.failed = 0
@@ -183,13 +186,18 @@ class OperationWorker:
     async def ping(self) -> int:
         return self.index
 
-    async def prepare(self, run_id: str, resources: RunResources) -> int:
-        """Load a run's operations, providers and settings (shipped once per run by cloudpickle)."""
+    async def prepare(self, run_id: str, resources: RunResources, executor: Any = None) -> int:
+        """Load a run's operations, providers and settings (shipped once per run by cloudpickle).
+
+        ``executor`` is the run's owner, which receives what operations ``emit``.
+        """
         self.runs[run_id] = resources
+        self.executors[run_id] = executor
         return len(resources.operations)
 
     async def forget(self, run_id: str) -> None:
         self.runs.pop(run_id, None)
+        self.executors.pop(run_id, None)
 
     async def cancel(self, run_id: str, node_ids: list[str]) -> int:
         cancelled = 0
@@ -200,9 +208,10 @@ class OperationWorker:
                 cancelled += 1
         return cancelled
 
-    async def run_batch(self, run_id: str, calls: list[OperationCall], executor: Any = None):
+    async def run_batch(self, run_id: str, calls: list[OperationCall]):
         """Run calls concurrently; yield lists of outcomes as they finish (a streaming generator)."""
         queue: asyncio.Queue[Outcome] = asyncio.Queue()
+        executor = self.executors.get(run_id)
         for call in calls:
             task = asyncio.ensure_future(self._execute(run_id, call, executor))
             self.tasks[(run_id, call.node_id)] = task
