@@ -49,7 +49,7 @@ from opgraph.kernel import (
 
 from .histogram import LATENCY_BUCKETS, LatencyHistogram
 from .watchers import WATCHER_IDLE_SECONDS, RunWatcher, UnknownWatcherError, envelope_summary
-from .workers import OperationCall, Outcome, RunResources
+from .workers import CallRow, Outcome, OutcomeRow, RunResources
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -124,7 +124,6 @@ class _Run:
         self.node_worker: dict[str, int] = {}
         self.inject_waiters: dict[int, asyncio.Future] = {}
         self.started = time.time()
-        self.latencies: list[float] = []
         self.messages = 0
         # What the executor-wide counters have already taken from this run (see _harvest).
         self.harvested_spawns = 0
@@ -202,7 +201,7 @@ class GraphExecutor:
         """Outcomes pushed by a worker outside a batch stream (kept for external workers)."""
         run = self.runs.get(run_id)
         if run is not None:
-            await self._feed(run, [self._finished_event(o) for o in outcomes])
+            await self._feed(run, [self._finished_event(o.row()) for o in outcomes])
 
     async def receive_request(self, run_id: str, emitter_id: str, kind: str, request: Any, key: Any) -> None:
         """A spawn or escalation sent live by a running operation (a tell)."""
@@ -473,17 +472,19 @@ class GraphExecutor:
         run.wakeup.set()
         self._finish_watchers(run)
 
-    def _finished_event(self, outcome: Outcome) -> OperationFinished:
-        requests = tuple(
-            (EscalationRequested if kind == "escalation" else SpawnRequested)(
-                now=outcome.finished, emitter_id=outcome.node_id, request=request,
-                dedupe_key=key, redelivery=redelivery,
+    @staticmethod
+    def _finished_event(row: OutcomeRow) -> OperationFinished:
+        node_id, attempt, status, response, error, error_type, requests, started, finished = row
+        if requests:
+            requests = tuple(
+                (EscalationRequested if kind == "escalation" else SpawnRequested)(
+                    now=finished, emitter_id=node_id, request=request, dedupe_key=key, redelivery=redelivery,
+                )
+                for kind, request, key, redelivery in requests
             )
-            for kind, request, key, redelivery in outcome.requests
-        )
-        return OperationFinished(now=outcome.finished, node_id=outcome.node_id, attempt=outcome.attempt,
-                                 status=outcome.status, response=outcome.response, error=outcome.error,
-                                 error_type=outcome.error_type, requests=requests, extracted=True)
+        else:
+            requests = ()
+        return OperationFinished(finished, node_id, attempt, status, response, error, error_type, requests, True)
 
     async def _carry_out(self, run: _Run, instructions: list[Any]) -> None:
         """Turn instructions into messages. Branch work is awaited before dispatch."""
@@ -601,11 +602,8 @@ class GraphExecutor:
     def _dispatch(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
         if run.done.is_set():
             return
-        calls = [
-            OperationCall(d.node_id, d.attempt, d.operation, d.parameters, d.branch_id,
-                          self.location.get(d.branch_id, run.options.default_store_index))
-            for d in dispatches
-        ]
+        location, default_store = self.location, run.options.default_store_index
+        calls: list[CallRow] = [(*d, location.get(d.branch_id, default_store)) for d in dispatches]
         self.totals["dispatched"] += len(calls)
         workers = len(self.workers)
         per_worker = max(1, min(DISPATCH_BATCH, -(-len(calls) // workers)))
@@ -614,7 +612,7 @@ class GraphExecutor:
             index = self.next_worker % workers
             self.next_worker += 1
             for call in chunk:
-                run.node_worker[call.node_id] = index
+                run.node_worker[call[0]] = index
             self._spawn_task(run, self._drive_batch(run, index, chunk))
         if run.options.want_events and run.undelivered_events >= run.options.stream_buffer and not run.state.held:
             self._spawn_task(run, self._feed(run, [DispatchHeld(now=time.time(), held=True)]))
@@ -624,25 +622,25 @@ class GraphExecutor:
         run.tasks.add(task)
         task.add_done_callback(run.tasks.discard)
 
-    async def _drive_batch(self, run: _Run, index: int, calls: list[OperationCall]) -> None:
+    async def _drive_batch(self, run: _Run, index: int, calls: list[CallRow]) -> None:
         """Stream one batch's outcomes back as events; a dead worker fails what is left."""
         worker = self.workers[index]
-        pending = {call.node_id: call for call in calls}
+        pending = {call[0]: call[1] for call in calls}  # node id -> attempt, until its outcome arrives
         run.messages += 1
         try:
             stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls)
             async for ref in stream:
-                outcomes = await ref
+                rows = await ref
                 run.messages += 1
-                for outcome in outcomes:
-                    pending.pop(outcome.node_id, None)
-                    latency = outcome.finished - outcome.started
-                    run.latencies.append(latency)
-                    histogram = self.node_latency.get(outcome.status)
+                histograms = self.node_latency
+                for row in rows:
+                    pending.pop(row[0], None)
+                    latency = row[8] - row[7]
+                    histogram = histograms.get(row[2])
                     if histogram is None:
-                        histogram = self.node_latency[outcome.status] = LatencyHistogram()
+                        histogram = histograms[row[2]] = LatencyHistogram()
                     histogram.observe(latency)
-                await self._feed(run, [self._finished_event(o) for o in outcomes])
+                await self._feed(run, [self._finished_event(row) for row in rows])
         except ray.exceptions.RayActorError as exc:
             self.worker_deaths += 1
             await self._fail_pending(run, pending, f"operation worker {index} died: {type(exc).__name__}",
@@ -652,12 +650,11 @@ class GraphExecutor:
             # The worker is alive but its batch loop raised: a bug, not a death.
             await self._fail_pending(run, pending, f"operation worker {index} failed: {exc}", "WorkerError")
 
-    async def _fail_pending(self, run: _Run, pending: dict[str, OperationCall], reason: str, kind: str) -> None:
+    async def _fail_pending(self, run: _Run, pending: dict[str, int], reason: str, kind: str) -> None:
         now = time.time()
         await self._feed(run, [
-            OperationFinished(now=now, node_id=call.node_id, attempt=call.attempt, status="failed",
-                              error=reason, error_type=kind)
-            for call in pending.values()
+            OperationFinished(now=now, node_id=node_id, attempt=attempt, status="failed", error=reason, error_type=kind)
+            for node_id, attempt in pending.items()
         ])
 
     async def _replace_worker(self, index: int, dead: Any) -> None:
