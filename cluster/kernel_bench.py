@@ -28,7 +28,7 @@ import statistics
 import time
 import tracemalloc
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from opgraph.kernel import (
     DispatchOperation,
@@ -69,8 +69,12 @@ def chain_graph(n: int) -> Graph:
     return graph
 
 
-def drive(state: FlowState, spawns_from_root: int = 0, batch_size: int = OUTCOME_BATCH) -> int:
-    """Complete every dispatch instantly, oldest first, ``batch_size`` outcomes per handle()."""
+def drive(state: FlowState, spawns_from_root: Sequence[SpawnRequest] = (), batch_size: int = OUTCOME_BATCH) -> int:
+    """Complete every dispatch instantly, oldest first, ``batch_size`` outcomes per handle().
+
+    The root's outcome carries ``spawns_from_root``, built beforehand: the executor
+    receives request objects already made (unpickled from the worker's outcome).
+    """
     now = 0.0
     instructions = state.handle(FlowStarted(now=now))
     outstanding: deque[DispatchOperation] = deque()
@@ -90,9 +94,9 @@ def drive(state: FlowState, spawns_from_root: int = 0, batch_size: int = OUTCOME
             if spawns_from_root and dispatch.parameters.get("instruction") == "root":
                 # As the executor builds them from an outcome's requests (_finished_event).
                 requests = tuple(
-                    SpawnRequested(now=now, emitter_id=dispatch.node_id, request=SpawnRequest(instruction=f"s{i}"),
+                    SpawnRequested(now=now, emitter_id=dispatch.node_id, request=request,
                                    dedupe_key=(dispatch.node_id, i), redelivery=False)
-                    for i in range(spawns_from_root)
+                    for i, request in enumerate(spawns_from_root)
                 )
             batch.append(OperationFinished(now=now, node_id=dispatch.node_id, attempt=dispatch.attempt,
                                            status="completed", response="ok", error=None, error_type=None,
@@ -102,52 +106,76 @@ def drive(state: FlowState, spawns_from_root: int = 0, batch_size: int = OUTCOME
     return settled
 
 
-def shape_fanout(n: int) -> Callable[[], tuple[FlowState, int]]:
+Shape = Callable[[], tuple[FlowState, Sequence[SpawnRequest]]]
+
+
+def shape_fanout(n: int) -> Shape:
     def build():
-        return FlowState(fanout_graph(n), max_concurrent=None), 0
+        return FlowState(fanout_graph(n), max_concurrent=None), ()
     return build
 
 
-def shape_chain(n: int) -> Callable[[], tuple[FlowState, int]]:
+def shape_chain(n: int) -> Shape:
     def build():
-        return FlowState(chain_graph(n), max_concurrent=None), 0
+        return FlowState(chain_graph(n), max_concurrent=None), ()
     return build
 
 
-def shape_spawns(n: int) -> Callable[[], tuple[FlowState, int]]:
+def shape_spawns(n: int) -> Shape:
     def build():
         graph = Graph("spawns")
         graph.add_node(create_operation("noop", {"instruction": "root"}))
-        return FlowState(graph, max_concurrent=None, reactive=True, max_spawn=n), n
+        requests = [SpawnRequest(instruction=f"s{i}") for i in range(n)]
+        return FlowState(graph, max_concurrent=None, reactive=True, max_spawn=n), requests
     return build
 
 
-def measure(build: Callable[[], tuple[FlowState, int]], repeat: int, batch_size: int) -> dict[str, float]:
-    times = []
-    cpu_times = []
-    settled = 0
-    for _ in range(repeat):
-        state, spawns = build()
-        gc.collect()
-        start, cpu_start = time.perf_counter(), time.process_time()
-        settled = drive(state, spawns, batch_size)
-        times.append(time.perf_counter() - start)
-        cpu_times.append(time.process_time() - cpu_start)
+def timed_run(build: Shape, batch_size: int) -> tuple[float, float, int]:
+    """(wall seconds, CPU seconds, settlements) of one run; building it is not timed."""
+    state, spawns = build()
+    gc.collect()
+    start, cpu_start = time.perf_counter(), time.process_time()
+    settled = drive(state, spawns, batch_size)
+    return time.perf_counter() - start, time.process_time() - cpu_start, settled
+
+
+def peak_memory(build: Shape, batch_size: int) -> float:
     state, spawns = build()
     tracemalloc.start()
     drive(state, spawns, batch_size)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    median = statistics.median(times)
-    cpu_median = statistics.median(cpu_times)
+    return peak / 2**20
+
+
+def measure(shape: Callable[[int], Shape], n: int, repeat: int, batch_size: int) -> dict[str, float]:
+    """Medians at ``n``, and the 2N/N ratios measured in alternating rounds.
+
+    Each round times N and 2N back to back (the order alternates), and the ratio is
+    taken within the round: on a shared machine the speed drifts by more than 10%
+    over a minute, which timing all of N and then all of 2N would book as nonlinearity.
+    """
+    times, cpu_times, ratios, cpu_ratios = [], [], [], []
+    settled = 0
+    for round_index in range(repeat):
+        sizes = (n, 2 * n) if round_index % 2 == 0 else (2 * n, n)
+        runs = {size: timed_run(shape(size), batch_size) for size in sizes}
+        seconds, cpu_seconds, settled = runs[n]
+        times.append(seconds)
+        cpu_times.append(cpu_seconds)
+        ratios.append(runs[2 * n][0] / seconds)
+        cpu_ratios.append(runs[2 * n][1] / cpu_seconds)
+    median, cpu_median = statistics.median(times), statistics.median(cpu_times)
     return {"seconds": median, "cpu_seconds": cpu_median, "settled": settled, "per_second": settled / median,
-            "cpu_per_second": settled / cpu_median, "peak_mib": peak / 2**20}
+            "cpu_per_second": settled / cpu_median, "peak_mib": peak_memory(shape(n), batch_size),
+            "ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios)}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every size by this")
-    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions (median reported)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="timed rounds, each of N and 2N (medians reported)")
     parser.add_argument("--gc-threshold", type=int, default=None,
                         help="generation-0 GC threshold (the executor runs with 50,000; Python's default is 700)")
     parser.add_argument("--batch", type=int, default=OUTCOME_BATCH,
@@ -173,12 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, label, shape, n in shapes:
         if wanted and key not in wanted:
             continue
-        base = measure(shape(n), args.repeat, args.batch)
-        double = measure(shape(2 * n), args.repeat, args.batch)
-        ratio = double["seconds"] / base["seconds"]
-        cpu_ratio = double["cpu_seconds"] / base["cpu_seconds"]
+        base = measure(shape, n, args.repeat, args.batch)
         print(f"{label:<24}{base['settled']:>9}{base['seconds']:>10.3f}{base['per_second']:>11,.0f}"
-              f"{base['cpu_per_second']:>14,.0f}{base['peak_mib']:>10.1f}{ratio:>11.2f}{cpu_ratio:>10.2f}")
+              f"{base['cpu_per_second']:>14,.0f}{base['peak_mib']:>10.1f}{base['ratio']:>11.2f}{base['cpu_ratio']:>10.2f}")
     return 0
 
 
