@@ -7,6 +7,7 @@ a cluster) shares them. Actors are started once, never per run, node or branch.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ DEFAULT_NAMESPACE = "opgraph"
 EXECUTOR_NAME = "opgraph-executor-0"
 WORKER_CONCURRENCY = 100_000
 EXECUTOR_CONCURRENCY = 100_000
+_AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 
 def connect(address: str | None = None, *, namespace: str = DEFAULT_NAMESPACE) -> None:
@@ -33,6 +35,17 @@ def connect(address: str | None = None, *, namespace: str = DEFAULT_NAMESPACE) -
     options: dict[str, Any] = {"namespace": namespace, "logging_level": "warning", "log_to_driver": True}
     if address is None:
         options.update(include_dashboard=False, configure_logging=True)
+        # The embedded instance keeps Ray's default token authentication; Ray's notice
+        # that it did so ("set RAY_AUTH_MODE=disabled to opt out") was the first line a
+        # new user saw, as a WARNING, on every command. Quiet for this start only.
+        notice = logging.getLogger(_AUTH_NOTICE_LOGGER)
+        level = notice.level
+        notice.setLevel(logging.ERROR)
+        try:
+            ray.init(address=address, **options)
+        finally:
+            notice.setLevel(level)
+        return
     ray.init(address=address, **options)
 
 

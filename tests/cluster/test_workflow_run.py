@@ -253,6 +253,8 @@ def test_main_job_runs_the_bundled_workflow_in_a_fresh_process(tmp_path):
                                    "check": "completed"}
     with WorkflowStore(tmp_path / "demo.db") as store:
         assert store.get_run(payload["run_id"]).status == "completed"
+    # A new user's first command starts clean: Ray's token-auth notice is quieted.
+    assert "Token authentication" not in done.stderr
 
 
 def test_flow_run_help_publishes_the_capability_matrix(capsys):
