@@ -9,7 +9,7 @@ show linear cost. It lives in cluster/ because it reads the clock; the kernel ma
 The driver feeds the kernel the way the GraphExecutor does (actors/executor.py). A
 worker streams outcomes back in messages of at most ``OUTCOME_BATCH`` (256, from
 actors/workers.py, gathered over a 2 ms window), and the executor turns each message
-into one ``handle(*events)`` call of ``OperationFinished`` events built with keywords,
+into one ``handle(*events)`` call of ``OperationFinished`` events built positionally,
 requests already extracted (``extracted=True``), each stamped with a later ``now``.
 Here every operation finishes at once, so outcomes are settled oldest dispatch first in
 batches of that size; ``--batch 0`` settles everything outstanding in one call instead.
@@ -98,9 +98,9 @@ def drive(state: FlowState, spawns_from_root: Sequence[SpawnRequest] = (), batch
                                    dedupe_key=(dispatch.node_id, i), redelivery=False)
                     for i, request in enumerate(spawns_from_root)
                 )
-            batch.append(OperationFinished(now=now, node_id=dispatch.node_id, attempt=dispatch.attempt,
-                                           status="completed", response="ok", error=None, error_type=None,
-                                           requests=requests, extracted=True))
+            # Positional, as the executor builds it from an outcome row (_finished_event).
+            batch.append(OperationFinished(now, dispatch.node_id, dispatch.attempt, "completed", "ok", None, None,
+                                           requests, True))
         settled += count
         instructions = state.handle(*batch)
     return settled

@@ -156,7 +156,9 @@ class ReactiveAdmission:
         self.graph.add_node(child)
         if after is not None:
             edge = self.graph.add_edge(after, child.id, label=["spawn"])
-            if self.graph.reaches(child.id, after):
+            # A node new to the graph has no out-edges, so no path leads back from it:
+            # the walk runs only should a builder ever hand over a node that has some.
+            if self.graph._out[child.id] and self.graph.reaches(child.id, after):
                 self.graph.remove_edge(edge.id)
                 self.graph.remove_node(child.id)
                 self._drop("cycle", assignee, emitter_id, op_id=child.id)
