@@ -109,6 +109,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
         self.branch: dict[str, str | None] = {}  # absent: the default branch
         self.pending_inheritance: set[str] = set()
         self.results: dict[str, Any] = {}
+        self._mapped_results: dict[str, Any] = {}  # see ``_mapped_result``
         self.errors: dict[str, str] = {}
         self.ready: deque[str] = deque()
         # Operations in flight: node id -> (attempt, node, dependencies). The node and its
@@ -585,13 +586,29 @@ class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
             for dep in deps:  # all of an aggregation's inputs: keep the loop lean
                 result = results.get(dep, missing)
                 if result is not missing and state[dep] != SKIPPED:
-                    context[dep + "_result"] = result if type(result) in scalars else to_mapping(result)
+                    context[dep + "_result"] = result if type(result) in scalars else self._mapped_result(dep, result)
         # Copied, not shared: later merges mutate shared values in place, and an emitted
         # DispatchOperation must keep the context it was prepared with.
         for key, value in self.shared.data.items():
             if key != OPERATOR_MESSAGES_KEY:
                 context[key] = value if type(value) in _SCALARS else copy.deepcopy(value)
         return context
+
+    def _mapped_result(self, dep: str, result: Any) -> Any:
+        """``to_mapping(result)`` of a settled node, made once for all of its dependents.
+
+        A node that returns N spawn requests has N children, each handed the node's
+        result: converted per child, that was N^2 model dumps (and as much to ship).
+        A settled node's result never changes, so its dependents share one mapping,
+        as they share the result object itself in the record's in-process flow. A
+        node with a single dependent is converted without keeping a copy.
+        """
+        if len(self.dependents.get(dep, ())) < 2:
+            return to_mapping(result)
+        mapped = self._mapped_results.get(dep, _MISSING)
+        if mapped is _MISSING:
+            mapped = self._mapped_results[dep] = to_mapping(result)
+        return mapped
 
     # -- signals and completion -------------------------------------------------------
     def _emit(self, kind: type, node_id: str, extra: dict[str, Any] | None = None) -> None:

@@ -1,0 +1,48 @@
+"""A settled node's result reaches its dependents as ``<id>_result``, converted once for all of them."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+from opgraph.kernel import Graph, SpawnRequest, create_operation
+
+
+class Finding(BaseModel):
+    title: str
+    score: int = 0
+
+
+def test_children_spawned_from_one_result_share_one_converted_mapping(drive):
+    graph = Graph()
+    root = graph.add_node(create_operation("chat", {"instruction": "plan"}))
+    driver = drive(graph, reactive=True, max_spawn=100, max_concurrent=100)
+    requests = [SpawnRequest(instruction=f"task {i}") for i in range(30)]
+    driver.complete(root.id, {"requests": requests})
+    contexts = [d.parameters["context"][f"{root.id}_result"] for d in driver.dispatched().values()]
+    assert len(contexts) == 30
+    assert contexts[0] == {"requests": [r.model_dump() for r in requests]}
+    assert all(context is contexts[0] for context in contexts)  # one conversion, not thirty
+
+
+def test_a_single_dependent_gets_a_fresh_mapping_and_nothing_is_kept(drive):
+    graph = Graph()
+    a = graph.add_node(create_operation("chat"))
+    b = graph.add_node(create_operation("chat"))
+    graph.add_edge(a, b)
+    driver = drive(graph)
+    driver.complete(a.id, Finding(title="x"))
+    (dispatch,) = driver.dispatched().values()
+    assert dispatch.parameters["context"][f"{a.id}_result"] == {"title": "x", "score": 0}
+    assert driver.state._mapped_results == {}
+
+
+def test_dependents_of_a_fork_each_see_the_same_values(drive):
+    graph = Graph()
+    a = graph.add_node(create_operation("chat"))
+    tails = [graph.add_node(create_operation("chat")) for _ in range(3)]
+    for tail in tails:
+        graph.add_edge(a, tail)
+    driver = drive(graph)
+    driver.complete(a.id, {"finding": Finding(title="shared")})
+    values = [d.parameters["context"][f"{a.id}_result"] for d in driver.dispatched().values()]
+    assert values == [{"finding": {"title": "shared", "score": 0}}] * 3
