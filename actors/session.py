@@ -252,6 +252,9 @@ class Session:
 
         ``timeout`` (seconds) bounds each call: a hung model or tool call becomes a
         failed operation of type ``OperationTimeout`` instead of a stuck run.
+        The ``context`` parameter is input: a predecessor's ``<id>_result`` in it may be
+        the same object for sibling operations in one worker batch (as in the record's
+        in-process flow), so copy a value before changing it in place.
         """
         if not asyncio.iscoroutinefunction(fn):
             raise OpGraphError(f"operation {name!r} must be an async function")
