@@ -85,7 +85,8 @@ def standard_shapes(nodes: int = 10_000) -> list[Shape]:
 
     Spawns come two ways. Emitted live, they measure the reactive admission path alone.
     Returned as the root's result, each child also receives that result (every request)
-    as its context, as both libraries define it, so the cost grows with spawns squared.
+    as its context, as both libraries define it: opgraph converts it once and the children
+    share it, so its cost stays linear in the spawns.
     """
     tenth = max(1, nodes // 10)
     return [
