@@ -170,15 +170,21 @@ class ExecutorShell:
         if run is not None:
             await self.feed(run, [_finished_event(o.row()) for o in outcomes])
 
-    async def receive_request(self, run_id: str, emitter_id: str, kind: str, request: Any, key: Any) -> None:
+    async def receive_requests(self, run_id: str, items: list[tuple[str, str, Any, Any]]) -> None:
+        """Spawns and escalations sent live, as (emitter_id, kind, request, key), in emission order."""
         run = self.runs.get(run_id)
         if run is None or run.state.finished:
             return
-        # Once the emitter has settled, its outcome already carried this request.
-        redelivery = run.state.state.get(emitter_id) != "running"
-        event_type = EscalationRequested if kind == "escalation" else SpawnRequested
-        await self.feed(run, [event_type(now=time.time(), emitter_id=emitter_id, request=request,
-                                         dedupe_key=key, redelivery=redelivery)])
+        run.messages += 1
+        now, states = time.time(), run.state.state
+        # Once an emitter has settled, its outcome already carried the request.
+        await self.feed(run, [
+            (EscalationRequested if kind == "escalation" else SpawnRequested)(
+                now=now, emitter_id=emitter_id, request=request, dedupe_key=key,
+                redelivery=states.get(emitter_id) != "running",
+            )
+            for emitter_id, kind, request, key in items
+        ])
 
     def forget_run(self, run_id: str) -> bool:
         run = self.runs.pop(run_id, None)

@@ -90,7 +90,7 @@ class RemoteBranch:
 
     def __init__(self, branch_id: str | None, store: Any, run_id: str, node_id: str,
                  executor: Any, emitted: list[tuple[str, Any, Any, bool]],
-                 run: RunResources | None = None) -> None:
+                 run: RunResources | None = None, live: LiveEmissions | None = None) -> None:
         self.id = branch_id
         self._store = store
         self.run_id = run_id
@@ -98,6 +98,7 @@ class RemoteBranch:
         self._executor = executor
         self._emitted = emitted
         self._run = run or RunResources()
+        self._live = live
 
     @property
     def default_model(self) -> str | None:
@@ -130,8 +131,41 @@ class RemoteBranch:
         # Keep the object alive (its id is the de-duplication key) and redeliver it with
         # the outcome, so a late live message can never lose the request.
         self._emitted.append((kind, request, key, True))
-        if self._executor is not None:
+        if self._executor is None:
+            return
+        if self._live is None or not self._live.add(self.run_id, self._executor, (self.node_id, kind, request, key)):
             self._executor.receive_request.remote(self.run_id, self.node_id, kind, request, key)
+
+
+class LiveEmissions:
+    """What a worker's operations emit while running, sent to each run's executor in one
+    message per ``OUTCOME_WINDOW``.
+
+    One tell per request cost a Ray call and an admission pass each: an operation that
+    emits 1,000 spawns in a loop sent 1,000 messages. Gathered, they travel as one list
+    (``GraphExecutor.receive_requests``), in emission order.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, tuple[Any, list[tuple[str, str, Any, Any]]]] = {}
+
+    def add(self, run_id: str, executor: Any, item: tuple[str, str, Any, Any]) -> bool:
+        """Queue ``(emitter_id, kind, request, key)``; False off the worker's event loop
+        (an operation emitting from a thread), where the caller sends it at once instead."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        entry = self._pending.get(run_id)
+        if entry is None:
+            entry = self._pending[run_id] = (executor, [])
+            loop.call_later(OUTCOME_WINDOW, self._send, run_id)
+        entry[1].append(item)
+        return True
+
+    def _send(self, run_id: str) -> None:
+        executor, items = self._pending.pop(run_id)
+        executor.receive_requests.remote(run_id, items)
 
 
 class BranchStoreLostError(ExecutionError):
@@ -184,6 +218,7 @@ class OperationWorker:
         # ``prepare``: an actor handle in every batch cost a deserialisation per batch.
         self.executors: dict[str, Any] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
+        self.live = LiveEmissions()
         self.executed = 0
         self.failed = 0
         self.in_flight = 0
@@ -278,7 +313,7 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
                     f"operation {operation!r} is not registered (known: {known})", "OperationError", [],
                     started, time.time())
         store = worker.stores[store_index] if worker.stores else None
-        branch = RemoteBranch(branch_id, store, run_id, node_id, executor, emitted, resources)
+        branch = RemoteBranch(branch_id, store, run_id, node_id, executor, emitted, resources, worker.live)
         if registered.timeout is None:
             response = await registered.fn(branch, **parameters)
         else:

@@ -6,7 +6,7 @@ show linear cost. It lives in cluster/ because it reads the clock; the kernel ma
 
     python -m opgraph.cluster.kernel_bench [--scale 1.0] [--repeat 3] [--only chain,spawns]
 
-The driver feeds the kernel the way the GraphExecutor does (actors/executor.py). A
+The driver feeds the kernel the way the GraphExecutor does (actors/shell.py). A
 worker streams outcomes back in messages of at most ``OUTCOME_BATCH`` (256, from
 actors/workers.py, gathered over a 2 ms window), and the executor turns each message
 into one ``handle(*events)`` call of ``OperationFinished`` events built positionally,

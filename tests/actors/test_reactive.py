@@ -120,6 +120,34 @@ def test_request_emitted_live_and_returned_is_admitted_once(session, linger):
     assert envelope["dropped_spawns"] == [{"reason": "duplicate", "assignee": None, "emitter_id": emitter}]
 
 
+def test_live_emissions_are_admitted_while_the_emitter_runs_and_travel_together(session):
+    """emitter => 200 independent children sent by ``branch.emit``: they run before the
+    emitter ends, and reach the executor in a few messages, not one per request."""
+    width = 200
+    order: list[tuple[str, str]] = []
+
+    async def emit_many(branch: Any, **parameters: Any) -> int:
+        for index in range(width):
+            branch.emit(SpawnRequest(instruction=f"live {index}", independent=True))
+        await asyncio.sleep(1.0)  # children are admitted and run while this one waits
+        return width
+
+    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("emit_many", emit_many, record_turn=False)
+    graph, emitter = single_node("emit_many")
+
+    envelope = run(session.flow(graph, reactive=True, max_spawn=width, max_concurrent=1000,
+                                on_progress=lambda op_id, name, status, elapsed: order.append((op_id, status))))
+
+    children = children_of(envelope, graph)
+    assert envelope["spawned_operations"] == width and envelope["dropped_spawns"] == []
+    assert {envelope["operation_statuses"][child] for child in children} == {"completed"}
+    emitter_done = order.index((emitter, "completed"))
+    assert all(order.index((child, "completed")) < emitter_done for child in children)
+    # Live requests, dispatches and outcome streams together: far fewer than one per child.
+    assert envelope["scheduler_messages"] < width // 4
+
+
 def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session, gauge):
     """root (held) + injected: inject -> True; the same op again -> False (duplicate); after -> False."""
     session.register_operation("operate", operate, record_turn=False)
