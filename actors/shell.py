@@ -152,6 +152,7 @@ class ExecutorShell:
             default_branch_id=options.default_branch_id,
             known_branches=set(options.known_branches),
             reducers=options.reducers,
+            write_back=False,  # this graph is the executor's copy; the driver mirrors the envelope
         )
         run = _Run(run_id, state, options)
         self.location.update(options.known_branches)

@@ -13,7 +13,8 @@ into one ``handle(*events)`` call of ``OperationFinished`` events built position
 requests already extracted (``extracted=True``), each stamped with a later ``now``.
 Here every operation finishes at once, so outcomes are settled oldest dispatch first in
 batches of that size; ``--batch 0`` settles everything outstanding in one call instead.
-Event construction is timed too: the executor pays it for every outcome.
+Event construction is timed too: the executor pays it for every outcome. Like the
+executor, the runs do not write results back onto the graph's nodes (``write_back=False``).
 
 ``settle/s`` is from the median wall time. ``cpu settle/s`` is from the median process
 CPU time of the same runs: on a shared machine it moves less with other people's load,
@@ -111,13 +112,13 @@ Shape = Callable[[], tuple[FlowState, Sequence[SpawnRequest]]]
 
 def shape_fanout(n: int) -> Shape:
     def build():
-        return FlowState(fanout_graph(n), max_concurrent=None), ()
+        return FlowState(fanout_graph(n), max_concurrent=None, write_back=False), ()
     return build
 
 
 def shape_chain(n: int) -> Shape:
     def build():
-        return FlowState(chain_graph(n), max_concurrent=None), ()
+        return FlowState(chain_graph(n), max_concurrent=None, write_back=False), ()
     return build
 
 
@@ -126,7 +127,7 @@ def shape_spawns(n: int) -> Shape:
         graph = Graph("spawns")
         graph.add_node(create_operation("noop", {"instruction": "root"}))
         requests = [SpawnRequest(instruction=f"s{i}") for i in range(n)]
-        return FlowState(graph, max_concurrent=None, reactive=True, max_spawn=n), requests
+        return FlowState(graph, max_concurrent=None, reactive=True, max_spawn=n, write_back=False), requests
     return build
 
 

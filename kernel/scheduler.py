@@ -81,7 +81,11 @@ class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
         default_branch_id: str | None = None,
         known_branches: Iterable[str] | None = None,
         reducers: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+        write_back: bool = True,
     ) -> None:
+        """``write_back`` records each node's final status, response and error on its
+        Operation when the run finishes (``_write_back``); a shell whose graph is a copy
+        that nobody reads afterwards (the GraphExecutor's) turns it off."""
         if max_concurrent is None:
             max_concurrent = DEFAULT_MAX_CONCURRENCY
         if not parallel:
@@ -98,6 +102,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
         self.default_branch_id = default_branch_id
         self.known_branches = None if known_branches is None else set(known_branches)
         self.shared = SharedContext(context, reducers)
+        self.write_back = write_back
 
         self.state: dict[str, str] = {}
         self.deps: dict[str, Sequence[str]] = {}
@@ -619,7 +624,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
         if self.finished or not self.started or self.open_nodes > 0 or self.running:
             return
         self.finished = True
-        self._write_back()
+        if self.write_back:
+            self._write_back()
         self._out.append(ev.FinishRun(self.envelope()))
 
     def _write_back(self) -> None:

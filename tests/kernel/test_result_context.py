@@ -1,4 +1,5 @@
-"""A settled node's result reaches its dependents as ``<id>_result``, converted once for all of them."""
+"""Where a settled node's result goes: to dependents as ``<id>_result`` (converted once for
+all of them), into the envelope, and back onto the graph's Operation unless turned off."""
 
 from __future__ import annotations
 
@@ -46,3 +47,14 @@ def test_dependents_of_a_fork_each_see_the_same_values(drive):
     driver.complete(a.id, {"finding": Finding(title="shared")})
     values = [d.parameters["context"][f"{a.id}_result"] for d in driver.dispatched().values()]
     assert values == [{"finding": {"title": "shared", "score": 0}}] * 3
+
+
+def test_results_are_written_back_onto_the_graph_unless_turned_off(drive):
+    for write_back in (True, False):
+        graph = Graph()
+        a = graph.add_node(create_operation("chat"))
+        driver = drive(graph, write_back=write_back)
+        driver.complete(a.id, {"answer": 42})
+        assert driver.envelope["operation_statuses"] == {a.id: "completed"}
+        assert driver.envelope["operation_results"] == {a.id: {"answer": 42}}
+        assert (a.status, a.response) == (("completed", {"answer": 42}) if write_back else ("pending", None))
