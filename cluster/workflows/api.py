@@ -274,6 +274,9 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # Runs left unfinished by a server (or CLI) process that died are failed now,
+        # before anyone asks; reads would settle them too (WorkflowStore._orphaned).
+        await asyncio.to_thread(store.reap_orphaned_runs)
         yield
         await runs.cancel_all()
 

@@ -107,6 +107,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             run_id TEXT NOT NULL REFERENCES runs(run_id), branch_id TEXT NOT NULL,
             node_id TEXT, messages TEXT NOT NULL, PRIMARY KEY (run_id, branch_id))""",
     )),
+    Migration(3, "run owners, so a run whose process died can be settled as failed", (
+        "ALTER TABLE runs ADD COLUMN owner_host TEXT",
+        "ALTER TABLE runs ADD COLUMN owner_pid INTEGER",
+        "ALTER TABLE runs ADD COLUMN owner_start TEXT",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

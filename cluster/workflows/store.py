@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .lanes import FIXED_WORKFLOW, ProvenanceError, RunProvenance
+from .owners import ProcessIdentity, current_process, owner_is_alive
 from .schema import (
     MIGRATIONS,
     RUN_STATUSES,
@@ -182,6 +183,10 @@ class RunRecord:
     created_at: float
     started_at: float | None
     finished_at: float | None
+    # The process running it (see owners.py); None for runs recorded before schema v3.
+    owner_host: str | None = None
+    owner_pid: int | None = None
+    owner_start: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -242,6 +247,7 @@ class WorkflowStore:
         self.path = str(path)
         self._clock = clock
         self._lock = threading.Lock()
+        self._owner = current_process()
         if self.path != ":memory:":
             Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
             self.path = str(Path(self.path).expanduser())
@@ -432,12 +438,13 @@ class WorkflowStore:
                 raise WorkflowVersionNotFoundError(workflow.name, workflow.version)
             db.execute(
                 "INSERT INTO runs (run_id, session_id, lane, workflow_id, workflow_name, version, content_hash,"
-                " source_kind, source_ref, provenance, inputs, status, created_at, started_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " source_kind, source_ref, provenance, inputs, status, created_at, started_at,"
+                " owner_host, owner_pid, owner_start)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (run_id, str(session_id), parsed.lane, workflow and workflow.workflow_id,
                  workflow and workflow.name, source.version, source.content_hash, source.kind, source.ref,
                  _encode(parsed.to_payload()), _encode(dict(inputs or {})), status, now,
-                 now if status == "running" else None))
+                 now if status == "running" else None, self._owner.host, self._owner.pid, self._owner.start))
             return self._get_run(db, run_id)
 
     def _get_run(self, db: sqlite3.Connection, run_id: str) -> RunRecord:
@@ -474,7 +481,35 @@ class WorkflowStore:
 
     def get_run(self, run_id: str) -> RunRecord:
         with self._transaction() as db:
-            return self._get_run(db, run_id)
+            record = self._get_run(db, run_id)
+        if self._orphaned(record):
+            self._settle_orphan(record)
+            with self._transaction() as db:
+                record = self._get_run(db, run_id)
+        return record
+
+    def reap_orphaned_runs(self) -> list[str]:
+        """Settle as failed every unfinished run whose owner process on this host is gone.
+
+        A run executes in the process that admitted it; once that process has died (a
+        crash, a kill, a closed terminal) nothing else will settle it. Reads do this for
+        the runs they return; this does it for all of them. Returns the run ids settled.
+        """
+        with self._transaction() as db:
+            rows = db.execute("SELECT * FROM runs WHERE status IN ('admitted', 'running') AND owner_host = ?",
+                              (self._owner.host,)).fetchall()
+        return [record.run_id for record in map(_run, rows) if self._orphaned(record) and self._settle_orphan(record)]
+
+    def _orphaned(self, record: RunRecord) -> bool:
+        if record.terminal or record.owner_pid is None or record.owner_host is None:
+            return False
+        owner = ProcessIdentity(record.owner_host, record.owner_pid, record.owner_start)
+        return owner_is_alive(owner, self._owner) is False
+
+    def _settle_orphan(self, record: RunRecord) -> bool:
+        error = {"error": f"the process that ran it (pid {record.owner_pid} on {record.owner_host}) "
+                          "exited before the run settled", "error_type": "OwnerProcessLost"}
+        return self.finish_run(record.run_id, "failed", error=error)
 
     def list_runs(self, *, workflow: str | None = None, status: str | None = None,
                   limit: int = 50) -> list[RunRecord]:
@@ -493,7 +528,11 @@ class WorkflowStore:
             values.append(status)
         with self._transaction() as db:
             rows = db.execute(query + " ORDER BY created_at DESC, rowid DESC LIMIT ?", (*values, limit))
-            return [_run(row) for row in rows]
+            records = [_run(row) for row in rows]
+        if any(self._orphaned(record) for record in records):
+            self.reap_orphaned_runs()
+            return self.list_runs(workflow=workflow, status=status, limit=limit)
+        return records
 
     def record_signals(self, run_id: str, signals: Iterable[Mapping[str, Any]]) -> int:
         """Append lifecycle signals in one transaction; return the last ``seq`` of the run.
