@@ -244,6 +244,7 @@ def test_cli_compile_error_exits_two_with_structured_errors_before_ray(tmp_path)
 def test_main_job_runs_the_bundled_workflow_in_a_fresh_process(tmp_path):
     """The README's main job: `opgraph demo` on local Ray, SQLite and the sim/ provider."""
     env = {**os.environ, "OPGRAPH_DB": str(tmp_path / "demo.db")}
+    env.pop("RAY_AUTH_MODE", None)  # as on a fresh machine: Ray's default token auth (conftest disables it)
     done = subprocess.run([sys.executable, "-m", "opgraph.cluster.cli", "demo", "--json", "--plain"],
                           capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
