@@ -8,19 +8,15 @@ so that operations defined here can run inside the worker processes.
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import uuid
 
-# Before Ray is imported anywhere: a local test cluster needs no token, and the warning
-# about it would only add noise to every run.
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# First: sets the test clusters' Ray options before Ray is imported anywhere.
+from ray_session import _pickle_test_module_by_value, _restore_registrations, session  # noqa: F401
 
 import pytest  # noqa: E402
 import ray  # noqa: E402
 from ray import cloudpickle  # noqa: E402
-
-from opgraph.actors import Session  # noqa: E402
 
 # pytest imports this file under a name Ray's worker processes cannot import, so the
 # Gauge actor class below must travel by value too.
@@ -88,46 +84,9 @@ class Gauge:
         return dict(self.workers.get(key, {}))
 
 
-@pytest.fixture(scope="session")
-def session():
-    """The one Session (and embedded Ray) shared by every test in tests/actors."""
-    shared = Session()
-    yield shared
-    ray.shutdown()
-
-
 @pytest.fixture(scope="module")
-def gauge(session):
+def gauge(session):  # noqa: F811 - the fixture imported above, requested by name
     """One Gauge actor per test module; tests keep apart by using their own key."""
     handle = Gauge.options(name=f"gauge-{uuid.uuid4()}").remote()
     yield handle
     ray.kill(handle)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _pickle_test_module_by_value(request):
-    """Ship this module's operations and helpers to the workers by value.
-
-    Test modules are imported by pytest (``--import-mode=importlib``) under names the
-    Ray worker processes cannot import, so pickling them by reference would fail there.
-    """
-    module = request.module
-    cloudpickle.register_pickle_by_value(module)
-    yield
-    cloudpickle.unregister_pickle_by_value(module)
-
-
-@pytest.fixture(autouse=True)
-def _restore_registrations(request):
-    """Tests may replace operations (e.g. ``operate`` for spawned children) on the shared
-    session; put the session's registrations back afterwards so modules stay independent."""
-    if "session" not in request.fixturenames:
-        yield
-        return
-    shared = request.getfixturevalue("session")
-    operations, providers = dict(shared.operations), dict(shared.providers)
-    yield
-    shared.operations.clear()
-    shared.operations.update(operations)
-    shared.providers.clear()
-    shared.providers.update(providers)

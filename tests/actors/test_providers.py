@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
-import importlib.util
 import pickle
 import socket
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pydantic
 import pytest
+import openai_server as srv  # tests/support: a real chat-completions server on loopback
 import ray
 
 from opgraph.actors import models
@@ -55,18 +53,6 @@ from opgraph.actors.providers import (
 from opgraph.actors.providers.limits import LIMITER_NAME
 
 
-def _load_server_module() -> Any:
-    # tests/ has no packages (importlib import mode), so the helper is loaded by path.
-    name = "opgraph_tests_openai_server"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("openai_server.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-srv = _load_server_module()
 
 USER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello server"}]
 WEATHER_TOOL = {

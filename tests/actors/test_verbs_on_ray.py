@@ -10,17 +10,15 @@ tests sharing the session cannot see each other's providers or history.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import socket
-import sys
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
+import openai_server as srv  # tests/support: a real chat-completions server on loopback
 from pydantic import BaseModel
 
 from opgraph.actors.models import ChatRequest, ProviderHTTPError
@@ -32,18 +30,6 @@ from opgraph.kernel import OperationGraphBuilder, SpawnRequest
 FLOW_TIMEOUT = 60.0
 
 
-def _load_server_module() -> Any:
-    # tests/ has no packages (importlib import mode), so the helper is loaded by path.
-    name = "opgraph_tests_openai_server"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("openai_server.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-srv = _load_server_module()
 
 
 def run(coroutine: Any) -> Any:
