@@ -101,6 +101,30 @@ def test_killing_a_worker_mid_operation_fails_only_its_operations(session, gauge
     assert sorted(envelope["failed_operations"]) == sorted(on_victim)
 
 
+def test_a_lone_call_whose_worker_dies_fails_with_worker_died(session, gauge):
+    """n0 alone (sent as one plain call, not a stream) is held; its worker is killed: it fails, typed."""
+    session.register_operation("held_alone", held_operation(gauge), record_turn=False)
+    builder = OperationGraphBuilder("lone")
+    node = builder.add_operation("held_alone", depends_on=[], key="lone", label="n0")
+    graph = builder.get_graph()
+
+    async def scenario() -> dict[str, Any]:
+        flow = asyncio.create_task(session.flow(graph))
+        await asyncio.wait_for(gauge.wait_entered.remote("lone", 1), SIGNAL_TIMEOUT)
+        victim = (await gauge.worker_of.remote("lone"))["n0"]
+        # By name: an earlier test killed a worker, and its replacement is not in the
+        # session's own list of handles.
+        pool = [ray.get_actor(f"opgraph-worker-{i}") for i in range(len(session.runtime.workers))]
+        [handle] = [w for w in pool if w._actor_id.hex() == victim]
+        ray.kill(handle, no_restart=True)
+        return await flow
+
+    envelope = run(scenario())
+
+    assert envelope["operation_statuses"] == {node: "failed"}
+    assert envelope["operation_results"][node]["error_type"] == "WorkerDied"
+
+
 def test_the_pool_runs_flows_after_a_worker_died(session, gauge):
     """n0..n3 again, after the kill: every node completes on live workers."""
     session.register_operation("held_after_kill", held_operation(gauge), record_turn=False)
