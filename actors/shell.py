@@ -51,6 +51,7 @@ __all__ = ["DISPATCH_BATCH", "DISPATCH_WINDOW", "ExecutorShell"]
 _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipped: "skipped"}
 DISPATCH_BATCH = 256  # calls per message; measured flat between 64 and 512 on 2 cores
 DISPATCH_WINDOW = 0.002  # seconds; bounds added latency, amortises message cost
+LAG_PROBE_SECONDS = 0.25  # period of the loop-lag probe (metric opgraph_executor_loop_lag_seconds)
 
 
 class _Run:
@@ -131,7 +132,6 @@ class ExecutorShell:
         self.settled_by_status: dict[str, int] = {}
         self.dropped_spawns_by_reason: dict[str, int] = {}
         self.node_latency: dict[str, LatencyHistogram] = {}  # outcome status -> histogram
-        self._lag_task: asyncio.Task | None = None
 
     # -- runs: admitted, reported to, forgotten -----------------------------------------
     async def start_run(self, run_id: str, graph: Any, options: RunOptions) -> None:
@@ -225,13 +225,18 @@ class ExecutorShell:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
             self.self_handle = ray.get_runtime_context().current_actor
-            self._lag_task = self.loop.create_task(self._measure_lag())
+            self._probe_lag(self.loop.time())
 
-    async def _measure_lag(self) -> None:
-        while True:
-            before = self.loop.time()
-            await asyncio.sleep(0.25)
-            self.loop_lag = max(0.0, self.loop.time() - before - 0.25)
+    def _probe_lag(self, scheduled: float) -> None:
+        """Measure how late the loop ran this timer, then set the next one.
+
+        A timer chain, not a task: when the driver exits, Ray ends this process with the
+        loop still running, and a pending task would be reported ("Task was destroyed
+        but it is pending!") in the driver's output at the end of every script.
+        """
+        now = self.loop.time()
+        self.loop_lag = max(0.0, now - scheduled)
+        self.loop.call_at(now + LAG_PROBE_SECONDS, self._probe_lag, now + LAG_PROBE_SECONDS)
 
     # -- events in, instructions out ------------------------------------------------------
     async def feed(self, run: _Run, events: list[Any]) -> None:
