@@ -1,15 +1,16 @@
 """The run's scheduler state machine: one object, one mutator, events in, instructions out.
 
-Owns every scheduling decision of ADR-0023 D2-D6 and ADR-0033 D3-D5: validation,
-dependency settlement, OR-path gating, branch preallocation, capacity, the pause gate,
-context preparation, reactive admission and the result envelope. It performs no I/O,
-reads no clock and imports no async library; the GraphExecutor actor carries out the
-instructions and feeds every outcome back through ``handle``.
+Owns every scheduling decision of ADR-0023 D2-D6 and ADR-0033 D3-D5. Here: validation,
+dependency settlement, OR-path gating, pause, hold and cancel, and node stories. In the
+mixins FlowState is made of: registration and branch preallocation (registration.py),
+reactive admission (admission.py), dispatch through capacity and the pause gate with
+context preparation (dispatch.py), and the result envelope (completion.py). It performs
+no I/O, reads no clock and imports no async library; the GraphExecutor actor carries
+out the instructions and feeds every outcome back through ``handle``.
 """
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -17,18 +18,15 @@ from typing import Any
 from . import events as ev
 from . import signals as sig
 from .admission import ReactiveAdmission
-from .context import (
-    OPERATOR_MESSAGES_KEY,
-    SharedContext,
-    render_operator_messages,
-    to_mapping,
-)
+from .completion import RunCompletion
+from .context import OPERATOR_MESSAGES_KEY, SharedContext, to_mapping
 from .contracts import (
     EscalationRequest,
     SpawnRequest,
     default_node_builder,
     extract_requests,
 )
+from .dispatch import _SCALARS, OperationDispatch, _new_record
 from .errors import (
     OperationError,
     StateTransitionError,
@@ -36,7 +34,6 @@ from .errors import (
 from .graph import Graph, Operation, condition_is_async, validate_condition
 from .invariants import InvariantChecks
 from .registration import NodeRegistration
-from .results import validate_envelope
 from .states import (
     _ALLOWED_FROM,
     _PUBLIC_STATUS,
@@ -58,7 +55,7 @@ __all__ = ["DEFAULT_MAX_CONCURRENCY", "FlowState", "TRANSITIONS"]
 
 DEFAULT_MAX_CONCURRENCY = 10_000
 
-class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
+class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompletion, InvariantChecks):
     """All state of one run; change it only through ``handle(*events)``.
 
     Cost per settlement is O(degree): dependents are found through the reverse
@@ -114,7 +111,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
         self.branch: dict[str, str | None] = {}  # absent: the default branch
         self.pending_inheritance: set[str] = set()
         self.results: dict[str, Any] = {}
-        self._mapped_results: dict[str, Any] = {}  # see ``_mapped_result``
+        self._mapped_results: dict[str, Any] = {}  # see ``_mapped_result`` (dispatch.py)
         self.errors: dict[str, str] = {}
         self.ready: deque[str] = deque()
         # Operations in flight: node id -> (attempt, node, dependencies). The node and its
@@ -465,9 +462,10 @@ class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
         """A running node's operation succeeded: record, merge, settle, release.
 
         RUNNING -> COMPLETED is the common path's last step. Like READY -> RUNNING in
-        ``_dispatch_ready`` it is applied inline rather than through ``_transition``:
-        both are rows of TRANSITIONS (states.py asserts it), the caller has checked the
-        old state, and the step is implied by the story unless that is recorded already.
+        ``_dispatch_ready`` (dispatch.py) it is applied inline rather than through
+        ``_transition``: both are rows of TRANSITIONS (states.py asserts it), the caller
+        has checked the old state, and the step is implied by the story unless that is
+        recorded already.
         """
         self.results[node_id] = response
         if update is not None:
@@ -508,189 +506,11 @@ class FlowState(NodeRegistration, ReactiveAdmission, InvariantChecks):
         self._emit(sig.NodeFailed, node_id, {"error": message})
         self._release_dependents(node_id)
 
-    # -- dispatch -------------------------------------------------------------------
-    def _pump(self) -> None:
-        if self.paused or self.held or self.cancelling or not self.started:
-            return
-        count = min(len(self.ready), self.capacity - len(self.running))
-        if count > 0:
-            self._dispatch_ready(count)
-
-    def _dispatch_ready(self, count: int) -> None:
-        """Dispatch the ``count`` oldest ready nodes, each with its prepared parameters.
-
-        One loop with every lookup bound once, because it runs for every node of a run;
-        READY -> RUNNING is the common path's second step, applied inline (see
-        ``_settle_completed``).
-        """
-        ready, running, state, attempts, stories = self.ready, self.running, self.state, self.attempt, self._stories
-        nodes, deps, branch, default_branch = self.graph.nodes, self.deps, self.branch, self.default_branch_id
-        inheriting, shared, out = self.pending_inheritance, self.shared.data, self._out
-        run_id, elapsed, started, emit_signal, dispatch = (
-            self.run_id, self._elapsed, sig.NodeStarted, ev.EmitSignal, ev.DispatchOperation
-        )
-        dispatched = 0
-        try:
-            for _ in range(count):
-                node_id = ready.popleft()
-                if state[node_id] != READY:
-                    raise StateTransitionError(f"illegal transition {state[node_id]} -> {RUNNING} (dispatched)",
-                                               node_id=node_id)
-                attempt = attempts.get(node_id, 0) + 1
-                attempts[node_id] = attempt
-                state[node_id] = RUNNING
-                if node_id in stories:
-                    stories[node_id].append((READY, RUNNING, "dispatched", attempt))
-                node, node_deps = nodes[node_id], deps[node_id]
-                running[node_id] = (attempt, node, node_deps)
-                branch_id = branch.get(node_id, default_branch)
-                if inheriting and node_id in inheriting:
-                    self._inherit_primary_history(node, attempt, branch_id)
-                parameters = dict(node.parameters)
-                own = parameters.get("context")
-                if own is None and not shared and not node_deps:
-                    parameters["context"] = {}  # a root with nothing to pass on (the common fan-out leaf)
-                else:
-                    parameters["context"] = self._operation_context(node_id, own)
-                if shared:
-                    queue = shared.get(OPERATOR_MESSAGES_KEY)
-                    if queue and isinstance(queue, list):
-                        instruction = parameters.get("instruction") or ""
-                        rendered = render_operator_messages(queue, str(instruction), node_id)
-                        if rendered != instruction:
-                            parameters["instruction"] = rendered
-                out.append(_new_record(emit_signal, (started, run_id, node, elapsed, node_deps, None)))
-                out.append(_new_record(dispatch, (node_id, attempt, node.operation, parameters, branch_id)))
-                dispatched += 1
-        finally:  # counts what went out, should a node fail to dispatch
-            self.counters["dispatched"] += dispatched
-
-    def _inherit_primary_history(self, node: Operation, attempt: int, branch_id: str | None) -> None:
-        """ADR-0023 D3: an inheriting node's branch takes its settled primary's messages."""
-        node_id = node.id
-        self.pending_inheritance.discard(node_id)
-        primary = node.metadata.get("primary_dependency")
-        if primary in self.results and self.state.get(primary) in (COMPLETED, FAILED):
-            source = self.branch.get(primary, self.default_branch_id)
-            if source != branch_id:
-                self._out.append(ev.ReplaceHistory(node_id, attempt, branch_id, source))
-
-    def _operation_context(self, node_id: str, own: Any) -> dict[str, Any]:
-        if own is None:
-            context = {}
-        elif isinstance(own, Mapping):
-            context = dict(own)
-            # The raw steer queue is control input, never model context (ADR-0023 D4);
-            # below, the shared context's copy of it is skipped for the same reason.
-            context.pop(OPERATOR_MESSAGES_KEY, None)
-        else:
-            context = {"original_context": own}
-        deps = self.deps[node_id]
-        if deps:
-            results, state, scalars, missing = self.results, self.state, _SCALARS, _MISSING
-            for dep in deps:  # all of an aggregation's inputs: keep the loop lean
-                result = results.get(dep, missing)
-                if result is not missing and state[dep] != SKIPPED:
-                    context[dep + "_result"] = result if type(result) in scalars else self._mapped_result(dep, result)
-        # Copied, not shared: later merges mutate shared values in place, and an emitted
-        # DispatchOperation must keep the context it was prepared with.
-        for key, value in self.shared.data.items():
-            if key != OPERATOR_MESSAGES_KEY:
-                context[key] = value if type(value) in _SCALARS else copy.deepcopy(value)
-        return context
-
-    def _mapped_result(self, dep: str, result: Any) -> Any:
-        """``to_mapping(result)`` of a settled node, made once for all of its dependents.
-
-        A node that returns N spawn requests has N children, each handed the node's
-        result: converted per child, that was N^2 model dumps (and as much to ship).
-        A settled node's result never changes, so its dependents share one mapping,
-        as they share the result object itself in the record's in-process flow. A
-        node with a single dependent is converted without keeping a copy.
-        """
-        if len(self.dependents.get(dep, ())) < 2:
-            return to_mapping(result)
-        mapped = self._mapped_results.get(dep, _MISSING)
-        if mapped is _MISSING:
-            mapped = self._mapped_results[dep] = to_mapping(result)
-        return mapped
-
-    # -- signals and completion -------------------------------------------------------
+    # -- signals ------------------------------------------------------------------------
     def _emit(self, kind: type, node_id: str, extra: dict[str, Any] | None = None) -> None:
         node = self.graph.nodes[node_id]
         self._out.append(ev.EmitSignal(kind, self.run_id, node, self._elapsed, self.deps.get(node_id, ()), extra))
 
-    def _maybe_finish(self) -> None:
-        if self.finished or not self.started or self.open_nodes > 0 or self.running:
-            return
-        self.finished = True
-        if self.write_back:
-            self._write_back()
-        self._out.append(ev.FinishRun(self.envelope()))
-
-    def _write_back(self) -> None:
-        """Record final status, response and error on each Operation, once, at the end.
-
-        Done here rather than per transition: pydantic attribute assignment is the
-        costliest step of a settlement, and nobody reads node fields mid-run.
-        """
-        state, results, errors, public, missing = self.state, self.results, self.errors, _PUBLIC_STATUS, _MISSING
-        for node_id, node in self.graph.nodes.items():
-            fields = node.__dict__
-            current = state[node_id]
-            fields["status"] = public[current]
-            if current == COMPLETED:
-                result = results.get(node_id, missing)
-                if result is not missing:
-                    fields["response"] = result
-            if errors and node_id in errors:
-                fields["error"] = errors[node_id]
-
-    def envelope(self) -> dict[str, Any]:
-        """The result envelope (ADR-0023 D4/D6) plus the truthful additions of DESIGN.md.
-
-        ``completed_operations`` keeps the record's meaning: settled with a result
-        entry and not skipped (so failures appear in it). ``failed_operations`` and
-        ``operation_statuses`` tell the truth per node.
-        """
-        results, state, missing = self.results, self.state, _MISSING
-        # Everything in registration order. Comprehensions and C-level passes rather
-        # than one loop with branches: at the end of a large run every node goes through.
-        statuses = dict(zip(state, map(_PUBLIC_STATUS.__getitem__, state.values())))
-        operation_results = {
-            node_id: result for node_id in state if (result := results.get(node_id, missing)) is not missing
-        }
-        by_state: dict[str, list[str]] = {SKIPPED: [], FAILED: [], CANCELLED: []}
-        for node_id, current in [(node_id, current) for node_id, current in state.items() if current != COMPLETED]:
-            if current in by_state:
-                by_state[current].append(node_id)
-        if by_state[SKIPPED]:
-            completed = [node_id for node_id in operation_results if state[node_id] != SKIPPED]
-        else:
-            completed = list(operation_results)
-        envelope: dict[str, Any] = {
-            "completed_operations": completed,
-            "operation_results": operation_results,
-            "final_context": self.shared.snapshot(),
-            "skipped_operations": by_state[SKIPPED],
-            "failed_operations": by_state[FAILED],
-            "cancelled_operations": by_state[CANCELLED],
-            "operation_statuses": statuses,
-            "context_collisions": list(self.shared.collisions),
-            "status": CANCELLED if self.cancelling else FAILED if by_state[FAILED] else COMPLETED,
-        }
-        if self.reactive:
-            envelope["spawned_operations"] = self.spawn_count
-            envelope["escalated_operations"] = list(self.escalated_operations)
-            envelope["dropped_spawns"] = [dict(entry) for entry in self.dropped_spawns]
-        validate_envelope(envelope)
-        return envelope
-
-_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
-# Builds a NamedTuple record from a complete field tuple, skipping the generated
-# ``__new__`` and its argument handling: half the cost, for the records made per node.
-_new_record = tuple.__new__
-_MISSING = object()
 
 _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
     ev.FlowStarted: FlowState._on_started,

@@ -130,7 +130,7 @@ def test_a_cycle_closing_edge_is_refused_and_leaves_the_graph_unchanged():
     """a -> b -> c; proposing c -> a must fail and change nothing.
 
     This is the rollback the scheduler's reactive admission relies on; see the note in
-    test_scheduler.py on why admission itself cannot be driven into a cycle.
+    test_reactive_admission.py on why admission itself cannot be driven into a cycle.
     """
     graph, n = graph_of("a", "b", "c")
     graph.add_edge(n["a"], n["b"])

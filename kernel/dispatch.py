@@ -1,0 +1,140 @@
+"""Dispatch: ready nodes into flight, with the parameters they run with (ADR-0023 D3, D4).
+
+Owns the capacity pump, the READY -> RUNNING step and each operation's prepared
+parameters: its context (own, dependency results, shared context), the operator steer in
+its instruction, and an inheriting node's primary history. A mixin of FlowState: it keeps
+no state of its own and is reached only through ``handle``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from . import events as ev
+from . import signals as sig
+from .context import OPERATOR_MESSAGES_KEY, render_operator_messages, to_mapping
+from .errors import StateTransitionError
+from .graph import Operation
+from .states import COMPLETED, FAILED, READY, RUNNING, SKIPPED
+
+__all__ = ["OperationDispatch"]
+
+# Plain values: handed on as they are (never copied or converted), and a response of
+# one carries no context update or request objects (the scheduler's ``_on_finished``).
+_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
+# Builds a NamedTuple record from a complete field tuple, skipping the generated
+# ``__new__`` and its argument handling: half the cost, for the records made per node.
+_new_record = tuple.__new__
+_MISSING = object()
+
+
+class OperationDispatch:
+    """``_pump``, ``_dispatch_ready`` and the context each dispatch carries, mixed into FlowState."""
+
+    def _pump(self) -> None:
+        if self.paused or self.held or self.cancelling or not self.started:
+            return
+        count = min(len(self.ready), self.capacity - len(self.running))
+        if count > 0:
+            self._dispatch_ready(count)
+
+    def _dispatch_ready(self, count: int) -> None:
+        """Dispatch the ``count`` oldest ready nodes, each with its prepared parameters.
+
+        One loop with every lookup bound once, because it runs for every node of a run;
+        READY -> RUNNING is the common path's second step, applied inline (see
+        ``_settle_completed`` in scheduler.py).
+        """
+        ready, running, state, attempts, stories = self.ready, self.running, self.state, self.attempt, self._stories
+        nodes, deps, branch, default_branch = self.graph.nodes, self.deps, self.branch, self.default_branch_id
+        inheriting, shared, out = self.pending_inheritance, self.shared.data, self._out
+        run_id, elapsed, started, emit_signal, dispatch = (
+            self.run_id, self._elapsed, sig.NodeStarted, ev.EmitSignal, ev.DispatchOperation
+        )
+        dispatched = 0
+        try:
+            for _ in range(count):
+                node_id = ready.popleft()
+                if state[node_id] != READY:
+                    raise StateTransitionError(f"illegal transition {state[node_id]} -> {RUNNING} (dispatched)",
+                                               node_id=node_id)
+                attempt = attempts.get(node_id, 0) + 1
+                attempts[node_id] = attempt
+                state[node_id] = RUNNING
+                if node_id in stories:
+                    stories[node_id].append((READY, RUNNING, "dispatched", attempt))
+                node, node_deps = nodes[node_id], deps[node_id]
+                running[node_id] = (attempt, node, node_deps)
+                branch_id = branch.get(node_id, default_branch)
+                if inheriting and node_id in inheriting:
+                    self._inherit_primary_history(node, attempt, branch_id)
+                parameters = dict(node.parameters)
+                own = parameters.get("context")
+                if own is None and not shared and not node_deps:
+                    parameters["context"] = {}  # a root with nothing to pass on (the common fan-out leaf)
+                else:
+                    parameters["context"] = self._operation_context(node_id, own)
+                if shared:
+                    queue = shared.get(OPERATOR_MESSAGES_KEY)
+                    if queue and isinstance(queue, list):
+                        instruction = parameters.get("instruction") or ""
+                        rendered = render_operator_messages(queue, str(instruction), node_id)
+                        if rendered != instruction:
+                            parameters["instruction"] = rendered
+                out.append(_new_record(emit_signal, (started, run_id, node, elapsed, node_deps, None)))
+                out.append(_new_record(dispatch, (node_id, attempt, node.operation, parameters, branch_id)))
+                dispatched += 1
+        finally:  # counts what went out, should a node fail to dispatch
+            self.counters["dispatched"] += dispatched
+
+    def _inherit_primary_history(self, node: Operation, attempt: int, branch_id: str | None) -> None:
+        """ADR-0023 D3: an inheriting node's branch takes its settled primary's messages."""
+        node_id = node.id
+        self.pending_inheritance.discard(node_id)
+        primary = node.metadata.get("primary_dependency")
+        if primary in self.results and self.state.get(primary) in (COMPLETED, FAILED):
+            source = self.branch.get(primary, self.default_branch_id)
+            if source != branch_id:
+                self._out.append(ev.ReplaceHistory(node_id, attempt, branch_id, source))
+
+    def _operation_context(self, node_id: str, own: Any) -> dict[str, Any]:
+        if own is None:
+            context = {}
+        elif isinstance(own, Mapping):
+            context = dict(own)
+            # The raw steer queue is control input, never model context (ADR-0023 D4);
+            # below, the shared context's copy of it is skipped for the same reason.
+            context.pop(OPERATOR_MESSAGES_KEY, None)
+        else:
+            context = {"original_context": own}
+        deps = self.deps[node_id]
+        if deps:
+            results, state, scalars, missing = self.results, self.state, _SCALARS, _MISSING
+            for dep in deps:  # all of an aggregation's inputs: keep the loop lean
+                result = results.get(dep, missing)
+                if result is not missing and state[dep] != SKIPPED:
+                    context[dep + "_result"] = result if type(result) in scalars else self._mapped_result(dep, result)
+        # Copied, not shared: later merges mutate shared values in place, and an emitted
+        # DispatchOperation must keep the context it was prepared with.
+        for key, value in self.shared.data.items():
+            if key != OPERATOR_MESSAGES_KEY:
+                context[key] = value if type(value) in _SCALARS else copy.deepcopy(value)
+        return context
+
+    def _mapped_result(self, dep: str, result: Any) -> Any:
+        """``to_mapping(result)`` of a settled node, made once for all of its dependents.
+
+        A node that returns N spawn requests has N children, each handed the node's
+        result: converted per child, that was N^2 model dumps (and as much to ship).
+        A settled node's result never changes, so its dependents share one mapping,
+        as they share the result object itself in the record's in-process flow. A
+        node with a single dependent is converted without keeping a copy.
+        """
+        if len(self.dependents.get(dep, ())) < 2:
+            return to_mapping(result)
+        mapped = self._mapped_results.get(dep, _MISSING)
+        if mapped is _MISSING:
+            mapped = self._mapped_results[dep] = to_mapping(result)
+        return mapped

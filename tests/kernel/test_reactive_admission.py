@@ -1,0 +1,236 @@
+"""Reactive admission (ADR-0023 D6, ADR-0033 D3): the one path by which a running graph grows.
+
+Spawn requests (returned in a response or sent live), escalations and injections; the
+spawn cap, duplicate and redelivered requests, node builders and routing, and the
+dropped-spawn ledger. Each test starts a reactive run through the ``drive`` fixture,
+completes the emitter and checks the children, branch clones, signals and ledger entries.
+"""
+
+from __future__ import annotations
+
+from kernel_graphs import build, reactive  # tests/support: shared kernel test graphs
+
+from opgraph.kernel import (
+    AdmissionDecided,
+    CloneBranch,
+    DispatchOperation,
+    EscalationRequest,
+    EscalationRequested,
+    Graph,
+    InjectRequested,
+    SpawnRequest,
+    SpawnRequested,
+    create_operation,
+    role_node_builder,
+)
+
+
+# -- helpers ------------------------------------------------------------------------
+def spawned_children(driver) -> list[str]:
+    return list(driver.state.spawned_ids)
+
+
+# -- spawns and the cap ----------------------------------------------------------------
+def test_a_spawn_request_in_a_response_admits_a_dependent_child(drive):
+    """a (on branch br-a) spawns child: a -[spawn]-> child, child clones br-a."""
+    graph, n = build("a")
+    graph.nodes[n.a].branch_id = "br-a"
+    driver = drive(graph, reactive=True, default_branch_id="default")
+    driver.complete(n.a, {"text": "more", "requests": [SpawnRequest(instruction="dig deeper")]})
+    (child_id,) = spawned_children(driver)
+    child = driver.graph.nodes[child_id]
+    (edge,) = driver.graph.in_edges(child_id)
+    assert (edge.head, edge.label) == (n.a, ["spawn"])
+    assert child.metadata["parent_id"] == n.a and child.metadata["spawned"] is True
+    (clone,) = [c for c in driver.of_type(CloneBranch) if c.node_id == child_id]
+    assert clone.source == "br-a" and clone.reactive is True
+    dispatch = driver.dispatched()[child_id]
+    assert dispatch.branch_id == clone.branch_id
+    assert dispatch.parameters["instruction"] == "dig deeper"
+    assert dispatch.parameters["context"][f"{n.a}_result"]["text"] == "more"
+    (spawned,) = driver.signals("spawned")
+    assert (spawned.op_id, spawned.parent_id, spawned.independent) == (child_id, n.a, False)
+
+
+def test_an_independent_spawn_has_no_edge_and_clones_the_default_branch(drive):
+    graph, n = build("a")
+    graph.nodes[n.a].branch_id = "br-a"
+    driver = drive(graph, reactive=True, default_branch_id="default")
+    driver.complete(n.a, {"requests": [SpawnRequest(instruction="side quest", independent=True)]})
+    (child_id,) = spawned_children(driver)
+    assert driver.graph.in_edges(child_id) == []
+    assert "parent_id" not in driver.graph.nodes[child_id].metadata
+    (clone,) = [c for c in driver.of_type(CloneBranch) if c.node_id == child_id]
+    assert clone.source == "default"
+    driver.complete(child_id)
+    assert driver.envelope["spawned_operations"] == 1
+
+
+def test_spawns_beyond_max_spawn_are_dropped(drive):
+    driver, n = reactive(drive, "a", max_spawn=1)
+    driver.complete(n.a, [SpawnRequest(instruction="one"), SpawnRequest(instruction="two")])
+    assert len(spawned_children(driver)) == 1
+    (dropped,) = driver.state.dropped_spawns
+    assert dropped["reason"] == "max_spawn_exceeded" and dropped["emitter_id"] == n.a
+    assert "op_id" in dropped
+
+
+def test_the_spawned_signal_truncates_the_instruction_but_the_child_keeps_it(drive):
+    driver, n = reactive(drive, "a")
+    driver.complete(n.a, [SpawnRequest(instruction="y" * 600)])
+    (spawned,) = driver.signals("spawned")
+    assert spawned.instruction == "y" * 512
+    assert driver.graph.nodes[spawned.op_id].parameters["instruction"] == "y" * 600
+
+
+# -- duplicates and redeliveries ------------------------------------------------------
+def test_the_same_request_seen_twice_is_recorded_as_a_duplicate(drive):
+    """a, running, sends one request live and again (same dedupe key)."""
+    driver, n = reactive(drive, "a")
+    request = SpawnRequest(instruction="once", assignee=None)
+    driver.handle(SpawnRequested(emitter_id=n.a, request=request, dedupe_key="k"))
+    driver.handle(SpawnRequested(emitter_id=n.a, request=request, dedupe_key="k"))
+    assert len(spawned_children(driver)) == 1
+    assert [d["reason"] for d in driver.state.dropped_spawns] == ["duplicate"]
+
+
+def test_a_request_sent_live_and_found_in_the_response_is_a_duplicate(drive):
+    """a sends a request over the bus, then returns the same object in its response."""
+    driver, n = reactive(drive, "a")
+    request = SpawnRequest(instruction="once")
+    driver.handle(SpawnRequested(emitter_id=n.a, request=request, dedupe_key=("object", id(request))))
+    driver.complete(n.a, {"requests": [request]})
+    assert len(spawned_children(driver)) == 1
+    assert [d["reason"] for d in driver.state.dropped_spawns] == ["duplicate"]
+
+
+def test_a_shell_redelivery_of_a_request_is_ignored_silently(drive):
+    driver, n = reactive(drive, "a")
+    request = SpawnRequest(instruction="once")
+    driver.handle(SpawnRequested(emitter_id=n.a, request=request, dedupe_key="k"))
+    driver.handle(SpawnRequested(emitter_id=n.a, request=request, dedupe_key="k", redelivery=True))
+    assert len(spawned_children(driver)) == 1
+    assert driver.state.dropped_spawns == []
+
+
+def test_equal_but_distinct_request_objects_are_both_admitted(drive):
+    driver, n = reactive(drive, "a")
+    driver.complete(n.a, [SpawnRequest(instruction="same"), SpawnRequest(instruction="same")])
+    assert len(spawned_children(driver)) == 2
+
+
+# -- node builders ---------------------------------------------------------------------
+def test_a_raising_node_builder_is_recorded_as_builder_error_truncated(drive):
+    def builder(request, emitter):
+        raise RuntimeError("x" * 1000)
+
+    driver, n = reactive(drive, "a", node_builder=builder)
+    driver.complete(n.a, {"requests": [SpawnRequest(instruction="go", assignee="writer")]})
+    (dropped,) = driver.envelope["dropped_spawns"]
+    assert dropped["reason"] == "builder_error"
+    assert dropped["error"] == "x" * 500
+    assert (dropped["assignee"], dropped["emitter_id"]) == ("writer", n.a)
+    assert driver.envelope["status"] == "completed"
+
+
+def test_an_unknown_assignee_from_the_role_builder_is_a_builder_error(drive):
+    driver, n = reactive(drive, "a", node_builder=role_node_builder({"writer": None}))
+    driver.complete(n.a, {"requests": [SpawnRequest(instruction="go", assignee="ghost")]})
+    (dropped,) = driver.envelope["dropped_spawns"]
+    assert dropped["reason"] == "builder_error" and "ghost" in dropped["error"]
+
+
+def test_a_role_routed_child_clones_its_role_branch(drive):
+    driver, n = reactive(drive, "a", node_builder=role_node_builder({"writer": "br-writer"}))
+    driver.complete(n.a, {"requests": [SpawnRequest(instruction="go", assignee="writer")]})
+    (child_id,) = spawned_children(driver)
+    (clone,) = [c for c in driver.of_type(CloneBranch) if c.node_id == child_id]
+    assert clone.source == "br-writer"
+    assert driver.graph.nodes[child_id].metadata["reference_id"] == "spawn-1"
+
+
+def test_a_node_builder_returning_none_is_recorded_as_null_child(drive):
+    driver, n = reactive(drive, "a", node_builder=lambda request, emitter: None)
+    driver.complete(n.a, {"requests": [SpawnRequest(instruction="go")]})
+    assert [d["reason"] for d in driver.envelope["dropped_spawns"]] == ["null_child"]
+
+
+# Cycle rollback in admission cannot be driven through public events: an admitted node
+# is always new, and a new node has no out-edges, so ``after -> child`` can never close
+# a cycle. The "cycle" ledger reason is therefore unreachable from FlowState today; the
+# rollback primitive it would use is covered by
+# test_graph_and_builder.py::test_a_cycle_closing_edge_is_refused_and_leaves_the_graph_unchanged.
+
+
+# -- injection -------------------------------------------------------------------------
+def test_an_injected_operation_after_a_node_is_admitted(drive):
+    driver, n = reactive(drive, "a")
+    extra = create_operation("chat", {"instruction": "injected"})
+    driver.handle(InjectRequested(operation=extra, after=n.a, token="t-1"))
+    (decision,) = driver.of_type(AdmissionDecided)
+    assert decision == AdmissionDecided("t-1", True, extra.id, None)
+    assert driver.graph.predecessors(extra.id) == [n.a]
+    assert extra.id not in driver.dispatched()
+    driver.complete(n.a)
+    assert extra.id in driver.dispatched()
+
+
+def test_reinjecting_an_existing_operation_is_a_duplicate_and_not_dispatched_twice(drive):
+    driver, n = reactive(drive, "a", "b")
+    driver.handle(InjectRequested(operation=driver.graph.nodes[n.b], after=n.a, token="again"))
+    (decision,) = driver.of_type(AdmissionDecided)
+    assert (decision.accepted, decision.reason) == (False, "duplicate")
+    assert driver.state.dropped_spawns[-1]["reason"] == "duplicate"
+    driver.run_to_end()
+    assert [d.node_id for d in driver.of_type(DispatchOperation)].count(n.b) == 1
+    assert driver.envelope["spawned_operations"] == 0
+
+
+def test_injecting_into_a_non_reactive_run_is_refused(drive):
+    graph, n = build("a")
+    driver = drive(graph)
+    driver.handle(InjectRequested(operation=create_operation("chat"), token="t"))
+    (decision,) = driver.of_type(AdmissionDecided)
+    assert decision.accepted is False and decision.token == "t"
+
+
+def test_injecting_after_the_run_finished_is_refused(drive):
+    driver, n = reactive(drive, "a")
+    driver.complete(n.a)
+    driver.handle(InjectRequested(operation=create_operation("chat"), token="late"))
+    (decision,) = driver.of_type(AdmissionDecided)
+    assert decision.accepted is False
+
+
+# -- escalation ------------------------------------------------------------------------
+def test_a_higher_tier_escalation_reruns_the_operation_independently(drive):
+    """a escalates: a new independent node runs a's operation with a notice."""
+    graph = Graph()
+    a = graph.add_node(create_operation("operate", {"instruction": "solve it", "context": {"x": 1}, "tools": True}))
+    driver = drive(graph, reactive=True, default_branch_id="default")
+    driver.complete(a.id, {"requests": [EscalationRequest(reason="too hard")]})
+    (child_id,) = spawned_children(driver)
+    child = driver.graph.nodes[child_id]
+    assert child.operation == "operate"
+    assert child.parameters == {
+        "instruction": "[ESCALATION] The previous attempt escalated this task to a higher tier. "
+        "Reason: too hard\n\nsolve it",
+        "tools": True,
+    }
+    assert driver.graph.in_edges(child_id) == []
+    assert child.metadata["escalated_from"] == a.id
+    (escalated,) = driver.signals("escalated")
+    assert (escalated.op_id, escalated.route, escalated.child_id) == (a.id, "higher_tier", child_id)
+    driver.complete(child_id)
+    assert driver.envelope["escalated_operations"] == [a.id]
+
+
+def test_other_escalation_routes_are_only_recorded(drive):
+    driver, n = reactive(drive, "a")
+    driver.handle(EscalationRequested(emitter_id=n.a, request=EscalationRequest(reason="ask", route="human")))
+    assert spawned_children(driver) == []
+    (escalated,) = driver.signals("escalated")
+    assert escalated.child_id is None and escalated.route == "human"
+    driver.complete(n.a)
+    assert driver.envelope["escalated_operations"] == [n.a]
+    assert driver.envelope["spawned_operations"] == 0
