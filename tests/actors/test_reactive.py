@@ -148,6 +148,31 @@ def test_live_emissions_are_admitted_while_the_emitter_runs_and_travel_together(
     assert envelope["scheduler_messages"] < width // 4
 
 
+def test_a_request_emitted_from_a_thread_is_sent_at_once_and_admitted_live(session):
+    """emitter => child, where the emitter calls ``branch.emit`` from a worker thread (off its
+    event loop): the request cannot wait for the loop's window, so it is sent on its own,
+    and the independent child runs while the emitter still sleeps."""
+    order: list[tuple[str, str]] = []
+
+    async def emit_from_thread(branch: Any, **parameters: Any) -> str:
+        await asyncio.to_thread(branch.emit, SpawnRequest(instruction="from a thread", independent=True))
+        await asyncio.sleep(1.0)
+        return "emitted"
+
+    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("emit_from_thread", emit_from_thread, record_turn=False)
+    graph, emitter = single_node("emit_from_thread")
+
+    envelope = run(session.flow(graph, reactive=True,
+                                on_progress=lambda op_id, name, status, elapsed: order.append((op_id, status))))
+
+    [child] = children_of(envelope, graph)
+    assert envelope["operation_results"][child] == {"handled": "from a thread"}
+    assert order.index((child, "completed")) < order.index((emitter, "completed"))
+    assert envelope["spawned_operations"] == 1
+    assert envelope["dropped_spawns"] == []  # the outcome's redelivered copy is no duplicate
+
+
 def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session, gauge):
     """root (held) + injected: inject -> True; the same op again -> False (duplicate); after -> False."""
     session.register_operation("operate", operate, record_turn=False)

@@ -99,3 +99,35 @@ def test_a_dead_executor_raises_runtime_lost_instead_of_hanging(isolated):
 
     with pytest.raises(RuntimeLostError):
         run(scenario(), timeout=30)
+
+
+def test_an_outcome_reported_from_outside_settles_the_node(session, gauge):
+    """held (in flight on a worker); an external worker reports its outcome first through
+    ``GraphExecutor.report``: the node completes with that response and the run returns
+    without waiting for the pool's copy, whose late outcome finds the run forgotten."""
+    from opgraph.actors import Outcome
+
+    async def held(branch, hold: str, **parameters):
+        entered = gauge.enter.remote(hold)
+        await entered
+        await gauge.wait_released.remote(hold)
+        return "from the pool"
+
+    session.register_operation("held_for_report", held)
+    graph = Graph("reported")
+    node = graph.add_node(create_operation("held_for_report", {"hold": "report"}))
+    run_id = f"reported-{uuid.uuid4().hex[:8]}"
+    executor = session.runtime.executor
+
+    async def scenario():
+        flow = asyncio.create_task(session.flow(graph, run_id=run_id))
+        await asyncio.wait_for(gauge.wait_entered.remote("report", 1), 30)
+        await executor.report.remote(run_id, [Outcome(node.id, 1, "completed", response="from outside")])
+        envelope = await flow
+        await gauge.release.remote("report")
+        return envelope
+
+    envelope = run(scenario())
+
+    assert envelope["operation_statuses"] == {node.id: "completed"}
+    assert envelope["operation_results"][node.id] == "from outside"
