@@ -32,7 +32,9 @@ OUTCOME_BATCH = 256  # outcomes per streamed message
 
 # A call travels to a worker, and its outcome travels back, as a plain tuple: a batch of
 # builtin tuples pickles in C, where a dataclass per item cost ~6 us each way in Python
-# reduce and setstate, the largest per-node cost of a 10,000-node fan-out.
+# reduce and setstate, the largest per-node cost of a 10,000-node fan-out. (DESIGN.md
+# names pydantic models through the kernel's msgpack codec as the wire format; on this
+# per-node path that would cost more still, so these rows are a deliberate exception.)
 #   CallRow:    (node_id, attempt, operation, parameters, branch_id, store_index)
 #   OutcomeRow: (node_id, attempt, status, response, error, error_type, requests, started, finished)
 # ``requests`` is a list of (kind, request, dedupe key, redelivery).
