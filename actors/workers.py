@@ -252,17 +252,11 @@ class OperationWorker:
         return cancelled
 
     async def run_one(self, run_id: str, call: CallRow) -> list[OutcomeRow]:
-        """Run a single call and answer with its outcome row (a plain call, not a stream)."""
-        done: list[OutcomeRow] = []
-        task = asyncio.ensure_future(_execute(self, run_id, call, self.runs.get(run_id) or RunResources(),
-                                              self.executors.get(run_id)))
-        self.tasks[(run_id, call[0])] = task
-        task.add_done_callback(partial(_collect, done, asyncio.Event(), call))
-        try:
-            await asyncio.wait([task])
-        finally:
-            self.tasks.pop((run_id, call[0]), None)
-        return done
+        """Run a single call and answer with its outcome row (a plain call, not a stream).
+
+        The batch loop with one call: its outcome is the whole batch, so no window waits.
+        """
+        return [row async for batch in self.run_batch(run_id, [call]) for row in batch]
 
     async def run_batch(self, run_id: str, calls: list[CallRow]):
         """Run calls concurrently; yield lists of outcome rows as they finish (a streaming generator)."""
