@@ -97,15 +97,18 @@ class _Run:
             watcher.finish(summary)
 
 
+def _request_event(kind: str, now: float, emitter_id: str, request: Any, key: Any,
+                   redelivery: bool) -> SpawnRequested | EscalationRequested:
+    """A spawn or escalation request as the scheduler's event, whichever way it arrived."""
+    event_type = EscalationRequested if kind == "escalation" else SpawnRequested
+    return event_type(now=now, emitter_id=emitter_id, request=request, dedupe_key=key, redelivery=redelivery)
+
+
 def _finished_event(row: OutcomeRow) -> OperationFinished:
     node_id, attempt, status, response, error, error_type, requests, started, finished = row
-    if requests:
-        requests = tuple(
-            (EscalationRequested if kind == "escalation" else SpawnRequested)(
-                now=finished, emitter_id=node_id, request=request, dedupe_key=key, redelivery=redelivery,
-            )
-            for kind, request, key, redelivery in requests
-        )
+    if requests:  # most outcomes carry none: no generator on the common path
+        requests = tuple(_request_event(kind, finished, node_id, request, key, redelivery)
+                         for kind, request, key, redelivery in requests)
     else:
         requests = ()
     return OperationFinished(finished, node_id, attempt, status, response, error, error_type, requests, True)
@@ -179,13 +182,8 @@ class ExecutorShell:
         run.messages += 1
         now, states = time.time(), run.state.state
         # Once an emitter has settled, its outcome already carried the request.
-        await self.feed(run, [
-            (EscalationRequested if kind == "escalation" else SpawnRequested)(
-                now=now, emitter_id=emitter_id, request=request, dedupe_key=key,
-                redelivery=states.get(emitter_id) != "running",
-            )
-            for emitter_id, kind, request, key in items
-        ])
+        await self.feed(run, [_request_event(kind, now, emitter_id, request, key, states.get(emitter_id) != "running")
+                              for emitter_id, kind, request, key in items])
 
     def forget_run(self, run_id: str) -> bool:
         run = self.runs.pop(run_id, None)
