@@ -480,13 +480,19 @@ class WorkflowStore:
                                     (_encode(outputs), _encode(error), self._clock()))
 
     def get_run(self, run_id: str) -> RunRecord:
+        return self._read_runs(lambda db: [self._get_run(db, run_id)])[0]
+
+    def _read_runs(self, read: Callable[[sqlite3.Connection], list[RunRecord]]) -> list[RunRecord]:
+        """``read`` the runs; if any is an orphan, settle it as failed and read them again."""
         with self._transaction() as db:
-            record = self._get_run(db, run_id)
-        if self._orphaned(record):
+            records = read(db)
+        orphans = [record for record in records if self._orphaned(record)]
+        if not orphans:
+            return records
+        for record in orphans:
             self._settle_orphan(record)
-            with self._transaction() as db:
-                record = self._get_run(db, run_id)
-        return record
+        with self._transaction() as db:
+            return read(db)
 
     def reap_orphaned_runs(self) -> list[str]:
         """Settle as failed every unfinished run whose owner process on this host is gone.
@@ -526,13 +532,8 @@ class WorkflowStore:
         if status is not None:
             query += " AND status = ?"
             values.append(status)
-        with self._transaction() as db:
-            rows = db.execute(query + " ORDER BY created_at DESC, rowid DESC LIMIT ?", (*values, limit))
-            records = [_run(row) for row in rows]
-        if any(self._orphaned(record) for record in records):
-            self.reap_orphaned_runs()
-            return self.list_runs(workflow=workflow, status=status, limit=limit)
-        return records
+        query += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        return self._read_runs(lambda db: [_run(row) for row in db.execute(query, (*values, limit))])
 
     def record_signals(self, run_id: str, signals: Iterable[Mapping[str, Any]]) -> int:
         """Append lifecycle signals in one transaction; return the last ``seq`` of the run.
