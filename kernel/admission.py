@@ -13,7 +13,9 @@ from pydantic import BaseModel
 
 from . import events as ev
 from . import signals as sig
+from .events import new_record as _new_record
 from .graph import Operation
+from .states import TERMINAL, WAITING
 
 __all__ = ["BUILDER_ERROR_CHARS", "SPAWN_INSTRUCTION_CHARS", "ReactiveAdmission"]
 
@@ -27,29 +29,23 @@ class ReactiveAdmission:
     def _on_spawn(self, event: ev.SpawnRequested) -> None:
         if not self.reactive or self.finished or self.cancelling:
             return
-        request = event.request
-        emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
+        request, emitter_id = event.request, event.emitter_id
+        emitter = self.graph.nodes.get(emitter_id) if emitter_id else None
         assignee = getattr(request, "assignee", None)
         if self._is_duplicate_request(event):
             if not event.redelivery:
-                self._drop("duplicate", assignee, event.emitter_id)
+                self._drop("duplicate", assignee, emitter_id)
             return
         try:
             child = self.node_builder(request, emitter)
         except Exception as exc:  # user routing code: becomes a ledger entry, never a crash
-            self._drop("builder_error", assignee, event.emitter_id, error=str(exc)[:BUILDER_ERROR_CHARS])
+            self._drop("builder_error", assignee, emitter_id, error=str(exc)[:BUILDER_ERROR_CHARS])
             return
         if child is None:
-            self._drop("null_child", assignee, event.emitter_id)
+            self._drop("null_child", assignee, emitter_id)
             return
         independent = bool(getattr(request, "independent", False))
-        self._accept(
-            child,
-            after=None if independent or emitter is None else emitter.id,
-            emitter_id=event.emitter_id,
-            assignee=assignee,
-            independent=independent,
-        )
+        self._accept(child, None if independent or emitter is None else emitter_id, emitter_id, assignee, independent)
 
     def _on_escalation(self, event: ev.EscalationRequested) -> None:
         if not self.reactive or self.finished or self.cancelling:
@@ -73,7 +69,7 @@ class ReactiveAdmission:
             )
             child = Operation(operation=emitter.operation, parameters=parameters)
             child.metadata["escalated_from"] = emitter.id
-            if self._accept(child, after=None, emitter_id=emitter.id, assignee=None, independent=True):
+            if self._accept(child, None, emitter.id, None, True):
                 child_id = child.id
         self._out.append(
             ev.EmitSignal(
@@ -100,25 +96,10 @@ class ReactiveAdmission:
             self._drop("builder_error", None, event.after, op_id=operation.id, error="inject after an unknown node")
             self._out.append(ev.AdmissionDecided(event.token, False, operation.id, "builder_error"))
             return
-        accepted = self._accept(
-            operation,
-            after=None if event.independent else event.after,
-            emitter_id=event.after,
-            assignee=None,
-            independent=event.independent,
-        )
+        accepted = self._accept(operation, None if event.independent else event.after, event.after, None,
+                                event.independent)
         reason = None if accepted else self.dropped_spawns[-1]["reason"]
         self._out.append(ev.AdmissionDecided(event.token, accepted, operation.id, reason))
-
-    def _child_rank(self, emitter_id: str | None) -> tuple[int, ...]:
-        """Spawned children rank right after their emitter, in per-emitter order."""
-        ranks = self._ranks()
-        if emitter_id is None or emitter_id not in ranks:
-            self._injected += 1
-            return (len(self.graph.nodes) + 1_000_000_000 + self._injected,)
-        count = self._children.get(emitter_id, 0)
-        self._children[emitter_id] = count + 1
-        return (*ranks[emitter_id], count)
 
     def _is_duplicate_request(self, event: ev.SpawnRequested | ev.EscalationRequested) -> bool:
         key = event.dedupe_key
@@ -136,65 +117,97 @@ class ReactiveAdmission:
         entry.update(extra)
         self.dropped_spawns.append(entry)
 
-    def _accept(
-        self,
-        child: Operation,
-        *,
-        after: str | None,
-        emitter_id: str | None,
-        assignee: Any,
-        independent: bool,
-    ) -> bool:
-        """The one admission path: cap, duplicate, insertion, edge, cycle rollback, ledger."""
+    def _accept(self, child: Operation, after: str | None, emitter_id: str | None, assignee: Any,
+                independent: bool) -> bool:
+        """The one admission path: cap, duplicate, insertion, edge, cycle rollback, ledger.
+
+        Registers the child as ``_register`` (registration.py) would, inline: a spawn
+        admits a node per request, so every lookup here is bound once and every record
+        built positionally. A child is new to the graph, so its dependencies are the
+        emitter it follows (if any) plus any aggregation sources its builder set.
+        """
+        child_id = child.id
         if self.spawn_count >= self.max_spawn:
-            self._drop("max_spawn_exceeded", assignee, emitter_id, op_id=child.id)
+            self._drop("max_spawn_exceeded", assignee, emitter_id, op_id=child_id)
             return False
-        if child.id in self.graph:
+        graph = self.graph
+        if child_id in graph.nodes:
             # Ideal over retrospective (ADR-0023 delta 7): reinjection is idempotent.
-            self._drop("duplicate", assignee, emitter_id, op_id=child.id)
+            self._drop("duplicate", assignee, emitter_id, op_id=child_id)
             return False
-        self.graph.add_node(child)
+        graph.add_node(child)
+        metadata = child.metadata
         if after is not None:
-            edge = self.graph.add_edge(after, child.id, label=["spawn"])
+            edge = graph.add_edge(after, child_id, label=["spawn"])
             # A node new to the graph has no out-edges, so no path leads back from it:
             # the walk runs only should a builder ever hand over a node that has some.
-            if self.graph._out[child.id] and self.graph.reaches(child.id, after):
-                self.graph.remove_edge(edge.id)
-                self.graph.remove_node(child.id)
-                self._drop("cycle", assignee, emitter_id, op_id=child.id)
+            if graph._out[child_id] and graph.reaches(child_id, after):
+                graph.remove_edge(edge.id)
+                graph.remove_node(child_id)
+                self._drop("cycle", assignee, emitter_id, op_id=child_id)
                 return False
-            child.metadata["parent_id"] = after
-        self.spawn_count += 1
-        self.spawned_ids.append(child.id)
-        child.metadata["spawned"] = True
-        self._register(child, self._dependencies_of(child))
-        self.rank[child.id] = self._child_rank(emitter_id)
-        if self._branch_is_known(child.branch_id):
-            source = child.branch_id
-        elif after is not None:
-            source = self.branch.get(after, self.default_branch_id)
+            metadata["parent_id"] = after
+            deps = [after]
         else:
-            source = self.default_branch_id
-        clone = self._new_branch_id(child.id)
-        self.branch[child.id] = clone
+            deps = []
+        self.spawn_count += 1
+        self.spawned_ids.append(child_id)
+        metadata["spawned"] = True
+        if metadata.get("aggregation_sources"):
+            deps = self._dependencies_of(child)
+
+        # Registration: waiting on its unsettled dependencies, ranked after its emitter.
+        state, dependents = self.state, self.dependents
+        if self._stories:
+            self._stories.pop(child_id, None)
+        state[child_id] = WAITING
+        self.deps[child_id] = deps
+        unsettled = 0
+        for dep in deps:
+            listed = dependents.get(dep)
+            if listed is None:
+                dependents[dep] = [child_id]
+            else:
+                listed.append(child_id)
+            if state.get(dep, WAITING) not in TERMINAL:
+                unsettled += 1
+        self.unsettled[child_id] = unsettled
+        self.open_nodes += 1
+        ranks = self._ranks()
+        emitter_rank = ranks.get(emitter_id) if emitter_id is not None else None
+        if emitter_rank is None:  # injected on its own: after everything, in order of arrival
+            self._injected += 1
+            ranks[child_id] = (len(graph.nodes) + 1_000_000_000 + self._injected,)
+        else:  # spawned children rank right after their emitter, in per-emitter order
+            count = self._children.get(emitter_id, 0)
+            self._children[emitter_id] = count + 1
+            ranks[child_id] = (*emitter_rank, count)
+
+        # Its own branch, cloned from a known branch it names, else its parent's.
+        branch_id, default_branch = child.branch_id, self.default_branch_id
+        if branch_id is not None and (self.known_branches is None or branch_id in self.known_branches):
+            source = branch_id
+        elif after is not None:
+            source = self.branch.get(after, default_branch)
+        else:
+            source = default_branch
+        clone = self._new_branch_id(child_id)
+        self.branch[child_id] = clone
         if self.known_branches is not None:
             self.known_branches.add(clone)
-        self._out.append(ev.CloneBranch(child.id, clone, source, reactive=True))
         instruction = child.parameters.get("instruction")
-        self._out.append(
-            ev.EmitSignal(
-                sig.NodeSpawned,
-                fields={
-                    "run_id": self.run_id,
-                    "op_id": child.id,
-                    "parent_id": after,
-                    "independent": independent,
-                    "assignee": assignee,
-                    "instruction": None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
-                },
-            )
-        )
-        self._emit(sig.NodeQueued, child.id)
-        if self.unsettled[child.id] == 0:
-            self._gate(child.id)
+        fields = {
+            "run_id": self.run_id,
+            "op_id": child_id,
+            "parent_id": after,
+            "independent": independent,
+            "assignee": assignee,
+            "instruction": None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
+        }
+        out, record, signal = self._out.append, _new_record, ev.EmitSignal
+        out(record(ev.CloneBranch, (child_id, clone, source, True)))
+        out(record(signal, (sig.NodeSpawned, "", None, 0.0, (), fields)))
+        out(record(signal, (sig.NodeQueued, self.run_id, child, self._elapsed, deps, None)))
+        if unsettled == 0:
+            self._gate(child_id)
         return True

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from .errors import RoutingError
-from .graph import Operation, create_operation
+from .graph import Operation, _plain_operation, create_operation
 
 __all__ = [
     "SPAWN_ALLOWED_OPERATIONS",
@@ -104,7 +104,8 @@ def extract_requests(
 def default_node_builder(request: SpawnRequest, emitter: Operation | None) -> Operation:
     """The record's default: the requested operation with only the instruction."""
     operation = request.operation if request.operation in SPAWN_ALLOWED_OPERATIONS else "operate"
-    return create_operation(operation, {"instruction": request.instruction})
+    # An allowed name and a one-key mapping: nothing for create_operation to check.
+    return _plain_operation(operation, {"instruction": request.instruction})
 
 
 def role_node_builder(

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from . import events as ev
+from .events import new_record as _new_record
 from . import signals as sig
 from .context import OPERATOR_MESSAGES_KEY, render_operator_messages, to_mapping
 from .errors import StateTransitionError
@@ -24,9 +25,6 @@ __all__ = ["OperationDispatch"]
 # Plain values: handed on as they are (never copied or converted), and a response of
 # one carries no context update or request objects (the scheduler's ``_on_finished``).
 _SCALARS = frozenset({str, int, float, bool, type(None), bytes})
-# Builds a NamedTuple record from a complete field tuple, skipping the generated
-# ``__new__`` and its argument handling: half the cost, for the records made per node.
-_new_record = tuple.__new__
 _MISSING = object()
 
 

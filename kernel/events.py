@@ -17,6 +17,10 @@ from typing import Any, NamedTuple
 
 from .graph import Operation
 
+# Builds a NamedTuple record from a complete field tuple, skipping the generated
+# ``__new__`` and its argument handling: half the cost, for the records made per node.
+new_record = tuple.__new__
+
 __all__ = [
     "AdmissionDecided",
     "CancelOperation",

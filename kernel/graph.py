@@ -139,10 +139,15 @@ def create_operation(
         )
     if not kwargs and all(type(key) is str for key in params):
         # Nothing left for validation to check: built directly, 4x cheaper (a spawn makes one).
-        fields = {"id": _new_id(), "operation": operation, "parameters": params, "branch_id": None,
-                  "metadata": {}, "status": "pending", "response": None, "error": None}
-        return _built(Operation, fields, _OPERATION_ARGUMENTS)
+        return _plain_operation(operation, params)
     return Operation(operation=operation, parameters=params, **kwargs)
+
+
+def _plain_operation(operation: str, params: dict[str, Any]) -> Operation:
+    """An Operation with only a name and parameters, both already known valid."""
+    fields = {"id": _new_id(), "operation": operation, "parameters": params, "branch_id": None,
+              "metadata": {}, "status": "pending", "response": None, "error": None}
+    return _built(Operation, fields, _OPERATION_ARGUMENTS)
 
 
 _OPERATION_ARGUMENTS = ("operation", "parameters")
@@ -212,13 +217,14 @@ class Graph:
 
     # -- mutation -------------------------------------------------------------
     def add_node(self, node: Operation) -> Operation:
-        if not isinstance(node, Operation):
+        if type(node) is not Operation and not isinstance(node, Operation):
             raise OperationError(f"graph nodes must be Operation, got {type(node).__name__}")
-        if node.id in self.nodes:
-            raise OperationError("node already in graph", node_id=node.id)
-        self.nodes[node.id] = node
-        self._out[node.id] = []
-        self._in[node.id] = []
+        node_id = node.id
+        if node_id in self.nodes:
+            raise OperationError("node already in graph", node_id=node_id)
+        self.nodes[node_id] = node
+        self._out[node_id] = []
+        self._in[node_id] = []
         return node
 
     def add_edge(
@@ -230,26 +236,33 @@ class Graph:
         condition: Any = None,
         check_cycle: bool = False,
     ) -> Edge:
-        head_id = head.id if isinstance(head, Operation) else head
-        tail_id = tail.id if isinstance(tail, Operation) else tail
+        # Exact-type checks first: isinstance against a pydantic model class goes through
+        # ABCMeta, and reactive admission adds an edge per spawned child.
+        head_id = head if type(head) is str or not isinstance(head, Operation) else head.id
+        tail_id = tail if type(tail) is str or not isinstance(tail, Operation) else tail.id
+        nodes = self.nodes
         for node_id in (head_id, tail_id):
-            if node_id not in self.nodes:
+            if node_id not in nodes:
                 raise UnknownNodeError("edge endpoint is not in the graph", node_id=node_id)
         labels = list(label)
-        if all(type(text) is str for text in labels):
+        for text in labels:
+            if type(text) is not str:
+                edge = Edge(head=head_id, tail=tail_id, label=labels, condition=condition)  # raises the usual error
+                break
+        else:
             # Endpoints are known node ids and labels strings: nothing left to validate.
             fields = {"id": _new_id(), "head": head_id, "tail": tail_id, "label": labels, "condition": condition}
             edge = _built(Edge, fields, _EDGE_ARGUMENTS)
-        else:
-            edge = Edge(head=head_id, tail=tail_id, label=labels, condition=condition)  # raises the usual error
-        validate_condition(condition, edge.id)
+        edge_id = edge.id
+        if condition is not None:
+            validate_condition(condition, edge_id)
         if check_cycle and (head_id == tail_id or self.reaches(tail_id, head_id)):
             raise GraphCycleError(
-                f"edge {head_id} -> {tail_id} would create a cycle", edge_id=edge.id
+                f"edge {head_id} -> {tail_id} would create a cycle", edge_id=edge_id
             )
-        self.edges[edge.id] = edge
-        self._out[head_id].append(edge.id)
-        self._in[tail_id].append(edge.id)
+        self.edges[edge_id] = edge
+        self._out[head_id].append(edge_id)
+        self._in[tail_id].append(edge_id)
         return edge
 
     def remove_edge(self, edge_id: str) -> Edge:
