@@ -156,6 +156,7 @@ class ExecutorShell:
             known_branches=set(options.known_branches),
             reducers=options.reducers,
             write_back=False,  # this graph is the executor's copy; the driver mirrors the envelope
+            progress_signals=options.want_signals,  # queued/started/spawned reach only signal subscribers
         )
         run = _Run(run_id, state, options)
         self.location.update(options.known_branches)

@@ -14,7 +14,10 @@ requests already extracted (``extracted=True``), each stamped with a later ``now
 Here every operation finishes at once, so outcomes are settled oldest dispatch first in
 batches of that size; ``--batch 0`` settles everything outstanding in one call instead.
 Event construction is timed too: the executor pays it for every outcome. Like the
-executor, the runs do not write results back onto the graph's nodes (``write_back=False``).
+executor, the runs do not write results back onto the graph's nodes (``write_back=False``),
+and, like the executor of a run nobody subscribed signals for (``Session.flow``'s default),
+they emit no queued, started or spawned signals (``progress_signals=False``);
+``--signals`` measures runs that emit them.
 
 ``settle/s`` is from the median wall time. ``cpu settle/s`` is from the median process
 CPU time of the same runs: on a shared machine it moves less with other people's load,
@@ -110,24 +113,26 @@ def drive(state: FlowState, spawns_from_root: Sequence[SpawnRequest] = (), batch
 Shape = Callable[[], tuple[FlowState, Sequence[SpawnRequest]]]
 
 
-def shape_fanout(n: int) -> Shape:
+def shape_fanout(n: int, signals: bool = False) -> Shape:
     def build():
-        return FlowState(fanout_graph(n), max_concurrent=None, write_back=False), ()
+        return FlowState(fanout_graph(n), max_concurrent=None, write_back=False, progress_signals=signals), ()
     return build
 
 
-def shape_chain(n: int) -> Shape:
+def shape_chain(n: int, signals: bool = False) -> Shape:
     def build():
-        return FlowState(chain_graph(n), max_concurrent=None, write_back=False), ()
+        return FlowState(chain_graph(n), max_concurrent=None, write_back=False, progress_signals=signals), ()
     return build
 
 
-def shape_spawns(n: int) -> Shape:
+def shape_spawns(n: int, signals: bool = False) -> Shape:
     def build():
         graph = Graph("spawns")
         graph.add_node(create_operation("noop", {"instruction": "root"}))
         requests = [SpawnRequest(instruction=f"s{i}") for i in range(n)]
-        return FlowState(graph, max_concurrent=None, reactive=True, max_spawn=n, write_back=False), requests
+        state = FlowState(graph, max_concurrent=None, reactive=True, max_spawn=n, write_back=False,
+                          progress_signals=signals)
+        return state, requests
     return build
 
 
@@ -177,17 +182,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every size by this")
     parser.add_argument("--repeat", type=int, default=3,
                         help="timed rounds, each of N and 2N (medians reported)")
-    parser.add_argument("--gc-threshold", type=int, default=None,
-                        help="generation-0 GC threshold (the executor runs with 50,000; Python's default is 700)")
+    parser.add_argument("--gc-threshold", type=int, default=50_000,
+                        help="generation-0 GC threshold (default 50,000, as the executor sets; Python's own is 700)")
+    parser.add_argument("--signals", action="store_true",
+                        help="emit queued, started and spawned signals, as a run with a signal subscriber does")
     parser.add_argument("--batch", type=int, default=OUTCOME_BATCH,
                         help=f"outcomes per handle() call (default {OUTCOME_BATCH}, as the executor; 0: all outstanding)")
     parser.add_argument("--only", default="",
                         help="comma-separated subset of shapes to run: fanout, chain, spawns (default: all)")
     args = parser.parse_args(argv)
-    if args.gc_threshold is not None:
-        _, second, third = gc.get_threshold()
-        gc.set_threshold(args.gc_threshold, second, third)
-    print(f"gc threshold: {gc.get_threshold()}; outcomes per handle(): {args.batch or 'all outstanding'}")
+    _, second, third = gc.get_threshold()
+    gc.set_threshold(args.gc_threshold, second, third)
+    print(f"gc threshold: {gc.get_threshold()}; outcomes per handle(): {args.batch or 'all outstanding'}; "
+          f"progress signals: {'on' if args.signals else 'off'}")
     shapes = [
         ("fanout", "fan-out + aggregation", shape_fanout, int(100_000 * args.scale)),
         ("chain", "chain", shape_chain, int(10_000 * args.scale)),
@@ -202,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, label, shape, n in shapes:
         if wanted and key not in wanted:
             continue
-        base = measure(shape, n, args.repeat, args.batch)
+        base = measure(lambda size, shape=shape: shape(size, args.signals), n, args.repeat, args.batch)
         print(f"{label:<24}{base['settled']:>9}{base['seconds']:>10.3f}{base['per_second']:>11,.0f}"
               f"{base['cpu_per_second']:>14,.0f}{base['peak_mib']:>10.1f}{base['ratio']:>11.2f}{base['cpu_ratio']:>10.2f}")
     return 0

@@ -195,19 +195,20 @@ class ReactiveAdmission:
         self.branch[child_id] = clone
         if self.known_branches is not None:
             self.known_branches.add(clone)
-        instruction = child.parameters.get("instruction")
-        fields = {
-            "run_id": self.run_id,
-            "op_id": child_id,
-            "parent_id": after,
-            "independent": independent,
-            "assignee": assignee,
-            "instruction": None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
-        }
         out, record, signal = self._out.append, _new_record, ev.EmitSignal
         out(record(ev.CloneBranch, (child_id, clone, source, True)))
-        out(record(signal, (sig.NodeSpawned, "", None, 0.0, (), fields)))
-        out(record(signal, (sig.NodeQueued, self.run_id, child, self._elapsed, deps, None)))
+        if self.progress_signals:
+            instruction = child.parameters.get("instruction")
+            fields = {
+                "run_id": self.run_id,
+                "op_id": child_id,
+                "parent_id": after,
+                "independent": independent,
+                "assignee": assignee,
+                "instruction": None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
+            }
+            out(record(signal, (sig.NodeSpawned, "", None, 0.0, (), fields)))
+            out(record(signal, (sig.NodeQueued, self.run_id, child, self._elapsed, deps, None)))
         if unsettled == 0:
             self._gate(child_id)
         return True

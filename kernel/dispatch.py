@@ -9,7 +9,7 @@ no state of its own and is reached only through ``handle``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import events as ev
@@ -41,16 +41,15 @@ class OperationDispatch:
     def _dispatch_ready(self, count: int) -> None:
         """Dispatch the ``count`` oldest ready nodes, each with its prepared parameters.
 
-        One loop with every lookup bound once, because it runs for every node of a run;
+        One loop with the per-node lookups bound once, because it runs for every node of
+        a run (and once per link of a chain, so the binding is kept short too);
         READY -> RUNNING is the common path's second step, applied inline (see
         ``_settle_completed`` in scheduler.py).
         """
         ready, running, state, attempts, stories = self.ready, self.running, self.state, self.attempt, self._stories
         nodes, deps, branch, default_branch = self.graph.nodes, self.deps, self.branch, self.default_branch_id
-        inheriting, shared, out = self.pending_inheritance, self.shared.data, self._out
-        run_id, elapsed, started, emit_signal, dispatch = (
-            self.run_id, self._elapsed, sig.NodeStarted, ev.EmitSignal, ev.DispatchOperation
-        )
+        shared, append, operation_context = self.shared.data, self._out.append, self._operation_context
+        started = (sig.NodeStarted, self.run_id) if self.progress_signals else None
         dispatched = 0
         try:
             for _ in range(count):
@@ -66,26 +65,32 @@ class OperationDispatch:
                 node, node_deps = nodes[node_id], deps[node_id]
                 running[node_id] = (attempt, node, node_deps)
                 branch_id = branch.get(node_id, default_branch)
-                if inheriting and node_id in inheriting:
+                if self.pending_inheritance and node_id in self.pending_inheritance:
                     self._inherit_primary_history(node, attempt, branch_id)
                 parameters = dict(node.parameters)
                 own = parameters.get("context")
                 if own is None and not shared and not node_deps:
                     parameters["context"] = {}  # a root with nothing to pass on (the common fan-out leaf)
                 else:
-                    parameters["context"] = self._operation_context(node_id, own)
-                if shared:
-                    queue = shared.get(OPERATOR_MESSAGES_KEY)
-                    if queue and isinstance(queue, list):
-                        instruction = parameters.get("instruction") or ""
-                        rendered = render_operator_messages(queue, str(instruction), node_id)
-                        if rendered != instruction:
-                            parameters["instruction"] = rendered
-                out.append(_new_record(emit_signal, (started, run_id, node, elapsed, node_deps, None)))
-                out.append(_new_record(dispatch, (node_id, attempt, node.operation, parameters, branch_id)))
+                    parameters["context"] = operation_context(node_deps, own, shared)
+                    if shared:
+                        self._render_steer(node_id, parameters, shared)
+                if started is not None:
+                    append(_new_record(ev.EmitSignal, (*started, node, self._elapsed, node_deps, None)))
+                append(_new_record(ev.DispatchOperation, (node_id, attempt, node.operation, parameters, branch_id)))
                 dispatched += 1
         finally:  # counts what went out, should a node fail to dispatch
             self.counters["dispatched"] += dispatched
+
+    @staticmethod
+    def _render_steer(node_id: str, parameters: dict[str, Any], shared: dict[str, Any]) -> None:
+        """Put pending operator steer messages in front of the instruction (ADR-0023 D4)."""
+        queue = shared.get(OPERATOR_MESSAGES_KEY)
+        if queue and isinstance(queue, list):
+            instruction = parameters.get("instruction") or ""
+            rendered = render_operator_messages(queue, str(instruction), node_id)
+            if rendered != instruction:
+                parameters["instruction"] = rendered
 
     def _inherit_primary_history(self, node: Operation, attempt: int, branch_id: str | None) -> None:
         """ADR-0023 D3: an inheriting node's branch takes its settled primary's messages."""
@@ -97,7 +102,8 @@ class OperationDispatch:
             if source != branch_id:
                 self._out.append(ev.ReplaceHistory(node_id, attempt, branch_id, source))
 
-    def _operation_context(self, node_id: str, own: Any) -> dict[str, Any]:
+    def _operation_context(self, deps: Sequence[str], own: Any, shared: dict[str, Any]) -> dict[str, Any]:
+        """Own context, then each settled dependency's result, then the shared context."""
         if own is None:
             context = {}
         elif isinstance(own, Mapping):
@@ -107,7 +113,6 @@ class OperationDispatch:
             context.pop(OPERATOR_MESSAGES_KEY, None)
         else:
             context = {"original_context": own}
-        deps = self.deps[node_id]
         if deps:
             results, state, scalars, missing = self.results, self.state, _SCALARS, _MISSING
             for dep in deps:  # all of an aggregation's inputs: keep the loop lean
@@ -116,7 +121,7 @@ class OperationDispatch:
                     context[dep + "_result"] = result if type(result) in scalars else self._mapped_result(dep, result)
         # Copied, not shared: later merges mutate shared values in place, and an emitted
         # DispatchOperation must keep the context it was prepared with.
-        for key, value in self.shared.data.items():
+        for key, value in shared.items():
             if key != OPERATOR_MESSAGES_KEY:
                 context[key] = value if type(value) in _SCALARS else copy.deepcopy(value)
         return context

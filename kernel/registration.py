@@ -166,7 +166,10 @@ class NodeRegistration:
 
     def _new_branch_id(self, node_id: str) -> str:
         # Deterministic and unique per (run, node); a plain string is 10x cheaper than uuid5.
-        return f"branch-{self.run_id}-{node_id}" if self.run_id else f"branch-{node_id}"
+        return self._branch_prefix() + node_id
+
+    def _branch_prefix(self) -> str:
+        return f"branch-{self.run_id}-" if self.run_id else "branch-"
 
     def _branch_is_known(self, branch_id: str | None) -> bool:
         return branch_id is not None and (self.known_branches is None or branch_id in self.known_branches)

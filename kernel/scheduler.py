@@ -79,10 +79,18 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         known_branches: Iterable[str] | None = None,
         reducers: Mapping[str, Callable[[Any, Any], Any]] | None = None,
         write_back: bool = True,
+        progress_signals: bool = True,
     ) -> None:
         """``write_back`` records each node's final status, response and error on its
         Operation when the run finishes (``_write_back``); a shell whose graph is a copy
-        that nobody reads afterwards (the GraphExecutor's) turns it off."""
+        that nobody reads afterwards (the GraphExecutor's) turns it off.
+
+        ``progress_signals`` emits NodeQueued and NodeStarted for every node and
+        NodeSpawned for every admitted child. They are two or three records per node
+        that only a signal subscriber reads, so a shell without one turns them off (the
+        GraphExecutor does, unless the run asked for signals). The signals that settle
+        something (completed, failed, skipped) and the rare ones (paused, escalated)
+        are always emitted."""
         if max_concurrent is None:
             max_concurrent = DEFAULT_MAX_CONCURRENCY
         if not parallel:
@@ -100,6 +108,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.known_branches = None if known_branches is None else set(known_branches)
         self.shared = SharedContext(context, reducers)
         self.write_back = write_back
+        self.progress_signals = progress_signals
 
         self.state: dict[str, str] = {}
         self.deps: dict[str, Sequence[str]] = {}
@@ -144,21 +153,24 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     def handle(self, *events: ev.Event) -> list[ev.Instruction]:
         """Apply events in order and return the instructions the shell must carry out."""
         out = self._out = []
-        handled = 0
+        handled, handlers = 0, _HANDLERS
         try:
             for event in events:
                 handled += 1
-                if event.now > self.now:
-                    self.now = event.now
-                    self._elapsed = max(0.0, self.now - self.start_time)
-                handler = _HANDLERS.get(type(event))
+                now = event.now
+                if now > self.now:
+                    self.now = now
+                    elapsed = now - self.start_time
+                    self._elapsed = elapsed if elapsed > 0.0 else 0.0
+                handler = handlers.get(type(event))
                 if handler is None:
                     raise OperationError(f"unknown scheduler event {type(event).__name__}")
                 handler(self, event)
         finally:
             self.counters["events"] += handled
         self._pump()
-        self._maybe_finish()
+        if not self.running and self.open_nodes <= 0:  # what _maybe_finish checks first, inline
+            self._maybe_finish()
         self._out = []
         return out
 
@@ -218,12 +230,25 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         # Bound once: this loop runs for every node of the submitted graph.
         out, deps = self._out, self.deps
         run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
+        branch, known, default_branch, clone_branch = (
+            self.branch, self.known_branches, self.default_branch_id, ev.CloneBranch
+        )
+        branch_prefix, progress = self._branch_prefix(), self.progress_signals
         # Registration filled ``deps`` in node order when nothing was registered before.
         deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
         for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order):
             if node.status not in TERMINAL:
-                out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
-                if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
+                if progress:
+                    out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
+                if node_deps and node.branch_id is None and not node.metadata.get("inherit_context"):
+                    # The common dependent node: ``_preallocate_branch`` inline, as it
+                    # concludes for it (a clone of the default branch of its own).
+                    clone = branch_prefix + node_id
+                    branch[node_id] = clone
+                    if known is not None:
+                        known.add(clone)
+                    out.append(_new_record(clone_branch, (node_id, clone, default_branch, False)))
+                elif node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
                     self._preallocate_branch(node)
                 elif not fresh:  # a node spawned before the start had a clone: the default replaces it
                     self.branch.pop(node_id, None)

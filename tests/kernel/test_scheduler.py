@@ -23,6 +23,7 @@ from opgraph.kernel import (
     DispatchOperation,
     EdgeCondition,
     EdgeConditionError,
+    EmitSignal,
     EvaluateConditions,
     FinishRun,
     FlowStarted,
@@ -31,6 +32,7 @@ from opgraph.kernel import (
     OperationFinished,
     PauseRequested,
     ResumeRequested,
+    SpawnRequest,
 )
 
 
@@ -448,3 +450,23 @@ def test_every_node_is_queued_started_and_completed_with_versioned_signals(drive
         assert all(s.schema_version == 1 and s.run_id == "run-1" and s.name == name for s in signals)
     assert driver.signals("queued", op_id=n.b)[0].depends_on == [n.a]
     assert len(driver.of_type(FinishRun)) == 1
+
+
+def test_without_progress_signals_only_settling_signals_are_emitted_and_the_run_is_unchanged(drive):
+    """a -> b, with a spawn from a; skipped and failed nodes still signal."""
+    def run(progress: bool):
+        graph, n = build("a", "b", "f", edges=(("a", "b"),))
+        driver = drive(graph, reactive=True, progress_signals=progress)
+        driver.complete(n.a, {"requests": [SpawnRequest(instruction="child")]})
+        driver.fail(n.f)
+        envelope = driver.run_to_end()
+        return driver, n, envelope
+
+    quiet, n, envelope = run(False)
+    loud, _, loud_envelope = run(True)
+    assert {s.kind for s in quiet.signals()} == {"completed", "failed"}
+    assert {s.kind for s in loud.signals()} == {"queued", "started", "spawned", "completed", "failed"}
+    assert len(quiet.signals("completed")) == len(loud.signals("completed")) == 3  # a, b and the child
+    assert envelope["spawned_operations"] == loud_envelope["spawned_operations"] == 1
+    assert [type(i) for i in quiet.instructions if not isinstance(i, EmitSignal)] == \
+        [type(i) for i in loud.instructions if not isinstance(i, EmitSignal)]
