@@ -49,7 +49,7 @@ class OperationDispatch:
         ready, running, state, attempts, stories = self.ready, self.running, self.state, self.attempt, self._stories
         nodes, deps, branch, default_branch = self.graph.nodes, self.deps, self.branch, self.default_branch_id
         shared, append, operation_context = self.shared.data, self._out.append, self._operation_context
-        started = (sig.NodeStarted, self.run_id) if self.progress_signals else None
+        progress, run_id, elapsed = self.progress_signals, self.run_id, self._elapsed
         dispatched = 0
         try:
             for _ in range(count):
@@ -75,8 +75,8 @@ class OperationDispatch:
                     parameters["context"] = operation_context(node_deps, own, shared)
                     if shared:
                         self._render_steer(node_id, parameters, shared)
-                if started is not None:
-                    append(_new_record(ev.EmitSignal, (*started, node, self._elapsed, node_deps, None)))
+                if progress:
+                    append(_new_record(ev.EmitSignal, (sig.NodeStarted, run_id, node, elapsed, node_deps, None)))
                 append(_new_record(ev.DispatchOperation, (node_id, attempt, node.operation, parameters, branch_id)))
                 dispatched += 1
         finally:  # counts what went out, should a node fail to dispatch
