@@ -31,6 +31,7 @@ import gc
 import statistics
 import time
 import tracemalloc
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -177,6 +178,31 @@ def measure(shape: Callable[[int], Shape], n: int, repeat: int, batch_size: int)
             "ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios)}
 
 
+def dict_baseline(n: int, repeat: int) -> dict[str, float]:
+    """Time a plain workload of the same size: one update per key in each of 8 dicts.
+
+    The dicts are keyed by ``n`` fresh UUID strings, as the kernel's indexes are, and
+    built untimed; the ratio is taken as in ``measure``. It does no scheduling at all,
+    so its 2N/N is what the machine's memory hierarchy alone makes of doubling n.
+    """
+    def timed(size: int) -> float:
+        keys = [str(uuid.uuid4()) for _ in range(size)]
+        tables = [dict.fromkeys(keys, 0) for _ in range(8)]
+        gc.collect()
+        start = time.perf_counter()
+        for table in tables:
+            for key in keys:
+                table[key] += 1
+        return time.perf_counter() - start
+
+    ratios = []
+    for round_index in range(repeat):
+        sizes = (n, 2 * n) if round_index % 2 == 0 else (2 * n, n)
+        runs = {size: timed(size) for size in sizes}
+        ratios.append(runs[2 * n] / runs[n])
+    return {"ratio": statistics.median(ratios)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every size by this")
@@ -212,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         base = measure(lambda size, shape=shape: shape(size, args.signals), n, args.repeat, args.batch)
         print(f"{label:<24}{base['settled']:>9}{base['seconds']:>10.3f}{base['per_second']:>11,.0f}"
               f"{base['cpu_per_second']:>14,.0f}{base['peak_mib']:>10.1f}{base['ratio']:>11.2f}{base['cpu_ratio']:>10.2f}")
+    # The same rounds over a workload with no scheduling in it, at each size used above.
+    for n in sorted({n for key, _, _, n in shapes if not wanted or key in wanted}):
+        baseline = dict_baseline(n, args.repeat)
+        print(f"{'dict baseline':<24}{n:>9}{'':>10}{'':>11}{'':>14}{'':>10}{baseline['ratio']:>11.2f}")
+    print("dict baseline: one update per key in 8 dicts keyed by N UUID strings; its 2N/N is the machine's alone.")
     return 0
 
 

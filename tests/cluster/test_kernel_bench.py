@@ -1,0 +1,33 @@
+"""The kernel benchmark script runs end to end at a tiny scale (no Ray, no timing asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from opgraph.cluster import kernel_bench
+
+
+@pytest.mark.parametrize("signals", [[], ["--signals"]])
+def test_every_shape_settles_all_its_nodes_and_a_dict_baseline_is_printed(capsys, signals):
+    assert kernel_bench.main(["--scale", "0.01", "--repeat", "1", *signals]) == 0
+    out = capsys.readouterr().out
+    rows = {line[:24].strip(): line[24:].split() for line in out.splitlines()[2:] if line[:1] != " "}
+    # 1,000 leaves plus the aggregate; 100 links; the root plus 100 children.
+    assert rows["fan-out + aggregation"][0] == "1001"
+    assert rows["chain"][0] == "100"
+    assert rows["spawn admissions"][0] == "101"
+    assert f"progress signals: {'on' if signals else 'off'}" in out
+    baselines = [line.split() for line in out.splitlines() if line.startswith("dict baseline ")]
+    assert sorted(int(row[2]) for row in baselines) == [100, 1000]
+    assert all(float(row[3]) > 0 for row in baselines)
+
+
+def test_a_state_that_stalls_is_reported_not_looped_on():
+    from opgraph.kernel import FlowState, Graph, PauseRequested, create_operation
+
+    graph = Graph()
+    graph.add_node(create_operation("noop"))
+    state = FlowState(graph)
+    state.handle(PauseRequested())  # paused before the start: nothing is ever dispatched
+    with pytest.raises(RuntimeError, match="stalled"):
+        kernel_bench.drive(state)
