@@ -15,7 +15,6 @@ from . import events as ev
 from . import signals as sig
 from .events import new_record as _new_record
 from .graph import Operation
-from .states import TERMINAL, WAITING
 
 __all__ = ["BUILDER_ERROR_CHARS", "SPAWN_INSTRUCTION_CHARS", "ReactiveAdmission"]
 
@@ -121,10 +120,9 @@ class ReactiveAdmission:
                 independent: bool) -> bool:
         """The one admission path: cap, duplicate, insertion, edge, cycle rollback, ledger.
 
-        Registers the child as ``_register`` (registration.py) would, inline: a spawn
-        admits a node per request, so every lookup here is bound once and every record
-        built positionally. A child is new to the graph, so its dependencies are the
-        emitter it follows (if any) plus any aggregation sources its builder set.
+        A spawn admits a node per request, so lookups are bound once and records built
+        positionally. A child is new to the graph, so its dependencies are the emitter
+        it follows (if any) plus any aggregation sources its builder set.
         """
         child_id = child.id
         if self.spawn_count >= self.max_spawn:
@@ -157,22 +155,7 @@ class ReactiveAdmission:
             deps = self._dependencies_of(child)
 
         # Registration: waiting on its unsettled dependencies, ranked after its emitter.
-        state, dependents = self.state, self.dependents
-        if self._stories:
-            self._stories.pop(child_id, None)
-        state[child_id] = WAITING
-        self.deps[child_id] = deps
-        unsettled = 0
-        for dep in deps:
-            listed = dependents.get(dep)
-            if listed is None:
-                dependents[dep] = [child_id]
-            else:
-                listed.append(child_id)
-            if state.get(dep, WAITING) not in TERMINAL:
-                unsettled += 1
-        self.unsettled[child_id] = unsettled
-        self.open_nodes += 1
+        unsettled = self._register(child_id, deps)
         ranks = self._ranks()
         emitter_rank = ranks.get(emitter_id) if emitter_id is not None else None
         if emitter_rank is None:  # injected on its own: after everything, in order of arrival

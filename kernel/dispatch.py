@@ -13,10 +13,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from . import events as ev
-from .events import new_record as _new_record
 from . import signals as sig
 from .context import OPERATOR_MESSAGES_KEY, render_operator_messages, to_mapping
 from .errors import StateTransitionError
+from .events import new_record as _new_record
 from .graph import Operation
 from .states import COMPLETED, FAILED, READY, RUNNING, SKIPPED
 

@@ -97,20 +97,27 @@ class NodeRegistration:
         self.open_nodes += len(nodes)
         return in_order, roots
 
-    def _register(self, node: Operation, deps: list[str]) -> None:
-        node_id = node.id
-        self._stories.pop(node_id, None)
-        self.state[node_id] = WAITING
-        ranks = self._ranks()
-        ranks[node_id] = (len(ranks),)
+    def _register(self, node_id: str, deps: list[str]) -> int:
+        """A node admitted after the start: waiting, listed under each dependency, counted
+        open. Returns how many of its dependencies have not settled. Its rank is the
+        caller's to set (admission ranks a child after its emitter)."""
+        state, dependents = self.state, self.dependents
+        if self._stories:  # registration starts a node's story afresh
+            self._stories.pop(node_id, None)
+        state[node_id] = WAITING
         self.deps[node_id] = deps
         unsettled = 0
         for dep in deps:
-            self.dependents.setdefault(dep, []).append(node_id)
-            if self.state.get(dep, WAITING) not in TERMINAL:
+            listed = dependents.get(dep)
+            if listed is None:
+                dependents[dep] = [node_id]
+            else:
+                listed.append(node_id)
+            if state.get(dep, WAITING) not in TERMINAL:
                 unsettled += 1
         self.unsettled[node_id] = unsettled
         self.open_nodes += 1
+        return unsettled
 
     def _rank_initial_nodes(self, in_order: bool = False) -> None:
         """Rank = position in the topological order that breaks ties by insertion order.

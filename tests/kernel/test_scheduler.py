@@ -462,7 +462,7 @@ def test_without_progress_signals_only_settling_signals_are_emitted_and_the_run_
         envelope = driver.run_to_end()
         return driver, n, envelope
 
-    quiet, n, envelope = run(False)
+    quiet, _, envelope = run(False)
     loud, _, loud_envelope = run(True)
     assert {s.kind for s in quiet.signals()} == {"completed", "failed"}
     assert {s.kind for s in loud.signals()} == {"queued", "started", "spawned", "completed", "failed"}
