@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import sys
 import time
 import tracemalloc
 import uuid
@@ -178,6 +179,33 @@ def measure(shape: Callable[[int], Shape], n: int, repeat: int, batch_size: int)
             "ratio": statistics.median(ratios), "cpu_ratio": statistics.median(cpu_ratios)}
 
 
+def bytecodes_per_node(build: Shape, batch_size: int) -> float:
+    """Bytecodes the interpreter executes per settlement of one run: work, not time.
+
+    Counted through ``sys.settrace`` opcode events, so it does not move with the
+    machine's speed; it is slow (about a second per 10,000 nodes), so it is opt-in.
+    """
+    state, spawns = build()
+    count = 0
+
+    def on_opcode(frame, event, arg):
+        nonlocal count
+        if event == "opcode":
+            count += 1
+        return on_opcode
+
+    def on_call(frame, event, arg):
+        frame.f_trace_opcodes, frame.f_trace_lines = True, False
+        return on_opcode
+
+    sys.settrace(on_call)
+    try:
+        settled = drive(state, spawns, batch_size)
+    finally:
+        sys.settrace(None)
+    return count / settled
+
+
 def dict_baseline(n: int, repeat: int) -> dict[str, float]:
     """Time a plain workload of the same size: one update per key in each of 8 dicts.
 
@@ -210,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="timed rounds, each of N and 2N (medians reported)")
     parser.add_argument("--gc-threshold", type=int, default=50_000,
                         help="generation-0 GC threshold (default 50,000, as the executor sets; Python's own is 700)")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="also count bytecodes per settlement at N and 2N (slow; does not vary with machine speed)")
     parser.add_argument("--signals", action="store_true",
                         help="emit queued, started and spawned signals, as a run with a signal subscriber does")
     parser.add_argument("--batch", type=int, default=OUTCOME_BATCH,
@@ -238,6 +268,12 @@ def main(argv: list[str] | None = None) -> int:
         base = measure(lambda size, shape=shape: shape(size, args.signals), n, args.repeat, args.batch)
         print(f"{label:<24}{base['settled']:>9}{base['seconds']:>10.3f}{base['per_second']:>11,.0f}"
               f"{base['cpu_per_second']:>14,.0f}{base['peak_mib']:>10.1f}{base['ratio']:>11.2f}{base['cpu_ratio']:>10.2f}")
+    if args.bytecodes:
+        for key, label, shape, n in shapes:
+            if wanted and key not in wanted:
+                continue
+            at_n, at_2n = (bytecodes_per_node(shape(size, args.signals), args.batch) for size in (n, 2 * n))
+            print(f"{label:<24}{n:>9}  bytecodes per settlement: {at_n:,.1f} at N, {at_2n:,.1f} at 2N")
     # The same rounds over a workload with no scheduling in it, at each size used above.
     for n in sorted({n for key, _, _, n in shapes if not wanted or key in wanted}):
         baseline = dict_baseline(n, args.repeat)
