@@ -168,18 +168,14 @@ class ReactiveAdmission:
 
         # Its own branch, cloned from a known branch it names, else its parent's.
         branch_id, default_branch = child.branch_id, self.default_branch_id
-        if branch_id is not None and (self.known_branches is None or branch_id in self.known_branches):
+        if self._branch_is_known(branch_id):
             source = branch_id
         elif after is not None:
             source = self.branch.get(after, default_branch)
         else:
             source = default_branch
-        clone = self._new_branch_id(child_id)
-        self.branch[child_id] = clone
-        if self.known_branches is not None:
-            self.known_branches.add(clone)
+        self._clone_branch(child_id, source, reactive=True)
         out, record, signal = self._out.append, _new_record, ev.EmitSignal
-        out(record(ev.CloneBranch, (child_id, clone, source, True)))
         if self.progress_signals:
             instruction = child.parameters.get("instruction")
             fields = {

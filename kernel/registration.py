@@ -14,6 +14,7 @@ from typing import Any
 
 from . import events as ev
 from .errors import OperationError
+from .events import new_record as _new_record
 from .graph import Operation
 from .states import TERMINAL, WAITING
 
@@ -171,29 +172,30 @@ class NodeRegistration:
             self.rank.update(zip(islice(self.graph.nodes, count), zip(range(count))))
         return self.rank
 
-    def _new_branch_id(self, node_id: str) -> str:
-        # Deterministic and unique per (run, node); a plain string is 10x cheaper than uuid5.
-        return self._branch_prefix() + node_id
+    def _clone_branch(self, node_id: str, source: str | None, reactive: bool = False) -> None:
+        """Give ``node_id`` a new branch of its own, cloned from ``source`` by the shell.
 
-    def _branch_prefix(self) -> str:
-        return f"branch-{self.run_id}-" if self.run_id else "branch-"
+        The clone's id is deterministic and unique per (run, node): a plain string is
+        10x cheaper than uuid5.
+        """
+        clone = f"branch-{self.run_id}-{node_id}" if self.run_id else f"branch-{node_id}"
+        self.branch[node_id] = clone
+        if self.known_branches is not None:
+            self.known_branches.add(clone)
+        self._out.append(_new_record(ev.CloneBranch, (node_id, clone, source, reactive)))
 
     def _branch_is_known(self, branch_id: str | None) -> bool:
         return branch_id is not None and (self.known_branches is None or branch_id in self.known_branches)
 
     def _preallocate_branch(self, node: Operation) -> None:
         """ADR-0023 D3: reuse an explicit branch, clone for dependent or inheriting nodes."""
-        node_id = node.id
-        if self._branch_is_known(node.branch_id):
-            self.branch[node_id] = node.branch_id
+        node_id, branch_id = node.id, node.branch_id
+        if branch_id is not None and self._branch_is_known(branch_id):  # most nodes name none
+            self.branch[node_id] = branch_id
             return
         inherits = bool(node.metadata.get("inherit_context"))
         if self.deps[node_id] or inherits:
-            clone = self._new_branch_id(node_id)
-            self.branch[node_id] = clone
-            if self.known_branches is not None:
-                self.known_branches.add(clone)
-            self._out.append(ev.CloneBranch(node_id, clone, self.default_branch_id))
+            self._clone_branch(node_id, self.default_branch_id)
             if inherits and node.metadata.get("primary_dependency"):
                 self.pending_inheritance.add(node_id)
         else:

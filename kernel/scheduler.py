@@ -26,11 +26,12 @@ from .contracts import (
     default_node_builder,
     extract_requests,
 )
-from .dispatch import _SCALARS, OperationDispatch, _new_record
+from .dispatch import _SCALARS, OperationDispatch
 from .errors import (
     OperationError,
     StateTransitionError,
 )
+from .events import new_record as _new_record
 from .graph import Graph, Operation, condition_is_async, validate_condition
 from .invariants import InvariantChecks
 from .registration import NodeRegistration
@@ -230,25 +231,14 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         # Bound once: this loop runs for every node of the submitted graph.
         out, deps = self._out, self.deps
         run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
-        branch, known, default_branch, clone_branch = (
-            self.branch, self.known_branches, self.default_branch_id, ev.CloneBranch
-        )
-        branch_prefix, progress = self._branch_prefix(), self.progress_signals
+        progress = self.progress_signals
         # Registration filled ``deps`` in node order when nothing was registered before.
         deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
         for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order):
             if node.status not in TERMINAL:
                 if progress:
                     out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
-                if node_deps and node.branch_id is None and not node.metadata.get("inherit_context"):
-                    # The common dependent node: ``_preallocate_branch`` inline, as it
-                    # concludes for it (a clone of the default branch of its own).
-                    clone = branch_prefix + node_id
-                    branch[node_id] = clone
-                    if known is not None:
-                        known.add(clone)
-                    out.append(_new_record(clone_branch, (node_id, clone, default_branch, False)))
-                elif node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
+                if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
                     self._preallocate_branch(node)
                 elif not fresh:  # a node spawned before the start had a clone: the default replaces it
                     self.branch.pop(node_id, None)
