@@ -206,8 +206,8 @@ def bytecodes_per_node(build: Shape, batch_size: int) -> float:
     return count / settled
 
 
-def dict_baseline(n: int, repeat: int) -> dict[str, float]:
-    """Time a plain workload of the same size: one update per key in each of 8 dicts.
+def dict_baseline(n: int, repeat: int) -> float:
+    """The 2N/N of a plain workload of the same size: one update per key in each of 8 dicts.
 
     The dicts are keyed by ``n`` fresh UUID strings, as the kernel's indexes are, and
     built untimed; the ratio is taken as in ``measure``. It does no scheduling at all,
@@ -228,7 +228,7 @@ def dict_baseline(n: int, repeat: int) -> dict[str, float]:
         sizes = (n, 2 * n) if round_index % 2 == 0 else (2 * n, n)
         runs = {size: timed(size) for size in sizes}
         ratios.append(runs[2 * n] / runs[n])
-    return {"ratio": statistics.median(ratios)}
+    return statistics.median(ratios)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,24 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     unknown = wanted - {key for key, *_ in shapes}
     if unknown:
         parser.error(f"unknown shape(s) {', '.join(sorted(unknown))}")
+    selected = [(label, shape, n) for key, label, shape, n in shapes if not wanted or key in wanted]
     print(f"{'shape':<24}{'nodes':>9}{'median s':>10}{'settle/s':>11}{'cpu settle/s':>14}"
           f"{'peak MiB':>10}{'2N/N time':>11}{'2N/N cpu':>10}")
-    for key, label, shape, n in shapes:
-        if wanted and key not in wanted:
-            continue
+    for label, shape, n in selected:
         base = measure(lambda size, shape=shape: shape(size, args.signals), n, args.repeat, args.batch)
         print(f"{label:<24}{base['settled']:>9}{base['seconds']:>10.3f}{base['per_second']:>11,.0f}"
               f"{base['cpu_per_second']:>14,.0f}{base['peak_mib']:>10.1f}{base['ratio']:>11.2f}{base['cpu_ratio']:>10.2f}")
     if args.bytecodes:
-        for key, label, shape, n in shapes:
-            if wanted and key not in wanted:
-                continue
+        for label, shape, n in selected:
             at_n, at_2n = (bytecodes_per_node(shape(size, args.signals), args.batch) for size in (n, 2 * n))
             print(f"{label:<24}{n:>9}  bytecodes per settlement: {at_n:,.1f} at N, {at_2n:,.1f} at 2N")
     # The same rounds over a workload with no scheduling in it, at each size used above.
-    for n in sorted({n for key, _, _, n in shapes if not wanted or key in wanted}):
-        baseline = dict_baseline(n, args.repeat)
-        print(f"{'dict baseline':<24}{n:>9}{'':>10}{'':>11}{'':>14}{'':>10}{baseline['ratio']:>11.2f}")
+    for n in sorted({n for _, _, n in selected}):
+        print(f"{'dict baseline':<24}{n:>9}{'':>10}{'':>11}{'':>14}{'':>10}{dict_baseline(n, args.repeat):>11.2f}")
     print("dict baseline: one update per key in 8 dicts keyed by N UUID strings; its 2N/N is the machine's alone.")
     return 0
 
