@@ -7,6 +7,7 @@ FlowState: it keeps no state of its own, and ``envelope()`` only reads.
 
 from __future__ import annotations
 
+from operator import countOf
 from typing import Any
 
 from . import events as ev
@@ -58,17 +59,22 @@ class RunCompletion:
         # Everything in registration order. Comprehensions and C-level passes rather
         # than one loop with branches: at the end of a large run every node goes through.
         statuses = dict(zip(state, map(_PUBLIC_STATUS.__getitem__, state.values())))
-        operation_results = {
-            node_id: result for node_id in state if (result := results.get(node_id, missing)) is not missing
-        }
         by_state: dict[str, list[str]] = {SKIPPED: [], FAILED: [], CANCELLED: []}
-        for node_id, current in [(node_id, current) for node_id, current in state.items() if current != COMPLETED]:
-            if current in by_state:
-                by_state[current].append(node_id)
-        if by_state[SKIPPED]:
-            completed = [node_id for node_id in operation_results if state[node_id] != SKIPPED]
-        else:
+        if countOf(state.values(), COMPLETED) == len(state) == len(results):
+            # Every node completed, so each has a result: the common large run, in C.
+            operation_results = dict(zip(state, map(results.__getitem__, state)))
             completed = list(operation_results)
+        else:
+            operation_results = {
+                node_id: result for node_id in state if (result := results.get(node_id, missing)) is not missing
+            }
+            for node_id, current in state.items():
+                if current in by_state:
+                    by_state[current].append(node_id)
+            if by_state[SKIPPED]:
+                completed = [node_id for node_id in operation_results if state[node_id] != SKIPPED]
+            else:
+                completed = list(operation_results)
         envelope: dict[str, Any] = {
             "completed_operations": completed,
             "operation_results": operation_results,

@@ -411,6 +411,33 @@ def test_a_reactive_envelope_adds_the_spawn_ledger_keys(drive):
     assert set(driver.run_to_end()) == STATIC_KEYS | {"spawned_operations", "escalated_operations", "dropped_spawns"}
 
 
+@pytest.mark.parametrize("fail_one", [False, True], ids=["all completed", "one failed"])
+def test_the_envelope_lists_nodes_in_registration_order_whatever_order_they_settled_in(drive, fail_one):
+    graph, n = build("a", "b", "c")
+    driver = drive(graph)
+    driver.complete(n.c, "c done")
+    if fail_one:
+        driver.fail(n.a)
+    else:
+        driver.complete(n.a, "a done")
+    envelope = driver.complete(n.b, "b done") and driver.envelope
+    assert list(envelope["operation_results"]) == [n.a, n.b, n.c]
+    assert envelope["completed_operations"] == [n.a, n.b, n.c]  # failures included: the record's meaning
+    assert list(envelope["operation_statuses"]) == [n.a, n.b, n.c]
+    assert envelope["operation_results"][n.b] == "b done"
+    assert envelope["failed_operations"] == ([n.a] if fail_one else [])
+    assert envelope["status"] == ("failed" if fail_one else "completed")
+
+
+def test_a_restored_completed_node_without_a_response_has_no_result_entry(drive):
+    graph, n = build("a", "b")
+    graph.nodes[n.a].status = "completed"  # restored, its response never recorded
+    envelope = drive(graph).run_to_end()
+    assert envelope["operation_statuses"] == {n.a: "completed", n.b: "completed"}
+    assert list(envelope["operation_results"]) == [n.b]
+    assert envelope["completed_operations"] == [n.b]
+
+
 def test_failed_and_skipped_nodes_are_reported_truthfully(drive):
     """a -> ok, a -[false]-> skip, f (fails)."""
     graph, n = build("a", "ok", "skip", "f", edges=(("a", "ok"),))
