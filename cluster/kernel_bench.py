@@ -45,6 +45,7 @@ from opgraph.kernel import (
     SpawnRequest,
     SpawnRequested,
     create_operation,
+    default_node_builder,
 )
 
 __all__ = ["main"]
@@ -113,6 +114,16 @@ def drive(state: FlowState, spawns_from_root: Sequence[SpawnRequest] = (), batch
 
 
 Shape = Callable[[], tuple[FlowState, Sequence[SpawnRequest]]]
+
+
+def shape_roots(n: int, signals: bool = False) -> Shape:
+    """``n`` independent nodes: a settlement with nothing before or after it."""
+    def build():
+        graph = Graph("roots")
+        for i in range(n):
+            graph.add_node(create_operation("noop", {"instruction": str(i)}))
+        return FlowState(graph, max_concurrent=None, write_back=False, progress_signals=signals), ()
+    return build
 
 
 def shape_fanout(n: int, signals: bool = False) -> Shape:
@@ -231,6 +242,32 @@ def dict_baseline(n: int, repeat: int) -> float:
     return statistics.median(ratios)
 
 
+def spawn_ceiling(n: int, repeat: int, batch_size: int, signals: bool) -> tuple[float, float]:
+    """Seconds per child of what the records require of a spawn, and of a plain settlement.
+
+    Every admitted child is an Operation returned by the node builder (here the
+    default one), inserted into the graph with a ``spawn`` Edge from its emitter
+    (ADR-0023 D6); then it is dispatched and settled like any node, measured here on
+    ``n`` independent nodes. Admission's own bookkeeping (de-duplication, the cap,
+    ranks, the branch clone) comes on top, so one over the sum bounds spawn
+    admissions per second from above, whatever that bookkeeping costs. Medians of
+    ``repeat`` rounds each.
+    """
+    requests = [SpawnRequest(instruction=f"s{i}") for i in range(n)]
+    objects = []
+    for _ in range(repeat):
+        graph = Graph("ceiling")
+        root = graph.add_node(create_operation("noop", {"instruction": "root"}))
+        gc.collect()
+        start = time.perf_counter()
+        for request in requests:
+            child = graph.add_node(default_node_builder(request, root))
+            graph.add_edge(root.id, child.id, label=["spawn"])
+        objects.append((time.perf_counter() - start) / n)
+    settlements = [timed_run(shape_roots(n, signals), batch_size)[0] / n for _ in range(repeat)]
+    return statistics.median(objects), statistics.median(settlements)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every size by this")
@@ -271,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
         for label, shape, n in selected:
             at_n, at_2n = (bytecodes_per_node(shape(size, args.signals), args.batch) for size in (n, 2 * n))
             print(f"{label:<24}{n:>9}  bytecodes per settlement: {at_n:,.1f} at N, {at_2n:,.1f} at 2N")
+    if any(shape is shape_spawns for _, shape, _ in selected):
+        n = int(10_000 * args.scale)
+        objects, settlement = spawn_ceiling(n, args.repeat, args.batch, args.signals)
+        print(f"spawn ceiling at {n:,}: a child's Operation, graph insertion and spawn Edge {objects * 1e6:.1f} us "
+              f"+ a plain settlement {settlement * 1e6:.1f} us = at most {1 / (objects + settlement):,.0f} "
+              f"spawn admissions/s, before admission's own bookkeeping")
     # The same rounds over a workload with no scheduling in it, at each size used above.
     for n in sorted({n for _, _, n in selected}):
         print(f"{'dict baseline':<24}{n:>9}{'':>10}{'':>11}{'':>14}{'':>10}{dict_baseline(n, args.repeat):>11.2f}")

@@ -29,6 +29,22 @@ def test_bytecode_counts_are_printed_per_shape_and_grow_with_the_work(capsys):
     assert 0.8 < at_2n / at_n < 1.25  # per settlement, a chain of 200 costs what one of 100 does
 
 
+def test_the_spawn_ceiling_is_printed_with_the_spawn_shape_and_bounds_from_its_parts(capsys):
+    assert kernel_bench.main(["--scale", "0.01", "--repeat", "1", "--only", "spawns"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("spawn ceiling")]
+    numbers = [float(word.replace(",", "")) for word in line.replace(":", " ").split()
+               if word.replace(",", "").replace(".", "").isdigit()]
+    size, objects_us, settlement_us, ceiling = numbers
+    assert size == 100
+    assert objects_us > 0 and settlement_us > 0
+    assert ceiling == pytest.approx(1e6 / (objects_us + settlement_us), rel=0.05)
+
+
+def test_the_spawn_ceiling_is_not_printed_without_the_spawn_shape(capsys):
+    assert kernel_bench.main(["--scale", "0.01", "--repeat", "1", "--only", "chain"]) == 0
+    assert "spawn ceiling" not in capsys.readouterr().out
+
+
 def test_a_state_that_stalls_is_reported_not_looped_on():
     from opgraph.kernel import FlowState, Graph, PauseRequested, create_operation
 
