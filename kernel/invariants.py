@@ -52,10 +52,12 @@ class InvariantChecks:
         open_nodes = sum(1 for s in self.state.values() if s not in TERMINAL)
         if open_nodes != self.open_nodes:
             fail(f"open node count {self.open_nodes} != {open_nodes}")
-        if set(self.state) != set(self.graph.nodes):
+        if self.started and set(self.state) != set(self.graph.nodes):
             fail("scheduler state and graph disagree on the node set")
+        if not set(self.state) <= self.graph.nodes.keys():  # before the start: early admissions only
+            fail("the scheduler holds a node the graph does not")
         for node_id, state in self.state.items():
-            unsettled = sum(1 for dep in self.deps[node_id] if self.state[dep] not in TERMINAL)
+            unsettled = sum(1 for dep in self.deps[node_id] if self.state.get(dep, WAITING) not in TERMINAL)
             if state not in TERMINAL and unsettled != self.unsettled[node_id]:
                 fail(f"unsettled counter {self.unsettled[node_id]} != {unsettled}", node_id)
             if self.started and not self.cancelling and state == WAITING and unsettled == 0:

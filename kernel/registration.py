@@ -34,8 +34,11 @@ class NodeRegistration:
             deps = _with_sources(deps, sources, node.id, self.graph)
         return deps
 
-    def _register_initial_nodes(self) -> tuple[bool, list[str]]:
+    def _register_initial_nodes(self, early: set[str]) -> tuple[bool, list[str]]:
         """``_register`` for every node of the submitted graph, in one pass.
+
+        ``early`` holds the nodes registered already, on admission before the start:
+        they are left as they are, so none is listed or counted twice.
 
         The same bookkeeping, with dependencies read straight from the adjacency and
         every lookup bound once; ranks are left to ``_rank_initial_nodes``, which
@@ -60,11 +63,12 @@ class NodeRegistration:
             self.unsettled = unsettled = dict.fromkeys(nodes, 0)
             self.deps = all_deps = dict.fromkeys(nodes)
             self.attempt = dict.fromkeys(nodes, 0)
+        items = nodes.items() if fresh else [(node_id, node) for node_id, node in nodes.items() if node_id not in early]
         if self._stories:  # registration starts a node's story afresh
-            for node_id in nodes:
+            for node_id, _ in items:
                 self._stories.pop(node_id, None)
         roots, terminal = [], TERMINAL
-        for node_id, node in nodes.items():
+        for node_id, node in items:
             edge_ids = incoming[node_id]
             if not edge_ids:
                 deps = NO_DEPENDENCIES
@@ -95,7 +99,7 @@ class NodeRegistration:
             if not fresh:
                 state[node_id] = WAITING
             all_deps[node_id] = deps
-        self.open_nodes += len(nodes)
+        self.open_nodes += len(nodes) - len(early)
         return in_order, roots
 
     def _register(self, node_id: str, deps: list[str]) -> int:

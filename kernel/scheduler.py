@@ -219,8 +219,11 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.start_time = event.now
         self._elapsed = 0.0
         graph = self.graph
-        fresh = not self.state  # no node was registered before the start (spawned early)
-        in_order, roots = self._register_initial_nodes()
+        # Nodes admitted before the start (a spawn that arrived first) were registered,
+        # announced and given their clone then (ADR-0023 D6); the start leaves them be.
+        early = set(self.state)
+        fresh = not early
+        in_order, roots = self._register_initial_nodes(early)
         # One topological pass both ranks the nodes and detects cycles (edges plus
         # aggregation sources); edge conditions are validated before any work.
         self._rank_initial_nodes(in_order)
@@ -235,13 +238,13 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         # Registration filled ``deps`` in node order when nothing was registered before.
         deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
         for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order):
+            if early and node_id in early:
+                continue
             if node.status not in TERMINAL:
                 if progress:
                     out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
                 if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
                     self._preallocate_branch(node)
-                elif not fresh:  # a node spawned before the start had a clone: the default replaces it
-                    self.branch.pop(node_id, None)
                 # else the common root: it runs on the default branch, which ``branch`` leaves implicit
             else:
                 restored.append(node)

@@ -104,3 +104,9 @@ def drive():
         return driver
 
     return start
+
+
+@pytest.fixture
+def unstarted():
+    """``unstarted(graph, **FlowState options)`` -> a Driver whose run has not started."""
+    return Driver

@@ -52,6 +52,36 @@ def test_a_spawn_request_in_a_response_admits_a_dependent_child(drive):
     assert (spawned.op_id, spawned.parent_id, spawned.independent) == (child_id, n.a, False)
 
 
+def test_a_spawn_admitted_before_the_start_runs_after_its_emitter_and_the_run_finishes(unstarted):
+    graph, n = build("a")
+    driver = unstarted(graph, reactive=True, default_branch_id="default")
+    driver.handle(SpawnRequested(now=0.0, emitter_id=n.a, request=SpawnRequest(instruction="early"), dedupe_key=1))
+    (child_id,) = spawned_children(driver)
+    driver.start()  # registers the submitted graph around the admitted child, not over it
+    assert list(driver.dispatched()) == [n.a]
+    driver.complete(n.a, "a done")
+    assert driver.dispatched()[child_id].parameters["context"][f"{n.a}_result"] == "a done"
+    envelope = driver.run_to_end()
+    assert envelope["operation_statuses"] == {n.a: "completed", child_id: "completed"}
+    assert envelope["spawned_operations"] == 1
+    (clone,) = driver.of_type(CloneBranch)  # its admission clone only, not a second at the start
+    assert (clone.node_id, clone.source, clone.reactive) == (child_id, "default", True)
+    assert [s.op_id for s in driver.signals("queued")] == [child_id, n.a]  # each announced once
+
+
+def test_an_independent_spawn_admitted_before_the_start_keeps_its_clone(unstarted):
+    graph, n = build("a")
+    driver = unstarted(graph, reactive=True, default_branch_id="default")
+    request = SpawnRequest(instruction="early", independent=True)
+    driver.handle(SpawnRequested(now=0.0, emitter_id=n.a, request=request, dedupe_key=1))
+    (child_id,) = spawned_children(driver)
+    driver.start()
+    (clone,) = driver.of_type(CloneBranch)
+    assert driver.dispatched()[child_id].branch_id == clone.branch_id  # ADR-0023 D6: always a clone
+    assert driver.dispatched()[n.a].branch_id == "default"
+    assert driver.run_to_end()["status"] == "completed"
+
+
 def test_an_independent_spawn_has_no_edge_and_clones_the_default_branch(drive):
     graph, n = build("a")
     graph.nodes[n.a].branch_id = "br-a"
