@@ -134,6 +134,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.held = False
         self._pause_announced: set[str] = set()
         self.cancelling = False
+        self._cancel_reason = ""
         self.started = False
         self.finished = False
         self.start_time = 0.0
@@ -258,6 +259,9 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             self._transition(node.id, node.status, "restored")
         for node in restored:
             self._release_dependents(node.id)
+        if self.cancelling:  # cancelled before it started: nothing runs, and the run ends
+            self._cancel_open_nodes()
+            return
         state, unsettled, incoming = self.state, self.unsettled, graph._in
         if fresh and not restored:
             # Nothing has settled, so exactly the nodes without dependencies are ready, in
@@ -357,10 +361,15 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         if self.cancelling or self.finished:
             return
         self.cancelling = True
+        self._cancel_reason = event.reason
+        self._cancel_open_nodes()
+
+    def _cancel_open_nodes(self) -> None:
+        """Cancel every node not yet in flight; ask the shell to cancel those that are."""
         self.ready.clear()
         for node_id, state in list(self.state.items()):
             if state in (WAITING, EVALUATING, READY):
-                self._transition(node_id, CANCELLED, event.reason)
+                self._transition(node_id, CANCELLED, self._cancel_reason)
             elif state == RUNNING:
                 self._out.append(ev.CancelOperation(node_id, self.attempt[node_id]))
 

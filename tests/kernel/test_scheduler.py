@@ -387,6 +387,17 @@ def test_work_that_finishes_after_cancel_still_ends_a_cancelled_run(drive):
     assert driver.envelope["operation_statuses"] == {n.a: "completed", n.b: "cancelled"}
 
 
+def test_a_run_cancelled_before_it_started_dispatches_nothing_and_ends_cancelled(unstarted):
+    graph, n = build("a", "b", edges=(("a", "b"),))
+    driver = unstarted(graph)
+    driver.handle(CancelRequested(reason="operator said stop"))
+    driver.start()
+    assert driver.of_type(DispatchOperation) == []
+    assert driver.envelope["status"] == "cancelled"
+    assert driver.envelope["cancelled_operations"] == [n.a, n.b]
+    assert driver.state.story(n.a) == [("waiting", "cancelled", "operator said stop", 0)]
+
+
 # -- the envelope --------------------------------------------------------------------------
 STATIC_KEYS = {
     "completed_operations",
