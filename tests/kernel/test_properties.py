@@ -24,6 +24,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from opgraph.kernel import (
+    CancelRequested,
     ConditionsEvaluated,
     DispatchHeld,
     DispatchOperation,
@@ -39,6 +40,7 @@ from opgraph.kernel import (
     NodeSkipped,
     Operation,
     OperationFinished,
+    OperatorMessageReceived,
     PauseRequested,
     ResumeRequested,
     SpawnRequest,
@@ -291,12 +293,14 @@ def _dependencies(graph: Graph, node: str) -> list[str]:
     return [*graph.predecessors(node), *sources]
 
 
-def run_flow(spec: FlowSpec, choose: Callable[[int], int]) -> Run:
+def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, ...] = ()) -> Run:
     """Play the shell until FinishRun; ``choose(n)`` picks which of n outstanding items settles next.
 
     With ``spec.interruptions`` the shell also toggles pause and backpressure
     (PauseRequested/ResumeRequested, DispatchHeld) at random, and reopens both whenever
-    nothing is outstanding, so every run still finishes.
+    nothing is outstanding, so every run still finishes. ``prelude`` names control
+    events the shell hands over before FlowStarted, one ``handle()`` each (see
+    ``PRELUDE_EVENTS``).
     """
     graph = build_graph(spec)
     state = FlowState(
@@ -311,6 +315,11 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int]) -> Run:
     in_flight: dict[str, DispatchOperation] = {}
     evaluations: dict[str, EvaluateConditions] = {}
     paused = held = False
+    for index, kind in enumerate(prelude):
+        paused = (kind == "pause") if kind in ("pause", "resume") else paused
+        held = (kind == "hold") if kind in ("hold", "release") else held
+        state.handle(_prelude_event(kind, index))
+        state.validate()
     events: list[Any] = [FlowStarted(now=0.0)]
     for step in range(1, STEP_LIMIT):
         instructions = state.handle(*events)
@@ -363,6 +372,25 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int]) -> Run:
                 held = not held
                 events.append(DispatchHeld(now=float(step), held=held))
     raise AssertionError(f"no FinishRun after {STEP_LIMIT} steps")
+
+
+PRELUDE_EVENTS = ("pause", "resume", "hold", "release", "spawn", "independent spawn", "orphan spawn", "message",
+                  "cancel")
+
+
+def _prelude_event(kind: str, index: int) -> Any:
+    """One control event that may reach a run before it starts."""
+    if kind in ("pause", "resume"):
+        return PauseRequested(now=0.0) if kind == "pause" else ResumeRequested(now=0.0)
+    if kind in ("hold", "release"):
+        return DispatchHeld(now=0.0, held=kind == "hold")
+    if kind == "message":
+        return OperatorMessageReceived(now=0.0, text=f"steer {index}")
+    if kind == "cancel":
+        return CancelRequested(now=0.0, reason="cancelled before the start")
+    emitter = "nobody" if kind == "orphan spawn" else node_id(0)
+    request = SpawnRequest(instruction=f"early {index}", independent=kind == "independent spawn")
+    return SpawnRequested(now=0.0, emitter_id=emitter, request=request, dedupe_key=("early", index))
 
 
 def seeded_order(seed: int) -> Callable[[int], int]:
@@ -422,6 +450,30 @@ def test_initial_node_statuses_and_spawn_count_match_the_reference_model(spec, s
     children = [node for node in statuses if not node.startswith("node-")]
     assert len(children) == expected_spawn_count(spec)
     assert all(statuses[child] == "completed" for child in children)
+
+
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), seed=st.integers(0, 2**32), prelude=st.lists(st.sampled_from(PRELUDE_EVENTS), max_size=4))
+def test_control_events_before_the_start_never_leave_a_run_open(spec, seed, prelude):
+    """Pause, hold, steer, spawns or a cancel may reach a run before FlowStarted.
+
+    Whatever arrives, the run finishes; a cancelled one dispatches nothing and cancels
+    every node, and otherwise each node settles once, after its dependencies.
+    """
+    run = run_flow(spec, seeded_order(seed), tuple(prelude))
+    statuses = run.envelope["operation_statuses"]
+    assert all(status in TERMINAL_STATUSES for status in statuses.values()), statuses
+    if "cancel" in prelude:
+        assert run.envelope["status"] == "cancelled"
+        assert run.dispatches == Counter()
+        assert set(statuses.values()) == {"cancelled"}
+        return
+    assert set(run.terminal_signals) == set(statuses)
+    assert all(count == 1 for count in run.terminal_signals.values()), run.terminal_signals
+    assert all(count == 1 for count in run.dispatches.values()), run.dispatches
+    assert run.premature_dispatches == []
+    early = sum(kind.endswith("spawn") for kind in prelude) if spec.reactive else 0
+    assert run.envelope.get("spawned_operations", 0) == min(early + requested_spawn_count(spec), spec.max_spawn)
 
 
 # Regression: three parallel roots write one key, n0 {"alpha": {"x": 0}}, n1
