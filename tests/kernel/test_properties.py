@@ -243,6 +243,7 @@ class Run:
     dispatches: Counter[str] = field(default_factory=Counter)
     premature_dispatches: list[tuple[str, list[str]]] = field(default_factory=list)
     dispatched_while_gated: list[str] = field(default_factory=list)
+    dispatched_after_cancel: list[str] = field(default_factory=list)
     peak_in_flight: int = 0
 
 
@@ -293,14 +294,16 @@ def _dependencies(graph: Graph, node: str) -> list[str]:
     return [*graph.predecessors(node), *sources]
 
 
-def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, ...] = ()) -> Run:
+def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, ...] = (),
+             cancel_at: int | None = None) -> Run:
     """Play the shell until FinishRun; ``choose(n)`` picks which of n outstanding items settles next.
 
     With ``spec.interruptions`` the shell also toggles pause and backpressure
     (PauseRequested/ResumeRequested, DispatchHeld) at random, and reopens both whenever
     nothing is outstanding, so every run still finishes. ``prelude`` names control
     events the shell hands over before FlowStarted, one ``handle()`` each (see
-    ``PRELUDE_EVENTS``).
+    ``PRELUDE_EVENTS``). ``cancel_at`` hands over a CancelRequested with the events of
+    that step; work in flight then still reports back, as it does from a real shell.
     """
     graph = build_graph(spec)
     state = FlowState(
@@ -321,9 +324,11 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
         state.handle(_prelude_event(kind, index))
         state.validate()
     events: list[Any] = [FlowStarted(now=0.0)]
+    cancelled = False
     for step in range(1, STEP_LIMIT):
         instructions = state.handle(*events)
         state.validate()
+        cancelled = cancelled or any(isinstance(event, CancelRequested) for event in events)
         for instruction in instructions:
             if isinstance(instruction, EmitSignal) and instruction.kind in TERMINAL_SIGNALS:
                 run.terminal_signals[instruction.op_id] += 1
@@ -335,6 +340,8 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
                     run.premature_dispatches.append((instruction.node_id, unsettled))
                 if paused or held:
                     run.dispatched_while_gated.append(instruction.node_id)
+                if cancelled:
+                    run.dispatched_after_cancel.append(instruction.node_id)
                 in_flight[instruction.node_id] = instruction
             elif isinstance(instruction, EvaluateConditions):
                 evaluations[instruction.node_id] = instruction
@@ -343,7 +350,9 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
                 run.envelope = instruction.envelope
         run.peak_in_flight = max(run.peak_in_flight, len(in_flight))
         if run.envelope:
-            assert not in_flight and not evaluations, "finished with work outstanding"
+            # A cancel settles a node awaiting its async conditions; their verdict is moot.
+            moot = cancelled and all(state.status_of(node) == "cancelled" for node in evaluations)
+            assert not in_flight and (not evaluations or moot), "finished with work outstanding"
             return run
         # Insertion order, not sorted ids: spawned children have random UUIDs, and the
         # choice must replay identically when Hypothesis shrinks.
@@ -364,6 +373,8 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
                 events.append(ConditionsEvaluated(now=float(step), node_id=key, results=results))
             if not outstanding:
                 break
+        if step == cancel_at:
+            events.append(CancelRequested(now=float(step), reason="cancelled mid-run"))
         if spec.interruptions and choose(3) == 0:
             if choose(2):
                 paused = not paused
@@ -474,6 +485,21 @@ def test_control_events_before_the_start_never_leave_a_run_open(spec, seed, prel
     assert run.premature_dispatches == []
     early = sum(kind.endswith("spawn") for kind in prelude) if spec.reactive else 0
     assert run.envelope.get("spawned_operations", 0) == min(early + requested_spawn_count(spec), spec.max_spawn)
+
+
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), seed=st.integers(0, 2**32), cancel_at=st.integers(1, 12))
+def test_a_cancel_at_any_step_ends_the_run_and_dispatches_nothing_more(spec, seed, cancel_at):
+    run = run_flow(spec, seeded_order(seed), cancel_at=cancel_at)
+    statuses = run.envelope["operation_statuses"]
+    assert all(status in TERMINAL_STATUSES for status in statuses.values()), statuses
+    assert run.dispatched_after_cancel == []
+    assert all(count == 1 for count in run.dispatches.values()), run.dispatches
+    cancelled = [node for node, status in statuses.items() if status == "cancelled"]
+    assert run.envelope["cancelled_operations"] == cancelled
+    if cancelled:
+        assert run.envelope["status"] == "cancelled"
+        assert not set(cancelled) & set(run.terminal_signals)  # cancelled, never also completed or failed
 
 
 # Regression: three parallel roots write one key, n0 {"alpha": {"x": 0}}, n1
