@@ -39,6 +39,9 @@ from opgraph.kernel import (
     NodeFailed,
     NodeSkipped,
     Operation,
+    EscalationRequest,
+    EscalationRequested,
+    InjectRequested,
     OperationFinished,
     OperatorMessageReceived,
     PauseRequested,
@@ -244,6 +247,8 @@ class Run:
     premature_dispatches: list[tuple[str, list[str]]] = field(default_factory=list)
     dispatched_while_gated: list[str] = field(default_factory=list)
     dispatched_after_cancel: list[str] = field(default_factory=list)
+    stale_sent: int = 0
+    stale_counted: int = 0
     peak_in_flight: int = 0
 
 
@@ -295,7 +300,7 @@ def _dependencies(graph: Graph, node: str) -> list[str]:
 
 
 def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, ...] = (),
-             cancel_at: int | None = None) -> Run:
+             cancel_at: int | None = None, noise: bool = False) -> Run:
     """Play the shell until FinishRun; ``choose(n)`` picks which of n outstanding items settles next.
 
     With ``spec.interruptions`` the shell also toggles pause and backpressure
@@ -304,6 +309,8 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
     events the shell hands over before FlowStarted, one ``handle()`` each (see
     ``PRELUDE_EVENTS``). ``cancel_at`` hands over a CancelRequested with the events of
     that step; work in flight then still reports back, as it does from a real shell.
+    With ``noise``, about every other step also brings one event that a live run may
+    receive at any time (``_noise_event``).
     """
     graph = build_graph(spec)
     state = FlowState(
@@ -325,6 +332,7 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
         state.validate()
     events: list[Any] = [FlowStarted(now=0.0)]
     cancelled = False
+    reported: list[OperationFinished] = []  # outcomes already handed over, for stale copies
     for step in range(1, STEP_LIMIT):
         instructions = state.handle(*events)
         state.validate()
@@ -353,6 +361,7 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
             # A cancel settles a node awaiting its async conditions; their verdict is moot.
             moot = cancelled and all(state.status_of(node) == "cancelled" for node in evaluations)
             assert not in_flight and (not evaluations or moot), "finished with work outstanding"
+            run.stale_counted = state.counters["stale_results"]
             return run
         # Insertion order, not sorted ids: spawned children have random UUIDs, and the
         # choice must replay identically when Hypothesis shrinks.
@@ -367,12 +376,17 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
             kind, key = outstanding.pop(choose(len(outstanding)))
             if kind == "dispatch":
                 events.append(_completion(spec, in_flight.pop(key), now=float(step)))
+                reported.append(events[-1])
             else:
                 request = evaluations.pop(key)
                 results = tuple((edge_id, graph.edges[edge_id].condition.verdict) for edge_id, _ in request.edges)
                 events.append(ConditionsEvaluated(now=float(step), node_id=key, results=results))
             if not outstanding:
                 break
+        if noise and choose(2) == 0:
+            event = _noise_event(spec, step, choose, reported)
+            run.stale_sent += isinstance(event, OperationFinished)
+            events.append(event)
         if step == cancel_at:
             events.append(CancelRequested(now=float(step), reason="cancelled mid-run"))
         if spec.interruptions and choose(3) == 0:
@@ -402,6 +416,24 @@ def _prelude_event(kind: str, index: int) -> Any:
     emitter = "nobody" if kind == "orphan spawn" else node_id(0)
     request = SpawnRequest(instruction=f"early {index}", independent=kind == "independent spawn")
     return SpawnRequested(now=0.0, emitter_id=emitter, request=request, dedupe_key=("early", index))
+
+
+def _noise_event(spec: FlowSpec, step: int, choose: Callable[[int], int], reported: list[OperationFinished]) -> Any:
+    """A second copy of an outcome already reported (stale), a steer message, an
+    injected operation after a random node (or on its own), or an escalation from one."""
+    kind = choose(4)
+    if kind == 0 and reported:
+        return reported[choose(len(reported))]._replace(now=float(step))
+    if kind == 1:
+        return OperatorMessageReceived(now=float(step), text=f"steer at step {step}")
+    some_node = node_id(choose(len(spec.nodes)))
+    if kind == 2:
+        operation = Operation(operation="operate", parameters={"instruction": f"injected at step {step}"})
+        return InjectRequested(now=float(step), operation=operation, after=some_node if choose(2) else None,
+                               independent=choose(3) == 0, token=step)
+    route = "higher_tier" if choose(2) else "human"
+    return EscalationRequested(now=float(step), emitter_id=some_node,
+                               request=EscalationRequest(reason=f"noise {step}", route=route), dedupe_key=("esc", step))
 
 
 def seeded_order(seed: int) -> Callable[[int], int]:
@@ -500,6 +532,19 @@ def test_a_cancel_at_any_step_ends_the_run_and_dispatches_nothing_more(spec, see
     if cancelled:
         assert run.envelope["status"] == "cancelled"
         assert not set(cancelled) & set(run.terminal_signals)  # cancelled, never also completed or failed
+
+
+@PROPERTY_SETTINGS
+@given(spec=flow_specs(), seed=st.integers(0, 2**32))
+def test_stale_copies_steer_injections_and_escalations_mid_run_keep_every_invariant(spec, seed):
+    run = run_flow(spec, seeded_order(seed), noise=True)
+    statuses = run.envelope["operation_statuses"]
+    assert all(status in TERMINAL_STATUSES for status in statuses.values()), statuses
+    assert set(run.terminal_signals) == set(statuses)
+    assert all(count == 1 for count in run.terminal_signals.values()), run.terminal_signals
+    assert all(count == 1 for count in run.dispatches.values()), run.dispatches
+    assert run.premature_dispatches == []
+    assert run.stale_counted == run.stale_sent  # every second copy dropped, and counted
 
 
 # Regression: three parallel roots write one key, n0 {"alpha": {"x": 0}}, n1
