@@ -3,12 +3,14 @@
 Each example is a drawn ``FlowSpec``: nodes 0..n-1, edges only from a lower to a higher
 index (so the graph is acyclic by construction), per-edge conditions (none, always
 true, always false, sync or async), optional ``aggregation_sources``, and a scripted
-behaviour per node (complete, fail, write shared-context keys, emit SpawnRequests).
+behaviour per node (complete, fail, write shared-context keys, emit SpawnRequests),
+and about one node in five restored: already completed or failed when the run starts.
 The driver plays the executor shell: it answers DispatchOperation and
 EvaluateConditions instructions in a seeded random order, one to three per
 ``handle()``, sometimes toggles pause and backpressure, and calls ``validate()``
 after every ``handle()``. Spawned children always complete with a response derived
-from their instruction.
+from their instruction. Some properties add control events before the start, a
+cancel at a random step, or events a live run may receive at any time.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class NodeSpec:
     spawns: tuple[bool, ...]  # one SpawnRequest per entry; the bool is ``independent``
     spawns_via_events: bool  # send SpawnRequested events instead of embedding requests
     aggregation_sources: tuple[int, ...]
+    restored: str | None = None  # already "completed" or "failed" when the run starts
 
 
 @dataclass(frozen=True)
@@ -145,6 +148,7 @@ _RAW_NODE = st.tuples(
     st.lists(st.booleans(), max_size=2),
     st.booleans(),
     st.lists(st.integers(0, MAX_NODES), max_size=2),  # aggregation sources, taken modulo the index
+    st.sampled_from((None,) * 8 + ("completed", "failed")),  # restored: one node in five
 )
 # Per tail node: up to three incoming edges as (distance back, condition name).
 _RAW_IN_EDGES = st.lists(st.tuples(st.integers(0, MAX_NODES), st.sampled_from(tuple(CONDITIONS))), max_size=3)
@@ -165,8 +169,9 @@ def flow_specs(draw: st.DrawFn) -> FlowSpec:
             spawns=tuple(spawns),
             spawns_via_events=via_events,
             aggregation_sources=tuple(sorted({source % index for source in sources})) if index else (),
+            restored=restored,
         )
-        for index, (fails, writes, spawns, via_events, sources) in enumerate(raw_nodes)
+        for index, (fails, writes, spawns, via_events, sources, restored) in enumerate(raw_nodes)
     )
     return FlowSpec(
         nodes=nodes,
@@ -185,14 +190,14 @@ def build_graph(spec: FlowSpec) -> Graph:
         metadata: dict[str, Any] = {"reference_id": f"n{index}"}
         if node.aggregation_sources:
             metadata["aggregation_sources"] = [node_id(source) for source in node.aggregation_sources]
-        graph.add_node(
-            Operation(
-                id=node_id(index),
-                operation="operate",
-                parameters={"instruction": f"task {index}"},
-                metadata=metadata,
-            )
+        operation = Operation(
+            id=node_id(index), operation="operate", parameters={"instruction": f"task {index}"}, metadata=metadata
         )
+        if node.restored:  # settled by an earlier run: short-circuits without invocation (ADR-0023 D5)
+            operation.status = node.restored
+            operation.response = {"result": f"restored {index}"} if node.restored == "completed" else None
+            operation.error = f"node {index} failed before" if node.restored == "failed" else None
+        graph.add_node(operation)
     for head, tail, condition in spec.edges:
         factory = CONDITIONS[condition]
         graph.add_edge(node_id(head), node_id(tail), condition=None if factory is None else factory())
@@ -208,6 +213,9 @@ def expected_statuses(spec: FlowSpec) -> list[str]:
     """
     statuses: list[str] = []
     for index, node in enumerate(spec.nodes):
+        if node.restored:  # settles at the start, whatever its predecessors do
+            statuses.append(node.restored)
+            continue
         incoming = [(head, condition) for head, tail, condition in spec.edges if tail == index]
         runs = not incoming or any(
             statuses[head] != "skipped" and condition in PASSING_CONDITIONS for head, condition in incoming
@@ -221,7 +229,14 @@ def requested_spawn_count(spec: FlowSpec) -> int:
     if not spec.reactive:
         return 0
     statuses = expected_statuses(spec)
-    return sum(len(node.spawns) for node, status in zip(spec.nodes, statuses) if status == "completed")
+    return sum(
+        len(node.spawns) for node, status in zip(spec.nodes, statuses) if status == "completed" and not node.restored
+    )
+
+
+def restored_ids(spec: FlowSpec) -> set[str]:
+    """Nodes that settle at the start without running: they emit no settling signal."""
+    return {node_id(index) for index, node in enumerate(spec.nodes) if node.restored}
 
 
 def expected_spawn_count(spec: FlowSpec) -> int:
@@ -321,7 +336,7 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
         max_spawn=spec.max_spawn,
     )
     run = Run(envelope={})
-    settled: set[str] = set()
+    settled: set[str] = restored_ids(spec)
     in_flight: dict[str, DispatchOperation] = {}
     evaluations: dict[str, EvaluateConditions] = {}
     paused = held = False
@@ -446,12 +461,13 @@ def seeded_order(seed: int) -> Callable[[int], int]:
 def test_every_node_settles_exactly_once_and_the_envelope_is_all_terminal(spec, seed):
     run = run_flow(spec, seeded_order(seed))
     statuses = run.envelope["operation_statuses"]
-    assert set(run.terminal_signals) == set(statuses)
+    assert set(run.terminal_signals) == set(statuses) - restored_ids(spec)
     assert all(count == 1 for count in run.terminal_signals.values()), run.terminal_signals
     assert all(status in TERMINAL_STATUSES for status in statuses.values()), statuses
     assert all(count == 1 for count in run.dispatches.values()), run.dispatches
     skipped = set(run.envelope["skipped_operations"])
     assert not skipped & set(run.dispatches), "a skipped node was dispatched"
+    assert not restored_ids(spec) & set(run.dispatches), "a restored node was dispatched"
 
 
 @PROPERTY_SETTINGS
@@ -509,9 +525,9 @@ def test_control_events_before_the_start_never_leave_a_run_open(spec, seed, prel
     if "cancel" in prelude:
         assert run.envelope["status"] == "cancelled"
         assert run.dispatches == Counter()
-        assert set(statuses.values()) == {"cancelled"}
+        assert {status for node, status in statuses.items() if node not in restored_ids(spec)} <= {"cancelled"}
         return
-    assert set(run.terminal_signals) == set(statuses)
+    assert set(run.terminal_signals) == set(statuses) - restored_ids(spec)
     assert all(count == 1 for count in run.terminal_signals.values()), run.terminal_signals
     assert all(count == 1 for count in run.dispatches.values()), run.dispatches
     assert run.premature_dispatches == []
@@ -540,7 +556,7 @@ def test_stale_copies_steer_injections_and_escalations_mid_run_keep_every_invari
     run = run_flow(spec, seeded_order(seed), noise=True)
     statuses = run.envelope["operation_statuses"]
     assert all(status in TERMINAL_STATUSES for status in statuses.values()), statuses
-    assert set(run.terminal_signals) == set(statuses)
+    assert set(run.terminal_signals) == set(statuses) - restored_ids(spec)
     assert all(count == 1 for count in run.terminal_signals.values()), run.terminal_signals
     assert all(count == 1 for count in run.dispatches.values()), run.dispatches
     assert run.premature_dispatches == []
