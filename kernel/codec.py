@@ -1,7 +1,10 @@
 """The msgpack wire codec for protocol messages, checkpoints and graphs, with a schema version.
 
 Owns the one encoding of kernel values: Operations, Edges, Graphs, the emission
-contracts and lifecycle signals travel as tagged msgpack maps. User conditions and
+contracts and lifecycle signals travel as msgpack extension types, each holding its
+own msgpack payload, and so do tuples. An extension type is a kind of value that user
+data cannot spell, so no mapping a model returned can ever be read back as a tuple, a
+model or a graph (schema version 1 tagged plain maps, which could). User conditions and
 callables do not belong here: they travel the Ray way, by cloudpickle.
 """
 
@@ -19,11 +22,10 @@ from .graph import Edge, Graph, Operation
 
 __all__ = ["CODEC_SCHEMA_VERSION", "decode", "encode", "register_condition", "register_model"]
 
-CODEC_SCHEMA_VERSION = 1
+CODEC_SCHEMA_VERSION = 2
 
-_MODEL_TAG = "__opgraph_model__"
-_GRAPH_TAG = "__opgraph_graph__"
-_TUPLE_TAG = "__opgraph_tuple__"
+# msgpack extension type codes, one per kind of value that is not plain data.
+_EXT_TUPLE, _EXT_MODEL, _EXT_GRAPH, _EXT_EDGE = 1, 2, 3, 4
 _MODELS: dict[str, type[BaseModel]] = {}
 
 
@@ -55,16 +57,16 @@ for _model in (
 
 def _default(value: Any) -> Any:
     if isinstance(value, Graph):
-        return {_GRAPH_TAG: _graph_payload(value)}
+        return msgpack.ExtType(_EXT_GRAPH, _pack(_graph_payload(value)))
     if isinstance(value, Edge):
-        return {_MODEL_TAG: "Edge", "data": _edge_payload(value)}
+        return msgpack.ExtType(_EXT_EDGE, _pack(_edge_payload(value)))
     if isinstance(value, BaseModel):
         name = type(value).__name__
         if _MODELS.get(name) is not type(value):
             raise CodecError(f"model {name} is not registered with the codec")
-        return {_MODEL_TAG: name, "data": value.model_dump(mode="python")}
+        return msgpack.ExtType(_EXT_MODEL, _pack([name, value.model_dump(mode="python")]))
     if isinstance(value, tuple):
-        return {_TUPLE_TAG: list(value)}
+        return msgpack.ExtType(_EXT_TUPLE, _pack(list(value)))
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=repr)
     # Packing runs with strict_types (otherwise msgpack silently turns tuples into
@@ -124,47 +126,51 @@ def _decode_condition(payload: Any, edge_id: str) -> Any:
         raise
 
 
-def _object_hook(obj: dict[str, Any]) -> Any:
-    if _TUPLE_TAG in obj:
-        return tuple(obj[_TUPLE_TAG])
-    if _GRAPH_TAG in obj:
-        payload = obj[_GRAPH_TAG]
-        graph = Graph(payload["name"])
-        for node in payload["nodes"]:
-            graph.add_node(node)
-        for edge in payload["edges"]:
-            restored = Edge(
-                id=edge["id"],
-                head=edge["head"],
-                tail=edge["tail"],
-                label=edge["label"],
-                condition=_decode_condition(edge["condition"], edge["id"]),
-            )
-            graph.edges[restored.id] = restored
-            graph._out[restored.head].append(restored.id)
-            graph._in[restored.tail].append(restored.id)
-        return graph
-    if _MODEL_TAG in obj:
-        name = obj[_MODEL_TAG]
-        if name == "Edge":
-            data = obj["data"]
-            return Edge(**{**data, "condition": _decode_condition(data["condition"], data["id"])})
+def _ext_hook(code: int, data: bytes) -> Any:
+    payload = _unpack(data)
+    if code == _EXT_TUPLE:
+        return tuple(payload)
+    if code == _EXT_MODEL:
+        name, fields = payload
         model = _MODELS.get(name)
         if model is None:
             raise CodecError(f"unknown model tag {name!r}")
         try:
-            return model.model_validate(obj["data"])
+            return model.model_validate(fields)
         except ValidationError as exc:
             raise CodecError(f"invalid {name} payload: {exc}") from exc
-    return obj
+    if code == _EXT_EDGE:
+        return _edge_from(payload)
+    if code == _EXT_GRAPH:
+        graph = Graph(payload["name"])
+        for node in payload["nodes"]:
+            graph.add_node(node)
+        for fields in payload["edges"]:
+            edge = _edge_from(fields)
+            graph.edges[edge.id] = edge
+            graph._out[edge.head].append(edge.id)
+            graph._in[edge.tail].append(edge.id)
+        return graph
+    raise CodecError(f"unknown extension type {code}")
+
+
+def _edge_from(fields: dict[str, Any]) -> Edge:
+    return Edge(**{**fields, "condition": _decode_condition(fields["condition"], fields["id"])})
+
+
+def _pack(value: Any) -> bytes:
+    # strict_types: otherwise msgpack silently packs tuples as lists, never asking _default.
+    return msgpack.packb(value, default=_default, use_bin_type=True, strict_types=True)
+
+
+def _unpack(data: bytes) -> Any:
+    return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
 
 
 def encode(value: Any) -> bytes:
     """Encode ``value`` with the schema-version envelope."""
     try:
-        return msgpack.packb(
-            {"v": CODEC_SCHEMA_VERSION, "body": value}, default=_default, use_bin_type=True, strict_types=True
-        )
+        return _pack({"v": CODEC_SCHEMA_VERSION, "body": value})
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
@@ -174,7 +180,7 @@ def encode(value: Any) -> bytes:
 def decode(data: bytes) -> Any:
     """Decode bytes produced by ``encode``; a different schema version is refused."""
     try:
-        envelope = msgpack.unpackb(data, object_hook=_object_hook, raw=False, strict_map_key=False)
+        envelope = _unpack(data)
     except CodecError:
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:

@@ -7,6 +7,8 @@ import pickle
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import opgraph.kernel.errors as errors
 from opgraph.kernel import (
@@ -92,6 +94,52 @@ def test_tuples_stay_tuples_even_when_nested():
     value = {"pair": (1, "two"), "list": [(3, (4, 5))]}
     assert round_trip(value) == value
     assert isinstance(round_trip(value)["list"][0][1], tuple)
+
+
+@pytest.mark.parametrize(
+    "lookalike",
+    [
+        {"__opgraph_tuple__": [1, 2]},
+        {"__opgraph_model__": "Operation", "data": {"operation": "chat"}},
+        {"__opgraph_graph__": {"name": "g", "nodes": [], "edges": []}},
+    ],
+    ids=["tuple", "model", "graph"],
+)
+def test_a_mapping_shaped_like_a_schema_1_tag_comes_back_as_that_mapping(lookalike):
+    """Model output is user data: no key it may hold turns it into another kind of value."""
+    assert round_trip({"response": lookalike}) == {"response": lookalike}
+
+
+def test_an_unknown_extension_type_is_refused_on_decode():
+    payload = msgpack.packb({"v": CODEC_SCHEMA_VERSION, "body": msgpack.ExtType(99, msgpack.packb(1))})
+    with pytest.raises(CodecError, match="extension type 99"):
+        decode(payload)
+
+
+def _same(a, b) -> bool:
+    """Equal, and of the same type all the way down (a tuple is not a list)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+PLAIN_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=False) | st.text() | st.binary(),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.lists(inner, max_size=3).map(tuple)
+    | st.dictionaries(st.text(max_size=20) | st.integers(-3, 3), inner, max_size=4),
+    max_leaves=24,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(PLAIN_VALUES)
+def test_any_plain_value_round_trips_with_its_types(value):
+    assert _same(round_trip(value), value)
 
 
 def test_a_payload_from_another_schema_version_is_refused():
