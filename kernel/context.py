@@ -16,6 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .errors import OperationError
+
 __all__ = [
     "OPERATOR_MESSAGES_KEY",
     "SharedContext",
@@ -132,17 +134,39 @@ class SharedContext:
         rank: Any,
         follows: Callable[[str], bool] | None = None,
     ) -> None:
-        """Deep-merge ``update`` from ``writer``; ``follows(other)`` says writer runs after other."""
+        """Deep-merge ``update`` from ``writer``; ``follows(other)`` says writer runs after other.
+
+        All or nothing: should a reducer raise, or a value refuse to be copied, every
+        key of ``update`` is restored to what it was and OperationError names the key.
+        """
         follows = follows or _follows_nothing
-        for key, value in update.items():
-            write = _Write(rank, writer, copy.deepcopy(value), follows)
-            writes = self._writes.setdefault(key, [])
-            if not writes or writes[-1].rank < rank:
-                writes.append(write)
-                self._apply(key, write)
+        touched: list[str] = []
+        try:
+            for key, value in update.items():
+                touched.append(key)
+                write = _Write(rank, writer, copy.deepcopy(value), follows)
+                writes = self._writes.setdefault(key, [])
+                if not writes or writes[-1].rank < rank:
+                    writes.append(write)
+                    self._apply(key, write)
+                else:
+                    bisect.insort(writes, write, key=_rank_of)
+                    self._replay(key)
+        except Exception as exc:
+            self._withdraw(writer, touched)
+            raise OperationError(
+                f"context key {touched[-1]!r} could not be merged: {type(exc).__name__}: {exc}", node_id=writer
+            ) from exc
+
+    def _withdraw(self, writer: str, keys: list[str]) -> None:
+        """Take ``writer``'s writes back from ``keys``: each is replayed from the rest."""
+        for key in keys:
+            remaining = [write for write in self._writes.get(key, ()) if write.writer != writer]
+            if remaining:
+                self._writes[key] = remaining
             else:
-                bisect.insort(writes, write, key=_rank_of)
-                self._replay(key)
+                self._writes.pop(key, None)
+            self._replay(key)
 
     def _replay(self, key: str) -> None:
         self._owners.pop(key, None)
@@ -151,7 +175,7 @@ class SharedContext:
             self.data[key] = copy.deepcopy(self._initial[key])
         else:
             self.data.pop(key, None)
-        for write in self._writes[key]:
+        for write in self._writes.get(key, ()):
             self._apply(key, write)
 
     def _apply(self, key: str, write: _Write) -> None:

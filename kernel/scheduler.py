@@ -494,14 +494,18 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         has checked the old state, and the step is implied by the story unless that is
         recorded already.
         """
-        self.results[node_id] = response
         if update is not None:
-            self.shared.merge(
-                update,
-                writer=node_id,
-                rank=self._ranks()[node_id],
-                follows=lambda other: self.graph.reaches(other, node_id),
-            )
+            try:
+                self.shared.merge(
+                    update,
+                    writer=node_id,
+                    rank=self._ranks()[node_id],
+                    follows=lambda other: self.graph.reaches(other, node_id),
+                )
+            except OperationError as exc:  # a user reducer raised: the merge was undone whole
+                self._settle_failed(node_id, exc.message, "ContextUpdateError")
+                return
+        self.results[node_id] = response
         attempt, node, deps = in_flight
         self.state[node_id] = COMPLETED
         stories = self._stories

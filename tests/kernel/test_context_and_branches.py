@@ -19,9 +19,11 @@ from opgraph.kernel import (
     DispatchOperation,
     EmitSignal,
     Graph,
+    OperationError,
     OperationGraphBuilder,
     OperatorMessageReceived,
     ReplaceHistory,
+    SharedContext,
     create_operation,
 )
 
@@ -182,6 +184,38 @@ def test_a_declared_reducer_combines_parallel_writes(two_writers):
     for first in ("a", "b"):
         envelope, _ = two_writers(first, responses, reducers={"notes": lambda old, new: (old or []) + new})
         assert sorted(envelope["final_context"]["notes"]) == ["a", "b"]
+
+
+def refuses_three(old, new):
+    if new == 3:
+        raise ValueError("three is not allowed")
+    return (old or 0) + new
+
+
+@pytest.mark.parametrize("first", ["a", "b"])
+def test_a_reducer_that_raises_fails_its_writer_and_undoes_its_whole_update(two_writers, first):
+    """a, b (parallel): a's update {note, total: 3} is refused by the total reducer, in
+    either order; b's {total: 5} stands, and a's note was never written."""
+    responses = {"a": {"context": {"note": "from a", "total": 3}}, "b": {"context": {"total": 5}}}
+    envelope, n = two_writers(first, responses, reducers={"total": refuses_three}, context={"total": 1})
+    assert envelope["final_context"] == {"total": 6}
+    assert envelope["failed_operations"] == [n.a]
+    error = envelope["operation_results"][n.a]
+    assert error["error_type"] == "ContextUpdateError"
+    assert "'total'" in error["error"] and "three is not allowed" in error["error"]
+    assert envelope["operation_statuses"] == {n.a: "failed", n.b: "completed"}
+
+
+def test_a_merge_that_raises_leaves_the_shared_context_as_it_was():
+    shared = SharedContext({"kept": {"x": 1}}, reducers={"total": refuses_three})
+    shared.merge({"total": 2}, writer="w1", rank=(0,))
+    with pytest.raises(OperationError, match="'total'") as caught:
+        shared.merge({"kept": {"x": 9, "y": 2}, "total": 3}, writer="w2", rank=(1,))
+    assert caught.value.node_id == "w2"
+    assert shared.data == {"kept": {"x": 1}, "total": 2}
+    assert shared.collisions == []
+    shared.merge({"total": 4}, writer="w3", rank=(2,))  # it goes on merging as before
+    assert shared.data["total"] == 6
 
 
 # -- operator steer ---------------------------------------------------------------------
