@@ -32,25 +32,29 @@ class OperationDispatch:
     """``_pump``, ``_dispatch_ready`` and the context each dispatch carries, mixed into FlowState."""
 
     def _pump(self) -> None:
-        if self.paused or self.held or self.cancelling or not self.started:
-            return
-        count = min(len(self.ready), self.capacity - len(self.running))
-        if count > 0:
-            self._dispatch_ready(count)
+        # Once round, unless a node failed to dispatch: what that released is ready now.
+        while not (self.paused or self.held or self.cancelling or not self.started):
+            count = min(len(self.ready), self.capacity - len(self.running))
+            if count <= 0 or not self._dispatch_ready(count):
+                return
 
-    def _dispatch_ready(self, count: int) -> None:
+    def _dispatch_ready(self, count: int) -> bool:
         """Dispatch the ``count`` oldest ready nodes, each with its prepared parameters.
 
         One loop with the per-node lookups bound once, because it runs for every node of
         a run (and once per link of a chain, so the binding is kept short too);
         READY -> RUNNING is the common path's second step, applied inline (see
         ``_settle_completed`` in scheduler.py).
+
+        A node whose parameters cannot be prepared (a dependency's result that will not
+        convert to a mapping, or nests past the interpreter's recursion limit) fails
+        with ``DispatchError`` and the run goes on. Returns whether any node failed so.
         """
         ready, running, state, attempts, stories = self.ready, self.running, self.state, self.attempt, self._stories
         nodes, deps, branch, default_branch = self.graph.nodes, self.deps, self.branch, self.default_branch_id
         shared, append, operation_context = self.shared.data, self._out.append, self._operation_context
         progress, run_id, elapsed = self.progress_signals, self.run_id, self._elapsed
-        dispatched = 0
+        dispatched, failed = 0, False
         try:
             for _ in range(count):
                 node_id = ready.popleft()
@@ -72,15 +76,23 @@ class OperationDispatch:
                 if own is None and not shared and not node_deps:
                     parameters["context"] = {}  # a root with nothing to pass on (the common fan-out leaf)
                 else:
-                    parameters["context"] = operation_context(node_deps, own, shared)
-                    if shared:
-                        self._render_steer(node_id, parameters, shared)
+                    try:
+                        parameters["context"] = operation_context(node_deps, own, shared)
+                        if shared:
+                            self._render_steer(node_id, parameters, shared)
+                    except Exception as exc:  # noqa: BLE001 - data from user operations; the node fails
+                        del running[node_id]
+                        message = f"parameters could not be prepared: {type(exc).__name__}: {exc}"
+                        self._settle_failed(node_id, message, "DispatchError")
+                        failed = True
+                        continue
                 if progress:
                     append(_new_record(ev.EmitSignal, (sig.NodeStarted, run_id, node, elapsed, node_deps, None)))
                 append(_new_record(ev.DispatchOperation, (node_id, attempt, node.operation, parameters, branch_id)))
                 dispatched += 1
         finally:  # counts what went out, should a node fail to dispatch
             self.counters["dispatched"] += dispatched
+        return failed
 
     @staticmethod
     def _render_steer(node_id: str, parameters: dict[str, Any], shared: dict[str, Any]) -> None:

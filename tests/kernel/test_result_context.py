@@ -3,7 +3,9 @@ all of them), into the envelope, and back onto the graph's Operation unless turn
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+import pytest
+from pydantic import BaseModel, field_serializer
+from kernel_graphs import build  # tests/support: shared kernel test graphs
 
 from opgraph.kernel import Graph, SpawnRequest, create_operation
 
@@ -58,3 +60,37 @@ def test_results_are_written_back_onto_the_graph_unless_turned_off(drive):
         assert driver.envelope["operation_statuses"] == {a.id: "completed"}
         assert driver.envelope["operation_results"] == {a.id: {"answer": 42}}
         assert (a.status, a.response) == (("completed", {"answer": 42}) if write_back else ("pending", None))
+
+
+class Unserializable(BaseModel):
+    secret: str = "x"
+
+    @field_serializer("secret")
+    def refuse(self, value: str) -> str:
+        raise ValueError("this result will not be dumped")
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("result", [Unserializable(), nested(5_000)], ids=["dump raises", "nests too deep"])
+def test_a_result_that_cannot_become_context_fails_only_its_dependent_and_the_run_goes_on(drive, result):
+    """a -> b -> c, and d on its own: b cannot be prepared from a's result; c still runs."""
+    graph, n = build("a", "b", "c", "d", edges=(("a", "b"), ("b", "c")))
+    driver = drive(graph, max_concurrent=2)
+    driver.complete(n.a, result)
+    assert driver.state.status_of(n.b) == "failed"
+    assert driver.state.results[n.b]["error_type"] == "DispatchError"
+    assert "could not be prepared" in driver.state.results[n.b]["error"]
+    assert n.b not in driver.dispatched()
+    assert driver.signals("failed", op_id=n.b)
+    # b's failure released c in the same handle() (a failed predecessor still satisfies
+    # an unconditional edge): it went out with d, not waiting for another event.
+    assert set(driver.dispatched()) == {n.c, n.d}
+    envelope = driver.run_to_end()
+    assert envelope["failed_operations"] == [n.b]
+    assert envelope["operation_statuses"][n.c] == "completed"
