@@ -64,7 +64,7 @@ class ReactiveAdmission:
             original = parameters.get("instruction", "")
             parameters["instruction"] = (
                 f"[ESCALATION] The previous attempt escalated this task to a higher tier. "
-                f"Reason: {request.reason}\n\n{original}"
+                f"Reason: {getattr(request, 'reason', '')}\n\n{original}"
             )
             child = Operation(operation=emitter.operation, parameters=parameters)
             child.metadata["escalated_from"] = emitter.id
@@ -104,7 +104,10 @@ class ReactiveAdmission:
         key = event.dedupe_key
         if key is None:
             request = event.request
-            body = request.model_dump_json() if isinstance(request, BaseModel) else repr(request)
+            try:
+                body = request.model_dump_json() if isinstance(request, BaseModel) else repr(request)
+            except Exception:  # noqa: BLE001 - a request that will not serialise has no content to compare
+                return False
             key = ("content", event.emitter_id, type(request).__name__, body)
         if key in self._seen_requests:
             return True

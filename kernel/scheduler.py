@@ -449,14 +449,19 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 self._make_ready(node_id)
                 return
         if deferred:
-            self._transition(node_id, EVALUATING, "awaiting async edge conditions")
-            self._out.append(
-                ev.EvaluateConditions(
+            try:
+                inputs = tuple((edge.id, to_mapping(self.results.get(edge.head))) for edge in deferred)
+                request = ev.EvaluateConditions(node_id, inputs, self.shared.snapshot())
+            except Exception as exc:  # a head's result that will not convert: as if the condition raised
+                self._settle_failed(
                     node_id,
-                    tuple((edge.id, to_mapping(self.results.get(edge.head))) for edge in deferred),
-                    self.shared.snapshot(),
+                    f"edge condition input could not be prepared: {type(exc).__name__}: {exc}",
+                    "EdgeConditionError",
+                    from_gate=True,
                 )
-            )
+                return
+            self._transition(node_id, EVALUATING, "awaiting async edge conditions")
+            self._out.append(request)
             return
         self._skip(node_id)
 

@@ -8,6 +8,8 @@ completes the emitter and checks the children, branch clones, signals and ledger
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from kernel_graphs import build, reactive  # tests/support: shared kernel test graphs
 
 from opgraph.kernel import (
@@ -80,6 +82,36 @@ def test_an_independent_spawn_admitted_before_the_start_keeps_its_clone(unstarte
     assert driver.dispatched()[child_id].branch_id == clone.branch_id  # ADR-0023 D6: always a clone
     assert driver.dispatched()[n.a].branch_id == "default"
     assert driver.run_to_end()["status"] == "completed"
+
+
+class Handle:
+    """A value no serialiser knows: a request holding one cannot be compared by content."""
+
+
+def test_a_request_that_will_not_serialise_is_admitted_every_time_it_is_sent(drive):
+    from pydantic import BaseModel, ConfigDict
+
+    class OddRequest(BaseModel):
+        model_config = ConfigDict(arbitrary_types_allowed=True)
+        instruction: str
+        handle: Handle
+
+    graph, n = build("a")
+    driver = drive(graph, reactive=True, spawn_type=OddRequest, default_branch_id="default",
+                   node_builder=lambda request, emitter: create_operation("chat", {"instruction": request.instruction}))
+    request = OddRequest(instruction="odd", handle=Handle())
+    for _ in range(2):  # no dedupe key, and no content to compare: never taken for a duplicate
+        driver.handle(SpawnRequested(emitter_id=n.a, request=request))
+    assert len(spawned_children(driver)) == 2
+    assert driver.state.dropped_spawns == []
+
+
+def test_an_escalation_request_without_a_reason_still_escalates(drive):
+    graph, n = build("a")
+    driver = drive(graph, reactive=True, default_branch_id="default")
+    driver.handle(EscalationRequested(emitter_id=n.a, request=SimpleNamespace(route="higher_tier"), dedupe_key=1))
+    (child_id,) = [node for node in driver.dispatched() if node != n.a]
+    assert driver.dispatched()[child_id].parameters["instruction"].startswith("[ESCALATION]")
 
 
 def test_an_independent_spawn_has_no_edge_and_clones_the_default_branch(drive):

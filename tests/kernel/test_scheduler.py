@@ -218,6 +218,21 @@ def test_an_async_condition_is_handed_to_the_shell_and_its_verdict_settles_the_n
     assert n.b in driver.dispatched()
 
 
+def test_an_async_condition_whose_input_cannot_be_prepared_fails_the_node(drive):
+    """a -[async]-> b, a's result nests past the recursion limit: b fails, the run ends."""
+    graph, n = build("a", "b")
+    graph.add_edge(n.a, n.b, condition=AsyncGate())
+    driver = drive(graph)
+    deep: list = []
+    for _ in range(5_000):
+        deep = [deep]
+    driver.complete(n.a, deep)
+    assert driver.of_type(EvaluateConditions) == []
+    assert driver.state.results[n.b]["error_type"] == "EdgeConditionError"
+    assert "could not be prepared" in driver.state.results[n.b]["error"]
+    assert driver.envelope["operation_statuses"] == {n.a: "completed", n.b: "failed"}
+
+
 def test_an_async_condition_that_fails_skips_the_node(drive):
     graph, n = build("a", "b")
     edge = graph.add_edge(n.a, n.b, condition=AsyncGate())
