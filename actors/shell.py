@@ -26,6 +26,7 @@ from opgraph.kernel import (
     EmitSignal,
     EscalationRequested,
     EvaluateConditions,
+    ExecutionError,
     FinishRun,
     FlowEvent,
     FlowStarted,
@@ -246,6 +247,10 @@ class ExecutorShell:
             instructions = run.state.handle(*events)
         except OpGraphError as exc:
             self._fail_run(run, exc)
+            return
+        except Exception as exc:  # a scheduler bug: end the run with it, never leave it open
+            self._fail_run(run, ExecutionError(
+                f"the scheduler of run {run.run_id} failed on {type(events[0]).__name__}: {type(exc).__name__}: {exc}"))
             return
         await self._carry_out(run, instructions)
 
