@@ -38,7 +38,7 @@ class ReactiveAdmission:
         try:
             child = self.node_builder(request, emitter)
         except Exception as exc:  # user routing code: becomes a ledger entry, never a crash
-            self._drop("builder_error", assignee, emitter_id, error=str(exc)[:BUILDER_ERROR_CHARS])
+            self._drop("builder_error", assignee, emitter_id, error=_text(exc, BUILDER_ERROR_CHARS))
             return
         if child is None:
             self._drop("null_child", assignee, emitter_id)
@@ -76,8 +76,8 @@ class ReactiveAdmission:
                 fields={
                     "run_id": self.run_id,
                     "op_id": event.emitter_id or "",
-                    "route": str(getattr(request, "route", "")),
-                    "reason": str(getattr(request, "reason", ""))[:SPAWN_INSTRUCTION_CHARS],
+                    "route": _text(getattr(request, "route", ""), SPAWN_INSTRUCTION_CHARS),
+                    "reason": _text(getattr(request, "reason", ""), SPAWN_INSTRUCTION_CHARS),
                     "child_id": child_id,
                 },
             )
@@ -187,10 +187,21 @@ class ReactiveAdmission:
                 "parent_id": after,
                 "independent": independent,
                 "assignee": assignee,
-                "instruction": None if instruction is None else str(instruction)[:SPAWN_INSTRUCTION_CHARS],
+                "instruction": None if instruction is None else _text(instruction, SPAWN_INSTRUCTION_CHARS),
             }
             out(record(signal, (sig.NodeSpawned, "", None, 0.0, (), fields)))
             out(record(signal, (sig.NodeQueued, self.run_id, child, self._elapsed, deps, None)))
         if unsettled == 0:
             self._gate(child_id)
         return True
+
+
+def _text(value: Any, limit: int) -> str:
+    """``str(value)`` cut to ``limit`` characters, for a ledger entry or a signal field.
+
+    The value comes from user code (a request, a builder's parameters, an exception),
+    and its ``__str__`` raising must not stop an admission half way."""
+    try:
+        return str(value)[:limit]
+    except Exception:  # noqa: BLE001
+        return f"<{type(value).__name__} that cannot be shown>"

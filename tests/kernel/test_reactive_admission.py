@@ -106,6 +106,25 @@ def test_a_request_that_will_not_serialise_is_admitted_every_time_it_is_sent(dri
     assert driver.state.dropped_spawns == []
 
 
+class Unprintable:
+    def __str__(self) -> str:
+        raise RuntimeError("no text for you")
+
+
+def test_a_child_whose_instruction_cannot_be_shown_is_admitted_and_announced_with_a_placeholder(drive):
+    def builder(request, emitter):
+        return create_operation("chat", {"instruction": Unprintable()})
+
+    graph, n = build("a")
+    driver = drive(graph, reactive=True, node_builder=builder, default_branch_id="default")
+    driver.handle(SpawnRequested(emitter_id=n.a, request=SpawnRequest(instruction="go"), dedupe_key=1))
+    (child_id,) = spawned_children(driver)
+    (spawned,) = driver.signals("spawned")
+    assert spawned.instruction == "<Unprintable that cannot be shown>"
+    driver.complete(n.a)
+    assert isinstance(driver.dispatched()[child_id].parameters["instruction"], Unprintable)
+
+
 def test_an_escalation_request_without_a_reason_still_escalates(drive):
     graph, n = build("a")
     driver = drive(graph, reactive=True, default_branch_id="default")
