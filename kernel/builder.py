@@ -76,6 +76,7 @@ class OperationGraphBuilder:
         ``inherit_context=True`` and dependencies, the first dependency becomes the
         ``primary_dependency`` whose conversation the node inherits.
         """
+        _refuse_one_id(depends_on, "depends_on")
         node = self._node(operation, node_id, branch, parameters)
         if depends_on is None:
             for head in self._current_heads:
@@ -143,6 +144,7 @@ class OperationGraphBuilder:
         **parameters: Any,
     ) -> str:
         """Add a node that waits for every source (explicit, or else the current heads)."""
+        _refuse_one_id(source_node_ids, "source_node_ids")
         sources = list(source_node_ids or self._current_heads)
         if not sources:
             raise OperationError("aggregation needs source_node_ids or existing heads")
@@ -190,3 +192,10 @@ class OperationGraphBuilder:
 
     def get_graph(self) -> Graph:
         return self.graph
+
+
+def _refuse_one_id(ids: Any, name: str) -> None:
+    """A list of node ids given as one string would be read character by character
+    (each unknown, so silently ignored by ``depends_on``): refuse it instead."""
+    if isinstance(ids, (str, bytes)):
+        raise OperationError(f"{name} must be a list of node ids, got the string {ids!r}; wrap it in a list")

@@ -277,6 +277,16 @@ def test_depends_on_adds_labelled_edges_and_ignores_unknown_ids():
     assert all(edge.label == ["depends_on"] for edge in graph.in_edges(c))
 
 
+@pytest.mark.parametrize("method", ["add_operation", "add_aggregation"])
+def test_a_single_id_given_as_a_string_is_refused_not_read_as_characters(method):
+    builder = OperationGraphBuilder()
+    a = builder.add_operation("chat")
+    keyword = "depends_on" if method == "add_operation" else "source_node_ids"
+    with pytest.raises(OperationError, match=f"{keyword} must be a list of node ids"):
+        getattr(builder, method)("chat", **{keyword: a})
+    assert len(builder.get_graph().nodes) == 1  # nothing was added
+
+
 def test_only_unknown_dependencies_leave_a_root():
     builder = OperationGraphBuilder()
     builder.add_operation("chat")
