@@ -418,6 +418,9 @@ class ExecutorShell:
         except ray.exceptions.RayTaskError as exc:
             # The worker is alive but its batch loop raised: a bug, not a death.
             await self._fail_pending(run, pending, f"operation worker {index} failed: {exc}", "WorkerError")
+        except Exception as exc:  # an outcome that could not be fetched or read (lost, unpicklable)
+            await self._fail_pending(run, pending, f"outcome from operation worker {index} could not be received: "
+                                     f"{type(exc).__name__}: {exc}", "OutcomeLost")
 
     async def _settle_rows(self, run: _Run, pending: dict[str, int], rows: list[OutcomeRow]) -> None:
         """One worker message of outcome rows: observed, then fed to the run as events."""

@@ -1,7 +1,8 @@
-"""ExecutorShell without Ray: what it does when the scheduler itself raises.
+"""ExecutorShell without Ray: what it does when the scheduler or a worker's reply fails.
 
-The shell is a plain object that the GraphExecutor actor contains, so its reaction to
-a failing ``handle()`` is pinned here, in-process, with a state machine made to fail.
+The shell is a plain object that the GraphExecutor actor contains, so its reactions are
+pinned here, in-process: with a state machine made to fail, and with a stand-in worker
+whose reply cannot be received. Either way the run must end, never stay open.
 """
 
 from __future__ import annotations
@@ -59,3 +60,44 @@ def test_a_typed_scheduler_error_ends_the_run_as_it_is(error):
     run = fed(error)
     assert run.done.is_set()
     assert run.error is error
+
+
+class _Unreadable:
+    """A worker whose outcome cannot be received: the awaited reply raises."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+        self.run_one = self
+        self.forget = self
+
+    def remote(self, run_id: str, *rest):
+        if not rest:  # forget(run_id)
+            self.forgotten.append(run_id)
+            return None
+
+        async def reply():
+            raise ValueError("the outcome would not unpickle")
+
+        return reply()
+
+
+def test_an_outcome_that_cannot_be_received_fails_its_node_and_the_run_finishes():
+    from opgraph.kernel import DispatchOperation, FlowStarted
+
+    async def go():
+        graph = Graph()
+        node = graph.add_node(create_operation("chat"))
+        state = FlowState(graph)
+        (dispatch,) = [i for i in state.handle(FlowStarted()) if isinstance(i, DispatchOperation)]
+        worker = _Unreadable()
+        shell = ExecutorShell([worker], [])
+        run = _Run("run-8", state, RunOptions())
+        await shell._drive_batch(run, 0, [(node.id, dispatch.attempt)])
+        return run, node.id, worker
+
+    run, node_id, worker = asyncio.run(go())
+    assert run.done.is_set() and run.error is None
+    assert run.envelope["operation_statuses"] == {node_id: "failed"}
+    result = run.envelope["operation_results"][node_id]
+    assert result["error_type"] == "OutcomeLost" and "would not unpickle" in result["error"]
+    assert worker.forgotten == ["run-8"]
