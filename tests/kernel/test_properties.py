@@ -5,6 +5,7 @@ index (so the graph is acyclic by construction), per-edge conditions (none, alwa
 true, always false, sync or async), optional ``aggregation_sources``, and a scripted
 behaviour per node (complete, fail, write shared-context keys, emit SpawnRequests),
 and about one node in five restored: already completed or failed when the run starts.
+Half the runs declare a reducer for the shared key "beta".
 The driver plays the executor shell: it answers DispatchOperation and
 EvaluateConditions instructions in a seeded random order, one to three per
 ``handle()``, sometimes toggles pause and backpressure, and calls ``validate()``
@@ -133,6 +134,7 @@ class FlowSpec:
     reactive: bool
     max_spawn: int
     interruptions: bool = False  # toggle pause and backpressure at random
+    reducer: bool = False  # "beta" collects its writes through a declared reducer
 
 
 def node_id(index: int) -> str:
@@ -180,7 +182,13 @@ def flow_specs(draw: st.DrawFn) -> FlowSpec:
         reactive=draw(st.booleans()),
         max_spawn=draw(st.integers(0, 5)),
         interruptions=draw(st.booleans()),
+        reducer=draw(st.booleans()),
     )
+
+
+def collect(old: Any, new: Any) -> list[Any]:
+    """The "beta" reducer: every write, in the order the reducer sees them (rank order)."""
+    return [*(old if isinstance(old, list) else []), new]
 
 
 def build_graph(spec: FlowSpec) -> Graph:
@@ -330,6 +338,7 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
     graph = build_graph(spec)
     state = FlowState(
         graph,
+        reducers={"beta": collect} if spec.reducer else None,
         run_id="properties",
         max_concurrent=spec.capacity,
         reactive=spec.reactive,
