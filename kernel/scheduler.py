@@ -92,6 +92,15 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         GraphExecutor does, unless the run asked for signals). The signals that settle
         something (completed, failed, skipped) and the rare ones (paused, escalated)
         are always emitted."""
+        if not isinstance(graph, Graph):
+            raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
+        if context is not None and not isinstance(context, Mapping):
+            raise OperationError(f"context must be a mapping, got {type(context).__name__}")
+        for key, reducer in (reducers or {}).items():
+            if not callable(reducer):
+                raise OperationError(f"the reducer for context key {key!r} is not callable: {type(reducer).__name__}")
+        if not isinstance(max_spawn, int) or isinstance(max_spawn, bool) or max_spawn < 0:
+            raise OperationError(f"max_spawn must be a whole number of at least 0, got {max_spawn!r}")
         if max_concurrent is None:
             max_concurrent = DEFAULT_MAX_CONCURRENCY
         if not parallel:

@@ -84,6 +84,27 @@ def test_an_edge_condition_without_apply_is_rejected_before_any_dispatch():
     assert state.counters["dispatched"] == 0
 
 
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"context": [("k", 1)]}, "context must be a mapping, got list"),
+        ({"reducers": {"total": 5}}, "reducer for context key 'total' is not callable"),
+        ({"max_spawn": -1}, "max_spawn must be a whole number of at least 0, got -1"),
+        ({"max_spawn": 2.5}, "max_spawn must be a whole number"),
+    ],
+    ids=["context", "reducer", "negative max_spawn", "fractional max_spawn"],
+)
+def test_bad_run_options_are_refused_with_what_was_wrong(options, message):
+    graph, _ = build("a")
+    with pytest.raises(OperationError, match=message):
+        FlowState(graph, **options)
+
+
+def test_something_other_than_a_graph_is_refused():
+    with pytest.raises(OperationError, match="a flow runs a Graph, got dict"):
+        FlowState({"nodes": []})
+
+
 def test_max_concurrent_below_one_is_refused():
     graph, _ = build("a")
     with pytest.raises(OperationError):
