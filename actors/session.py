@@ -256,8 +256,12 @@ class Session:
         the same object for sibling operations in one worker batch (as in the record's
         in-process flow), so copy a value before changing it in place.
         """
+        if not isinstance(name, str) or not name:
+            raise OpGraphError(f"an operation name must be a non-empty string, got {name!r}")
         if not asyncio.iscoroutinefunction(fn):
             raise OpGraphError(f"operation {name!r} must be an async function")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise OpGraphError(f"operation {name!r} timeout must be a number of seconds above 0, got {timeout!r}")
         self.operations[name] = RegisteredOperation(fn, record_turn, timeout)
 
     def register_provider(self, name: str, provider: ModelProvider) -> None:

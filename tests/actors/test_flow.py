@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import ray
 
-from opgraph.kernel import EdgeCondition, Graph, OperationError, OperationGraphBuilder, create_operation
+from opgraph.kernel import (
+    EdgeCondition,
+    Graph,
+    OperationError,
+    OperationGraphBuilder,
+    OpGraphError,
+    create_operation,
+)
 
 FLOW_TIMEOUT = 60.0
 
@@ -283,6 +290,32 @@ def test_async_conditions_gate_and_their_errors_fail_the_node(session):
     failure = envelope["operation_results"][broken.id]
     assert failure["error_type"] == "EdgeConditionError"
     assert "condition blew up" in failure["error"]
+
+
+async def _registrable(branch: Any, **parameters: Any) -> str:
+    return "ok"
+
+
+def _not_async(branch: Any, **parameters: Any) -> str:
+    return "ok"
+
+
+@pytest.mark.parametrize(
+    ("name", "fn", "timeout", "message"),
+    [
+        ("", _registrable, None, "non-empty string"),
+        (None, _registrable, None, "non-empty string"),
+        ("sync", _not_async, None, "must be an async function"),
+        ("slow", _registrable, 0, "timeout must be a number of seconds above 0"),
+        ("slow", _registrable, "5", "timeout must be a number of seconds above 0"),
+    ],
+    ids=["empty name", "no name", "not async", "zero timeout", "text timeout"],
+)
+def test_a_bad_registration_is_refused_and_registers_nothing(session, name, fn, timeout, message):
+    before = dict(session.operations)
+    with pytest.raises(OpGraphError, match=message):
+        session.register_operation(name, fn, timeout=timeout)
+    assert session.operations == before
 
 
 def test_operation_failures_are_typed_outcomes_not_raises(session):
