@@ -170,9 +170,17 @@ class LocalHead:
                 pass
 
 
+def _listening(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def start_local_head() -> LocalHead:
     temp_dir = tempfile.mkdtemp(prefix="ogh-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, agent_port = free_port(), free_port(), free_port()
     log_path = os.path.join(temp_dir, "ray-start.log")
     command = [
         # This interpreter's Ray CLI: a fresh machine may have no `ray` script on PATH.
@@ -181,7 +189,7 @@ def start_local_head() -> LocalHead:
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
         # Every port Ray would otherwise take at a fixed default, so the embedded Ray of
         # this process (or another test run) never collides with this head.
-        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={free_port()}",
+        f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={agent_port}",
         "--min-worker-port=0", "--max-worker-port=0", f"--temp-dir={temp_dir}",
     ]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
@@ -197,9 +205,11 @@ def start_local_head() -> LocalHead:
             with open(log_path) as log:
                 raise RuntimeError(f"`ray start --head` exited with {process.returncode}:\n{log.read()}")
         try:
-            # The job server answers once the dashboard's job module is up.
+            # The job server answers once the dashboard's job module is up; a submission
+            # is then handed to the node's dashboard agent, which may still be starting
+            # (a submission sent before it listens fails with "Server disconnected").
             with urllib.request.urlopen(f"{head.dashboard_url}/api/jobs/", timeout=2) as reply:
-                if reply.status == 200:
+                if reply.status == 200 and _listening("127.0.0.1", agent_port):
                     return head
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
