@@ -244,13 +244,15 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         # Bound once: this loop runs for every node of the submitted graph.
         out, deps = self._out, self.deps
         run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
-        progress = self.progress_signals
+        progress, cancelling = self.progress_signals, self.cancelling
         # Registration filled ``deps`` in node order when nothing was registered before.
         deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
         for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order):
             if early and node_id in early:
                 continue
             if node.status not in TERMINAL:
+                if cancelling:  # cancelled before the start: not queued, and no branch to clone
+                    continue
                 if progress:
                     out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
                 if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
@@ -297,8 +299,9 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         if in_flight is None or in_flight[0] != event.attempt:
             # Stale or duplicate result of an attempt that no longer owns the node.
             self.counters["stale_results"] += 1
-            current = self.state.get(node_id, "?")
-            self._recorded_story(node_id).append((current, current, "stale result dropped", event.attempt))
+            current = self.state.get(node_id)
+            if current is not None:  # an id this run never had gets no story of its own
+                self._recorded_story(node_id).append((current, current, "stale result dropped", event.attempt))
             return
         del running[node_id]
         plain = type(response) in _SCALARS  # carries no context update and no request objects

@@ -18,6 +18,7 @@ from opgraph.kernel import (
     DEFAULT_MAX_CONCURRENCY,
     CancelOperation,
     CancelRequested,
+    CloneBranch,
     ConditionsEvaluated,
     DispatchHeld,
     DispatchOperation,
@@ -429,9 +430,20 @@ def test_a_run_cancelled_before_it_started_dispatches_nothing_and_ends_cancelled
     driver.handle(CancelRequested(reason="operator said stop"))
     driver.start()
     assert driver.of_type(DispatchOperation) == []
+    assert driver.of_type(CloneBranch) == [] and driver.signals("queued") == []  # nothing announced or cloned
     assert driver.envelope["status"] == "cancelled"
     assert driver.envelope["cancelled_operations"] == [n.a, n.b]
     assert driver.state.story(n.a) == [("waiting", "cancelled", "operator said stop", 0)]
+
+
+def test_an_outcome_for_a_node_the_run_never_had_is_counted_stale_and_leaves_no_story(drive):
+    graph, n = build("a")
+    driver = drive(graph)
+    driver.handle(OperationFinished(node_id="no-such-node", attempt=1, response="?"))
+    assert driver.state.counters["stale_results"] == 1
+    assert driver.state.story("no-such-node") == []
+    assert "no-such-node" not in driver.state._stories
+    assert driver.state.status_of(n.a) == "running"
 
 
 # -- the envelope --------------------------------------------------------------------------
