@@ -6,6 +6,7 @@ operation; ``get_graph()`` hands the built Graph to a Session.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import Enum
 from typing import Any
 
@@ -109,6 +110,10 @@ class OperationGraphBuilder:
         """
         if source_node_id not in self.graph:
             raise OperationError("expansion source is not in the graph", node_id=source_node_id)
+        if isinstance(items, (str, bytes)) or not isinstance(items, Iterable):
+            # A string would expand into one child per character.
+            raise OperationError(f"items must be a list of items to expand, got {type(items).__name__}",
+                                 node_id=source_node_id)
         strategy = ExpansionStrategy(strategy)
         children: list[str] = []
         for index, item in enumerate(items):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from .errors import RoutingError
+from .errors import OperationError, RoutingError
 from .graph import Operation, _plain_operation, create_operation
 
 __all__ = [
@@ -121,6 +121,9 @@ def role_node_builder(
     (a ValueError). Each routed child gets a monotonic ``spawn-N`` id.
     """
     counter = itertools.count(1)
+    if not isinstance(roles, Mapping):
+        raise OperationError(f"roles must map role names to branch ids (None: the default branch), "
+                             f"got {type(roles).__name__}")
     role_map = dict(roles)
 
     def build(request: SpawnRequest, emitter: Operation | None) -> Operation:

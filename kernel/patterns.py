@@ -11,6 +11,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 
 from .contracts import TaskAssignment
+from .errors import OperationError
 from .graph import Graph, create_operation
 
 __all__ = [
@@ -81,6 +82,13 @@ def _role_node(graph: Graph, assignment: TaskAssignment, roles: Mapping[str, str
 
 
 def _require_some_role(assignments: Sequence[TaskAssignment], roles: Mapping[str, str | None]) -> None:
+    if not isinstance(roles, Mapping):
+        raise OperationError(f"roles must map role names to branch ids, got {type(roles).__name__}")
+    if isinstance(assignments, (str, bytes)):
+        raise OperationError(f"assignments must be a list of TaskAssignment objects, got {type(assignments).__name__}")
+    stray = next((a for a in assignments if not isinstance(a, TaskAssignment)), None)
+    if stray is not None:
+        raise OperationError(f"assignments must be TaskAssignment objects, got {type(stray).__name__}")
     if not any(a.assignee in roles for a in assignments):
         raise ValueError(
             "no assignment maps to a known role; known roles: " + (", ".join(sorted(roles)) or "none")

@@ -8,6 +8,8 @@ from pydantic import BaseModel
 from opgraph.kernel import (
     SPAWN_ALLOWED_OPERATIONS,
     EscalationRequest,
+    OperationError,
+    OperationGraphBuilder,
     RoutingError,
     SpawnRequest,
     TaskAssignment,
@@ -88,6 +90,33 @@ def test_a_fanout_skips_assignments_with_unknown_roles():
 def test_a_fanout_with_no_routable_assignment_raises():
     with pytest.raises(ValueError, match="no assignment maps"):
         build_fanout_graph([task("lost", "ghost")], ROLES)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: build_fanout_graph("writer", {"writer": None}), "a list of TaskAssignment objects, got str"),
+        (lambda: build_fanout_graph([{"task": "t", "assignee": "writer"}], {"writer": None}),
+         "TaskAssignment objects, got dict"),
+        (lambda: build_dag_graph([TaskAssignment(task="t", assignee="writer")], ["writer"]),
+         "roles must map role names to branch ids, got list"),
+        (lambda: role_node_builder(["writer"]), "roles must map role names to branch ids"),
+    ],
+    ids=["assignments as a string", "assignments as dicts", "roles as a list", "builder roles as a list"],
+)
+def test_role_task_builders_refuse_the_wrong_shape_of_input_clearly(build, message):
+    with pytest.raises(OperationError, match=message):
+        build()
+
+
+@pytest.mark.parametrize("items", ["abc", None], ids=["a string", "nothing"])
+def test_expanding_from_something_other_than_a_list_of_items_is_refused(items):
+    builder = OperationGraphBuilder()
+    source = builder.add_operation("chat")
+    with pytest.raises(OperationError, match="items must be a list of items to expand") as caught:
+        builder.expand_from_result(items, source_node_id=source, operation="chat")
+    assert caught.value.node_id == source
+    assert len(builder.get_graph().nodes) == 1
 
 
 def test_a_fanout_with_an_unknown_synthesis_role_raises():
