@@ -56,9 +56,17 @@ OUTCOME_BATCH = 256
 OUTCOME_WINDOW = 0.002  # seconds between a worker's messages (actors/workers.py)
 
 
+def roots_graph(n: int, name: str = "roots") -> Graph:
+    """``n`` independent nodes."""
+    graph = Graph(name)
+    for i in range(n):
+        graph.add_node(create_operation("noop", {"instruction": str(i)}))
+    return graph
+
+
 def fanout_graph(n: int) -> Graph:
-    graph = Graph("fanout")
-    leaves = [graph.add_node(create_operation("noop", {"instruction": str(i)})).id for i in range(n)]
+    graph = roots_graph(n, "fanout")
+    leaves = list(graph.nodes)
     aggregate = graph.add_node(create_operation("noop", {"instruction": "aggregate"}))
     for leaf in leaves:
         graph.add_edge(leaf, aggregate.id)
@@ -119,10 +127,7 @@ Shape = Callable[[], tuple[FlowState, Sequence[SpawnRequest]]]
 def shape_roots(n: int, signals: bool = False) -> Shape:
     """``n`` independent nodes: a settlement with nothing before or after it."""
     def build():
-        graph = Graph("roots")
-        for i in range(n):
-            graph.add_node(create_operation("noop", {"instruction": str(i)}))
-        return FlowState(graph, max_concurrent=None, write_back=False, progress_signals=signals), ()
+        return FlowState(roots_graph(n), max_concurrent=None, write_back=False, progress_signals=signals), ()
     return build
 
 
@@ -308,8 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, shape, n in selected:
             at_n, at_2n = (bytecodes_per_node(shape(size, args.signals), args.batch) for size in (n, 2 * n))
             print(f"{label:<24}{n:>9}  bytecodes per settlement: {at_n:,.1f} at N, {at_2n:,.1f} at 2N")
-    if any(shape is shape_spawns for _, shape, _ in selected):
-        n = int(10_000 * args.scale)
+    for n in [n for _, shape, n in selected if shape is shape_spawns]:  # the spawn shape's own size
         objects, settlement = spawn_ceiling(n, args.repeat, args.batch, args.signals)
         print(f"spawn ceiling at {n:,}: a child's Operation, graph insertion and spawn Edge {objects * 1e6:.1f} us "
               f"+ a plain settlement {settlement * 1e6:.1f} us = at most {1 / (objects + settlement):,.0f} "
