@@ -52,9 +52,10 @@ class InvariantChecks:
         open_nodes = sum(1 for s in self.state.values() if s not in TERMINAL)
         if open_nodes != self.open_nodes:
             fail(f"open node count {self.open_nodes} != {open_nodes}")
-        if self.started and set(self.state) != set(self.graph.nodes):
+        registered, in_graph = self.state.keys(), self.graph.nodes.keys()
+        if self.started and registered != in_graph:
             fail("scheduler state and graph disagree on the node set")
-        if not set(self.state) <= self.graph.nodes.keys():  # before the start: early admissions only
+        if not registered <= in_graph:  # before the start: early admissions only
             fail("the scheduler holds a node the graph does not")
         for node_id, state in self.state.items():
             unsettled = sum(1 for dep in self.deps[node_id] if self.state.get(dep, WAITING) not in TERMINAL)

@@ -52,7 +52,7 @@ class NodeRegistration:
         state, all_deps, dependents, unsettled = self.state, self.deps, self.dependents, self.unsettled
         # Nothing registered before the start (a node spawned early may sit anywhere):
         # every dependency is then waiting, so a node waits on all of them.
-        fresh = not state
+        fresh = not early
         in_order = fresh
         if fresh:
             # Built in one step, at full size: growing a dict of 100,000 entries one key
