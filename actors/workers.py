@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from opgraph.kernel import EscalationRequest, ExecutionError, SpawnRequest, extract_requests, to_mapping
+from opgraph.kernel.contracts import PLAIN_TYPES
 
 from .models import parse_model_id
 
@@ -338,7 +339,7 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
                     {"role": "assistant", "content": _turn_text(response)}]
             await _branch_call(store.append.remote(branch_id, turn), branch_id)
         requests = list(emitted)
-        if type(response) not in _PLAIN:
+        if type(response) not in PLAIN_TYPES:  # nothing to walk
             for found in extract_requests(response, (SpawnRequest, EscalationRequest)):
                 kind = "escalation" if isinstance(found, EscalationRequest) else "spawn"
                 # The same object as a live emission shares its key: a true second
@@ -355,6 +356,3 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
     finally:
         worker.in_flight -= 1
 
-
-# Responses that can hold no request object: skip the walk.
-_PLAIN = frozenset({str, int, float, bool, bytes, type(None)})

@@ -17,6 +17,7 @@ from .errors import OperationError, RoutingError
 from .graph import Operation, _plain_operation, create_operation
 
 __all__ = [
+    "PLAIN_TYPES",
     "SPAWN_ALLOWED_OPERATIONS",
     "SPAWN_EXTRACTION_DEPTH",
     "EscalationRequest",
@@ -29,6 +30,9 @@ __all__ = [
 
 SPAWN_ALLOWED_OPERATIONS: frozenset[str] = frozenset({"operate", "chat", "communicate", "ReAct"})
 SPAWN_EXTRACTION_DEPTH = 4
+# Plain values: one holds no request object (``extract_requests`` need not walk it) and
+# no context update, and is handed on as it is, never copied or converted.
+PLAIN_TYPES: frozenset[type] = frozenset({str, int, float, bool, type(None), bytes})
 
 
 class TaskAssignment(BaseModel):

@@ -15,6 +15,7 @@ from typing import Any
 from . import events as ev
 from . import signals as sig
 from .context import OPERATOR_MESSAGES_KEY, render_operator_messages, to_mapping
+from .contracts import PLAIN_TYPES
 from .errors import StateTransitionError
 from .events import new_record as _new_record
 from .graph import Operation
@@ -22,9 +23,6 @@ from .states import COMPLETED, FAILED, READY, RUNNING, SKIPPED
 
 __all__ = ["OperationDispatch"]
 
-# Plain values: handed on as they are (never copied or converted), and a response of
-# one carries no context update or request objects (the scheduler's ``_on_finished``).
-_SCALARS = frozenset({str, int, float, bool, type(None), bytes})
 _MISSING = object()
 
 
@@ -126,7 +124,7 @@ class OperationDispatch:
         else:
             context = {"original_context": own}
         if deps:
-            results, state, scalars, missing = self.results, self.state, _SCALARS, _MISSING
+            results, state, scalars, missing = self.results, self.state, PLAIN_TYPES, _MISSING
             for dep in deps:  # all of an aggregation's inputs: keep the loop lean
                 result = results.get(dep, missing)
                 if result is not missing and state[dep] != SKIPPED:
@@ -135,7 +133,7 @@ class OperationDispatch:
         # DispatchOperation must keep the context it was prepared with.
         for key, value in shared.items():
             if key != OPERATOR_MESSAGES_KEY:
-                context[key] = value if type(value) in _SCALARS else copy.deepcopy(value)
+                context[key] = value if type(value) in PLAIN_TYPES else copy.deepcopy(value)
         return context
 
     def _mapped_result(self, dep: str, result: Any) -> Any:

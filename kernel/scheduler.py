@@ -21,12 +21,13 @@ from .admission import ReactiveAdmission
 from .completion import RunCompletion
 from .context import OPERATOR_MESSAGES_KEY, SharedContext, to_mapping
 from .contracts import (
+    PLAIN_TYPES,
     EscalationRequest,
     SpawnRequest,
     default_node_builder,
     extract_requests,
 )
-from .dispatch import _SCALARS, OperationDispatch
+from .dispatch import OperationDispatch
 from .errors import (
     OperationError,
     StateTransitionError,
@@ -304,7 +305,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 self._recorded_story(node_id).append((current, current, "stale result dropped", event.attempt))
             return
         del running[node_id]
-        plain = type(response) in _SCALARS  # carries no context update and no request objects
+        plain = type(response) in PLAIN_TYPES  # carries no context update and no request objects
         if status == COMPLETED:
             if plain:
                 update = None
