@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import BaseModel, field_serializer
-from kernel_graphs import build  # tests/support: shared kernel test graphs
+from kernel_graphs import build, nested  # tests/support: shared kernel test graphs
 
 from opgraph.kernel import Graph, SpawnRequest, create_operation
 
@@ -68,13 +68,6 @@ class Unserializable(BaseModel):
     @field_serializer("secret")
     def refuse(self, value: str) -> str:
         raise ValueError("this result will not be dumped")
-
-
-def nested(depth: int) -> list:
-    value: list = []
-    for _ in range(depth):
-        value = [value]
-    return value
 
 
 @pytest.mark.parametrize("result", [Unserializable(), nested(5_000)], ids=["dump raises", "nests too deep"])

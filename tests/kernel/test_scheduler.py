@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kernel_graphs import build, context_of, reactive  # tests/support: shared kernel test graphs
+from kernel_graphs import build, context_of, nested, reactive  # tests/support: shared kernel test graphs
 
 from opgraph.kernel import (
     DEFAULT_MAX_CONCURRENCY,
@@ -245,10 +245,7 @@ def test_an_async_condition_whose_input_cannot_be_prepared_fails_the_node(drive)
     graph, n = build("a", "b")
     graph.add_edge(n.a, n.b, condition=AsyncGate())
     driver = drive(graph)
-    deep: list = []
-    for _ in range(5_000):
-        deep = [deep]
-    driver.complete(n.a, deep)
+    driver.complete(n.a, nested(5_000))
     assert driver.of_type(EvaluateConditions) == []
     assert driver.state.results[n.b]["error_type"] == "EdgeConditionError"
     assert "could not be prepared" in driver.state.results[n.b]["error"]

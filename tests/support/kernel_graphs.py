@@ -11,7 +11,7 @@ from typing import Any
 
 from opgraph.kernel import Graph, create_operation
 
-__all__ = ["build", "context_of", "reactive"]
+__all__ = ["build", "context_of", "nested", "reactive"]
 
 
 def build(*names: str, edges: tuple[tuple[str, str], ...] = ()) -> tuple[Graph, SimpleNamespace]:
@@ -40,3 +40,11 @@ def reactive(drive, *names: str, edges=(), **options: Any):
 def context_of(driver, node_id: str) -> dict[str, Any]:
     """The context of ``node_id``'s outstanding dispatch."""
     return driver.dispatched()[node_id].parameters["context"]
+
+
+def nested(depth: int) -> list:
+    """A list ``depth`` levels deep: a result that outnests the recursion limit at 5,000."""
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
