@@ -26,6 +26,7 @@ CODEC_SCHEMA_VERSION = 2
 
 # msgpack extension type codes, one per kind of value that is not plain data.
 _EXT_TUPLE, _EXT_MODEL, _EXT_GRAPH, _EXT_EDGE = 1, 2, 3, 4
+_EXT_CODES = frozenset({_EXT_TUPLE, _EXT_MODEL, _EXT_GRAPH, _EXT_EDGE})
 _MODELS: dict[str, type[BaseModel]] = {}
 
 
@@ -127,6 +128,8 @@ def _decode_condition(payload: Any, edge_id: str) -> Any:
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
+    if code not in _EXT_CODES:  # refused before its payload is read
+        raise CodecError(f"unknown extension type {code}")
     payload = _unpack(data)
     if code == _EXT_TUPLE:
         return tuple(payload)
@@ -141,17 +144,15 @@ def _ext_hook(code: int, data: bytes) -> Any:
             raise CodecError(f"invalid {name} payload: {exc}") from exc
     if code == _EXT_EDGE:
         return _edge_from(payload)
-    if code == _EXT_GRAPH:
-        graph = Graph(payload["name"])
-        for node in payload["nodes"]:
-            graph.add_node(node)
-        for fields in payload["edges"]:
-            edge = _edge_from(fields)
-            graph.edges[edge.id] = edge
-            graph._out[edge.head].append(edge.id)
-            graph._in[edge.tail].append(edge.id)
-        return graph
-    raise CodecError(f"unknown extension type {code}")
+    graph = Graph(payload["name"])  # _EXT_GRAPH, the one code left
+    for node in payload["nodes"]:
+        graph.add_node(node)
+    for fields in payload["edges"]:
+        edge = _edge_from(fields)
+        graph.edges[edge.id] = edge
+        graph._out[edge.head].append(edge.id)
+        graph._in[edge.tail].append(edge.id)
+    return graph
 
 
 def _edge_from(fields: dict[str, Any]) -> Edge:
