@@ -1,4 +1,79 @@
-"""Engine/EngineRun and the domain engines, which run through Session.
-An engine never has a scheduler of its own; imports kernel/ and actors/ only."""
+"""opgraph.engines: Engine/EngineRun and the domain engines (ADR-0034), run through a Session.
 
-__all__: list[str] = []
+Owns the engine core (hard budgets, typed emissions with bounded repair, the advisory
+judge, EngineResult, run_dag) and the planning and review engines. An engine never has a
+scheduler of its own: agent turns run on OperationWorkers, and a DAG goes to
+``Session.flow``. Imports kernel/ and actors/ only; cluster/ supplies the durable sink.
+"""
+
+from .agents import Agent, emission_bundle, emission_key, repair_instruction, role_profile
+from .budget import BUDGET_REASONS, DEFAULT_PRICES, BudgetLimits, ModelPrice, PriceTable, RunBudget
+from .engine import PARTIAL_EXPORT_TIMEOUT_S, Engine
+from .errors import EngineBudgetError, EngineError, EngineInputError, EventSinkError, PlanError
+from .events import (
+    DEFAULT_MAX_RETAINED_EVENTS,
+    DEFAULT_MAX_RETAINED_NOTIFICATIONS,
+    EngineEvent,
+    EventLog,
+    EventRecord,
+    EventSink,
+    JudgeVerdict,
+    MemorySink,
+)
+from .kinds import ENGINE_KINDS, engine_for
+from .planning import PlanningEngine, PlanProposed, TaskSettled
+from .port import AgentPort, SessionPort, TurnError, TurnResult
+from .result import DEGRADE_REASONS, EngineResult
+from .review import DimensionReviewed, IssueFound, ReviewEngine, ReviewRun, ReviewVerdict, VerifyResult
+from .run import EngineRun, EventCallback
+from .statistics import engine_statistics, reset_engine_statistics
+
+__all__ = [
+    "BUDGET_REASONS",
+    "DEFAULT_MAX_RETAINED_EVENTS",
+    "DEFAULT_MAX_RETAINED_NOTIFICATIONS",
+    "DEFAULT_PRICES",
+    "DEGRADE_REASONS",
+    "ENGINE_KINDS",
+    "PARTIAL_EXPORT_TIMEOUT_S",
+    "Agent",
+    "AgentPort",
+    "BudgetLimits",
+    "DimensionReviewed",
+    "Engine",
+    "EngineBudgetError",
+    "EngineError",
+    "EngineEvent",
+    "EngineInputError",
+    "EngineResult",
+    "EngineRun",
+    "EventCallback",
+    "EventLog",
+    "EventRecord",
+    "EventSink",
+    "EventSinkError",
+    "IssueFound",
+    "JudgeVerdict",
+    "MemorySink",
+    "ModelPrice",
+    "PlanError",
+    "PlanProposed",
+    "PlanningEngine",
+    "PriceTable",
+    "ReviewEngine",
+    "ReviewRun",
+    "ReviewVerdict",
+    "RunBudget",
+    "SessionPort",
+    "TaskSettled",
+    "TurnError",
+    "TurnResult",
+    "VerifyResult",
+    "emission_bundle",
+    "emission_key",
+    "engine_for",
+    "engine_statistics",
+    "repair_instruction",
+    "reset_engine_statistics",
+    "role_profile",
+]

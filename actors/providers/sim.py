@@ -1,7 +1,8 @@
 """Simulated models for load tests and demos: ``sim/...`` with latency, failures and token counts.
 
-Owns the simulation: seeded jitter and failures, deterministic text derived from the last
-user message, and JSON that fits a requested schema. It performs no network I/O.
+Owns the simulation: seeded jitter, failures and malformed replies, deterministic text
+derived from the last user message, and JSON that fits a requested schema (any pydantic
+``response_format``, engine emission bundles included). It performs no network I/O.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import random
+import re
 import time
 from typing import Any
 
@@ -18,7 +21,10 @@ from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderUna
 from .limits import estimate_tokens, record_call, record_failure
 from .scripted import prompt_text
 
-__all__ = ["PRESETS", "SimulatedProvider", "SimulationSettings", "example_from_schema"]
+__all__ = ["MALFORMED_STYLES", "PRESETS", "SimulatedProvider", "SimulationSettings", "example_from_schema",
+           "malformed_reply"]
+
+MALFORMED_STYLES = ("prose", "truncated", "wrong_shape")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,6 +34,8 @@ class SimulationSettings:
     failure_rate: float = 0.0
     prompt_tokens: int | None = None
     completion_tokens: int = 32
+    malformed_rate: float = 0.0
+    list_items: int = 1
 
 
 # ``sim/<preset>`` overrides these fields of the provider's own settings; any other model
@@ -37,25 +45,38 @@ PRESETS: dict[str, dict[str, Any]] = {
     "fast": {"latency": 0.01, "jitter": 0.0},
     "slow": {"latency": 1.0},
     "flaky": {"failure_rate": 0.25},
+    "malformed": {"malformed_rate": 0.25},
 }
+
+
+def _rate(name: str, value: float, provider: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise ProviderConfigError(f"{name} must be within [0, 1], got {value!r}", provider=provider)
+    return float(value)
 
 
 class SimulatedProvider:
     """Sleeps ``latency`` (+ up to ``jitter``), fails with ProviderUnavailable at ``failure_rate``.
 
-    Jitter and failures come from one ``random.Random(seed)``, so a seeded provider called
-    in the same order fails on the same calls. Replies are derived from the last user
-    message; with a JSON-schema ``response_format`` the reply is JSON fitting the schema.
-    ``prompt_tokens`` None estimates them from the prompt's length.
+    Jitter, failures and malformed replies come from one ``random.Random(seed)``, so a
+    seeded provider called in the same order behaves the same way. Replies are derived
+    from the last user message; with a JSON-schema ``response_format`` the reply is JSON
+    fitting the schema, with ``list_items`` items per array. At ``malformed_rate`` a
+    structured request gets a broken reply instead (prose, truncated JSON, or JSON of
+    the wrong shape), so repair paths can be exercised. ``prompt_tokens`` None
+    estimates them from the prompt's length.
     """
 
     def __init__(self, latency: float = 0.05, jitter: float = 0.0, failure_rate: float = 0.0,
                  prompt_tokens: int | None = None, completion_tokens: int = 32, seed: int | None = None,
-                 *, name: str = "sim") -> None:
-        if not 0.0 <= failure_rate <= 1.0:
-            raise ProviderConfigError(f"failure_rate must be within [0, 1], got {failure_rate}", provider=name)
+                 *, name: str = "sim", malformed_rate: float = 0.0, list_items: int = 1) -> None:
+        failure_rate = _rate("failure_rate", failure_rate, name)
+        malformed_rate = _rate("malformed_rate", malformed_rate, name)
+        if isinstance(list_items, bool) or not isinstance(list_items, int) or list_items < 0:
+            raise ProviderConfigError(f"list_items must be an integer >= 0, got {list_items!r}", provider=name)
         self.name = name
-        self.settings = SimulationSettings(latency, jitter, failure_rate, prompt_tokens, completion_tokens)
+        self.settings = SimulationSettings(latency, jitter, failure_rate, prompt_tokens, completion_tokens,
+                                           malformed_rate, list_items)
         self._rng = random.Random(seed)
 
     def __repr__(self) -> str:
@@ -69,9 +90,11 @@ class SimulatedProvider:
         started = time.perf_counter()
         _, model_name = parse_model_id(request.model)
         settings = self.settings_for(model_name)
-        # Draw both numbers up front so the sequence does not depend on which calls fail.
+        # Draw every number up front so the sequence does not depend on which calls fail.
         delay = settings.latency + (self._rng.uniform(0.0, settings.jitter) if settings.jitter else 0.0)
         fails = self._rng.random() < settings.failure_rate
+        broken = self._rng.random() < settings.malformed_rate
+        style = MALFORMED_STYLES[self._rng.randrange(len(MALFORMED_STYLES))]
         if delay > 0:
             await asyncio.sleep(delay)
         if fails:
@@ -80,18 +103,21 @@ class SimulatedProvider:
                 f"simulated failure of {request.model!r} (failure_rate={settings.failure_rate})",
                 provider=self.name, status=503,
             )
+        content = self._content(request, model_name, settings.list_items)
+        if broken and (request.response_format or {}).get("type") in ("json_schema", "json_object"):
+            content = malformed_reply(content, style)
         prompt = prompt_text(request)
         usage = Usage(
             prompt_tokens=estimate_tokens(prompt) if settings.prompt_tokens is None else settings.prompt_tokens,
             completion_tokens=settings.completion_tokens,
         )
-        response = ChatResponse(content=self._content(request, model_name), usage=usage, model=request.model,
-                                provider=self.name, finish_reason="stop")
+        response = ChatResponse(content=content, usage=usage, model=request.model, provider=self.name,
+                                finish_reason="stop")
         record_call(self.name, usage, time.perf_counter() - started)
         return response
 
     @staticmethod
-    def _content(request: ChatRequest, model_name: str) -> str:
+    def _content(request: ChatRequest, model_name: str, list_items: int = 1) -> str:
         last_user = next((m.get("content") for m in reversed(request.messages) if m.get("role") == "user"), "")
         last_user = last_user if isinstance(last_user, str) else json.dumps(last_user, sort_keys=True)
         digest = hashlib.sha256(last_user.encode()).hexdigest()[:8]
@@ -99,18 +125,137 @@ class SimulatedProvider:
         if response_format.get("type") == "json_schema":
             schema = response_format.get("json_schema", {})
             schema = schema.get("schema", schema)
-            return json.dumps(example_from_schema(schema, hint=f"sim-{digest}"))
+            return json.dumps(example_from_schema(schema, hint=f"sim-{digest}", list_items=list_items))
         if response_format.get("type") == "json_object":
             return json.dumps({"reply": f"sim-{digest}", "prompt": last_user[:80]})
         snippet = " ".join(last_user.split())[:80]
         return f"[{model_name} {digest}] simulated reply to: {snippet}"
 
 
-def example_from_schema(schema: dict[str, Any], *, hint: str = "example",
-                        root: dict[str, Any] | None = None, depth: int = 0) -> Any:
-    """A value that fits a JSON schema (objects, arrays, scalars, enums, $ref, anyOf).
+# -- schema-valid values -----------------------------------------------------------------------
 
-    Every property is filled, not only the required ones; strings carry ``hint``.
+_FORMATS = {
+    "date-time": "2024-01-01T00:00:00Z",
+    "date": "2024-01-01",
+    "time": "00:00:00",
+    "email": "sim@example.com",
+    "uri": "https://example.com/sim",
+    "url": "https://example.com/sim",
+    "uuid": "00000000-0000-4000-8000-000000000000",
+    "ipv4": "127.0.0.1",
+    "ipv6": "::1",
+    "hostname": "example.com",
+    "duration": "P1D",
+}
+_CLASS_SAMPLES = {"d": "0", "D": "a", "w": "a", "W": "-", "s": " ", "S": "a"}
+
+
+def _choice(options: list[Any], hint: str) -> Any:
+    """One of ``options``, chosen by the hint's hash: varied across fields, stable per prompt."""
+    return options[int(hashlib.sha256(hint.encode()).hexdigest()[:8], 16) % len(options)]
+
+
+def _fraction(hint: str) -> float:
+    return int(hashlib.sha256(hint.encode()).hexdigest()[8:16], 16) / 0xFFFFFFFF
+
+
+def _from_pattern(pattern: str) -> str | None:
+    """A shortest string for a simple regex (literals, classes, \\d\\w\\s, quantifiers); None if too complex."""
+    out: list[str] = []
+    index = 0
+    body = pattern[1:] if pattern.startswith("^") else pattern
+    body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
+    while index < len(body):
+        char = body[index]
+        if char in "()|":
+            return None
+        if char == "\\" and index + 1 < len(body):
+            atom = _CLASS_SAMPLES.get(body[index + 1], body[index + 1])
+            index += 2
+        elif char == "[":
+            end = body.find("]", index + 2)
+            if end == -1:
+                return None
+            members = body[index + 1:end]
+            if members.startswith("^"):
+                atom = "a" if "a" not in members else "_"
+            elif len(members) >= 3 and members[1] == "-":
+                atom = members[0]
+            else:
+                atom = members[0] if members[0] != "\\" else _CLASS_SAMPLES.get(members[1:2], members[1:2])
+            index = end + 1
+        elif char == ".":
+            atom, index = "a", index + 1
+        else:
+            atom, index = char, index + 1
+        repeat = 1
+        if index < len(body) and body[index] in "*+?{":
+            if body[index] in "*?":
+                repeat, index = 0, index + 1
+            elif body[index] == "+":
+                repeat, index = 1, index + 1
+            else:
+                end = body.find("}", index)
+                if end == -1:
+                    return None
+                low = body[index + 1:end].split(",")[0]
+                if not low.isdigit():
+                    return None
+                repeat, index = int(low), end + 1
+            if index < len(body) and body[index] in "?+":  # lazy or possessive suffix
+                index += 1
+        out.append(atom * repeat)
+    return "".join(out)
+
+
+def _string(schema: dict[str, Any], hint: str) -> str:
+    value = _FORMATS.get(schema.get("format", ""), hint)
+    pattern = schema.get("pattern")
+    if pattern is not None and re.search(pattern, value) is None:
+        value = _from_pattern(pattern) or value
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if len(value) < low:
+        value = value + "x" * (low - len(value))
+    if high is not None and len(value) > high:
+        value = value[:high]
+    return value
+
+
+def _number(schema: dict[str, Any], hint: str, integer: bool) -> int | float:
+    step = 1 if integer else 0.0
+    low = schema.get("minimum")
+    if "exclusiveMinimum" in schema:
+        low = schema["exclusiveMinimum"] + (1 if integer else 1e-6)
+    high = schema.get("maximum")
+    if "exclusiveMaximum" in schema:
+        high = schema["exclusiveMaximum"] - (1 if integer else 1e-6)
+    if low is not None and high is not None:
+        value = low + (high - low) * _fraction(hint)  # inside a closed range: spread, not pinned
+    elif low is not None:
+        value = max(low, 1)
+    elif high is not None:
+        value = min(high, 1)
+    else:
+        value = 1
+    multiple = schema.get("multipleOf")
+    if multiple:
+        value = math.ceil(value / multiple) * multiple
+        if high is not None and value > high:
+            value -= multiple
+    if integer:
+        return int(math.ceil(value)) if low is not None and value < low + step else int(value)
+    return float(round(value, 6)) if not multiple else float(value)
+
+
+def example_from_schema(schema: dict[str, Any], *, hint: str = "example", root: dict[str, Any] | None = None,
+                        depth: int = 0, list_items: int = 1) -> Any:
+    """A value that fits a JSON schema (pydantic's: objects, arrays, scalars, enums, $ref, anyOf...).
+
+    Every property is filled, not only the required ones; strings carry ``hint`` (one
+    more segment per property and list index, so list items differ). Arrays get
+    ``list_items`` items within ``minItems``/``maxItems``; numbers stay within their
+    bounds; enum members and bounded numbers vary with the hint. Defaults are used for
+    scalars only, so a list field with an empty default still gets items.
     """
     root = schema if root is None else root
     if depth > 16:  # a recursive schema: stop rather than recurse forever
@@ -119,33 +264,93 @@ def example_from_schema(schema: dict[str, Any], *, hint: str = "example",
         target: Any = root
         for part in schema["$ref"].lstrip("#/").split("/"):
             target = target[part]
-        return example_from_schema(target, hint=hint, root=root, depth=depth + 1)
+        return example_from_schema(target, hint=hint, root=root, depth=depth + 1, list_items=list_items)
     if "const" in schema:
         return schema["const"]
-    if "enum" in schema:
-        return schema["enum"][0]
-    if "default" in schema:
-        return schema["default"]
-    for combinator in ("anyOf", "oneOf", "allOf"):
+    if schema.get("enum"):
+        return _choice(list(schema["enum"]), hint)
+    if "allOf" in schema:
+        merged: dict[str, Any] = {}
+        for part in schema["allOf"]:
+            part = _resolved(part, root)
+            merged.update(part)
+        merged.update({k: v for k, v in schema.items() if k != "allOf"})
+        return example_from_schema(merged, hint=hint, root=root, depth=depth + 1, list_items=list_items)
+    for combinator in ("anyOf", "oneOf"):
         if combinator in schema:
             options = [s for s in schema[combinator] if s.get("type") != "null"] or schema[combinator]
-            return example_from_schema(options[0], hint=hint, root=root, depth=depth + 1)
+            if "default" in schema and _scalar(schema, root):
+                return schema["default"]
+            return example_from_schema(options[0], hint=hint, root=root, depth=depth + 1, list_items=list_items)
     kind = schema.get("type", "object" if "properties" in schema else "string")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
+    if "default" in schema and kind not in ("object", "array"):
+        return schema["default"]
     if kind == "object":
-        return {name: example_from_schema(sub, hint=f"{hint}-{name}", root=root, depth=depth + 1)
-                for name, sub in schema.get("properties", {}).items()}
+        value = {name: example_from_schema(sub, hint=f"{hint}-{name}", root=root, depth=depth + 1,
+                                           list_items=list_items)
+                 for name, sub in schema.get("properties", {}).items()}
+        extra = schema.get("additionalProperties")
+        needed = schema.get("minProperties", 0) - len(value)
+        if isinstance(extra, dict) and needed > 0:
+            for index in range(needed):
+                value[f"{hint}-key{index}"] = example_from_schema(extra, hint=f"{hint}-value{index}", root=root,
+                                                                  depth=depth + 1, list_items=list_items)
+        return value
     if kind == "array":
-        count = max(1, schema.get("minItems", 1))
-        return [example_from_schema(schema.get("items", {}), hint=hint, root=root, depth=depth + 1)
-                for _ in range(count)]
+        prefix = schema.get("prefixItems") or []
+        count = max(len(prefix), schema.get("minItems", 0), list_items)
+        if schema.get("maxItems") is not None:
+            count = min(count, schema["maxItems"])
+        if schema.get("items") is False:
+            count = min(count, len(prefix))
+        items = []
+        for index in range(count):
+            item_schema = prefix[index] if index < len(prefix) else (schema.get("items") or {})
+            items.append(example_from_schema(item_schema, hint=f"{hint}-{index}" if index else hint, root=root,
+                                             depth=depth + 1, list_items=list_items))
+        if schema.get("uniqueItems"):
+            unique: list[Any] = []
+            for item in items:
+                if item not in unique:
+                    unique.append(item)
+            items = unique
+        return items
     if kind == "integer":
-        return max(1, schema.get("minimum", 1))
+        return _number(schema, hint, integer=True)
     if kind == "number":
-        return float(max(1, schema.get("minimum", 1)))
+        return _number(schema, hint, integer=False)
     if kind == "boolean":
         return True
     if kind == "null":
         return None
-    return hint
+    return _string(schema, hint)
+
+
+def _resolved(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
+    seen = 0
+    while "$ref" in schema and seen < 16:
+        target: Any = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            target = target[part]
+        schema, seen = target, seen + 1
+    return schema
+
+
+def _scalar(schema: dict[str, Any], root: dict[str, Any]) -> bool:
+    """Whether every non-null option of an anyOf/oneOf is a scalar (so its default may be used)."""
+    for option in schema.get("anyOf", schema.get("oneOf", [])):
+        option = _resolved(option, root)
+        if option.get("type") in ("object", "array") or "properties" in option or "items" in option:
+            return False
+    return True
+
+
+def malformed_reply(text: str, style: str) -> str:
+    """``text`` (a valid JSON reply) broken the way ``style`` says, to exercise parse repair."""
+    if style == "prose":
+        return "I looked at this carefully and I think it is fine overall; no JSON needed."
+    if style == "truncated":
+        return text[: max(1, len(text) // 2)]
+    return json.dumps({"unexpected": "shape", "note": "fields are missing"})

@@ -1,0 +1,270 @@
+"""PlanningEngine: plan TaskAssignments, build the DAG, run it through run_dag, synthesise (ADR-0034 D4).
+
+Owns the planning domain: the planner's structured output (assignments naming roster
+roles), its validation (unknown assignees dropped, the ADR-0033 D2 ordinal normaliser,
+cap and cycle checks, one retry of an empty plan, then PlanError), the DAG built with
+the kernel's ``build_dag_graph``, reactive growth routed by ``role_node_builder``, and
+the exempt synthesis turn. It is the only engine that submits a graph (``run_dag``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from opgraph.kernel import (
+    Operation,
+    SpawnRequest,
+    TaskAssignment,
+    build_dag_graph,
+    normalise_dependency_ordinals,
+    role_node_builder,
+)
+
+from opgraph.kernel.patterns import DependencyReferenceWarning
+
+from .engine import Engine
+from .errors import EngineInputError, PlanError
+from .events import EngineEvent
+from .port import TurnError
+from .run import MALFORMED_ERROR_TYPES, EngineRun
+from .usage import ENGINE_OPERATE
+
+__all__ = ["DEFAULT_ROLES", "PlanProposed", "PlanningEngine", "TaskOutput", "TaskSettled", "plan_model"]
+
+DEFAULT_ROLES: dict[str, str] = {
+    "researcher": "gathers facts, sources and prior work",
+    "analyst": "reasons over evidence, numbers and trade-offs",
+    "writer": "drafts clear, complete text",
+    "critic": "finds flaws, risks and missing cases",
+}
+
+
+class PlanProposed(EngineEvent):
+    """The validated plan the orchestrator produced (unknown assignees already dropped)."""
+
+    assignments: list[TaskAssignment]
+    dropped: list[str] = Field(default_factory=list)
+
+
+class TaskSettled(EngineEvent):
+    """One planned or spawned node of the DAG settled (from the flow's envelope)."""
+
+    node_id: str
+    assignee: str = ""
+    status: str
+    text: str = ""
+
+
+class TaskOutput(BaseModel):
+    """A reactive task node's reply: its answer and any follow-up work it asks for."""
+
+    text: str
+    spawn: list[SpawnRequest] = Field(default_factory=list)
+
+
+def _normal(role: str) -> str:
+    return str(role).strip().lower().replace("_", "-")
+
+
+@lru_cache(maxsize=64)
+def plan_model(roster: tuple[str, ...]) -> type[BaseModel]:
+    """The planner's structured output; the schema names the roster, so assignees are roles."""
+
+    def assignee_schema(schema: dict[str, Any]) -> None:
+        schema["enum"] = list(roster)
+
+    class PlannedTask(BaseModel):
+        task: str
+        assignee: str = Field(json_schema_extra=assignee_schema)
+        inputs: list[str] = Field(default_factory=list)
+        exit_criteria: str | None = None
+        depends_on: list[str] = Field(default_factory=list,
+                                      description="1-based step numbers of real data dependencies only")
+
+    class Plan(BaseModel):
+        assignments: list[PlannedTask]
+
+    return Plan
+
+
+class PlanningEngine(Engine):
+    """Plans with an orchestrator, runs the plan as an operation DAG, then synthesises.
+
+    ``roles`` maps each roster role to what it does; ``reactive`` lets task nodes ask
+    for follow-up work (SpawnRequest) routed to a roster role (the emitter's own when
+    none is named), at most ``max_spawn`` of them. ``run(prompt)`` returns an EngineResult.
+    """
+
+    kind = "planning"
+
+    def __init__(self, *, roles: Mapping[str, str] | None = None, reactive: bool = True, max_assignments: int = 12,
+                 max_spawn: int = 20, repair_retries: int = 1, **engine_settings: Any) -> None:
+        super().__init__(**engine_settings)
+        roles = dict(DEFAULT_ROLES if roles is None else roles)
+        if not roles or any(not isinstance(name, str) or not name.strip() for name in roles):
+            raise EngineInputError(f"roles must name at least one role, got {list(roles)!r}")
+        for name, value in (("max_assignments", max_assignments), ("max_spawn", max_spawn)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "max_assignments" else 0):
+                raise EngineInputError(f"{name} must be a non-negative integer (max_assignments >= 1), got {value!r}")
+        self.roles = roles
+        self.reactive = bool(reactive)
+        self.max_assignments = max_assignments
+        self.max_spawn = max_spawn
+        self.repair_retries = repair_retries
+
+    def validate(self, prompt: Any = None, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise EngineInputError("planning needs a non-empty prompt")
+
+    def describe_input(self, prompt: str = "", *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {"prompt": prompt[:4000], "roles": list(self.roles)}
+
+    def config(self) -> dict[str, Any]:
+        return {**super().config(), "roles": list(self.roles), "reactive": self.reactive,
+                "max_assignments": self.max_assignments, "max_spawn": self.max_spawn}
+
+    # -- planning --------------------------------------------------------------------------
+    def _planner_instruction(self, prompt: str, retry: bool) -> str:
+        roster = "\n".join(f"- {name}: {duty}" for name, duty in self.roles.items())
+        text = (f"Plan the work for this task as a wide DAG of assignments.\n\nTask: {prompt}\n\nRoles (assign "
+                f"only these):\n{roster}\n\nGive each assignment a task, an assignee, and depends_on with the "
+                f"1-based numbers of earlier assignments only where it needs their results. At most "
+                f"{self.max_assignments} assignments; at most {self.max_assignments + self.max_spawn} operations "
+                f"including spawned follow-ups.")
+        if retry:
+            text += "\n\nYour previous plan had no usable assignment. Return only the assignments."
+        return text
+
+    def _validated(self, run: EngineRun, planned: Any) -> tuple[list[TaskAssignment], list[str]]:
+        """Assignments naming roster roles (``-``/``_`` equivalent); the rest dropped by name."""
+        by_normal = {_normal(name): name for name in self.roles}
+        kept, dropped = [], []
+        for item in getattr(planned, "assignments", None) or []:
+            role = by_normal.get(_normal(item.assignee))
+            if role is None:
+                dropped.append(item.assignee)
+                continue
+            kept.append(TaskAssignment(task=item.task, assignee=role, inputs=list(item.inputs),
+                                       exit_criteria=item.exit_criteria, depends_on=list(item.depends_on)))
+        if dropped:
+            run.notify("assignees_dropped", assignees=dropped, known=list(self.roles))
+        return kept, dropped
+
+    async def _plan(self, run: EngineRun, prompt: str) -> tuple[list[TaskAssignment], list[str]]:
+        planner = await run.make_agent("orchestrator", name="orchestrator")
+        for retry in (False, True):
+            try:
+                result = await run.turn(planner, self._planner_instruction(prompt, retry),
+                                        response_format=plan_model(tuple(self.roles)))
+                planned = result.response
+            except TurnError as error:
+                if getattr(error, "error_type", None) not in MALFORMED_ERROR_TYPES:
+                    raise
+                planned = None
+            assignments, dropped = self._validated(run, planned)
+            if len(assignments) > self.max_assignments:
+                raise PlanError(f"the plan has {len(assignments)} assignments; the cap is {self.max_assignments}",
+                                run_id=run.run_id)
+            if assignments:
+                return assignments, dropped
+            run.notify("plan_empty", retry=not retry)
+        raise PlanError("the planner returned no usable assignment, even after one retry", run_id=run.run_id)
+
+    # -- the DAG ---------------------------------------------------------------------------
+    def _graph(self, run: EngineRun, assignments: list[TaskAssignment], branches: dict[str, str]) -> Any:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", DependencyReferenceWarning)
+            for index, assignment in enumerate(assignments):  # report what the normaliser drops
+                normalise_dependency_ordinals(assignment.depends_on, index, len(assignments))
+            graph, _ = build_dag_graph(assignments, branches, operation=ENGINE_OPERATE)
+        dropped = sorted({str(w.message) for w in caught if issubclass(w.category, DependencyReferenceWarning)})
+        if dropped:
+            run.notify("dependencies_dropped", references=dropped)
+        if not graph.is_acyclic():
+            raise PlanError("the plan's dependencies form a cycle", run_id=run.run_id)
+        for node in graph.nodes.values():
+            model = self.model_for(node.metadata.get("assignee", ""))
+            if model:
+                node.parameters["model"] = model
+            if self.reactive:
+                node.parameters["response_format"] = TaskOutput
+        return graph
+
+    def _node_builder(self, branches: dict[str, str]) -> Any:
+        """``role_node_builder`` over the roster; a request naming no role goes to its emitter's.
+
+        Routed ``operate`` children run metered (``engine_operate``: the same verb, with usage).
+        """
+        route = role_node_builder(branches)
+        models = {role: self.model_for(role) for role in branches}
+
+        def build(request: SpawnRequest, emitter: Operation | None) -> Operation:
+            if request.assignee is None and emitter is not None and emitter.metadata.get("assignee") in branches:
+                request = request.model_copy(update={"assignee": emitter.metadata["assignee"]})
+            child = route(request, emitter)
+            role = child.metadata.get("assignee")
+            if child.operation == "operate":
+                child.operation = ENGINE_OPERATE
+            if role in models and models[role]:
+                child.parameters["model"] = models[role]
+            return child
+
+        return build
+
+    async def _run(self, run: EngineRun, prompt: str) -> str:
+        assignments, dropped = await self._plan(run, prompt)
+        run.emit(PlanProposed(assignments=assignments, dropped=dropped), agent="orchestrator")
+        branches: dict[str, str] = {}
+        for role in dict.fromkeys(a.assignee for a in assignments):
+            agent = await run.make_agent(role, name=role, extra_prompt=f"You {self.roles[role]}.")
+            branches[role] = agent.id
+        graph = self._graph(run, assignments, branches)
+        if not run.budget_left():
+            raise run._refuse("the planned DAG")
+        envelope = await run.run_dag(graph, reactive=self.reactive, spawn_type=SpawnRequest,
+                                     node_builder=self._node_builder(branches) if self.reactive else None,
+                                     max_spawn=self.max_spawn, max_concurrent=self.max_concurrent,
+                                     context={"task": prompt})
+        self._record_settlements(run, graph, envelope)
+        synthesizer = await run.make_agent("synthesizer", name="synthesizer", exempt=True,
+                                           model=self.model_for("synthesizer"))
+        result = await run.turn(synthesizer, self._synthesis_instruction(run, prompt))
+        return result.response if isinstance(result.response, str) else str(result.response)
+
+    def _record_settlements(self, run: EngineRun, graph: Any, envelope: dict[str, Any]) -> None:
+        results = envelope.get("operation_results", {})
+        for node_id, status in envelope.get("operation_statuses", {}).items():
+            result = results.get(node_id)
+            node = graph.nodes.get(node_id)
+            assignee = (node.metadata.get("assignee") if node is not None else None) or ""
+            if isinstance(result, dict) and "usage" in result:
+                run.budget.add_usage(result["usage"])
+            if isinstance(result, dict):
+                text = result.get("text") if "text" in result else result.get("error", "")
+            else:
+                text = "" if result is None else str(result)
+            run.emit(TaskSettled(node_id=node_id, assignee=assignee, status=status, text=str(text)[:4000]))
+        if run.budget.exhausted() in ("tokens", "cost"):
+            run._note_budget_exhausted(run.budget.exhausted())
+
+    def _synthesis_instruction(self, run: EngineRun, prompt: str) -> str:
+        parts = [f"Task: {prompt}", "Results of the planned work:"]
+        for settled in run.by_type(TaskSettled):
+            parts.append(f"- [{settled.assignee or 'spawned'} · {settled.status}] {settled.text[:2000]}")
+        parts.append("Write the final answer to the task from these results.")
+        return "\n".join(parts)
+
+    async def _partial_export(self, run: EngineRun) -> str | None:
+        """The plan and whatever settled, without a model call."""
+        plans = run.by_type(PlanProposed)
+        if not plans:
+            return None
+        lines = [f"Planning stopped early ({run.degrade_reason or 'budget'}); the plan and what settled:"]
+        lines += [f"{i}. [{a.assignee}] {a.task}" for i, a in enumerate(plans[-1].assignments, start=1)]
+        lines += [f"- [{s.assignee or 'spawned'} · {s.status}] {s.text[:500]}" for s in run.by_type(TaskSettled)]
+        return "\n".join(lines)

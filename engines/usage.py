@@ -1,0 +1,116 @@
+"""Provider usage of one operation, measured where the model calls run (an OperationWorker).
+
+Owns ``UsageMeter`` (a branch handle whose providers count tokens per model) and the
+operations engines register on their Session: ``engine_operate``, a DAG node's metered
+``operate`` that returns its text and usage, and ``engine_turn``, any verb metered (the
+temporary turn adapter's operation, see port.py). These run inside workers, never in
+the driver, and change nothing about the verbs they wrap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opgraph.actors.verbs import VERB_OPERATIONS, VerbParameterError, operate
+from opgraph.kernel import SpawnRequest, extract_requests, to_mapping
+
+__all__ = ["ENGINE_OPERATE", "ENGINE_TURN", "UsageMeter", "engine_operate", "engine_turn", "empty_usage"]
+
+ENGINE_OPERATE = "engine_operate"
+ENGINE_TURN = "engine_turn"
+
+
+def empty_usage() -> dict[str, Any]:
+    return {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "by_model": {}}
+
+
+class _CountingProvider:
+    """Wraps a provider: every completed call adds its usage to the meter, by model."""
+
+    def __init__(self, inner: Any, meter: UsageMeter) -> None:
+        self._inner = inner
+        self._meter = meter
+        self.name = getattr(inner, "name", "provider")
+
+    async def complete(self, request: Any) -> Any:
+        response = await self._inner.complete(request)
+        self._meter.add(request.model, response.usage)
+        return response
+
+
+class _MeteredBranch:
+    """The worker's branch handle with metered providers; everything else is the branch's own."""
+
+    def __init__(self, branch: Any, meter: UsageMeter) -> None:
+        self._branch = branch
+        self._meter = meter
+
+    def provider_for(self, model: str) -> Any:
+        return _CountingProvider(self._branch.provider_for(model), self._meter)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._branch, name)
+
+
+class UsageMeter:
+    """Token usage of every model call made through ``meter.branch``, in ``TurnResult.usage`` shape."""
+
+    def __init__(self, branch: Any) -> None:
+        self.branch = _MeteredBranch(branch, self)
+        self.usage = empty_usage()
+
+    def add(self, model: str, usage: Any) -> None:
+        prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
+        completion = int(getattr(usage, "completion_tokens", 0) or 0)
+        totals = self.usage
+        totals["calls"] += 1
+        totals["prompt_tokens"] += prompt
+        totals["completion_tokens"] += completion
+        totals["total_tokens"] += prompt + completion
+        per_model = totals["by_model"].setdefault(model, {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0})
+        per_model["prompt_tokens"] += prompt
+        per_model["completion_tokens"] += completion
+        per_model["calls"] += 1
+
+
+def _text_of(response: Any) -> str:
+    if isinstance(response, str):
+        return response
+    text = getattr(response, "text", None)
+    if isinstance(text, str):
+        return text
+    return str(to_mapping(response))
+
+
+async def engine_operate(branch: Any, instruction: str = "", context: Any = None, model: str | None = None, *,
+                         inputs: list[str] | None = None, **options: Any) -> dict[str, Any]:
+    """A planned task node: ``operate`` with usage, returning ``{"text", "usage", "spawn"}``.
+
+    ``inputs`` (a TaskAssignment's named inputs) are stated under the instruction, so the
+    verb gets only parameters it knows. ``spawn`` holds the SpawnRequests of a structured
+    reply, where the worker finds them for reactive growth.
+    """
+    if inputs:
+        instruction = f"{instruction}\n\nInputs: {', '.join(str(item) for item in inputs)}"
+    meter = UsageMeter(branch)
+    response = await operate(meter.branch, instruction, context, model, **options)
+    return {"text": _text_of(response), "usage": meter.usage,
+            "spawn": extract_requests(response, (SpawnRequest,))}
+
+
+async def engine_turn(branch: Any, verb: str = "operate", arguments: dict[str, Any] | None = None,
+                      context: Any = None) -> dict[str, Any]:
+    """Run one registered verb on ``branch`` and return ``{"response", "usage"}``.
+
+    The flow's own ``context`` (empty for a one-node graph) is ignored; a caller's
+    context travels inside ``arguments``.
+    """
+    del context
+    registered = VERB_OPERATIONS.get(verb)
+    if registered is None:
+        raise VerbParameterError(f"engine_turn: {verb!r} is not a branch verb; known: "
+                                 f"{', '.join(sorted(VERB_OPERATIONS))}", node_id=getattr(branch, "node_id", None),
+                                 branch_id=getattr(branch, "id", None))
+    meter = UsageMeter(branch)
+    response = await registered.fn(meter.branch, **dict(arguments or {}))
+    return {"response": response, "usage": meter.usage}
