@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+from .engine_cli import add_engine_parser, add_run_show_parser
 from .workflow_cli import add_flow_parser, add_run_arguments, add_workflows_parser
 
 __all__ = ["main"]
@@ -94,6 +95,7 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_run_demo)
     add_flow_parser(subcommands)
     add_workflows_parser(subcommands)
+    add_engine_parser(subcommands)
     api = subcommands.add_parser(
         "serve", help="serve the workflow HTTP API (definitions CRUD, 202-admitted runs) until Ctrl-C",
         description="FastAPI server of the fixed-workflow lane: /api/workflows (CRUD, versions) and "
@@ -169,6 +171,7 @@ def _build_parser() -> argparse.ArgumentParser:
                              help='Ray address ("auto", "ray://host:port", "host:port"; default: RAY_ADDRESS or auto)')
         command.add_argument("--namespace", default="opgraph", help="Ray namespace of the runtime (opgraph)")
         command.set_defaults(handler=_run_action)
+    add_run_show_parser(run_commands)
     return parser
 
 

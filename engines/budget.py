@@ -113,9 +113,9 @@ class BudgetLimits:
     max_cost_usd: float | None = None
 
     def __post_init__(self) -> None:
-        if self.max_agents is None:
-            raise EngineInputError("max_agents must be a positive integer, got None")
-        _positive("max_agents", self.max_agents, integer=True)
+        if self.max_agents is None or isinstance(self.max_agents, bool) or not isinstance(self.max_agents, int) \
+                or self.max_agents < 1:
+            raise EngineInputError(f"max_agents must be a positive integer, got {self.max_agents!r}")
         _positive("deadline_s", self.deadline_s, integer=False)
         _positive("max_tokens", self.max_tokens, integer=True)
         _positive("max_cost_usd", self.max_cost_usd, integer=False)

@@ -333,9 +333,14 @@ class Engine:
         exhaustion fails closed (False); any other error fails open (``judge_error``, True).
         """
         counters = self.statistics_counters
+
+        def judged(outcome: str, allowed: bool, **data: Any) -> bool:
+            counters.judged(outcome)
+            run.notify("judged", eid=eid, outcome=outcome, allowed=allowed, **data)
+            return allowed
+
         if not self.judge_model:
-            counters.judged("skipped")
-            return True
+            return judged("skipped", True)
         try:
             agent = run.agents.get("judge") or await run.make_agent(self.judge_role, name="judge",
                                                                      model=self.judge_model, emits=(JudgeVerdict,))
@@ -344,21 +349,16 @@ class Engine:
                            f"Reply with a JSON object matching this schema, with subject set to {eid!r}: {schema}")
             result = await run.turn(agent, instruction, operation="chat")
         except EngineBudgetError:
-            counters.judged("budget")
-            run.notify("judge_budget", eid=eid)
-            return False
+            return judged("budget", False)
         except Exception as exc:  # noqa: BLE001 - D3: infrastructure failure fails open, recorded
-            counters.judged("error")
             run.notify("judge_error", eid=eid, error=str(exc), error_type=type(exc).__name__)
-            return True
+            return judged("error", True)
         text = result.response if isinstance(result.response, str) else str(result.response)
         for verdict in self._verdicts(run, agent, text):
             if verdict.subject == eid:
-                counters.judged("allow" if verdict.allow else "reject")
-                return verdict.allow
+                return judged("allow" if verdict.allow else "reject", verdict.allow, typed=True)
         allowed = "reject" not in text.lower()
-        counters.judged("allow" if allowed else "reject")
-        return allowed
+        return judged("allow" if allowed else "reject", allowed, typed=False)
 
     @staticmethod
     def _verdicts(run: EngineRun, agent: Any, text: str) -> list[JudgeVerdict]:

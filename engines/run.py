@@ -192,11 +192,12 @@ class EngineRun:
         if not exempt and not self.budget_left():
             raise self._refuse(f"agent {name or role!r}")
         self.budget.agents_made += 1  # before the await: concurrent calls cannot overshoot
-        name = name or f"{role}-{self.budget.agents_made}"
+        ordinal = self.budget.agents_made
+        name = name or f"{role}-{ordinal}"
         model = model or self.engine.model_for(role)
         profile = role_profile(role, name=name, modes=tuple(modes or ()), extra_prompt=extra_prompt,
                                emits=tuple(emits))
-        branch_id = await self.port.new_branch(f"engine-{self.run_id}-{name}-{self.budget.agents_made}",
+        branch_id = await self.port.new_branch(f"engine-{self.run_id}-{name}-{ordinal}",
                                                [{"role": "system", "content": profile}])
         agent = Agent(id=branch_id, name=name, role=role, model=model, modes=tuple(modes or ()), tools=tuple(tools),
                       emits=tuple(emits), exempt=exempt, permissions=permissions, cwd=cwd, secure=secure,
@@ -204,7 +205,7 @@ class EngineRun:
         self.agents[name] = agent
         self.engine.statistics_counters.add("agents_made")
         self.notify("agent_created", agent=name, role=role, model=model, exempt=exempt, branch_id=branch_id,
-                    agents_made=self.budget.agents_made)
+                    ordinal=ordinal)
         if self.on_branch_created is not None:
             self.on_branch_created(agent)
         return agent

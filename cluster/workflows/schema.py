@@ -112,6 +112,20 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE runs ADD COLUMN owner_pid INTEGER",
         "ALTER TABLE runs ADD COLUMN owner_start TEXT",
     )),
+    # Engine runs (ADR-0034): every typed event and notification under the engine run's id.
+    Migration(4, "engine runs and their events", (
+        """CREATE TABLE engine_runs (
+            run_id TEXT PRIMARY KEY, engine TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('running', 'completed', 'degraded', 'failed', 'cancelled')),
+            inputs TEXT NOT NULL, config TEXT NOT NULL, result TEXT, degrade_reason TEXT NOT NULL DEFAULT '',
+            error TEXT, statistics TEXT, created_at REAL NOT NULL, finished_at REAL,
+            owner_host TEXT, owner_pid INTEGER, owner_start TEXT)""",
+        "CREATE INDEX engine_runs_created ON engine_runs(created_at)",
+        """CREATE TABLE engine_events (
+            run_id TEXT NOT NULL REFERENCES engine_runs(run_id), seq INTEGER NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('event', 'notification')), type TEXT NOT NULL,
+            agent TEXT, data TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (run_id, seq))""",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

@@ -1,0 +1,337 @@
+"""`opgraph engine run KIND ...` and `opgraph run show RUN_ID`: engines from a terminal or CI.
+
+Owns argument handling, reading a review target, the live progress display (rich on a
+terminal, one plain line per event elsewhere), printing a recorded run, and exit codes.
+It must not implement engine semantics: opgraph.engines does.
+
+Exit codes: 0 completed, 1 failed (or an unknown run id), 2 bad input (nothing ran),
+3 degraded (budget, deadline or missing emissions; partial result printed), 130 cancelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from opgraph.kernel import OpGraphError
+
+__all__ = [
+    "EXIT_CANCELLED", "EXIT_DEGRADED", "EXIT_FAILED", "EXIT_INVALID", "EngineProgress", "add_engine_parser",
+    "add_run_show_parser", "read_review_target", "run_engine", "show_run",
+]
+
+EXIT_FAILED, EXIT_INVALID, EXIT_DEGRADED, EXIT_CANCELLED = 1, 2, 3, 130
+MAX_REVIEW_CHARS = 200_000
+_EXIT_HELP = "Exit status: 0 completed, 1 failed, 2 bad input (nothing ran), 3 degraded (partial result), 130 cancelled."
+
+
+def read_review_target(path: str, max_chars: int = MAX_REVIEW_CHARS) -> str:
+    """The text to review: one file, or every non-hidden UTF-8 file under a folder, each with its name."""
+    from opgraph.engines import EngineInputError
+
+    target = Path(path).expanduser()
+    if not target.exists():
+        raise EngineInputError(f"the review path {path!r} does not exist")
+    if target.is_file():
+        files = [target]
+    else:
+        files = sorted(f for f in target.rglob("*")
+                       if f.is_file() and not any(part.startswith(".") for part in f.relative_to(target).parts))
+    chunks, total = [], 0
+    for file in files:
+        try:
+            text = file.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary or unreadable: not reviewable text
+        name = file.name if target.is_file() else str(file.relative_to(target))
+        chunk = f"--- {name} ---\n{text}"
+        total += len(chunk)
+        if total > max_chars:
+            raise EngineInputError(f"the review path {path!r} holds more than {max_chars} characters of text; "
+                                   "review a smaller file or folder")
+        chunks.append(chunk)
+    if not chunks or not any(chunk.split("\n", 1)[1].strip() for chunk in chunks):
+        raise EngineInputError(f"the review path {path!r} holds no text to review")
+    return "\n\n".join(chunks)
+
+
+def _short(data: dict[str, Any], limit: int = 160) -> str:
+    text = json.dumps({k: v for k, v in data.items() if k not in ("type", "agent")}, default=str,
+                      separators=(",", ":"))
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class EngineProgress:
+    """Live progress of one engine run: agents, events, budget left, the latest events.
+
+    On a terminal it is a rich live panel; elsewhere each event is one plain line.
+    """
+
+    def __init__(self, *, console: Any = None, live: bool | None = None) -> None:
+        from rich.console import Console
+
+        self.console = console or Console(stderr=True)
+        self.live_enabled = self.console.is_terminal if live is None else live
+        self.run: Any = None
+        self.count = 0
+        self.latest: deque[str] = deque(maxlen=8)
+        self.started = time.monotonic()
+        self._live = None
+
+    def attach(self, run: Any) -> EngineProgress:
+        self.run = run
+        return self
+
+    def __enter__(self) -> EngineProgress:
+        if self.live_enabled:
+            from rich.live import Live
+
+            self._live = Live(self._render(), console=self.console, refresh_per_second=8, transient=False)
+            self._live.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._live is not None:
+            self._live.update(self._render())
+            self._live.__exit__(*exc_info)
+            self._live = None
+
+    def budget_line(self) -> str:
+        if self.run is None:
+            return ""
+        budget = self.run.budget.snapshot()
+        tokens = f"{budget['tokens_used']}" + (f"/{budget['max_tokens']}" if budget["max_tokens"] else "")
+        line = f"agents {budget['agents_made']}/{budget['max_agents']} · tokens {tokens}"
+        if budget["max_cost_usd"]:
+            line += f" · cost ${budget['cost_usd']:.4f}/${budget['max_cost_usd']}"
+        if budget["seconds_left"] is not None:
+            line += f" · {budget['seconds_left']:.1f} s left"
+        return line
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.count += 1
+        elapsed = time.monotonic() - self.started
+        line = f"{elapsed:8.2f}s  {event.get('type', ''):<18} {event.get('agent') or '-':<22} {_short(event)}"
+        self.latest.append(line)
+        if self._live is not None:
+            self._live.update(self._render())
+        elif event.get("type") in ("agent_created", "budget_exhausted", "run_finished"):
+            self.console.print(f"{line}  [{self.budget_line()}]", highlight=False, markup=False, soft_wrap=True)
+        else:
+            self.console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+    def _render(self) -> Any:
+        from rich.console import Group
+        from rich.text import Text
+
+        title = Text(f"events {self.count} · {self.budget_line()} · {time.monotonic() - self.started:.1f} s",
+                     style="bold")
+        return Group(title, *(Text(line) for line in self.latest))
+
+
+def _price(item: str) -> tuple[str, tuple[float, float]]:
+    from opgraph.engines import EngineInputError
+
+    model, separator, pair = item.partition("=")
+    prompt, comma, completion = pair.partition(",")
+    try:
+        if not separator or not comma:
+            raise ValueError(item)
+        return model.strip(), (float(prompt), float(completion))
+    except ValueError:
+        raise EngineInputError(f"--price expects MODEL=PROMPT,COMPLETION ($ per million tokens), got {item!r}") from None
+
+
+def _settings(arguments: argparse.Namespace) -> dict[str, Any]:
+    settings: dict[str, Any] = {"max_agents": arguments.max_agents, "deadline_s": arguments.deadline,
+                                "max_tokens": arguments.max_tokens, "max_cost_usd": arguments.max_cost_usd,
+                                "max_concurrent": arguments.max_concurrent}
+    if arguments.model:
+        settings["model"] = arguments.model
+    if arguments.price:
+        settings["prices"] = dict(_price(item) for item in arguments.price)
+    if arguments.kind == "review" and arguments.dimensions:
+        settings["dimensions"] = tuple(d.strip() for d in arguments.dimensions.split(",") if d.strip())
+    return settings
+
+
+def _payload(result: Any, run: Any) -> dict[str, Any]:
+    degraded = bool(getattr(result, "degraded", False))
+    return {"run_id": run.run_id, "engine": run.engine.kind, "status": "degraded" if degraded else "completed",
+            "degraded": degraded, "degrade_reason": getattr(result, "degrade_reason", ""),
+            "skipped": list(getattr(result, "skipped", [])), "statistics": run.statistics(), "text": str(result)}
+
+
+async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> int:
+    from opgraph.actors import Session
+    from opgraph.actors.providers import SimulatedProvider
+
+    from .engine_store import EngineRunStore
+
+    store = EngineRunStore(arguments.store)
+    try:
+        session = Session(arguments.address)
+        if arguments.sim_items is not None or arguments.sim_malformed_rate is not None:
+            session.register_provider("sim", SimulatedProvider(
+                list_items=1 if arguments.sim_items is None else arguments.sim_items,
+                malformed_rate=arguments.sim_malformed_rate or 0.0, seed=arguments.sim_seed))
+        progress = EngineProgress(live=False if arguments.plain else None)
+        run = engine.new_run(session=session, on_event=progress, event_sink=store)
+        progress.attach(run)
+        print(f"engine run {run.run_id} ({engine.kind}); inspect it with: opgraph run show {run.run_id}",
+              file=sys.stderr, flush=True)
+        try:
+            with progress:
+                result = await engine.execute(run, subject)
+        except OpGraphError as exc:
+            print(f"engine run {run.run_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            if arguments.json:
+                print(json.dumps({"run_id": run.run_id, "engine": engine.kind, "status": "failed",
+                                  "error": str(exc), "error_type": type(exc).__name__}, indent=2))
+            return EXIT_FAILED
+    finally:
+        store.close()
+    payload = _payload(result, run)
+    if arguments.json:
+        print(json.dumps(payload, indent=2, default=str))
+    else:
+        reason = f" ({payload['degrade_reason']})" if payload["degraded"] else ""
+        skipped = f"; missing emissions: {', '.join(payload['skipped'])}" if payload["skipped"] else ""
+        print(f"engine run {run.run_id} {payload['status']}{reason} · {progress.budget_line()}{skipped}",
+              file=sys.stderr, flush=True)
+        print(str(result))
+    return EXIT_DEGRADED if payload["degraded"] else 0
+
+
+def run_engine(arguments: argparse.Namespace) -> int:
+    """``opgraph engine run KIND TARGET``: refuse bad input before anything starts, then run."""
+    from opgraph.engines import EngineInputError, engine_for
+
+    try:
+        engine = engine_for(arguments.kind, **_settings(arguments))
+        subject = read_review_target(arguments.target) if engine.kind == "review" else arguments.target
+        engine.validate(subject)
+        if arguments.sim_items is not None and arguments.sim_items < 0:
+            raise EngineInputError(f"--sim-items must be >= 0, got {arguments.sim_items}")
+        if arguments.sim_malformed_rate is not None and not 0.0 <= arguments.sim_malformed_rate <= 1.0:
+            raise EngineInputError(f"--sim-malformed-rate must be within [0, 1], got {arguments.sim_malformed_rate}")
+    except EngineInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    try:
+        return asyncio.run(_execute(arguments, engine, subject))
+    except KeyboardInterrupt:
+        print("cancelled", file=sys.stderr)
+        return EXIT_CANCELLED
+    except OpGraphError as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def add_engine_parser(subcommands: Any) -> None:
+    engine = subcommands.add_parser("engine", help="run a domain engine (planning, review) on the actor runtime")
+    engine.set_defaults(handler=lambda _: (engine.print_help(), 2)[1])
+    actions = engine.add_subparsers(dest="engine_command", metavar="ACTION")
+    run = actions.add_parser(
+        "run", help="run an engine: `planning PROMPT` or `review PATH`",
+        description="Run a domain engine (ADR-0034) with hard budgets: agents, deadline, tokens, cost. Agent "
+                    "turns run on the operation workers; every event is recorded in the store under the printed "
+                    "run id (`opgraph run show RUN_ID`). Live progress on a terminal, plain lines elsewhere; the "
+                    "result text is printed last.",
+        epilog=_EXIT_HELP)
+    run.add_argument("kind", metavar="KIND", help="planning or review")
+    run.add_argument("target", metavar="PROMPT-OR-PATH", help="the planning prompt, or the file or folder to review")
+    run.add_argument("--model", default=None,
+                     help="provider/model for every agent (default: OPGRAPH_DEFAULT_MODEL or sim/default)")
+    run.add_argument("--max-agents", type=int, default=50, help="hard bound on agents made (50)")
+    run.add_argument("--deadline", type=float, default=None, help="hard wall-clock bound in seconds (none)")
+    run.add_argument("--max-tokens", type=int, default=None, help="hard bound on provider tokens (none)")
+    run.add_argument("--max-cost-usd", type=float, default=None,
+                     help="hard bound on dollars, priced by --price (sim/ and scripted/ are free)")
+    run.add_argument("--price", action="append", metavar="MODEL=PROMPT,COMPLETION",
+                     help="$ per million prompt and completion tokens for a provider/model (repeatable)")
+    run.add_argument("--max-concurrent", type=int, default=5, help="agent turns in flight at once (5)")
+    run.add_argument("--dimensions", default=None,
+                     help="review only: comma-separated dimensions (correctness,security,performance,maintainability)")
+    run.add_argument("--sim-items", type=int, default=None,
+                     help="sim/ provider: items per list in structured replies (1)")
+    run.add_argument("--sim-malformed-rate", type=float, default=None,
+                     help="sim/ provider: share of structured replies that come back malformed (0)")
+    run.add_argument("--sim-seed", type=int, default=None, help="sim/ provider: seed for malformed replies")
+    run.add_argument("--store", default=None,
+                     help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
+    run.add_argument("--address", default=None, help="Ray address (default: embedded local Ray)")
+    run.add_argument("--json", action="store_true", help="print the result and run statistics as JSON")
+    run.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    run.set_defaults(handler=run_engine)
+
+
+# -- opgraph run show ----------------------------------------------------------------------
+def _print_engine_run(record: Any, events: list[dict[str, Any]]) -> None:
+    reason = f" ({record.degrade_reason})" if record.degrade_reason else ""
+    print(f"engine run {record.run_id}  {record.engine}  {record.status}{reason}")
+    stats = record.statistics or {}
+    budget = stats.get("budget") or {}
+    if budget:
+        print(f"agents {budget.get('agents_made')}/{budget.get('max_agents')} · tokens {budget.get('tokens_used')}"
+              f" · cost ${budget.get('cost_usd', 0):.6f} · {budget.get('elapsed_s')} s")
+    if record.error:
+        print(f"error: {record.error}")
+    for event in events:
+        offset = event["at"] - record.created_at
+        print(f"{event['seq']:>6} {offset:9.3f}s {event['kind'][:5]:<5} {event['type']:<20} "
+              f"{event['agent'] or '-':<22} {_short(event['data'], 200)}")
+    if record.result:
+        print("result:")
+        print(record.result)
+
+
+def show_run(arguments: argparse.Namespace) -> int:
+    """``opgraph run show RUN_ID``: an engine run's events, or a workflow run's record and signals."""
+    from .engine_store import EngineRunStore
+    from .workflows.schema import WorkflowStoreError
+    from .workflows.store import RunNotFoundError, WorkflowStore
+
+    try:
+        with EngineRunStore(arguments.store) as store:
+            if store.has_run(arguments.run_id):
+                record = store.get_run(arguments.run_id)
+                events = store.events(arguments.run_id, limit=arguments.limit)
+                if arguments.json:
+                    from dataclasses import asdict
+
+                    print(json.dumps({**asdict(record), "events": events}, indent=2, default=str))
+                else:
+                    _print_engine_run(record, events)
+                return 0
+        with WorkflowStore(arguments.store) as workflows:
+            run = workflows.get_run(arguments.run_id)
+            signals = workflows.run_signals(arguments.run_id)
+    except RunNotFoundError:
+        print(f"opgraph run show: no engine or workflow run with id {arguments.run_id!r} in the store",
+              file=sys.stderr)
+        return EXIT_FAILED
+    except WorkflowStoreError as exc:
+        print(f"opgraph run show: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    from dataclasses import asdict
+
+    print(json.dumps({**asdict(run), "signals": signals[: arguments.limit] if arguments.limit else signals},
+                     indent=2, default=str))
+    return 0
+
+
+def add_run_show_parser(run_commands: Any) -> None:
+    show = run_commands.add_parser("show", help="print a recorded run from the store: an engine run's events, "
+                                                "or a workflow run's record and signals")
+    show.add_argument("run_id", metavar="RUN_ID")
+    show.add_argument("--store", default=None, help="SQLite store path (default: OPGRAPH_DB or ~/.opgraph)")
+    show.add_argument("--limit", type=int, default=None, metavar="N", help="print at most N events")
+    show.add_argument("--json", action="store_true", help="print the run and its events as JSON")
+    show.set_defaults(handler=show_run)

@@ -1,0 +1,251 @@
+"""The durable record of engine runs: the SQLite ``EventSink`` engines write to, and its reads.
+
+Owns the ``engine_runs`` and ``engine_events`` tables (schema migration 4, in the same
+file as the workflow store: ``OPGRAPH_DB``, default ``~/.opgraph/opgraph.db``): a run's
+row with its inputs, configuration, status and statistics, and every typed event and
+notification under the run's id. It never runs an engine.
+
+    WorkflowStoreError (cluster/workflows/schema.py)
+    └── EngineRunNotFoundError   no engine run has that id
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opgraph.engines import EventRecord
+
+from .workflows.owners import ProcessIdentity, current_process, owner_is_alive
+from .workflows.schema import WorkflowStoreError, default_store_path, migrate
+
+__all__ = ["ENGINE_RUN_STATUSES", "EngineRunNotFoundError", "EngineRunRecord", "EngineRunStore"]
+
+ENGINE_RUN_STATUSES = ("running", "completed", "degraded", "failed", "cancelled")
+
+
+class EngineRunNotFoundError(WorkflowStoreError):
+    """No engine run has ``run_id``."""
+
+    _fields = ("run_id",)
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"no engine run with id {run_id!r}")
+        self.run_id = run_id
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRunRecord:
+    """One engine run row with its JSON columns decoded."""
+
+    run_id: str
+    engine: str
+    status: str
+    inputs: dict[str, Any]
+    config: dict[str, Any]
+    result: str | None
+    degrade_reason: str
+    error: Any
+    statistics: dict[str, Any] | None
+    created_at: float
+    finished_at: float | None
+    owner_host: str | None = None
+    owner_pid: int | None = None
+    owner_start: str | None = None
+
+
+def _encode(value: Any) -> str:
+    return json.dumps(value, default=str, sort_keys=True)
+
+
+def _record(row: sqlite3.Row) -> EngineRunRecord:
+    values = dict(row)
+    for column in ("inputs", "config", "error", "statistics"):
+        values[column] = None if values[column] is None else json.loads(values[column])
+    return EngineRunRecord(**values)
+
+
+class EngineRunStore:
+    """One SQLite connection shared by threads under a lock; engines call it from worker threads.
+
+    ``path`` is a file, ``":memory:"``, or None for ``default_store_path()``.
+    """
+
+    def __init__(self, path: str | Path | None = None, *, clock: Callable[[], float] = time.time) -> None:
+        path = default_store_path() if path is None else path
+        self.path = str(path)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._owner = current_process()
+        if self.path != ":memory:":
+            self.path = str(Path(self.path).expanduser())
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self._db: sqlite3.Connection | None = None
+        try:
+            self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA foreign_keys = ON")
+            self._db.execute("PRAGMA busy_timeout = 10000")
+            if self.path != ":memory:":
+                self._db.execute("PRAGMA journal_mode = WAL")
+            migrate(self._db, path=self.path)
+        except BaseException as exc:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            if isinstance(exc, sqlite3.Error):
+                raise WorkflowStoreError(f"cannot open the store {self.path}: {exc}") from exc
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __enter__(self) -> EngineRunStore:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @contextmanager
+    def _transaction(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            if self._db is None:
+                raise WorkflowStoreError(f"the store {self.path} is closed")
+            db = self._db
+            try:
+                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield db
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise WorkflowStoreError(f"the store {self.path} failed: {exc}") from exc
+
+    # -- the EventSink protocol -------------------------------------------------------------
+    def open_run(self, run_id: str, *, engine: str, inputs: Mapping[str, Any], config: Mapping[str, Any]) -> None:
+        owner = self._owner
+        with self._transaction(write=True) as db:
+            db.execute("INSERT INTO engine_runs (run_id, engine, status, inputs, config, created_at, owner_host,"
+                       " owner_pid, owner_start) VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?)",
+                       (run_id, engine, _encode(dict(inputs)), _encode(dict(config)), self._clock(),
+                        owner.host, owner.pid, owner.start))
+
+    def record_events(self, run_id: str, records: Sequence[EventRecord]) -> None:
+        rows = [(run_id, r.seq, r.kind, r.type, r.agent, _encode(r.data), r.at) for r in records]
+        with self._transaction(write=True) as db:
+            db.executemany("INSERT INTO engine_events (run_id, seq, kind, type, agent, data, at)"
+                           " VALUES (?, ?, ?, ?, ?, ?, ?)", rows)
+
+    def close_run(self, run_id: str, status: str, *, result: str | None, degrade_reason: str,
+                  error: Mapping[str, Any] | None, statistics: Mapping[str, Any]) -> None:
+        if status not in ENGINE_RUN_STATUSES[1:]:
+            raise ValueError(f"an engine run ends {', '.join(ENGINE_RUN_STATUSES[1:])}, not {status!r}")
+        with self._transaction(write=True) as db:
+            changed = db.execute(
+                "UPDATE engine_runs SET status = ?, result = ?, degrade_reason = ?, error = ?, statistics = ?,"
+                " finished_at = ? WHERE run_id = ? AND status = 'running'",
+                (status, result, degrade_reason or "", None if error is None else _encode(dict(error)),
+                 _encode(dict(statistics)), self._clock(), run_id)).rowcount
+            if not changed:
+                self._get(db, run_id)
+
+    # -- reads ---------------------------------------------------------------------------
+    def _get(self, db: sqlite3.Connection, run_id: str) -> EngineRunRecord:
+        row = db.execute("SELECT * FROM engine_runs WHERE run_id = ?", (run_id,)).fetchone()
+        if row is None:
+            raise EngineRunNotFoundError(run_id)
+        return _record(row)
+
+    def get_run(self, run_id: str) -> EngineRunRecord:
+        """The run's row; a run still 'running' whose owner process on this host died reads as failed."""
+        with self._transaction() as db:
+            record = self._get(db, run_id)
+        if record.status == "running" and record.owner_pid is not None and record.owner_host is not None:
+            owner = ProcessIdentity(record.owner_host, record.owner_pid, record.owner_start)
+            if owner_is_alive(owner, self._owner) is False:
+                error = {"error": f"the process that ran it (pid {record.owner_pid} on {record.owner_host}) "
+                                  "exited before the run ended", "error_type": "OwnerProcessLost"}
+                with self._transaction(write=True) as db:
+                    db.execute("UPDATE engine_runs SET status = 'failed', error = ?, finished_at = ?"
+                               " WHERE run_id = ? AND status = 'running'", (_encode(error), self._clock(), run_id))
+                    record = self._get(db, run_id)
+        return record
+
+    def has_run(self, run_id: str) -> bool:
+        with self._transaction() as db:
+            return db.execute("SELECT 1 FROM engine_runs WHERE run_id = ?", (run_id,)).fetchone() is not None
+
+    def events(self, run_id: str, *, after_seq: int = 0, limit: int | None = None,
+               kind: str | None = None) -> list[dict[str, Any]]:
+        """The run's records with ``seq > after_seq``, in order: ``{seq, kind, type, agent, data, at}``."""
+        query = "SELECT seq, kind, type, agent, data, at FROM engine_events WHERE run_id = ? AND seq > ?"
+        values: list[Any] = [run_id, after_seq]
+        if kind is not None:
+            query += " AND kind = ?"
+            values.append(kind)
+        query += " ORDER BY seq"
+        if limit is not None:
+            query += " LIMIT ?"
+            values.append(int(limit))
+        with self._transaction() as db:
+            self._get(db, run_id)
+            rows = db.execute(query, values).fetchall()
+        return [{**dict(row), "data": json.loads(row["data"])} for row in rows]
+
+    def list_runs(self, *, engine: str | None = None, limit: int = 50) -> list[EngineRunRecord]:
+        query, values = "SELECT * FROM engine_runs", []
+        if engine is not None:
+            query += " WHERE engine = ?"
+            values.append(engine)
+        query += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        with self._transaction() as db:
+            return [_record(row) for row in db.execute(query, (*values, int(limit)))]
+
+    def statistics(self) -> dict[str, dict[str, Any]]:
+        """Per-engine totals over every recorded run, in ``engine_statistics()`` shape.
+
+        For an exporter in another process than the engines: agents made, runs by status,
+        budget exhaustions by reason, missing emissions and judge outcomes, from the events.
+        """
+        totals: dict[str, dict[str, Any]] = {}
+        with self._transaction() as db:
+            for engine, status, count in db.execute(
+                    "SELECT engine, status, COUNT(*) FROM engine_runs GROUP BY engine, status"):
+                entry = totals.setdefault(engine, _empty_totals())
+                entry["runs_started"] += count
+                if status != "running":
+                    entry["runs_finished"][status] = count
+            rows = db.execute(
+                "SELECT r.engine, e.type, e.data FROM engine_events e JOIN engine_runs r ON r.run_id = e.run_id"
+                " WHERE e.kind = 'notification' AND e.type IN ('agent_created', 'budget_exhausted',"
+                " 'emission_missing', 'judged')").fetchall()
+        for engine, kind, data in rows:
+            entry = totals.setdefault(engine, _empty_totals())
+            if kind == "agent_created":
+                entry["agents_made"] += 1
+            elif kind == "emission_missing":
+                entry["emissions_missing"] += 1
+            elif kind == "judged":
+                outcome = json.loads(data).get("outcome", "unknown")
+                entry["judge_outcomes"][outcome] = entry["judge_outcomes"].get(outcome, 0) + 1
+            else:
+                reason = json.loads(data).get("reason", "unknown")
+                entry["budget_exhaustions"][reason] = entry["budget_exhaustions"].get(reason, 0) + 1
+        return totals
+
+
+def _empty_totals() -> dict[str, Any]:
+    return {"runs_started": 0, "agents_made": 0, "emissions_missing": 0, "budget_exhaustions": {},
+            "judge_outcomes": {}, "runs_finished": {}}
