@@ -370,5 +370,6 @@ class Engine:
                     parsed = kind.model_validate_json(candidate)
                 except ValidationError:
                     continue
-                return run._observe(agent, parsed)
+                if isinstance(parsed, JudgeVerdict) or any(getattr(parsed, name) for name in type(parsed).model_fields):
+                    return run._observe(agent, parsed)
         return []

@@ -1,0 +1,48 @@
+"""Fixtures for the engine tests: the shared Ray session, scripted models and a sink.
+
+Engines run in the test process (the driver); their agents' turns run on the shared
+session's OperationWorkers, answered by ``ScriptedProvider`` scripts (engine_scripts.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from typing import Any
+
+# First: sets the test clusters' Ray options before Ray is imported anywhere.
+from ray_session import _pickle_test_module_by_value, _restore_registrations, session  # noqa: F401
+
+import engine_scripts  # noqa: E402
+import pytest  # noqa: E402
+from ray import cloudpickle  # noqa: E402
+
+from opgraph.actors.providers import ScriptedProvider  # noqa: E402
+from opgraph.engines import MemorySink  # noqa: E402
+
+# Neither module is importable in the workers: their scripts and types travel by value.
+cloudpickle.register_pickle_by_value(engine_scripts)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture
+def model(session):  # noqa: F811 - the fixture imported above, requested by name
+    """``model(script)`` registers a scripted provider under a fresh name; returns its model id."""
+
+    def register(script: Any, **usage: int) -> str:
+        name = f"scripted{uuid.uuid4().hex[:8]}"
+        if usage:
+            inner = script
+
+            def script(request: Any, _inner: Any = inner, _usage: dict = dict(usage)) -> Any:
+                reply = _inner(request)
+                return {"content": reply, "usage": _usage} if isinstance(reply, str) else reply
+        session.register_provider(name, ScriptedProvider(script, name=name))
+        return f"{name}/m"
+
+    return register
+
+
+@pytest.fixture
+def sink():
+    return MemorySink()
