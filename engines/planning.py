@@ -188,6 +188,7 @@ class PlanningEngine(Engine):
         if not graph.is_acyclic():
             raise PlanError("the plan's dependencies form a cycle", run_id=run.run_id)
         for node in graph.nodes.values():
+            node.parameters["assignee"] = node.metadata.get("assignee")
             model = self.model_for(node.metadata.get("assignee", ""))
             if model:
                 node.parameters["model"] = model
@@ -210,6 +211,7 @@ class PlanningEngine(Engine):
             role = child.metadata.get("assignee")
             if child.operation == "operate":
                 child.operation = ENGINE_OPERATE
+                child.parameters["assignee"] = role
             if role in models and models[role]:
                 child.parameters["model"] = models[role]
             return child
@@ -220,7 +222,9 @@ class PlanningEngine(Engine):
         assignments, dropped = await self._plan(run, prompt)
         run.emit(PlanProposed(assignments=assignments, dropped=dropped), agent="orchestrator")
         branches: dict[str, str] = {}
-        for role in dict.fromkeys(a.assignee for a in assignments):
+        # A reactive run can route follow-up work to any roster role, so each gets an agent.
+        roles = self.roles if self.reactive else dict.fromkeys(a.assignee for a in assignments)
+        for role in roles:
             agent = await run.make_agent(role, name=role, extra_prompt=f"You {self.roles[role]}.")
             branches[role] = agent.id
         graph = self._graph(run, assignments, branches)
@@ -242,6 +246,8 @@ class PlanningEngine(Engine):
             result = results.get(node_id)
             node = graph.nodes.get(node_id)
             assignee = (node.metadata.get("assignee") if node is not None else None) or ""
+            if isinstance(result, dict) and result.get("assignee"):
+                assignee = result["assignee"]
             if isinstance(result, dict) and "usage" in result:
                 run.budget.add_usage(result["usage"])
             if isinstance(result, dict):

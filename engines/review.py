@@ -95,6 +95,7 @@ class ReviewRun(EngineRun):
         self.reviewers: dict[str, str] = {}  # dimension -> reviewer agent name
         self.to_verify: dict[str, IssueFound] = {}  # location key -> the first issue there
         self.verifiers: dict[str, str] = {}  # location key -> verifier agent name
+        self.verifier_count = 0
         self.verdict: ReviewVerdict | None = None
         self.final_verdict = ""
         self.gate_reasons: list[str] = []
@@ -192,7 +193,8 @@ class ReviewEngine(Engine):
             run.notify("verification_skipped", location=key, reason=run.exhausted_reason or "budget")
 
     async def _verify(self, run: ReviewRun, key: str, issue: IssueFound, code: str) -> None:
-        verifier = await run.make_agent("verifier", name=f"verifier-{len(run.verifiers) + 1}", emits=(VerifyResult,),
+        run.verifier_count += 1  # before the await: concurrent verifiers get distinct names
+        verifier = await run.make_agent("verifier", name=f"verifier-{run.verifier_count}", emits=(VerifyResult,),
                                         extra_prompt="You are adversarial: try hard to show the issue does not hold.")
         run.verifiers[key] = verifier.name
         instruction = (f"Does this {issue.severity} {issue.dimension} issue really hold?\n"

@@ -83,18 +83,20 @@ def _text_of(response: Any) -> str:
 
 
 async def engine_operate(branch: Any, instruction: str = "", context: Any = None, model: str | None = None, *,
-                         inputs: list[str] | None = None, **options: Any) -> dict[str, Any]:
-    """A planned task node: ``operate`` with usage, returning ``{"text", "usage", "spawn"}``.
+                         inputs: list[str] | None = None, assignee: str | None = None,
+                         **options: Any) -> dict[str, Any]:
+    """A planned task node: ``operate`` with usage, returning ``{"text", "usage", "spawn", "assignee"}``.
 
     ``inputs`` (a TaskAssignment's named inputs) are stated under the instruction, so the
-    verb gets only parameters it knows. ``spawn`` holds the SpawnRequests of a structured
-    reply, where the worker finds them for reactive growth.
+    verb gets only parameters it knows; ``assignee`` (the node's role) is echoed back, so
+    spawned nodes, which only the executor knows, report their role too. ``spawn`` holds
+    the SpawnRequests of a structured reply, where the worker finds them for reactive growth.
     """
     if inputs:
         instruction = f"{instruction}\n\nInputs: {', '.join(str(item) for item in inputs)}"
     meter = UsageMeter(branch)
     response = await operate(meter.branch, instruction, context, model, **options)
-    return {"text": _text_of(response), "usage": meter.usage,
+    return {"text": _text_of(response), "usage": meter.usage, "assignee": assignee,
             "spawn": extract_requests(response, (SpawnRequest,))}
 
 

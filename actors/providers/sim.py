@@ -58,8 +58,9 @@ def _rate(name: str, value: float, provider: str) -> float:
 class SimulatedProvider:
     """Sleeps ``latency`` (+ up to ``jitter``), fails with ProviderUnavailable at ``failure_rate``.
 
-    Jitter, failures and malformed replies come from one ``random.Random(seed)``, so a
-    seeded provider called in the same order behaves the same way. Replies are derived
+    Jitter, failures and malformed replies are drawn per call; with ``seed`` they follow
+    from the seed, the request's messages and the call count, so a seeded provider
+    called in the same order with the same requests behaves the same way. Replies are derived
     from the last user message; with a JSON-schema ``response_format`` the reply is JSON
     fitting the schema, with ``list_items`` items per array. At ``malformed_rate`` a
     structured request gets a broken reply instead (prose, truncated JSON, or JSON of
@@ -78,6 +79,8 @@ class SimulatedProvider:
         self.settings = SimulationSettings(latency, jitter, failure_rate, prompt_tokens, completion_tokens,
                                            malformed_rate, list_items)
         self._rng = random.Random(seed)
+        self._seed = seed
+        self._calls = 0
 
     def __repr__(self) -> str:
         return f"SimulatedProvider(name={self.name!r}, {self.settings})"
@@ -90,11 +93,12 @@ class SimulatedProvider:
         started = time.perf_counter()
         _, model_name = parse_model_id(request.model)
         settings = self.settings_for(model_name)
+        rng = self._draws(request)
         # Draw every number up front so the sequence does not depend on which calls fail.
-        delay = settings.latency + (self._rng.uniform(0.0, settings.jitter) if settings.jitter else 0.0)
-        fails = self._rng.random() < settings.failure_rate
-        broken = self._rng.random() < settings.malformed_rate
-        style = MALFORMED_STYLES[self._rng.randrange(len(MALFORMED_STYLES))]
+        delay = settings.latency + (rng.uniform(0.0, settings.jitter) if settings.jitter else 0.0)
+        fails = rng.random() < settings.failure_rate
+        broken = rng.random() < settings.malformed_rate
+        style = MALFORMED_STYLES[rng.randrange(len(MALFORMED_STYLES))]
         if delay > 0:
             await asyncio.sleep(delay)
         if fails:
@@ -115,6 +119,16 @@ class SimulatedProvider:
                                 finish_reason="stop")
         record_call(self.name, usage, time.perf_counter() - started)
         return response
+
+    def _draws(self, request: ChatRequest) -> random.Random:
+        """The call's random numbers. Seeded, they depend on the seed, the messages and the
+        call count: a provider is copied into each worker for each run, so a plain seeded
+        sequence would restart, and repeat its first draws, in every copy."""
+        self._calls += 1
+        if self._seed is None:
+            return self._rng
+        digest = hashlib.sha256(json.dumps(request.messages, sort_keys=True, default=str).encode()).hexdigest()
+        return random.Random(f"{self._seed}:{digest}:{self._calls}")
 
     @staticmethod
     def _content(request: ChatRequest, model_name: str, list_items: int = 1) -> str:
