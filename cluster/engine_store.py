@@ -216,26 +216,27 @@ class EngineRunStore:
     def statistics(self) -> dict[str, dict[str, Any]]:
         """Per-engine totals over every recorded run, in ``engine_statistics()`` shape.
 
-        For an exporter in another process than the engines: agents made, runs by status,
-        budget exhaustions by reason, missing emissions and judge outcomes, from the events.
+        For an exporter in another process than the engines: runs by status and agents
+        made (finished runs), budget exhaustions by reason, missing emissions and judge
+        outcomes (from the events).
         """
         totals: dict[str, dict[str, Any]] = {}
         with self._transaction() as db:
-            for engine, status, count in db.execute(
-                    "SELECT engine, status, COUNT(*) FROM engine_runs GROUP BY engine, status"):
+            for engine, status, count, agents in db.execute(
+                    "SELECT engine, status, COUNT(*), SUM(COALESCE(json_extract(statistics,"
+                    " '$.budget.agents_made'), 0)) FROM engine_runs GROUP BY engine, status"):
                 entry = totals.setdefault(engine, _empty_totals())
                 entry["runs_started"] += count
+                entry["agents_made"] += int(agents or 0)  # as the budget counted them, at the run's end
                 if status != "running":
                     entry["runs_finished"][status] = count
             rows = db.execute(
                 "SELECT r.engine, e.type, e.data FROM engine_events e JOIN engine_runs r ON r.run_id = e.run_id"
-                " WHERE e.kind = 'notification' AND e.type IN ('agent_created', 'budget_exhausted',"
-                " 'emission_missing', 'judged')").fetchall()
+                " WHERE e.kind = 'notification' AND e.type IN ('budget_exhausted', 'emission_missing', 'judged')"
+            ).fetchall()
         for engine, kind, data in rows:
             entry = totals.setdefault(engine, _empty_totals())
-            if kind == "agent_created":
-                entry["agents_made"] += 1
-            elif kind == "emission_missing":
+            if kind == "emission_missing":
                 entry["emissions_missing"] += 1
             elif kind == "judged":
                 outcome = json.loads(data).get("outcome", "unknown")

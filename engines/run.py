@@ -192,6 +192,7 @@ class EngineRun:
         if not exempt and not self.budget_left():
             raise self._refuse(f"agent {name or role!r}")
         self.budget.agents_made += 1  # before the await: concurrent calls cannot overshoot
+        self.engine.statistics_counters.add("agents_made")  # counted as the budget counts it
         ordinal = self.budget.agents_made
         name = name or f"{role}-{ordinal}"
         model = model or self.engine.model_for(role)
@@ -203,7 +204,6 @@ class EngineRun:
                       emits=tuple(emits), exempt=exempt, permissions=permissions, cwd=cwd, secure=secure,
                       mcp_servers=tuple(mcp_servers or ()), extra_prompt=extra_prompt, profile=profile)
         self.agents[name] = agent
-        self.engine.statistics_counters.add("agents_made")
         self.notify("agent_created", agent=name, role=role, model=model, exempt=exempt, branch_id=branch_id,
                     ordinal=ordinal)
         if self.on_branch_created is not None:
