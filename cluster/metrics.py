@@ -20,6 +20,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from opgraph.actors import Runtime, connect
+from opgraph.engines import engine_statistics
+
+from .engine_metrics import engine_metric_families
 
 __all__ = ["DEFAULT_PORT", "MetricsServer", "RuntimeCollector", "find_runtime", "serve", "serve_metrics"]
 
@@ -115,6 +118,7 @@ class RuntimeCollector(Collector):
         yield from _executor_families(executor or {})
         yield from _worker_families([r for r in readings if r.component == "worker" and r.snapshot is not None])
         yield from _store_families([r for r in readings if r.component == "branch_store" and r.snapshot is not None])
+        yield from engine_metric_families(engine_statistics())  # engines that ran in this process
 
 
 def _executor_families(snapshot: dict[str, Any]) -> Iterator[Metric]:
