@@ -202,3 +202,18 @@ def test_engine_errors_pickle_with_their_ids(error):
 def test_engine_errors_keep_the_records_base_types():
     assert issubclass(EngineBudgetError, RuntimeError) and issubclass(EngineInputError, ValueError)
     assert "run=r1" in str(PlanError("empty", run_id="r1"))
+
+
+@pytest.mark.ray
+def test_the_metrics_endpoint_serves_engine_counters(session, tmp_path):
+    import urllib.request
+
+    from opgraph.cluster.metrics import serve_metrics
+
+    target = tmp_path / "loader.py"
+    target.write_text(CODE)
+    assert main(["engine", "run", "review", str(target), "--store", str(tmp_path / "db"), "--plain"]) == 0
+    with serve_metrics(session, port=0) as server:
+        text = urllib.request.urlopen(server.url, timeout=10).read().decode()
+    agents = [line for line in text.splitlines() if line.startswith('opgraph_engine_agents_made_total{engine="review"}')]
+    assert agents and float(agents[0].split()[-1]) >= 5
