@@ -13,7 +13,13 @@ translated into these at the boundary, so callers never catch a foreign type::
     ├── RoutingError (ValueError) a spawn request cannot be routed (unknown assignee)
     ├── StateTransitionError      an illegal scheduler transition (a kernel bug)
     ├── InvariantViolation        ``FlowState.validate()`` found broken invariants
-    └── CodecError                a value cannot be encoded or decoded on the wire
+    ├── CodecError                a value cannot be encoded or decoded on the wire
+    ├── TurnError (engines/port.py, until actors/ has its own) one engine turn failed; ``error_type`` says how
+    └── EngineError (engines/errors.py)     an engine run could not do what was asked; ``run_id``
+        ├── EngineInputError (ValueError)   bad engine input, refused before any agent is made
+        ├── EngineBudgetError (RuntimeError) a hard bound (agents, deadline, tokens, cost) refused work
+        ├── PlanError                       the planner gave no usable plan, even after one retry
+        └── EventSinkError                  an engine run's events could not be recorded durably
 
 Every class pickles with its ids intact, because Ray ships exceptions between processes.
 """
