@@ -217,3 +217,27 @@ def test_the_metrics_endpoint_serves_engine_counters(session, tmp_path):
         text = urllib.request.urlopen(server.url, timeout=10).read().decode()
     agents = [line for line in text.splitlines() if line.startswith('opgraph_engine_agents_made_total{engine="review"}')]
     assert agents and float(agents[0].split()[-1]) >= 5
+
+
+class _NoRuntime:
+    """A port that is never called: the progress display only reads the run's budget."""
+
+    session = None
+
+
+def test_live_progress_on_a_terminal_shows_agents_events_and_budget():
+    import io
+
+    from rich.console import Console
+
+    from opgraph.cluster.engine_cli import EngineProgress
+    from opgraph.engines import ReviewEngine
+
+    screen = io.StringIO()
+    run_ = ReviewEngine(max_tokens=500).new_run(port=_NoRuntime())
+    progress = EngineProgress(console=Console(file=screen, force_terminal=True, width=160), live=True).attach(run_)
+    with progress:
+        progress({"type": "agent_created", "agent": "reviewer-security", "role": "reviewer"})
+    shown = screen.getvalue()
+    assert "events 1" in shown and "agents 0/50" in shown and "tokens 0/500" in shown
+    assert "reviewer-security" in shown
