@@ -28,7 +28,8 @@ __all__ = [
 
 EXIT_FAILED, EXIT_INVALID, EXIT_DEGRADED, EXIT_CANCELLED = 1, 2, 3, 130
 MAX_REVIEW_CHARS = 200_000
-_EXIT_HELP = "Exit status: 0 completed, 1 failed, 2 bad input (nothing ran), 3 degraded (partial result), 130 cancelled."
+_EXIT_HELP = ("Exit status: 0 completed, 1 failed, 2 bad input (nothing ran), 3 degraded (partial result), "
+              "130 cancelled.")
 
 
 def read_review_target(path: str, max_chars: int = MAX_REVIEW_CHARS) -> str:
@@ -145,7 +146,8 @@ def _price(item: str) -> tuple[str, tuple[float, float]]:
             raise ValueError(item)
         return model.strip(), (float(prompt), float(completion))
     except ValueError:
-        raise EngineInputError(f"--price expects MODEL=PROMPT,COMPLETION ($ per million tokens), got {item!r}") from None
+        raise EngineInputError(f"--price expects MODEL=PROMPT,COMPLETION ($ per million tokens), "
+                               f"got {item!r}") from None
 
 
 def _settings(arguments: argparse.Namespace) -> dict[str, Any]:

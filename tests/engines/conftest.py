@@ -25,6 +25,16 @@ cloudpickle.register_pickle_by_value(engine_scripts)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
+def _with_usage(inner: Any, usage: dict[str, int]) -> Any:
+    """A script whose text replies report ``usage`` (prompt_tokens, completion_tokens)."""
+
+    def script(request: Any) -> Any:
+        reply = inner(request)
+        return {"content": reply, "usage": usage} if isinstance(reply, str) else reply
+
+    return script
+
+
 @pytest.fixture
 def model(session):  # noqa: F811 - the fixture imported above, requested by name
     """``model(script)`` registers a scripted provider under a fresh name; returns its model id."""
@@ -32,11 +42,7 @@ def model(session):  # noqa: F811 - the fixture imported above, requested by nam
     def register(script: Any, **usage: int) -> str:
         name = f"scripted{uuid.uuid4().hex[:8]}"
         if usage:
-            inner = script
-
-            def script(request: Any, _inner: Any = inner, _usage: dict = dict(usage)) -> Any:
-                reply = _inner(request)
-                return {"content": reply, "usage": _usage} if isinstance(reply, str) else reply
+            script = _with_usage(script, dict(usage))
         session.register_provider(name, ScriptedProvider(script, name=name))
         return f"{name}/m"
 

@@ -215,7 +215,8 @@ def test_the_metrics_endpoint_serves_engine_counters(session, tmp_path):
     assert main(["engine", "run", "review", str(target), "--store", str(tmp_path / "db"), "--plain"]) == 0
     with serve_metrics(session, port=0) as server:
         text = urllib.request.urlopen(server.url, timeout=10).read().decode()
-    agents = [line for line in text.splitlines() if line.startswith('opgraph_engine_agents_made_total{engine="review"}')]
+    prefix = 'opgraph_engine_agents_made_total{engine="review"}'
+    agents = [line for line in text.splitlines() if line.startswith(prefix)]
     assert agents and float(agents[0].split()[-1]) >= 5
 
 
