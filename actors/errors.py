@@ -53,12 +53,15 @@ class TurnError(ExecutionError):
     """A single turn (``Session.turn``) failed; ``error_type`` is its failure kind.
 
     The kinds are those of a failed node: an operation's exception class name, or one of
-    ``opgraph.kernel.failures`` (WorkerDied, OperationTimeout, Cancelled, ...).
+    ``opgraph.kernel.failures`` (WorkerDied, OperationTimeout, Cancelled, ...). ``usage``
+    counts the model calls the turn made before it failed, so budgets see them too.
     """
 
-    def __init__(self, message: str, *, error_type: str = "", **ids: Any) -> None:
+    def __init__(self, message: str, *, error_type: str = "", usage: dict[str, Any] | None = None,
+                 **ids: Any) -> None:
         super().__init__(message, **ids)
         self.error_type = error_type
+        self.usage = dict(usage or {})  # what the failed turn's model calls cost, as TurnResult.usage
 
 
 def clean_text(text: str, limit: int = 2000) -> str:

@@ -238,8 +238,8 @@ class Session:
             raise
         if row[2] == "completed":
             return TurnResult(row[3], usage, branch_id, attempt, time.perf_counter() - started)
-        raise TurnError(row[4] or f"the turn ended {row[2]}", error_type=row[5] or row[2], branch_id=branch_id,
-                        node_id=node_id)
+        raise TurnError(row[4] or f"the turn ended {row[2]}", error_type=row[5] or row[2], usage=usage,
+                        branch_id=branch_id, node_id=node_id)
 
     async def _turn_resources(self) -> str:
         """Register this Session's operations for turns with the executor when they changed."""
