@@ -138,12 +138,14 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
               f"{'detached' if detached else 'job-owned'} actors)", flush=True)
         progress = ProgressLog(len(graph.nodes), interval=arguments.progress_interval)
         envelope = await session.flow(graph, max_concurrent=arguments.max_concurrent, on_progress=progress,
-                                      run_id=run_id)
+                                      run_id=run_id, isolated=True)
         progress.close()
         return envelope, time.monotonic() - progress.started_at
     finally:
         if metrics is not None:
             metrics.stop()
+        # A detached runtime outlives this job: leave none of the job's branches in it.
+        await session.aclose()
         ray.shutdown()
 
 

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from opgraph.actors import Runtime, connect
+from opgraph.actors import Runtime, connect, find_executors
 from opgraph.engines import engine_statistics
 
 from .engine_metrics import engine_metric_families
@@ -29,11 +29,6 @@ __all__ = ["DEFAULT_PORT", "MetricsServer", "RuntimeCollector", "find_runtime", 
 DEFAULT_PORT = 9464
 SCRAPE_TIMEOUT = 2.0  # seconds one scrape waits for all actors' snapshots together
 
-# The actor names runtime.py gives each namespace's shared actors.
-_EXECUTOR_NAME = "opgraph-executor-0"
-_WORKER_NAME = "opgraph-worker-{}"
-_STORE_NAME = "opgraph-branches-{}"
-_MAX_DISCOVERED = 1024  # bounds the by-name search for workers and store shards
 
 
 @dataclass(frozen=True)
@@ -89,16 +84,14 @@ class RuntimeCollector(Collector):
         return readings
 
     def _refresh(self, component: str, index: int) -> None:
-        """A dead worker is replaced by the executor under the same name; find the new one."""
-        if component != "worker":
-            return
+        """A dead worker or store is replaced by the executor: read its current handles."""
         try:
-            replacement = ray.get_actor(_WORKER_NAME.format(index))
-        except ValueError:
-            return  # not replaced (yet): the next scrape tries again
+            pool = ray.get(self.runtime.executor.pool.remote(), timeout=self.timeout)
+        except ray.exceptions.RayError:
+            return  # the executor itself is down: reported as up 0; the next scrape tries again
         with self._lock:
-            if index < len(self.runtime.workers):
-                self.runtime.workers[index] = replacement
+            self.runtime.workers[:] = pool["workers"]
+            self.runtime.stores[:] = pool["stores"]
 
     # -- translation --------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
@@ -299,22 +292,17 @@ def serve_metrics(session_or_runtime: Any, port: int = DEFAULT_PORT, host: str =
 
 
 def find_runtime() -> Runtime | None:
-    """The shared actors of the current Ray namespace, looked up by name; None without an executor."""
-    try:
-        executor = ray.get_actor(_EXECUTOR_NAME)
-    except ValueError:
+    """The runtime of the current Ray namespace (its newest executor and that executor's
+    workers and stores); None without an executor."""
+    executors = find_executors(ray.get_runtime_context().namespace)
+    if not executors:
         return None
-    return Runtime(executor=executor, workers=_named(_WORKER_NAME), stores=_named(_STORE_NAME))
-
-
-def _named(pattern: str) -> list[Any]:
-    handles = []
-    for index in range(_MAX_DISCOVERED):
-        try:
-            handles.append(ray.get_actor(pattern.format(index)))
-        except ValueError:
-            break
-    return handles
+    _, executor = max(executors, key=lambda found: found[0])  # the newest generation's name sorts last
+    try:
+        pool = ray.get(executor.pool.remote(), timeout=30)
+    except ray.exceptions.RayError:
+        return None
+    return Runtime(executor=executor, workers=list(pool["workers"]), stores=list(pool["stores"]))
 
 
 def serve(address: str | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,

@@ -15,6 +15,8 @@ from .contracts import (
     TaskAssignment,
     default_node_builder,
     extract_requests,
+    request_problem,
+    request_sightings,
     role_node_builder,
 )
 from .errors import (
@@ -155,6 +157,8 @@ __all__ = [
     "normalise_dependency_ordinals",
     "register_condition",
     "register_model",
+    "request_problem",
+    "request_sightings",
     "render_operator_messages",
     "role_node_builder",
     "to_mapping",

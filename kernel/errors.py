@@ -43,7 +43,8 @@ __all__ = [
 class OpGraphError(Exception):
     """Root of every opgraph error.
 
-    ``node_id``, ``branch_id`` and ``edge_id`` name what the error concerns, when known.
+    ``node_id``, ``branch_id``, ``edge_id``, ``run_id`` and ``actor`` (the name of an
+    opgraph actor, such as ``opgraph-worker-1``) name what the error concerns, when known.
     """
 
     def __init__(
@@ -53,35 +54,42 @@ class OpGraphError(Exception):
         node_id: str | None = None,
         branch_id: str | None = None,
         edge_id: str | None = None,
+        run_id: str | None = None,
+        actor: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.node_id = node_id
         self.branch_id = branch_id
         self.edge_id = edge_id
+        self.run_id = run_id
+        self.actor = actor
 
     def __reduce__(self):
-        # Exception pickling replays only ``args``; keyword ids would be lost.
-        return (
-            _rebuild,
-            (type(self), self.message, self.node_id, self.branch_id, self.edge_id),
-        )
+        # Exception pickling replays only ``args``; keyword ids (and any attributes a
+        # subclass added) would be lost, so the whole instance dict travels too.
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
     def __str__(self) -> str:
         where = [
             f"{label}={value}"
             for label, value in (
+                ("run", self.run_id),
                 ("node", self.node_id),
                 ("branch", self.branch_id),
                 ("edge", self.edge_id),
+                ("actor", self.actor),
             )
             if value is not None
         ]
         return f"{self.message} [{', '.join(where)}]" if where else self.message
 
 
-def _rebuild(cls, message, node_id, branch_id, edge_id):
-    return cls(message, node_id=node_id, branch_id=branch_id, edge_id=edge_id)
+def _rebuild(cls, message, fields):
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
 
 
 class OperationError(OpGraphError):

@@ -7,7 +7,7 @@ and appends its own turns to the branch, so all register with ``record_turn=Fals
 
 from __future__ import annotations
 
-from ..workers import RegisteredOperation
+from ..protocol import RegisteredOperation
 from .chat import chat, chat_and_record, communicate, interpret
 from .conversation import MODEL_OPTIONS, UsageTally
 from .errors import ParseError, SelectionError, ToolDefinitionError, VerbError, VerbParameterError
