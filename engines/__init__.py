@@ -22,7 +22,7 @@ from .events import (
 )
 from .kinds import ENGINE_KINDS, engine_for
 from .planning import PlanningEngine, PlanProposed, TaskSettled
-from .port import AgentPort, SessionPort, TurnError, TurnResult
+from .port import AgentPort, SessionPort
 from .result import DEGRADE_REASONS, EngineResult
 from .review import DimensionReviewed, IssueFound, ReviewEngine, ReviewRun, ReviewVerdict, VerifyResult
 from .run import EngineRun, EventCallback
@@ -66,8 +66,6 @@ __all__ = [
     "RunBudget",
     "SessionPort",
     "TaskSettled",
-    "TurnError",
-    "TurnResult",
     "VerifyResult",
     "emission_bundle",
     "emission_key",

@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from opgraph.actors import TurnError
 from opgraph.kernel import (
     Operation,
     SpawnRequest,
@@ -30,7 +31,6 @@ from opgraph.kernel.patterns import DependencyReferenceWarning
 from .engine import Engine
 from .errors import EngineInputError, PlanError
 from .events import EngineEvent
-from .port import TurnError
 from .run import MALFORMED_ERROR_TYPES, EngineRun
 from .usage import ENGINE_OPERATE
 
@@ -163,7 +163,7 @@ class PlanningEngine(Engine):
                                         response_format=plan_model(tuple(self.roles)))
                 planned = result.response
             except TurnError as error:
-                if getattr(error, "error_type", None) not in MALFORMED_ERROR_TYPES:
+                if error.error_type not in MALFORMED_ERROR_TYPES:
                     raise
                 planned = None
             assignments, dropped = self._validated(run, planned)

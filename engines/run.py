@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 
+from opgraph.actors import TurnError, TurnResult
 from opgraph.kernel import Graph, extract_requests
 
 from .agents import Agent, emission_bundle, emission_key, repair_instruction, role_profile
 from .budget import RunBudget
 from .errors import EngineBudgetError
 from .events import EngineEvent, EventLog, EventRecord
-from .port import AgentPort, SessionPort, TurnError, TurnResult
+from .port import AgentPort, SessionPort
 from .tasks import TaskSet
 
 if TYPE_CHECKING:
@@ -321,7 +322,7 @@ class EngineRun:
         try:
             result = await self.turn(agent, instruction, response_format=bundle, **parameters)
         except TurnError as error:
-            if getattr(error, "error_type", None) in MALFORMED_ERROR_TYPES:
+            if error.error_type in MALFORMED_ERROR_TYPES:
                 self.notify("emission_malformed", agent=agent.name, error=str(error)[:500])
                 return None
             raise
@@ -335,7 +336,7 @@ class EngineRun:
             try:
                 result = await self.turn(agent, instruction, **parameters)
             except TurnError as error:
-                texts.append(f"[{agent.name} failed: {getattr(error, 'error_type', 'TurnError')}: {error}]")
+                texts.append(f"[{agent.name} failed: {error.error_type or type(error).__name__}: {error}]")
                 continue
             texts.append(result.response if isinstance(result.response, str) else str(result.response))
         return texts

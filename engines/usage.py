@@ -1,23 +1,22 @@
-"""Provider usage of one operation, measured where the model calls run (an OperationWorker).
+"""Provider usage of a planned task node, measured where its model calls run (an OperationWorker).
 
-Owns ``UsageMeter`` (a branch handle whose providers count tokens per model) and the
-operations engines register on their Session: ``engine_operate``, a DAG node's metered
-``operate`` that returns its text and usage, and ``engine_turn``, any verb metered (the
-temporary turn adapter's operation, see port.py). These run inside workers, never in
-the driver, and change nothing about the verbs they wrap.
+Owns ``UsageMeter`` (a branch handle whose providers count tokens per model) and
+``engine_operate``, the operation engines register for DAG nodes: ``operate`` returning
+its text and usage. Graph nodes report no usage of their own (``Session.turn`` does, for
+single turns), so this is how planned work is priced against budgets. It runs inside
+workers, never in the driver, and changes nothing about the verb it wraps.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from opgraph.actors.verbs import VERB_OPERATIONS, VerbParameterError, operate
+from opgraph.actors.verbs import operate
 from opgraph.kernel import SpawnRequest, extract_requests, to_mapping
 
-__all__ = ["ENGINE_OPERATE", "ENGINE_TURN", "UsageMeter", "engine_operate", "engine_turn", "empty_usage"]
+__all__ = ["ENGINE_OPERATE", "UsageMeter", "empty_usage", "engine_operate"]
 
 ENGINE_OPERATE = "engine_operate"
-ENGINE_TURN = "engine_turn"
 
 
 def empty_usage() -> dict[str, Any]:
@@ -99,20 +98,3 @@ async def engine_operate(branch: Any, instruction: str = "", context: Any = None
     return {"text": _text_of(response), "usage": meter.usage, "assignee": assignee,
             "spawn": extract_requests(response, (SpawnRequest,))}
 
-
-async def engine_turn(branch: Any, verb: str = "operate", arguments: dict[str, Any] | None = None,
-                      context: Any = None) -> dict[str, Any]:
-    """Run one registered verb on ``branch`` and return ``{"response", "usage"}``.
-
-    The flow's own ``context`` (empty for a one-node graph) is ignored; a caller's
-    context travels inside ``arguments``.
-    """
-    del context
-    registered = VERB_OPERATIONS.get(verb)
-    if registered is None:
-        raise VerbParameterError(f"engine_turn: {verb!r} is not a branch verb; known: "
-                                 f"{', '.join(sorted(VERB_OPERATIONS))}", node_id=getattr(branch, "node_id", None),
-                                 branch_id=getattr(branch, "id", None))
-    meter = UsageMeter(branch)
-    response = await registered.fn(meter.branch, **dict(arguments or {}))
-    return {"response": response, "usage": meter.usage}

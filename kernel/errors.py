@@ -10,11 +10,11 @@ translated into these at the boundary, so callers never catch a foreign type::
     │   ├── UnsafeExpressionError an edge expression is outside the safe grammar (expressions.py)
     │   └── UnknownNodeError      a referenced node id is not in the graph
     ├── ExecutionError            an operation could not be invoked (no branch, ...)
+    │   └── TurnError (actors/errors.py) a single turn (``Session.turn``) failed; ``error_type``, ``usage``
     ├── RoutingError (ValueError) a spawn request cannot be routed (unknown assignee)
     ├── StateTransitionError      an illegal scheduler transition (a kernel bug)
     ├── InvariantViolation        ``FlowState.validate()`` found broken invariants
     ├── CodecError                a value cannot be encoded or decoded on the wire
-    ├── TurnError (engines/port.py, until actors/ has its own) one engine turn failed; ``error_type`` says how
     └── EngineError (engines/errors.py)     an engine run could not do what was asked; ``run_id``
         ├── EngineInputError (ValueError)   bad engine input, refused before any agent is made
         ├── EngineBudgetError (RuntimeError) a hard bound (agents, deadline, tokens, cost) refused work

@@ -13,7 +13,8 @@ import asyncio
 import pytest
 from engine_scripts import HANG, ByAgent, ScriptEngine, kinds
 
-from opgraph.engines import EngineBudgetError, EngineResult, TurnError
+from opgraph.actors import TurnError
+from opgraph.engines import EngineBudgetError, EngineResult
 
 pytestmark = pytest.mark.ray
 

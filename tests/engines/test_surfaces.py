@@ -14,6 +14,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel, Field, ValidationError
 
+from opgraph.actors import TurnError
 from opgraph.actors.models import ChatRequest
 from opgraph.actors.providers import SimulatedProvider, example_from_schema
 from opgraph.cluster.cli import main
@@ -27,7 +28,6 @@ from opgraph.engines import (
     PlanError,
     engine_statistics,
 )
-from opgraph.engines.port import TurnError
 
 CODE = "def load(path):\n    return eval(open(path).read())\n"
 
@@ -191,7 +191,7 @@ def test_sim_list_items_sets_the_length_of_lists():
     EngineBudgetError("spent", reason="tokens", run_id="r1", branch_id="b"),
     PlanError("empty", run_id="r1"),
     EventSinkError("disk", run_id="r1"),
-    TurnError("parse", error_type="ParseError", branch_id="b"),
+    TurnError("parse", error_type="ParseError", usage={"total_tokens": 7}, branch_id="b"),
 ])
 def test_engine_errors_pickle_with_their_ids(error):
     copy = pickle.loads(pickle.dumps(error))
