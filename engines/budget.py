@@ -6,8 +6,9 @@ run decides what to do about it. No I/O; time comes from an injected monotonic c
 
 Beyond the record: ``max_tokens`` and ``max_cost_usd`` are hard bounds with the same
 semantics as ``max_agents`` (a recursion limit is not a budget). Usage counts when a
-turn returns, so a turn already in flight finishes and is counted; the overshoot is
-bounded by the turns in flight at once (``max_concurrent``).
+turn returns or fails (a failed turn's calls were paid for too), so a turn already in
+flight finishes and is counted; the overshoot is bounded by the turns in flight at once
+(``max_concurrent``).
 """
 
 from __future__ import annotations

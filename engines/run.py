@@ -269,9 +269,13 @@ class EngineRun:
                 result = await self.port.turn(agent.id, operation, timeout=timeout or self.engine.turn_timeout_s,
                                               **arguments)
             except TurnError as error:
-                self._agent_errors.append(f"{agent.name}: {getattr(error, 'error_type', 'TurnError')}: {error}")
-                self.notify("agent_error", agent=agent.name, error=str(error),
-                            error_type=getattr(error, "error_type", type(error).__name__))
+                # A failed turn's model calls were made and paid for: they count like any other.
+                self.budget.add_usage(error.usage)
+                kind = error.error_type or type(error).__name__
+                self._agent_errors.append(f"{agent.name}: {kind}: {error}")
+                self.notify("agent_error", agent=agent.name, error=str(error), error_type=kind,
+                            tokens=int(error.usage.get("total_tokens", 0) or 0), tokens_used=self.budget.tokens_used,
+                            cost_usd=round(self.budget.cost_usd, 6))
                 raise
         self.budget.add_usage(result.usage)
         self.notify("turn_completed", agent=agent.name, operation=operation, elapsed=round(result.elapsed, 4),

@@ -12,6 +12,7 @@ import os
 import pytest
 from engine_scripts import HANG, ByAgent, Note, ScriptEngine, js, kinds
 
+from opgraph.actors import TurnError
 from opgraph.engines import EngineBudgetError, EngineInputError, EngineResult
 
 pytestmark = pytest.mark.ray
@@ -162,6 +163,26 @@ def test_cost_budget_refuses_turns_once_spent(session, model):
     result = run(engine.run(session=session))
     assert result.run.exhausted_reason == "cost"
     assert result.run.budget.cost_usd == pytest.approx(0.03)  # three turns at $0.01
+
+
+def test_failed_turns_count_against_the_token_budget(session, model, sink):
+    """Each turn's reply fails to parse (TurnError), after a model call of 100 tokens:
+    the failed turns are paid for, so the fourth turn is refused."""
+    async def body(run_):
+        agent = await run_.make_agent("worker")
+        for index in range(10):
+            with pytest.raises(TurnError):
+                await run_.turn(agent, f"turn {index}", response_format=Note, parse_retries=0)
+        return "never"
+
+    engine = ScriptEngine(body, model=model(ByAgent(default="not json"), prompt_tokens=60, completion_tokens=40),
+                          max_tokens=250, event_sink=sink)
+    result = run(engine.run(session=session))
+    assert result.degrade_reason == "budget" and result.run.exhausted_reason == "tokens"
+    assert result.run.budget.tokens_used == 300
+    errors = kinds(sink, result.run, "agent_error")
+    assert [e.data["error_type"] for e in errors] == ["ParseError"] * 3
+    assert [e.data["tokens"] for e in errors] == [100, 100, 100]
 
 
 def test_cost_budget_refuses_an_unpriced_model_before_any_agent():
