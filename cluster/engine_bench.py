@@ -58,12 +58,12 @@ def measure(repeat: int = 5, latency: float = 0.05, items: int = 5, warmup: int 
     from opgraph.actors.providers import SimulatedProvider
     from opgraph.engines import ReviewEngine
 
-    session = Session()
-    session.register_provider("sim", SimulatedProvider(latency=latency, list_items=items, seed=7))
     engine = ReviewEngine()
-    for _ in range(warmup):
-        asyncio.run(_one(session, engine))
-    samples = [asyncio.run(_one(session, engine)) for _ in range(repeat)]
+    with Session() as session:  # every run's agent branches are dropped when the block ends
+        session.register_provider("sim", SimulatedProvider(latency=latency, list_items=items, seed=7))
+        for _ in range(warmup):
+            asyncio.run(_one(session, engine))
+        samples = [asyncio.run(_one(session, engine)) for _ in range(repeat)]
 
     def median(key: str) -> float:
         return statistics.median(sample[key] for sample in samples)

@@ -177,7 +177,9 @@ async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> 
     from .engine_store import EngineRunStore
 
     store = EngineRunStore(arguments.store)
+    session = None
     try:
+        # The CLI's own Session: the engine uses it as it is, and this run closes it below.
         session = Session(arguments.address)
         if arguments.sim_items is not None or arguments.sim_malformed_rate is not None:
             session.register_provider("sim", SimulatedProvider(
@@ -198,7 +200,13 @@ async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> 
                                   "error": str(exc), "error_type": type(exc).__name__}, indent=2))
             return EXIT_FAILED
     finally:
-        store.close()
+        try:
+            if session is not None:
+                await session.aclose()  # drops the run's agent branches from the stores
+        except OpGraphError as exc:  # the run is recorded; say what was left behind, keep its outcome
+            print(f"warning: the session could not be closed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        finally:
+            store.close()
     payload = _payload(result, run)
     if arguments.json:
         print(json.dumps(payload, indent=2, default=str))

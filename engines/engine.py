@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from opgraph.actors.models import ModelIdentityError, parse_model_id
 from opgraph.actors.verbs import json_candidates
+from opgraph.kernel import OpGraphError
 
 from .agents import emission_bundle
 from .budget import BudgetLimits, PriceTable
@@ -301,11 +302,13 @@ class Engine:
 
     async def _close(self, run: EngineRun, watchdog: asyncio.Task | None, status: str, result: Any,
                      error: BaseException | None) -> None:
-        """Run-owned cleanup: stop the watchdog, cancel spawned work, record the end durably."""
+        """Run-owned cleanup: stop the watchdog, cancel spawned work, close a Session the run
+        made for itself (never a supplied one), record the end durably."""
         if watchdog is not None:
             watchdog.cancel()
             await asyncio.gather(watchdog, return_exceptions=True)
         await run.cancel_active()
+        await self._release_session(run)
         run.status = status
         self.statistics_counters.finished(status)
         error_data = None if error is None else {"error": str(error), "error_type": type(error).__name__}
@@ -323,6 +326,17 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - translated at the sink boundary
             raise EventSinkError(f"the run's end could not be recorded: {type(exc).__name__}: {exc}",
                                  run_id=run.run_id) from exc
+
+    @staticmethod
+    async def _release_session(run: EngineRun) -> None:
+        """Close the run's own Session; a failure to close is recorded, and the result stands."""
+        try:
+            dropped = await run.release()
+        except OpGraphError as exc:
+            run.notify("session_close_failed", error=str(exc), error_type=type(exc).__name__)
+            return
+        if dropped is not None:
+            run.notify("session_closed", branches_dropped=dropped)
 
     # -- D3: the advisory judge ----------------------------------------------------------
     async def judge(self, run: EngineRun, eid: str, subject: str) -> bool:

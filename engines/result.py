@@ -16,7 +16,12 @@ DEGRADE_REASONS = ("budget", "deadline", "emission_failure")
 
 
 class EngineResult(str):
-    """``str(result) == result.text``; ``run`` is the live run (it holds the Session: release it)."""
+    """``str(result) == result.text``; ``run`` is the live run.
+
+    The run holds a supplied Session (and so its branches) as long as ``run`` is kept:
+    release results you no longer need. A Session the run made for itself was closed
+    when the run ended; the run's events (``events_by_type``) stay readable either way.
+    """
 
     text: str
     skipped: list[str]

@@ -44,20 +44,24 @@ EMISSION_DEPTH = 4
 class EngineRun:
     """One invocation's state; a fresh run per ``Engine.run`` (ADR-0034 D1).
 
-    Without ``session`` (and without ``port``) the run constructs a new ``Session()``; a
-    supplied Session is used as it is, never cloned or reset. ``port`` replaces the
-    runtime entirely (a fake for unit tests). ``event_sink`` receives every record.
+    Without ``session`` (and without ``port``) the run constructs a new ``Session()`` and
+    owns it: the run's end closes it, dropping its agents' branches (``owns_session``).
+    A supplied Session is used as it is, never cloned, reset or closed; its branches
+    live until its owner closes it. ``port`` replaces the runtime entirely (a fake for
+    unit tests). ``event_sink`` receives every record.
     """
 
     def __init__(self, engine: Engine, *, session: Any = None, on_event: EventCallback | None = None,
                  on_branch_created: Callable[[Any], None] | None = None, port: AgentPort | None = None,
                  event_sink: Any = None, run_id: str | None = None) -> None:
         self.engine = engine
+        self.owns_session = False
         if port is None:
             if session is None:
                 from opgraph.actors import Session  # local: constructing one starts Ray
 
                 session = Session()
+                self.owns_session = True
             port = SessionPort(session)
         self.session = session if session is not None else getattr(port, "session", None)
         self.port = port
@@ -231,6 +235,14 @@ class EngineRun:
             error = self.tasks.unobserved_errors.pop(0)
             self.notify("spawned_task_error", error=str(error), error_type=type(error).__name__)
         return stragglers
+
+    async def release(self) -> int | None:
+        """Close the Session this run made for itself (dropping its branches); returns how
+        many branches were dropped, or None when the Session is not the run's to close."""
+        if not self.owns_session or self.session is None:
+            return None
+        self.owns_session = False  # once, even if closing fails
+        return await self.session.aclose()
 
     async def _watch_deadline(self) -> None:
         """Sleep until the deadline, then record exhaustion and cancel the root task."""

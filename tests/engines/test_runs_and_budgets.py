@@ -12,7 +12,7 @@ import os
 import pytest
 from engine_scripts import HANG, ByAgent, Note, ScriptEngine, js, kinds
 
-from opgraph.actors import TurnError
+from opgraph.actors import TurnError, UnknownBranchError
 from opgraph.engines import EngineBudgetError, EngineInputError, EngineResult
 
 pytestmark = pytest.mark.ray
@@ -75,6 +75,17 @@ def test_agent_turns_run_on_a_worker_process_not_the_driver(session, model):
     engine = ScriptEngine(one_agent, model=model(lambda request: f"pid {os.getpid()}"))
     result = run(engine.run(session=session))
     assert result.startswith("pid ") and int(result.split()[1]) != os.getpid()
+
+
+def test_a_run_without_a_session_makes_its_own_and_closes_it(session):
+    """engine.run() with no session: the run's own Session, closed at the end with its
+    agents' branches; a supplied Session (as everywhere else here) stays open."""
+    result = run(ScriptEngine(one_agent, model="sim/default").run())
+    own = result.run.session
+    assert own is not session and own.closed and not session.closed
+    assert result.run.events.notifications("session_closed")[0].data["branches_dropped"] >= 2
+    with pytest.raises(UnknownBranchError):
+        run(session.messages(result.run.agents["a"].id))  # the agent's branch is gone from the store
 
 
 def test_an_agent_is_a_branch_holding_its_role_profile(session, model):
