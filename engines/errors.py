@@ -14,35 +14,16 @@ run; the public result marks it as degradation instead of raising (D5)::
 
 from __future__ import annotations
 
-from typing import Any
-
 from opgraph.kernel import OpGraphError
 
 __all__ = ["EngineBudgetError", "EngineError", "EngineInputError", "EventSinkError", "PlanError"]
 
 
 class EngineError(OpGraphError):
-    """Root of the engine errors; ``run_id`` is the engine run's id when one exists."""
+    """Root of the engine errors; ``run_id`` (the root's field) is the engine run's id when one exists.
 
-    def __init__(self, message: str, *, run_id: str | None = None, node_id: str | None = None,
-                 branch_id: str | None = None, edge_id: str | None = None) -> None:
-        super().__init__(message, node_id=node_id, branch_id=branch_id, edge_id=edge_id)
-        self.run_id = run_id
-
-    def __reduce__(self):
-        # Every attribute travels, so subclasses with fields of their own pickle too.
-        return (_rebuild_engine_error, (type(self), self.message, dict(self.__dict__)))
-
-    def __str__(self) -> str:
-        text = super().__str__()
-        return f"{text} [run={self.run_id}]" if self.run_id else text
-
-
-def _rebuild_engine_error(cls: type[EngineError], message: str, state: dict[str, Any]) -> EngineError:
-    error = cls.__new__(cls)
-    Exception.__init__(error, message)
-    error.__dict__.update(state)
-    return error
+    Ids, printing and pickling (every attribute travels) are the root's own.
+    """
 
 
 class EngineInputError(EngineError, ValueError):
@@ -53,9 +34,8 @@ class EngineInputError(EngineError, ValueError):
 class EngineBudgetError(EngineError, RuntimeError):
     """A hard bound refused more work; ``reason`` is ``agents``, ``deadline``, ``tokens`` or ``cost``."""
 
-    def __init__(self, message: str, *, reason: str, run_id: str | None = None, node_id: str | None = None,
-                 branch_id: str | None = None) -> None:
-        super().__init__(message, run_id=run_id, node_id=node_id, branch_id=branch_id)
+    def __init__(self, message: str, *, reason: str, **ids: str | None) -> None:
+        super().__init__(message, **ids)
         self.reason = reason
 
 
