@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from engine_scripts import HANG, ByAgent, ScriptEngine, kinds
@@ -147,8 +148,9 @@ def test_a_failing_partial_export_yields_no_text_and_is_recorded(session, sink):
 
 
 def test_caller_cancellation_propagates_after_cleanup(session, model, sink):
-    speaking = asyncio.Event()
-
+    """root: speaker turn (hangs) + spawned turn (hangs), both on workers; the caller
+    cancels: CancelledError propagates, the run is recorded cancelled, and both model
+    calls on the workers end (Session.turn carries the cancellation to them)."""
     async def body(run_):
         async def worker_turn():
             agent = await run_.make_agent("worker", name="spawned")
@@ -158,22 +160,35 @@ def test_caller_cancellation_propagates_after_cleanup(session, model, sink):
         await say(run_)
         await spawned
 
-    def on_event(event):
-        if event["type"] == "agent_created" and event["agent"] == "speaker":
-            speaking.set()  # its turn starts right after: a call is on its way to a worker
-
     async def scenario():
         engine = ScriptEngine(body, model=model(ByAgent(default=HANG)), event_sink=sink)
-        task = asyncio.ensure_future(engine.run(session=session, on_event=on_event))
-        await asyncio.wait_for(speaking.wait(), 30)
+        task = asyncio.ensure_future(engine.run(session=session))
+        await until(lambda count: count == 2, session)  # both turns hang in a worker
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
+        # Inside the loop still (its end would cancel leftovers anyway).
+        return await until(lambda count: count == 0, session)
 
-    run(scenario())
+    assert run(scenario()) == 0
     (run_id,) = sink.runs
     assert sink.runs[run_id]["status"] == "cancelled"
     assert sink.types(run_id)[-1] == "run_finished"
+
+
+async def until(check, session, seconds=30.0):
+    """Poll the workers' calls in flight until ``check(count)`` holds; fail after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not check(count := await worker_calls_in_flight(session)):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the workers never reached the expected state: {count} calls in flight")
+        await asyncio.sleep(0.05)
+    return count
+
+
+async def worker_calls_in_flight(session):
+    snapshots = await asyncio.gather(*(worker.statistics.remote() for worker in session.runtime.workers))
+    return sum(snapshot["in_flight"] for snapshot in snapshots)
 
 
 def test_a_run_executes_only_once(session, model):

@@ -10,6 +10,7 @@ import asyncio
 import os
 
 import pytest
+import ray
 from engine_scripts import HANG, ByAgent, Note, ScriptEngine, js, kinds
 
 from opgraph.actors import TurnError, UnknownBranchError
@@ -71,10 +72,19 @@ def test_on_event_receives_plain_dicts_with_a_type(session, model):
     assert created["agent"] == "a" and created["role"] == "worker"
 
 
+def executor_totals(session):
+    snapshot = ray.get(session.runtime.executor.statistics.remote(), timeout=30)
+    return snapshot["turns"], snapshot["runs_started"]
+
+
 def test_agent_turns_run_on_a_worker_process_not_the_driver(session, model):
+    """One agent turn is one Session.turn on a worker: the model answers from another
+    process, the executor counts one turn, and no graph run is started for it."""
     engine = ScriptEngine(one_agent, model=model(lambda request: f"pid {os.getpid()}"))
+    turns, runs = executor_totals(session)
     result = run(engine.run(session=session))
     assert result.startswith("pid ") and int(result.split()[1]) != os.getpid()
+    assert executor_totals(session) == (turns + 1, runs)
 
 
 def test_a_run_without_a_session_makes_its_own_and_closes_it(session):
