@@ -32,7 +32,7 @@ from .engine import Engine
 from .errors import EngineInputError, PlanError
 from .events import EngineEvent
 from .run import MALFORMED_ERROR_TYPES, EngineRun
-from .usage import ENGINE_OPERATE
+from .usage import ENGINE_OPERATE, METERED_VERBS
 
 __all__ = ["DEFAULT_ROLES", "PlanProposed", "PlanningEngine", "TaskOutput", "TaskSettled", "plan_model"]
 
@@ -199,7 +199,8 @@ class PlanningEngine(Engine):
     def _node_builder(self, branches: dict[str, str]) -> Any:
         """``role_node_builder`` over the roster; a request naming no role goes to its emitter's.
 
-        Routed ``operate`` children run metered (``engine_operate``: the same verb, with usage).
+        Routed children run metered (``engine_operate`` with the verb they asked for), so
+        their tokens count against the run's budgets and their settlements name their role.
         """
         route = role_node_builder(branches)
         models = {role: self.model_for(role) for role in branches}
@@ -209,7 +210,8 @@ class PlanningEngine(Engine):
                 request = request.model_copy(update={"assignee": emitter.metadata["assignee"]})
             child = route(request, emitter)
             role = child.metadata.get("assignee")
-            if child.operation == "operate":
+            if child.operation in METERED_VERBS:
+                child.parameters["verb"] = child.operation
                 child.operation = ENGINE_OPERATE
                 child.parameters["assignee"] = role
             if role in models and models[role]:

@@ -1,22 +1,25 @@
 """Provider usage of a planned task node, measured where its model calls run (an OperationWorker).
 
 Owns ``UsageMeter`` (a branch handle whose providers count tokens per model) and
-``engine_operate``, the operation engines register for DAG nodes: ``operate`` returning
-its text and usage. Graph nodes report no usage of their own (``Session.turn`` does, for
-single turns), so this is how planned work is priced against budgets. It runs inside
-workers, never in the driver, and changes nothing about the verb it wraps.
+``engine_operate``, the operation engines register for DAG nodes: a spawnable verb
+(``operate`` by default) returning its text and usage. Graph nodes report no usage of
+their own (``Session.turn`` does, for single turns), so this is how planned and spawned
+work is priced against budgets. It runs inside workers, never in the driver, and
+changes nothing about the verb it wraps.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from opgraph.actors.verbs import operate
+from opgraph.actors.verbs import ReAct, VerbParameterError, chat, communicate, operate
 from opgraph.kernel import SpawnRequest, extract_requests, to_mapping
 
-__all__ = ["ENGINE_OPERATE", "UsageMeter", "empty_usage", "engine_operate"]
+__all__ = ["ENGINE_OPERATE", "METERED_VERBS", "UsageMeter", "empty_usage", "engine_operate"]
 
 ENGINE_OPERATE = "engine_operate"
+# The verbs a SpawnRequest may name (kernel SPAWN_ALLOWED_OPERATIONS); each runs metered.
+METERED_VERBS = {"operate": operate, "chat": chat, "communicate": communicate, "ReAct": ReAct}
 
 
 def empty_usage() -> dict[str, Any]:
@@ -78,23 +81,30 @@ def _text_of(response: Any) -> str:
     text = getattr(response, "text", None)
     if isinstance(text, str):
         return text
+    if isinstance(response, dict) and isinstance(response.get("answer"), str):
+        return response["answer"]  # ReAct's summary
     return str(to_mapping(response))
 
 
 async def engine_operate(branch: Any, instruction: str = "", context: Any = None, model: str | None = None, *,
-                         inputs: list[str] | None = None, assignee: str | None = None,
+                         inputs: list[str] | None = None, assignee: str | None = None, verb: str = "operate",
                          **options: Any) -> dict[str, Any]:
-    """A planned task node: ``operate`` with usage, returning ``{"text", "usage", "spawn", "assignee"}``.
+    """A task node: ``verb`` with usage, returning ``{"text", "usage", "spawn", "assignee"}``.
 
     ``inputs`` (a TaskAssignment's named inputs) are stated under the instruction, so the
     verb gets only parameters it knows; ``assignee`` (the node's role) is echoed back, so
     spawned nodes, which only the executor knows, report their role too. ``spawn`` holds
     the SpawnRequests of a structured reply, where the worker finds them for reactive growth.
     """
+    run_verb = METERED_VERBS.get(verb)
+    if run_verb is None:
+        raise VerbParameterError(f"engine_operate: {verb!r} is not a spawnable verb; known: "
+                                 f"{', '.join(sorted(METERED_VERBS))}", node_id=getattr(branch, "node_id", None),
+                                 branch_id=getattr(branch, "id", None))
     if inputs:
         instruction = f"{instruction}\n\nInputs: {', '.join(str(item) for item in inputs)}"
     meter = UsageMeter(branch)
-    response = await operate(meter.branch, instruction, context, model, **options)
+    response = await run_verb(meter.branch, instruction, context, model, **options)
     return {"text": _text_of(response), "usage": meter.usage, "assignee": assignee,
             "spawn": extract_requests(response, (SpawnRequest,))}
 

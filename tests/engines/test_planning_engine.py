@@ -121,6 +121,22 @@ def test_a_reactive_node_grows_the_dag_through_the_role_router(session, model):
     assert settled["critic"].status == "completed" and settled["critic"].text == "checked"
 
 
+def test_spawned_nodes_of_any_verb_are_metered_and_name_their_role(session, model):
+    """writer --spawn chat--> critic: the chat child's tokens count against the run's
+    budget like every other call (4 calls of 15 tokens), and its settlement names its role."""
+    def writer(request):
+        return js({"text": "drafted", "spawn": [{"instruction": "check the draft", "assignee": "critic",
+                                                  "operation": "chat"}]})
+
+    script = ByAgent({"orchestrator": plan({"task": "draft", "assignee": "writer"}), "writer": writer,
+                      "critic": "checked", "synthesizer": "done"})
+    engine = PlanningEngine(model=model(script, prompt_tokens=10, completion_tokens=5))
+    result = run(engine.run("go", session=session))
+    settled = {s.assignee: s for s in result.run.by_type(TaskSettled)}
+    assert settled["critic"].status == "completed" and settled["critic"].text == "checked"
+    assert (result.run.budget.calls, result.run.budget.tokens_used) == (4, 60)
+
+
 def test_not_reactive_means_no_growth(session, model):
     def writer(request):
         assert "spawn" not in last_user(request)  # no structured output asked
