@@ -233,6 +233,9 @@ def run_engine(arguments: argparse.Namespace) -> int:
             raise EngineInputError(f"--sim-malformed-rate must be within [0, 1], got {arguments.sim_malformed_rate}")
     except EngineInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if arguments.json:  # a script reading stdout gets an answer for bad input too
+            print(json.dumps({"engine": arguments.kind, "status": "invalid", "error": exc.message,
+                              "error_type": type(exc).__name__}, indent=2))
         return EXIT_INVALID
     try:
         return asyncio.run(_execute(arguments, engine, subject))

@@ -55,6 +55,13 @@ def test_bad_input_exits_2_before_anything_starts(argv, message, capsys, monkeyp
     assert message in capsys.readouterr().err
 
 
+def test_bad_input_with_json_prints_a_json_refusal(capsys, tmp_path):
+    assert main(["engine", "run", "poetry", "a prompt", "--json", "--store", str(tmp_path / "db")]) == 2
+    refusal = json.loads(capsys.readouterr().out)
+    assert refusal["status"] == "invalid" and refusal["error_type"] == "EngineInputError"
+    assert "unknown engine kind" in refusal["error"]
+
+
 def test_an_empty_review_folder_is_bad_input(tmp_path, capsys):
     (tmp_path / "code").mkdir()
     assert main(["engine", "run", "review", str(tmp_path / "code"), "--store", str(tmp_path / "db")]) == 2
