@@ -37,6 +37,7 @@ from .settings import (
     PROBE_TIMEOUT_SECONDS,
     WORKER_CONCURRENCY,
     ActorNames,
+    names_in,
     newest_generation,
     tune_garbage_collector,
 )
@@ -79,7 +80,7 @@ class GraphExecutor:
         self.detached = detached
         self.namespace = namespace
         self.self_handle = ray.get_runtime_context().current_actor
-        existing = set(ray.util.list_named_actors())
+        existing = names_in(namespace or ray.get_runtime_context().namespace)
         stores, store_names, store_generations = self._adopt_or_start(
             branch_stores, names.store, self._start_store, existing)
         self.store_pool = ActorPool("branch store", stores, store_names, start=self._start_store,

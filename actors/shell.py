@@ -11,6 +11,7 @@ shim, a cost per call this path (several per node) need not pay.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections import deque
 from typing import Any
@@ -58,7 +59,8 @@ __all__ = ["DISPATCH_BATCH", "DISPATCH_WINDOW", "ExecutorShell"]
 _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipped: "skipped"}
 DISPATCH_BATCH = 256  # calls per message; measured flat between 64 and 512 on 2 cores
 DISPATCH_WINDOW = 0.002  # seconds; bounds added latency, amortises message cost
-LAG_PROBE_SECONDS = 0.25  # period of the loop-lag probe (metric opgraph_executor_loop_lag_seconds)
+LAG_PROBE_SECONDS = 0.25
+LARGE_RUN_NODES = 10_000  # forgetting a run this large triggers a full garbage collection  # period of the loop-lag probe (metric opgraph_executor_loop_lag_seconds)
 
 
 class _Run:
@@ -226,6 +228,12 @@ class ExecutorShell:
             run.grace_timer.cancel()
         self._fail_waiters(run, None)
         self.release_resources(run_id)
+        if len(run.state.state) >= LARGE_RUN_NODES:
+            # A large run leaves reference cycles (tasks, closures) that the youngest
+            # generations never reach at this process's GC thresholds; collected now, a
+            # long-lived executor stays flat run after run instead of growing until a
+            # full collection happens to run.
+            gc.collect()
         return True
 
     def release_resources(self, key: str) -> None:
