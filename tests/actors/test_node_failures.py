@@ -113,8 +113,16 @@ def test_a_graph_with_an_edge_to_a_missing_node_is_refused_before_anything_is_sh
     assert ray.get(session.runtime.executor.statistics.remote())["runs_started"] == before
 
 
-async def stubborn(branch: Any, **parameters: Any) -> str:
-    """Ignores cancellation: swallows it and keeps sleeping."""
+def stubborn_operation(gauge: Any):
+    async def stubborn(branch: Any, key: str = "", **parameters: Any) -> str:
+        """Tells the Gauge it runs, then ignores cancellation: swallows it and keeps sleeping."""
+        await gauge.enter.remote(key)
+        return await _ignore_cancellation()
+
+    return stubborn
+
+
+async def _ignore_cancellation() -> str:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         try:
@@ -124,26 +132,24 @@ async def stubborn(branch: Any, **parameters: Any) -> str:
     return "finally"
 
 
-def test_operations_that_ignore_cancellation_are_reported_cancelled_after_the_grace_period(session):
-    """stubborn x2 ignore the cancel: flow returns once the 0.5 s grace has passed, both cancelled,
-    and on_progress says cancelled for each (it had said queued and started)."""
+def test_operations_that_ignore_cancellation_are_reported_cancelled_after_the_grace_period(session, gauge):
+    """stubborn x2 run, then ignore the cancel: flow returns once the 0.5 s grace has passed, both
+    cancelled, and on_progress says cancelled for each (it had said queued and started)."""
     with Session(cancel_grace=0.5) as own:
-        own.register_operation("stubborn", stubborn, record_turn=False)
+        own.register_operation("stubborn", stubborn_operation(gauge), record_turn=False)
         graph = Graph("stubborn")
-        nodes = [graph.add_node(create_operation("stubborn", {"instruction": f"n{i}"})) for i in range(2)]
+        nodes = [graph.add_node(create_operation("stubborn", {"instruction": f"n{i}", "key": "stubborn"}))
+                 for i in range(2)]
         seen: list[tuple[str, str]] = []
-        started = asyncio.Event()
         executor_ref: dict[str, Any] = {}
 
         def progress(op_id: str, name: str, status: str, elapsed: float) -> None:
             seen.append((op_id, status))
-            if sum(1 for _, s in seen if s == "started") == 2:
-                started.set()
 
         async def scenario() -> tuple[dict[str, Any], float]:
             flow = asyncio.create_task(own.flow(graph, max_concurrent=2, executor_ref=executor_ref,
                                                 on_progress=progress))
-            await asyncio.wait_for(started.wait(), TIMEOUT)
+            await asyncio.wait_for(gauge.wait_entered.remote("stubborn", 2), TIMEOUT)  # both really run
             cancelled_at = time.monotonic()
             await executor_ref["executor"].cancel()
             return await flow, time.monotonic() - cancelled_at
