@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -342,6 +342,7 @@ class Session:
         spawn_branch_setup: Callable[[Any, Any], Any] | None = None,
         reducers: dict[str, Callable[[Any, Any], Any]] | None = None,
         run_id: str | None = None,
+        on_settled: Callable[[FlowEvent], Awaitable[Any]] | None = None,
     ) -> dict[str, Any]:
         """Run ``graph`` on the executor and return the result envelope (ADR-0033 D1).
 
@@ -350,6 +351,8 @@ class Session:
         ``alcall_params`` is accepted for signature compatibility and has no effect:
         capacity is the executor's counter, not an in-process limiter. ``run_id`` names
         the run (default: a fresh uuid) so another process can ``RunControl.attach`` to it.
+        ``on_settled`` (async) is awaited with each settled node's ``FlowEvent``, result
+        included, as the run goes: how a run store records outputs before the run ends.
         """
         del alcall_params
         options = self._options(
@@ -357,7 +360,7 @@ class Session:
             max_spawn=max_spawn, spawn_type=spawn_type, node_builder=node_builder,
             default_branch=default_branch, spawn_branch_setup=spawn_branch_setup, reducers=reducers,
             want_signals=bool(on_progress or verbose or on_branch_created),
-            want_events=False, stream_buffer=1 << 30,
+            want_events=on_settled is not None, stream_buffer=1 << 30,
         )
         run_id = run_id or str(uuid.uuid4())
         executor = self.runtime.executor
@@ -366,7 +369,7 @@ class Session:
             executor_ref["executor"] = RunControl(executor, run_id)
             executor_ref["run_id"] = run_id
         try:
-            envelope = await self._drain(run_id, graph, on_progress, on_branch_created, verbose)
+            envelope = await self._drain(run_id, graph, on_progress, on_branch_created, verbose, on_settled)
         except BaseException:
             # Stop the run's remaining work, then re-raise; a dead executor has nothing to stop.
             with contextlib.suppress(ray.exceptions.RayError):
