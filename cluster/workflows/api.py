@@ -19,35 +19,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Query
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from opgraph.kernel import OpGraphError
-
-from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, LaneCapabilityError, check_control
-from .runner import compile_source, registry_source, run_workflow
-from .spec import WorkflowDefinitionError, problem
-from .store import (
-    RunNotFoundError,
-    RunRecord,
-    WorkflowNameConflictError,
-    WorkflowNotFoundError,
-    WorkflowStore,
-    WorkflowStoreError,
-    WorkflowVersion,
+from .body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
+from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, check_control
+from .problems import (
+    ErrorBody,
+    RunStateConflictError,
+    RuntimeUnavailableError,
+    errors,
+    install_error_handlers,
+    run_links,
 )
+from .runner import compile_source, registry_source, run_workflow
+from .store import MAX_VERSION, RunNotFoundError, RunRecord, WorkflowStore, WorkflowVersion
 
 __all__ = [
-    "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "RunStateConflictError", "RunTasks", "RunWorkflowRequest",
-    "RuntimeUnavailableError", "UpdateWorkflowRequest", "create_app", "serve",
+    "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "ErrorBody", "RunStateConflictError", "RunTasks",
+    "RunWorkflowRequest", "RuntimeUnavailableError", "UpdateWorkflowRequest", "create_app", "serve",
 ]
 
 # How long a cancel request waits for the executor to settle the run before it also
@@ -77,27 +76,11 @@ class RunWorkflowRequest(_Body):
     inputs: dict[str, Any] | None = None
     base_dir: str | None = None
     model: str | None = None
-    version: int | None = Field(default=None, ge=1)
+    version: int | None = Field(default=None, ge=1, le=MAX_VERSION)
 
 
 class MessageRequest(_Body):
     text: str = ""  # accepted so the request is well formed; the lane rejects it anyway
-
-
-class RunStateConflictError(OpGraphError):
-    """The request conflicts with the run's state (terminal, still running, or owned by
-    another process); ``status`` says which. Poll the run, or start a new one."""
-
-    def __init__(self, message: str, run_id: str, status: str) -> None:
-        super().__init__(message)
-        self.run_id, self.status = run_id, status
-
-    def __reduce__(self):
-        return (type(self), (self.message, self.run_id, self.status))
-
-
-class RuntimeUnavailableError(OpGraphError):
-    """The Session (Ray and the runtime actors) could not be started; no run was created."""
 
 
 # -- this server's runs -----------------------------------------------------------------
@@ -175,7 +158,8 @@ class RunTasks:
 
 
 class _SessionSlot:
-    """One Session for the whole server, created on the first run (it costs seconds)."""
+    """One Session for the whole server, started with the server (it costs seconds), so the
+    first run is admitted as fast as any other; if that start fails, each run retries it."""
 
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._factory = factory
@@ -188,18 +172,13 @@ class _SessionSlot:
                 # Session() joins Ray with blocking calls: never on the event loop.
                 try:
                     self._session = await run_in_threadpool(self._factory)
-                except Exception as exc:  # Ray's own errors, translated once here; the next run retries
+                except Exception as exc:  # Ray's own errors, translated once here; a run retries
                     raise RuntimeUnavailableError(f"cannot start the runtime: {type(exc).__name__}: {exc}; "
                                                   "check the Ray address, then retry") from exc
             return self._session
 
 
 # -- JSON shapes ------------------------------------------------------------------------
-def _links(run_id: str) -> dict[str, str]:
-    base = f"/api/runs/{run_id}"
-    return {"self": base, "signals": f"{base}/signals", "results": f"{base}/results", "cancel": f"{base}/cancel"}
-
-
 def _version_json(version: WorkflowVersion, *, spec: bool = True) -> dict[str, Any]:
     body = asdict(version)
     body = {"id": body.pop("workflow_id"), "ref": version.ref, **body}
@@ -215,41 +194,11 @@ def _run_json(record: RunRecord) -> dict[str, Any]:
         "lane": record.lane, "lane_capabilities": _CAPABILITIES,
         "provenance": record.provenance, "inputs": record.inputs, "session_id": record.session_id,
         "created_at": record.created_at, "started_at": record.started_at, "finished_at": record.finished_at,
-        "links": _links(record.run_id),
+        "links": run_links(record.run_id),
     }
     if record.terminal:
         body.update(outputs=record.outputs, errors=record.error)
     return body
-
-
-def _message(exc: OpGraphError) -> dict[str, Any]:
-    return {"error": exc.message}
-
-
-def _request_problem(item: dict[str, Any]) -> dict[str, Any]:
-    return problem(f"{'.'.join(str(part) for part in item.get('loc', ()))}: {item.get('msg')}")
-
-
-# Every typed error is one HTTP status and body, here and nowhere else; the most specific
-# class wins. Malformed requests get our problem list, not FastAPI's {"detail": [...]}.
-_ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any]]]] = {
-    WorkflowDefinitionError: (422, lambda exc: {"errors": exc.errors}),
-    RequestValidationError: (422, lambda exc: {"errors": [_request_problem(item) for item in exc.errors()]}),
-    WorkflowNameConflictError: (409, lambda exc: {"error": exc.message, "name": exc.name}),
-    LaneCapabilityError: (409, lambda exc: {"error": exc.message, "request_kind": exc.request_kind,
-                                            "lane": FIXED_WORKFLOW, "lane_capabilities": _CAPABILITIES}),
-    RunStateConflictError: (409, lambda exc: {"error": exc.message, "run_id": exc.run_id,
-                                              "status": exc.status, "links": _links(exc.run_id)}),
-    WorkflowNotFoundError: (404, _message),  # WorkflowVersionNotFoundError too
-    RunNotFoundError: (404, _message),
-    WorkflowStoreError: (503, _message),  # the database failed or is closed
-    RuntimeUnavailableError: (503, _message),
-}
-
-
-async def _error_response(_: Request, exc: Exception) -> JSONResponse:
-    status, body = next(_ERROR_RESPONSES[cls] for cls in type(exc).__mro__ if cls in _ERROR_RESPONSES)
-    return JSONResponse(body(exc), status_code=status)
 
 
 # -- the app ----------------------------------------------------------------------------
@@ -262,10 +211,18 @@ def _session_factory(address: str | None = None) -> Callable[[], Any]:
     return start
 
 
+def _say(text: str) -> None:
+    print(f"opgraph serve: {text}", file=sys.stderr, flush=True)
+
+
 def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | None = None,
-               max_concurrent: int = 5) -> FastAPI:
+               max_concurrent: int = 5, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               start_runtime: bool = True) -> FastAPI:
     """The API over ``store``; runs use one Session from ``session_factory`` (default ``Session()``).
 
+    The Session starts with the app (``start_runtime``), before it takes requests, so
+    admission never waits for Ray; a failed start is reported and retried by each run
+    (503 until it works). Request bodies over ``max_body_bytes`` are refused with 413.
     The caller owns ``store`` and the Session; shutting the app down cancels its
     in-flight runs (each is recorded ``cancelled``) but closes neither.
     """
@@ -277,46 +234,57 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
         # Runs left unfinished by a server (or CLI) process that died are failed now,
         # before anyone asks; reads would settle them too (WorkflowStore._orphaned).
         await asyncio.to_thread(store.reap_orphaned_runs)
+        if start_runtime:
+            _say("starting the runtime (Ray and the opgraph actors)...")
+            started = time.monotonic()
+            try:
+                await sessions.get()
+            except RuntimeUnavailableError as exc:
+                _say(f"{exc.message}; serving definitions, and each run will try again")
+            else:
+                _say(f"runtime ready in {time.monotonic() - started:.1f} s")
         yield
         await runs.cancel_all()
 
-    app = FastAPI(title="opgraph fixed workflows", lifespan=lifespan)
+    app = FastAPI(title="opgraph fixed workflows", lifespan=lifespan,
+                  description="Versioned fixed-workflow definitions (ADR-0073) and their runs. Every error "
+                              "answer is an ErrorBody: the first problem's message and the list of problems.")
     app.state.runs = runs
-    for error_type in _ERROR_RESPONSES:
-        app.add_exception_handler(error_type, _error_response)
+    install_error_handlers(app)
+    app.add_middleware(RequestBodyGuard, max_body_bytes=max_body_bytes)
 
     # Definition routes are plain functions: FastAPI runs them in its thread pool, so the
     # synchronous SQLite calls never block the loop that drives the runs.
-    @app.post("/api/workflows", status_code=201)
+    @app.post("/api/workflows", status_code=201, responses=errors(409, 413, 422))
     def create_workflow(body: CreateWorkflowRequest) -> dict[str, Any]:
         return _version_json(store.create_workflow(body.name, body.spec, body.description))
 
-    @app.get("/api/workflows")
+    @app.get("/api/workflows", responses=errors())
     def list_workflows() -> dict[str, Any]:
         return {"workflows": [asdict(summary) for summary in store.list_workflows()]}
 
-    @app.get("/api/workflows/{name}")
-    def get_workflow(name: str, version: int | None = Query(default=None, ge=1)) -> dict[str, Any]:
+    @app.get("/api/workflows/{name}", responses=errors(404, 422))
+    def get_workflow(name: str, version: int | None = Query(default=None, ge=1, le=MAX_VERSION)) -> dict[str, Any]:
         return _version_json(store.resolve(name, version))
 
-    @app.get("/api/workflows/{name}/versions")
+    @app.get("/api/workflows/{name}/versions", responses=errors(404))
     def list_versions(name: str) -> dict[str, Any]:
         versions = store.versions(name)
         return {"name": versions[0].name, "versions": [_version_json(v, spec=False) for v in versions]}
 
-    @app.put("/api/workflows/{name}")
+    @app.put("/api/workflows/{name}", responses=errors(404, 413, 422))
     def add_version(name: str, body: UpdateWorkflowRequest) -> dict[str, Any]:
         previous = store.resolve(name)
         version = store.add_version(name, body.spec, body.description)
         # An equal hash returns the existing version: versions are immutable and never duplicated.
         return {**_version_json(version), "created": version.version != previous.version}
 
-    @app.delete("/api/workflows/{name}", status_code=204)
+    @app.delete("/api/workflows/{name}", status_code=204, response_class=Response, responses=errors(404))
     def delete_workflow(name: str) -> Response:
         store.delete_workflow(name)
         return Response(status_code=204)
 
-    @app.post("/api/workflows/{name}/runs", status_code=202)
+    @app.post("/api/workflows/{name}/runs", status_code=202, responses=errors(404, 413, 422))
     async def start_run(name: str, body: RunWorkflowRequest | None = None) -> dict[str, Any]:
         body = body or RunWorkflowRequest()
         # Pin and compile before any run row exists: a compile error is a 422 and no run.
@@ -325,40 +293,36 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
                                            base_dir=body.base_dir, model=body.model)
         session = await sessions.get()
         run_id, control = str(uuid.uuid4()), {}
-        task = runs.start(run_id, control, run_workflow(
+        admitted = asyncio.get_running_loop().create_future()
+        runs.start(run_id, control, run_workflow(
             session, source, inputs=body.inputs, base_dir=body.base_dir, model=body.model, store=store,
-            run_id=run_id, max_concurrent=max_concurrent, control=control, compiled=compiled))
-        # One turn of the loop lets the task write its run row (the runner does that before
-        # its first await), so a client polling right after the 202 finds the run.
-        await asyncio.sleep(0)
-        try:
-            status = (await run_in_threadpool(store.get_run, run_id)).status
-        except RunNotFoundError:
-            if task.done():
-                task.result()  # it failed before recording the run: raise that, not a 404
-            status = "admitted"
+            run_id=run_id, max_concurrent=max_concurrent, control=control, compiled=compiled,
+            on_admitted=admitted))
+        # The runner resolves ``admitted`` once the run row is written (or fails with what
+        # stopped it first), so a client polling right after the 202 finds the run.
+        status = await admitted
         return {"run_id": run_id, "status": status, "workflow": source.ref, "version": source.version,
                 "content_hash": source.content_hash, "lane": FIXED_WORKFLOW,
-                "lane_capabilities": _CAPABILITIES, "links": _links(run_id)}
+                "lane_capabilities": _CAPABILITIES, "links": run_links(run_id)}
 
-    @app.get("/api/runs")
+    @app.get("/api/runs", responses=errors(422))
     def list_runs(workflow: str | None = None,
                   status: Literal["admitted", "running", "completed", "failed", "cancelled"] | None = None,
                   limit: int = Query(default=50, ge=1, le=1000)) -> dict[str, Any]:
         return {"runs": [_run_json(run) for run in store.list_runs(workflow=workflow, status=status, limit=limit)]}
 
-    @app.get("/api/runs/{run_id}")
+    @app.get("/api/runs/{run_id}", responses=errors(404))
     def get_run(run_id: str) -> dict[str, Any]:
         return _run_json(store.get_run(run_id))
 
-    @app.get("/api/runs/{run_id}/signals")
-    def run_signals(run_id: str, after: int = Query(default=0, ge=0)) -> dict[str, Any]:
+    @app.get("/api/runs/{run_id}/signals", responses=errors(404, 422))
+    def run_signals(run_id: str, after: int = Query(default=0, ge=0, le=MAX_VERSION)) -> dict[str, Any]:
         signals = store.run_signals(run_id, after)
         status = store.get_run(run_id).status  # read after the signals: terminal means none are missing
         return {"run_id": run_id, "status": status, "signals": signals,
                 "next_after": signals[-1]["seq"] if signals else after}
 
-    @app.get("/api/runs/{run_id}/results")
+    @app.get("/api/runs/{run_id}/results", responses=errors(404, 409))
     def run_results(run_id: str) -> dict[str, Any]:
         record = store.get_run(run_id)
         if not record.terminal:
@@ -372,7 +336,7 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
                 "version": record.version, "content_hash": record.content_hash, "outputs": record.outputs or {},
                 "errors": record.error, "nodes": nodes}
 
-    @app.post("/api/runs/{run_id}/cancel", status_code=202)
+    @app.post("/api/runs/{run_id}/cancel", status_code=202, responses=errors(404, 409))
     async def cancel_run(run_id: str) -> dict[str, Any]:
         record = await run_in_threadpool(store.get_run, run_id)
         if record.terminal:
@@ -388,31 +352,38 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
         if record.status in ("completed", "failed"):
             raise RunStateConflictError(f"run {run_id} ended {record.status} before the cancel took effect",
                                         run_id=run_id, status=record.status)
-        return {"run_id": run_id, "status": record.status, "links": _links(run_id)}
+        return {"run_id": run_id, "status": record.status, "links": run_links(run_id)}
 
-    async def reject_control(run_id: str, request_kind: str) -> None:
+    async def reject_control(run_id: str, request_kind: str) -> NoReturn:
         await run_in_threadpool(store.get_run, run_id)  # an unknown run is a 404 first
         check_control(FIXED_WORKFLOW, request_kind)  # raises: nothing is queued anywhere
+        raise AssertionError(f"the {FIXED_WORKFLOW} lane accepted {request_kind!r}, which it has no consumer for")
 
-    @app.post("/api/runs/{run_id}/message")
-    async def message_run(run_id: str, body: MessageRequest | None = None) -> None:
+    # The fixed lane has no consumer for these: they only ever answer 404 or 409, and the
+    # document says so (409 stands where a success status would).
+    refused = {"status_code": 409, "response_model": ErrorBody, "responses": errors(404),
+               "response_description": "Always: the fixed_workflow lane does not support this control"}
+
+    @app.post("/api/runs/{run_id}/message", **{**refused, "responses": errors(404, 413, 422)})
+    async def message_run(run_id: str, body: MessageRequest | None = None) -> ErrorBody:
         await reject_control(run_id, "message")
 
-    @app.post("/api/runs/{run_id}/pause")
-    async def pause_run(run_id: str) -> None:
+    @app.post("/api/runs/{run_id}/pause", **refused)
+    async def pause_run(run_id: str) -> ErrorBody:
         await reject_control(run_id, "pause")
 
-    @app.post("/api/runs/{run_id}/resume")
-    async def resume_run(run_id: str) -> None:
+    @app.post("/api/runs/{run_id}/resume", **refused)
+    async def resume_run(run_id: str) -> ErrorBody:
         await reject_control(run_id, "resume")
 
     return app
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = None,
-          address: str | None = None) -> None:
-    """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray joins on the first run."""
+          address: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray starts with the server."""
     import uvicorn
 
     with WorkflowStore(store_path) as store:
-        uvicorn.run(create_app(store, session_factory=_session_factory(address)), host=host, port=port)
+        app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes)
+        uvicorn.run(app, host=host, port=port)

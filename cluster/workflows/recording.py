@@ -1,0 +1,96 @@
+"""What a fixed run writes to its store while it goes: its row, each signal, each settled node.
+
+Owns the run's side of durability: every lifecycle signal and every settled node's
+status and result are handed to the store's writer thread the moment the driver hears of
+them, so a killed owner loses at most the write in progress, and the event loop never
+waits on SQLite (it waits only when the writer falls behind by ``MAX_BACKLOG`` writes).
+It must not decide a run's status or outcome: the runner does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from opgraph.kernel import FlowEvent
+
+from .compiler import CompiledWorkflow
+from .store import WorkflowStore
+
+__all__ = ["MAX_BACKLOG", "RunRecorder"]
+
+# Writes the writer may hold before a settled node waits for it: a bound on memory, and
+# on what a kill could lose, that a wide run at full speed stays under (one burst).
+MAX_BACKLOG = 2000
+
+
+class RunRecorder:
+    """Records one run through ``store.writer``; every method is a no-op without a store.
+
+    ``progress`` is the Session's ``on_progress`` (and calls the caller's), ``settled`` its
+    ``on_settled``. A write that fails is kept as ``failure`` (the first one) for the runner
+    to report; it never stops the run.
+    """
+
+    def __init__(self, store: WorkflowStore | None, run_id: str, compiled: CompiledWorkflow,
+                 on_progress: Callable[[str, str, str, float], Any] | None = None) -> None:
+        self.store = store
+        # Taken once: asking the store for its writer takes a lock a commit may hold.
+        self.writer = store.writer if store is not None else None
+        self.run_id = run_id
+        self.spec_ids = compiled.spec_ids_by_node_id
+        self.on_progress = on_progress
+        self.branches: list[Any] = []
+        self.failure: BaseException | None = None
+
+    # -- the run row: awaited, since the run's lifecycle depends on it ---------------------
+    async def write(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``method(*args, **kwargs)`` on the writer thread, awaited; the write survives a cancel."""
+        if self.writer is None:
+            return None
+        future = self.writer.submit(method, *args, **kwargs)
+        return await asyncio.shield(asyncio.wrap_future(future))
+
+    # -- as the run goes -----------------------------------------------------------------
+    def progress(self, op_id: str, name: str, status: str, elapsed: float) -> None:
+        spec_id = self.spec_ids.get(op_id)
+        if self.writer is not None:
+            signal = {"node_id": op_id, "spec_node_id": spec_id, "kind": status, "elapsed": elapsed,
+                      "at": time.time()}
+            self._watch(self.writer.record(self.run_id, signals=[signal]))
+        if self.on_progress is not None:
+            self.on_progress(spec_id or op_id, name, status, elapsed)
+
+    async def settled(self, event: FlowEvent) -> None:
+        if self.writer is None:
+            return
+        node = {"node_id": event.operation_id, "spec_node_id": self.spec_ids.get(event.operation_id),
+                "status": event.status, "result": event.result, "settled_at": time.time()}
+        written = self._watch(self.writer.record(self.run_id, nodes=[node]))
+        if self.writer.backlog > MAX_BACKLOG:
+            await asyncio.wrap_future(written)  # the writer fell behind: let it catch up
+
+    def branch_created(self, branch: Any) -> None:
+        self.branches.append(branch)
+
+    async def record_branches(self, default_branch: str, messages: Callable[[str], Awaitable[Any]]) -> None:
+        if self.store is None:
+            return
+        seen: set[str] = set()
+        for branch_id, node_id in [(default_branch, None)] + [(b.id, b.node_id) for b in self.branches]:
+            if branch_id in seen:
+                continue
+            seen.add(branch_id)
+            await self.write(self.store.record_branch, self.run_id, branch_id,
+                             node_id=self.spec_ids.get(node_id, node_id), messages=await messages(branch_id))
+
+    def _watch(self, future: concurrent.futures.Future) -> concurrent.futures.Future:
+        future.add_done_callback(self._keep_failure)
+        return future
+
+    def _keep_failure(self, future: concurrent.futures.Future) -> None:
+        if self.failure is None and not future.cancelled() and future.exception() is not None:
+            self.failure = future.exception()
