@@ -28,6 +28,7 @@ from typing import Any, Literal, NoReturn
 
 from fastapi import FastAPI, Query
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -39,10 +40,11 @@ from .problems import (
     RuntimeUnavailableError,
     errors,
     install_error_handlers,
+    links,
     run_links,
 )
 from .runner import compile_source, registry_source, run_workflow
-from .store import MAX_VERSION, RunNotFoundError, RunRecord, WorkflowStore, WorkflowVersion
+from .store import RunNotFoundError, RunRecord, WorkflowStore, WorkflowVersion, WorkflowVersionNotFoundError
 
 __all__ = [
     "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "ErrorBody", "RunStateConflictError", "RunTasks",
@@ -53,6 +55,9 @@ __all__ = [
 # cancels the driving task (which cancels on the executor again, from Session.flow).
 CANCEL_GRACE_SECONDS = 5.0
 SHUTDOWN_GRACE_SECONDS = 10.0
+# The largest integer a request may carry (versions, seq numbers): every JSON client holds
+# it exactly (2**53 - 1), where the store's own limit (2**63 - 1) is past a double's precision.
+MAX_REQUEST_INTEGER = 2**53 - 1
 _CAPABILITIES = FIXED_WORKFLOW_CAPABILITIES.as_metadata()  # what every run of this lane publishes
 
 
@@ -61,22 +66,42 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A runnable two-node definition on the built-in simulated provider: the documented example
+# of a request body, which also lets a client (or a fuzzer) reach runs from the document alone.
+EXAMPLE_SPEC: dict[str, Any] = {
+    "version": 1,
+    "nodes": [{"id": "in", "kind": "input", "pos": {"x": 0, "y": 0}},
+              {"id": "draft", "kind": "chat", "pos": {"x": 1, "y": 0},
+               "config": {"prompt": "Draft a short note about the topic.", "model": "sim/fast"}}],
+    "edges": [{"id": "e1", "from": "in", "to": "draft"}],
+    "inputs": ["topic"],
+    "outputs": ["draft"],
+}
+
+
 class CreateWorkflowRequest(_Body):
-    name: str
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"name": "drafts", "description": "one chat node", "spec": EXAMPLE_SPEC}]})
+
+    name: str = Field(min_length=1)
     description: str | None = None
     spec: dict[str, Any] | None
 
 
 class UpdateWorkflowRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"spec": EXAMPLE_SPEC, "description": "v2"}]})
+
     spec: dict[str, Any] | None
     description: str | None = None
 
 
 class RunWorkflowRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"inputs": {"topic": "actors"}}]})
+
     inputs: dict[str, Any] | None = None
     base_dir: str | None = None
-    model: str | None = None
-    version: int | None = Field(default=None, ge=1, le=MAX_VERSION)
+    model: str | None = Field(default=None, pattern=r"^[^/]+/.+$", description="provider/model for every chat node")
+    version: int | None = Field(default=None, ge=1, le=MAX_REQUEST_INTEGER)
 
 
 class MessageRequest(_Body):
@@ -166,16 +191,26 @@ class _SessionSlot:
         self._session: Any = None
         self._lock = asyncio.Lock()
 
+    def start(self) -> Any:
+        """Start the Session on this thread: at startup, before any request, when blocking
+        the loop costs nobody and Ray may install its signal handlers in the main thread."""
+        if self._session is None:
+            self._session = self._create()
+        return self._session
+
     async def get(self) -> Any:
         async with self._lock:
             if self._session is None:
-                # Session() joins Ray with blocking calls: never on the event loop.
-                try:
-                    self._session = await run_in_threadpool(self._factory)
-                except Exception as exc:  # Ray's own errors, translated once here; a run retries
-                    raise RuntimeUnavailableError(f"cannot start the runtime: {type(exc).__name__}: {exc}; "
-                                                  "check the Ray address, then retry") from exc
+                # Session() joins Ray with blocking calls: once serving, never on the event loop.
+                self._session = await run_in_threadpool(self._create)
             return self._session
+
+    def _create(self) -> Any:
+        try:
+            return self._factory()
+        except Exception as exc:  # Ray's own errors, translated once here; a run retries
+            raise RuntimeUnavailableError(f"cannot start the runtime: {type(exc).__name__}: {exc}; "
+                                          "check the Ray address, then retry") from exc
 
 
 # -- JSON shapes ------------------------------------------------------------------------
@@ -202,6 +237,17 @@ def _run_json(record: RunRecord) -> dict[str, Any]:
 
 
 # -- the app ----------------------------------------------------------------------------
+# OpenAPI links: how a client (or a fuzzer's stateful phase) gets from what one answer
+# holds to the next request, so generated clients and tests reach runs, not only 404s.
+_WORKFLOW_LINKS = links(201, "The workflow's first version", {
+    operation: {"name": "$response.body#/name"}
+    for operation in ("get_workflow", "list_versions", "add_version", "start_run", "delete_workflow")})
+_RUN_LINKS = links(202, "The admitted run, with its id and links", {
+    operation: {"run_id": "$response.body#/run_id"}
+    for operation in ("get_run", "run_signals", "run_results", "cancel_run", "message_run", "pause_run",
+                      "resume_run")})
+
+
 def _session_factory(address: str | None = None) -> Callable[[], Any]:
     def start() -> Any:
         from opgraph.actors import Session  # local: it loads Ray, which definitions never need
@@ -238,7 +284,7 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
             _say("starting the runtime (Ray and the opgraph actors)...")
             started = time.monotonic()
             try:
-                await sessions.get()
+                sessions.start()
             except RuntimeUnavailableError as exc:
                 _say(f"{exc.message}; serving definitions, and each run will try again")
             else:
@@ -255,40 +301,51 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
 
     # Definition routes are plain functions: FastAPI runs them in its thread pool, so the
     # synchronous SQLite calls never block the loop that drives the runs.
-    @app.post("/api/workflows", status_code=201, responses=errors(409, 413, 422))
+    @app.post("/api/workflows", status_code=201, operation_id="create_workflow",
+              responses={**errors(409, 413, 422), **_WORKFLOW_LINKS})
     def create_workflow(body: CreateWorkflowRequest) -> dict[str, Any]:
         return _version_json(store.create_workflow(body.name, body.spec, body.description))
 
-    @app.get("/api/workflows", responses=errors())
+    @app.get("/api/workflows", operation_id="list_workflows", responses=errors())
     def list_workflows() -> dict[str, Any]:
         return {"workflows": [asdict(summary) for summary in store.list_workflows()]}
 
-    @app.get("/api/workflows/{name}", responses=errors(404, 422))
-    def get_workflow(name: str, version: int | None = Query(default=None, ge=1, le=MAX_VERSION)) -> dict[str, Any]:
+    @app.get("/api/workflows/{name}", operation_id="get_workflow", responses=errors(404, 422))
+    def get_workflow(name: str,
+                     version: int | None = Query(default=None, ge=1, le=MAX_REQUEST_INTEGER)) -> dict[str, Any]:
         return _version_json(store.resolve(name, version))
 
-    @app.get("/api/workflows/{name}/versions", responses=errors(404))
+    @app.get("/api/workflows/{name}/versions", operation_id="list_versions", responses=errors(404))
     def list_versions(name: str) -> dict[str, Any]:
         versions = store.versions(name)
         return {"name": versions[0].name, "versions": [_version_json(v, spec=False) for v in versions]}
 
-    @app.put("/api/workflows/{name}", responses=errors(404, 413, 422))
+    @app.put("/api/workflows/{name}", operation_id="add_version", responses=errors(404, 413, 422))
     def add_version(name: str, body: UpdateWorkflowRequest) -> dict[str, Any]:
         previous = store.resolve(name)
         version = store.add_version(name, body.spec, body.description)
         # An equal hash returns the existing version: versions are immutable and never duplicated.
         return {**_version_json(version), "created": version.version != previous.version}
 
-    @app.delete("/api/workflows/{name}", status_code=204, response_class=Response, responses=errors(404))
+    @app.delete("/api/workflows/{name}", status_code=204, operation_id="delete_workflow", response_class=Response,
+                responses=errors(404))
     def delete_workflow(name: str) -> Response:
         store.delete_workflow(name)
         return Response(status_code=204)
 
-    @app.post("/api/workflows/{name}/runs", status_code=202, responses=errors(404, 413, 422))
+    @app.post("/api/workflows/{name}/runs", status_code=202, operation_id="start_run",
+              responses={**errors(404, 413, 422), **_RUN_LINKS})
     async def start_run(name: str, body: RunWorkflowRequest | None = None) -> dict[str, Any]:
         body = body or RunWorkflowRequest()
         # Pin and compile before any run row exists: a compile error is a 422 and no run.
-        source = await run_in_threadpool(registry_source, store, name, body.version)
+        try:
+            source = await run_in_threadpool(registry_source, store, name, body.version)
+        except WorkflowVersionNotFoundError as exc:
+            if body.version is None:
+                raise
+            # The workflow (the path's resource) exists; the body asks for a version it lacks.
+            raise RequestValidationError([{"loc": ("body", "version"), "msg": exc.message,
+                                           "type": "value_error"}]) from exc
         compiled = await run_in_threadpool(compile_source, source, inputs=body.inputs,
                                            base_dir=body.base_dir, model=body.model)
         session = await sessions.get()
@@ -305,24 +362,24 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
                 "content_hash": source.content_hash, "lane": FIXED_WORKFLOW,
                 "lane_capabilities": _CAPABILITIES, "links": run_links(run_id)}
 
-    @app.get("/api/runs", responses=errors(422))
+    @app.get("/api/runs", operation_id="list_runs", responses=errors(422))
     def list_runs(workflow: str | None = None,
                   status: Literal["admitted", "running", "completed", "failed", "cancelled"] | None = None,
                   limit: int = Query(default=50, ge=1, le=1000)) -> dict[str, Any]:
         return {"runs": [_run_json(run) for run in store.list_runs(workflow=workflow, status=status, limit=limit)]}
 
-    @app.get("/api/runs/{run_id}", responses=errors(404))
+    @app.get("/api/runs/{run_id}", operation_id="get_run", responses=errors(404))
     def get_run(run_id: str) -> dict[str, Any]:
         return _run_json(store.get_run(run_id))
 
-    @app.get("/api/runs/{run_id}/signals", responses=errors(404, 422))
-    def run_signals(run_id: str, after: int = Query(default=0, ge=0, le=MAX_VERSION)) -> dict[str, Any]:
+    @app.get("/api/runs/{run_id}/signals", operation_id="run_signals", responses=errors(404, 422))
+    def run_signals(run_id: str, after: int = Query(default=0, ge=0, le=MAX_REQUEST_INTEGER)) -> dict[str, Any]:
         signals = store.run_signals(run_id, after)
         status = store.get_run(run_id).status  # read after the signals: terminal means none are missing
         return {"run_id": run_id, "status": status, "signals": signals,
                 "next_after": signals[-1]["seq"] if signals else after}
 
-    @app.get("/api/runs/{run_id}/results", responses=errors(404, 409))
+    @app.get("/api/runs/{run_id}/results", operation_id="run_results", responses=errors(404, 409))
     def run_results(run_id: str) -> dict[str, Any]:
         record = store.get_run(run_id)
         if not record.terminal:
@@ -336,7 +393,7 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
                 "version": record.version, "content_hash": record.content_hash, "outputs": record.outputs or {},
                 "errors": record.error, "nodes": nodes}
 
-    @app.post("/api/runs/{run_id}/cancel", status_code=202, responses=errors(404, 409))
+    @app.post("/api/runs/{run_id}/cancel", status_code=202, operation_id="cancel_run", responses=errors(404, 409))
     async def cancel_run(run_id: str) -> dict[str, Any]:
         record = await run_in_threadpool(store.get_run, run_id)
         if record.terminal:
@@ -364,15 +421,16 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
     refused = {"status_code": 409, "response_model": ErrorBody, "responses": errors(404),
                "response_description": "Always: the fixed_workflow lane does not support this control"}
 
-    @app.post("/api/runs/{run_id}/message", **{**refused, "responses": errors(404, 413, 422)})
+    @app.post("/api/runs/{run_id}/message", operation_id="message_run",
+              **{**refused, "responses": errors(404, 413, 422)})
     async def message_run(run_id: str, body: MessageRequest | None = None) -> ErrorBody:
         await reject_control(run_id, "message")
 
-    @app.post("/api/runs/{run_id}/pause", **refused)
+    @app.post("/api/runs/{run_id}/pause", operation_id="pause_run", **refused)
     async def pause_run(run_id: str) -> ErrorBody:
         await reject_control(run_id, "pause")
 
-    @app.post("/api/runs/{run_id}/resume", **refused)
+    @app.post("/api/runs/{run_id}/resume", operation_id="resume_run", **refused)
     async def resume_run(run_id: str) -> ErrorBody:
         await reject_control(run_id, "resume")
 

@@ -16,6 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
 
 from opgraph.kernel import OpGraphError
 
@@ -31,6 +32,7 @@ __all__ = [
     "error_body",
     "errors",
     "install_error_handlers",
+    "links",
     "run_links",
 ]
 
@@ -90,6 +92,13 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
             for status in sorted({*statuses, 503})}
 
 
+def links(status: int, description: str, targets: dict[str, dict[str, str]]) -> dict[int | str, dict[str, Any]]:
+    """A success response that links to ``targets`` ({operation_id: {parameter: runtime expression}})."""
+    return {status: {"description": description,
+                     "links": {operation: {"operationId": operation, "parameters": parameters}
+                               for operation, parameters in targets.items()}}}
+
+
 # -- the bodies ---------------------------------------------------------------------------
 def error_body(message: str, problems: list[dict[str, Any]] | None = None, **fields: Any) -> dict[str, Any]:
     problems = problems or [problem(message)]
@@ -136,12 +145,41 @@ async def _error_response(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(body(exc), status_code=status)
 
 
-async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """Starlette's own answers (an unknown path, a method the path does not take) in our shape."""
-    return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        # Starlette names the methods of the first route that matched the path; a path
+        # served by several routes (GET, PUT, DELETE) takes all of theirs.
+        methods = {method for route in request.app.router.routes
+                   if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE
+                   for method in route.methods or ()}
+        headers["allow"] = ", ".join(sorted(methods))
+    return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error as an ErrorBody, and document it so: FastAPI's own ``{detail}``
+    422, which it adds to every route with parameters, is replaced by ErrorBody."""
     for error_type in _ERROR_RESPONSES:
         app.add_exception_handler(error_type, _error_response)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = generate()
+            for methods in document.get("paths", {}).values():
+                for operation in methods.values():
+                    invalid = operation.get("responses", {}).get("422")
+                    if invalid is not None and "HTTPValidationError" in str(invalid):
+                        operation["responses"]["422"] = {
+                            "description": _DESCRIPTIONS[422],
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+            schemas = document.get("components", {}).get("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -9,9 +10,16 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["START_DEADLINE", "Served", "serve"]
+__all__ = ["START_DEADLINE", "Served", "free_port", "serve"]
 
 START_DEADLINE = 30.0  # seconds for uvicorn to bind (and the app's lifespan to start)
+
+
+def free_port() -> int:
+    """A loopback port nothing listened on a moment ago (bound, then closed)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @dataclass
