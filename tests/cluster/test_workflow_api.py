@@ -310,8 +310,10 @@ def test_unknown_workflows_runs_and_versions_are_404(client):
         assert "ghost" in reply.json()["error"]
     assert client.put("/api/workflows/ghost", json={"spec": _spec()}).status_code == 404
     _create(client, "one-version", _spec())
+    # The workflow exists; the body pins a version it lacks: the body is what is wrong.
     reply = client.post("/api/workflows/one-version/runs", json={"version": 7})
-    assert reply.status_code == 404 and "version 7" in reply.json()["error"]
+    assert reply.status_code == 422 and "version 7" in reply.json()["error"]
+    assert reply.json()["error"].startswith("body.version:")
 
 
 def test_shutdown_cancels_in_flight_runs(session, tmp_path):

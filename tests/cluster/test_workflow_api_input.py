@@ -23,7 +23,8 @@ from opgraph.cluster.workflows.api import create_app
 from opgraph.cluster.workflows.store import WorkflowStore, WorkflowVersionNotFoundError
 
 BODY_LIMIT = 64 * 1024  # this module's server limit, small enough to pass quickly
-SQLITE_LIMIT = 2**63 - 1
+SQLITE_LIMIT = 2**63 - 1  # the largest integer SQLite stores
+JSON_LIMIT = 2**53 - 1  # the largest integer every JSON client holds exactly: the API's bound
 CLI_TIMEOUT = 60.0
 
 
@@ -84,11 +85,14 @@ def test_numbers_past_sqlite_are_422_or_404_never_500(client, store):
     assert_problems(client.get("/api/workflows/numbers", params={"version": huge}), 422)
     assert_problems(client.post("/api/workflows/numbers/runs", json={"version": huge}), 422)
     assert_problems(client.get("/api/runs/any/signals", params={"after": huge}), 422)
-    # The largest version SQLite can hold is in range, and simply does not exist.
+    assert_problems(client.get("/api/workflows/numbers", params={"version": JSON_LIMIT + 1}), 422)
+    # The largest version a request may name is in range, and simply does not exist.
     assert "version" in assert_problems(client.get("/api/workflows/numbers",
-                                                   params={"version": SQLITE_LIMIT}), 404)[0]["error"]
-    with pytest.raises(WorkflowVersionNotFoundError):
-        store.resolve("numbers", huge)
+                                                   params={"version": JSON_LIMIT}), 404)[0]["error"]
+    # Past SQLite's integers the store answers "no such version" rather than overflowing.
+    for version in (SQLITE_LIMIT, huge, 2**200):
+        with pytest.raises(WorkflowVersionNotFoundError):
+            store.resolve("numbers", version)
 
 
 @pytest.mark.parametrize(("label", "content"), [
