@@ -30,9 +30,10 @@ MAX_BACKLOG = 2000
 class RunRecorder:
     """Records one run through ``store.writer``; every method is a no-op without a store.
 
-    ``progress`` is the Session's ``on_progress`` (and calls the caller's), ``settled`` its
-    ``on_settled``. A write that fails is kept as ``failure`` (the first one) for the runner
-    to report; it never stops the run.
+    ``progress`` is the Session's ``on_progress``; it calls the caller's once the signal is
+    committed. ``settled`` is the Session's ``on_settled``. A write that fails, or a
+    caller's ``on_progress`` that raises, is kept as ``failure`` (the first one) for the
+    runner to report; it never stops the run.
     """
 
     def __init__(self, store: WorkflowStore | None, run_id: str, compiled: CompiledWorkflow,
@@ -57,12 +58,25 @@ class RunRecorder:
     # -- as the run goes -----------------------------------------------------------------
     def progress(self, op_id: str, name: str, status: str, elapsed: float) -> None:
         spec_id = self.spec_ids.get(op_id)
-        if self.writer is not None:
-            signal = {"node_id": op_id, "spec_node_id": spec_id, "kind": status, "elapsed": elapsed,
-                      "at": time.time()}
-            self._watch(self.writer.record(self.run_id, signals=[signal]))
+        shown = (spec_id or op_id, name, status, elapsed)
+        if self.writer is None:
+            if self.on_progress is not None:
+                self.on_progress(*shown)
+            return
+        signal = {"node_id": op_id, "spec_node_id": spec_id, "kind": status, "elapsed": elapsed, "at": time.time()}
+        written = self._watch(self.writer.record(self.run_id, signals=[signal]))
         if self.on_progress is not None:
-            self.on_progress(spec_id or op_id, name, status, elapsed)
+            # The caller hears of a signal once it is committed (and a node's result with
+            # it, written just before), so a progress line never runs ahead of the store.
+            loop = asyncio.get_running_loop()
+            written.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(self._show, shown))
+
+    def _show(self, shown: tuple[str, str, str, float]) -> None:
+        try:
+            self.on_progress(*shown)
+        except Exception as exc:  # noqa: BLE001 - a caller's display error is the run's recorded error, not a crash
+            if self.failure is None:
+                self.failure = exc
 
     async def settled(self, event: FlowEvent) -> None:
         if self.writer is None:

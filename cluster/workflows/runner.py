@@ -289,7 +289,7 @@ async def run_workflow(
         raise
     if recorder.failure is not None:
         failure = recorder.failure
-        errors.setdefault("recording", {"error": f"could not record the run's progress: "
+        errors.setdefault("recording", {"error": f"recording or showing the run's progress failed: "
                                                  f"{type(failure).__name__}: {failure}"})
     if store is not None:
         await recorder.write(store.finish_run, run_id, status, outputs=outputs, error=errors or None)

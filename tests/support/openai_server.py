@@ -95,6 +95,7 @@ BY_MODEL: dict[str, Any] = {
     "tools": ToolCallReply("lookup", {"query": "weather"}),
     "structured": StructuredReply(),
     "malformed": Malformed(),
+    "hold": Slow(3600.0),  # in flight until the server stops (then the connection closes unanswered)
 }
 
 
