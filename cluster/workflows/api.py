@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -193,9 +195,17 @@ class _SessionSlot:
 
     def start(self) -> Any:
         """Start the Session on this thread: at startup, before any request, when blocking
-        the loop costs nobody and Ray may install its signal handlers in the main thread."""
+        the loop costs nobody. The server keeps its own SIGTERM handling (a graceful
+        shutdown that records in-flight runs cancelled): ray.init in the main thread
+        would replace it with an immediate exit."""
         if self._session is None:
-            self._session = self._create()
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.getsignal(signal.SIGTERM) if main else None
+            try:
+                self._session = self._create()
+            finally:
+                if previous is not None:  # None: a handler not set from Python, which ray.init leaves alone
+                    signal.signal(signal.SIGTERM, previous)
         return self._session
 
     async def get(self) -> Any:

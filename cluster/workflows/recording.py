@@ -1,9 +1,10 @@
 """What a fixed run writes to its store while it goes: its row, each signal, each settled node.
 
 Owns the run's side of durability: every lifecycle signal and every settled node's
-status and result are handed to the store's writer thread the moment the driver hears of
-them, so a killed owner loses at most the write in progress, and the event loop never
-waits on SQLite (it waits only when the writer falls behind by ``MAX_BACKLOG`` writes).
+status and result go to the store's writer thread at the end of the loop pass in which
+the driver hears of them, one write per pass, so a killed owner loses at most the write
+in progress; the caller's progress display shows a signal only once it is committed; and
+the event loop never waits on SQLite (only when the writer falls ``MAX_BACKLOG`` behind).
 It must not decide a run's status or outcome: the runner does.
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import concurrent.futures
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from opgraph.kernel import FlowEvent
@@ -25,6 +27,14 @@ __all__ = ["MAX_BACKLOG", "RunRecorder"]
 # Writes the writer may hold before a settled node waits for it: a bound on memory, and
 # on what a kill could lose, that a wide run at full speed stays under (one burst).
 MAX_BACKLOG = 2000
+
+
+@dataclass
+class _Batch:
+    signals: list[dict[str, Any]] = field(default_factory=list)
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    shown: list[tuple[str, str, str, float]] = field(default_factory=list)
+    written: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
 class RunRecorder:
@@ -46,6 +56,7 @@ class RunRecorder:
         self.on_progress = on_progress
         self.branches: list[Any] = []
         self.failure: BaseException | None = None
+        self._batch: _Batch | None = None
 
     # -- the run row: awaited, since the run's lifecycle depends on it ---------------------
     async def write(self, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -56,6 +67,8 @@ class RunRecorder:
         return await asyncio.shield(asyncio.wrap_future(future))
 
     # -- as the run goes -----------------------------------------------------------------
+    # What the Session hands over in one pass of its drain loop (a batch of signals and
+    # settled nodes) leaves for the writer as one write, at the end of that pass.
     def progress(self, op_id: str, name: str, status: str, elapsed: float) -> None:
         spec_id = self.spec_ids.get(op_id)
         shown = (spec_id or op_id, name, status, elapsed)
@@ -63,29 +76,57 @@ class RunRecorder:
             if self.on_progress is not None:
                 self.on_progress(*shown)
             return
-        signal = {"node_id": op_id, "spec_node_id": spec_id, "kind": status, "elapsed": elapsed, "at": time.time()}
-        written = self._watch(self.writer.record(self.run_id, signals=[signal]))
+        self._pending().signals.append(
+            {"node_id": op_id, "spec_node_id": spec_id, "kind": status, "elapsed": elapsed, "at": time.time()})
         if self.on_progress is not None:
-            # The caller hears of a signal once it is committed (and a node's result with
-            # it, written just before), so a progress line never runs ahead of the store.
-            loop = asyncio.get_running_loop()
-            written.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(self._show, shown))
-
-    def _show(self, shown: tuple[str, str, str, float]) -> None:
-        try:
-            self.on_progress(*shown)
-        except Exception as exc:  # noqa: BLE001 - a caller's display error is the run's recorded error, not a crash
-            if self.failure is None:
-                self.failure = exc
+            self._batch.shown.append(shown)
 
     async def settled(self, event: FlowEvent) -> None:
         if self.writer is None:
             return
-        node = {"node_id": event.operation_id, "spec_node_id": self.spec_ids.get(event.operation_id),
-                "status": event.status, "result": event.result, "settled_at": time.time()}
-        written = self._watch(self.writer.record(self.run_id, nodes=[node]))
+        batch = self._pending()
+        batch.nodes.append({"node_id": event.operation_id, "spec_node_id": self.spec_ids.get(event.operation_id),
+                            "status": event.status, "result": event.result, "settled_at": time.time()})
         if self.writer.backlog > MAX_BACKLOG:
-            await asyncio.wrap_future(written)  # the writer fell behind: let it catch up
+            # The writer fell behind: hand this batch over now and wait for it.
+            self._flush()
+            await asyncio.wrap_future(batch.written)
+
+    def _pending(self) -> _Batch:
+        if self._batch is None:
+            self._batch = _Batch()
+            asyncio.get_running_loop().call_soon(self._flush)
+        return self._batch
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
+        loop = asyncio.get_running_loop()
+        written = self.writer.record(self.run_id, signals=batch.signals, nodes=batch.nodes)
+        written.add_done_callback(self._keep_failure)
+        written.add_done_callback(lambda done: batch.written.set_result(None) if not batch.written.done() else None)
+        if batch.shown:
+            # The caller hears of a signal once it is committed, with the node results that
+            # came with it, so a progress line never runs ahead of the store.
+            written.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(self._show, batch.shown))
+
+    def _show(self, shown: list[tuple[str, str, str, float]]) -> None:
+        for line in shown:
+            try:
+                self.on_progress(*line)
+            except Exception as exc:  # noqa: BLE001 - a caller's display error is the run's recorded error
+                if self.failure is None:
+                    self.failure = exc
+
+    async def drain(self) -> None:
+        """Hand over what is pending and wait until the writer has committed it."""
+        if self.writer is None:
+            return
+        batch = self._batch
+        self._flush()
+        if batch is not None:
+            await asyncio.wrap_future(batch.written)
 
     def branch_created(self, branch: Any) -> None:
         self.branches.append(branch)
@@ -100,10 +141,6 @@ class RunRecorder:
             seen.add(branch_id)
             await self.write(self.store.record_branch, self.run_id, branch_id,
                              node_id=self.spec_ids.get(node_id, node_id), messages=await messages(branch_id))
-
-    def _watch(self, future: concurrent.futures.Future) -> concurrent.futures.Future:
-        future.add_done_callback(self._keep_failure)
-        return future
 
     def _keep_failure(self, future: concurrent.futures.Future) -> None:
         if self.failure is None and not future.cancelled() and future.exception() is not None:

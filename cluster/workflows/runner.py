@@ -278,14 +278,16 @@ async def run_workflow(
             if helper is not None:
                 helper.cancel()
         try:
+            await recorder.drain()  # every signal and node result before the branches and the end
             await recorder.record_branches(session.default_branch, session.messages)
         except Exception as exc:  # noqa: BLE001 - lost branch history must not hide the run's outcome
             errors.setdefault("branches", {"error": f"could not record branch messages: {exc}"})
     except asyncio.CancelledError:
         # Cancelled while running or while recording branches: the row must still end.
-        await recorder.write(store.finish_run, run_id, "cancelled",
-                             error={"run": {"error": "the run was cancelled", "type": "CancelledError"}}) \
-            if store is not None else None
+        await asyncio.shield(recorder.drain())
+        if store is not None:
+            await recorder.write(store.finish_run, run_id, "cancelled",
+                                 error={"run": {"error": "the run was cancelled", "type": "CancelledError"}})
         raise
     if recorder.failure is not None:
         failure = recorder.failure
