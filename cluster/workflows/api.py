@@ -396,12 +396,16 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
             raise RunStateConflictError(f"run {run_id} is still {record.status}; results exist once it ends "
                                         "(poll the run or its signals)", run_id=run_id, status=record.status)
         nodes: dict[str, str] = {}
-        for signal in store.run_signals(run_id):
-            if signal["spec_node_id"] is not None:
-                nodes[signal["spec_node_id"]] = signal["kind"]  # the last lifecycle state wins
+        for row in store.run_signals(run_id):
+            if row["spec_node_id"] is not None:
+                nodes[row["spec_node_id"]] = row["kind"]  # the last lifecycle state wins
+        # Every settled node's result, recorded as it settled: what a run whose owner died
+        # (recorded failed, without outputs) still has to show.
+        settled = {row["spec_node_id"] or row["node_id"]: {"status": row["status"], "result": row["result"]}
+                   for row in store.run_nodes(run_id)}
         return {"run_id": run_id, "status": record.status, "workflow": record.workflow_name or record.source_ref,
                 "version": record.version, "content_hash": record.content_hash, "outputs": record.outputs or {},
-                "errors": record.error, "nodes": nodes}
+                "errors": record.error, "nodes": nodes, "node_results": settled}
 
     @app.post("/api/runs/{run_id}/cancel", status_code=202, operation_id="cancel_run", responses=errors(404, 409))
     async def cancel_run(run_id: str) -> dict[str, Any]:

@@ -193,6 +193,8 @@ def test_a_run_is_admitted_at_once_then_completes_with_ordered_signals(client):
     assert results["status"] == "completed" and set(results["outputs"]) == {"draft"}
     assert "Draft" in results["outputs"]["draft"]["text"]
     assert results["nodes"] == {"draft": "completed"}
+    assert results["node_results"]["draft"]["status"] == "completed"
+    assert results["node_results"]["draft"]["result"] == results["outputs"]["draft"]
     assert run_id in {run["run_id"] for run in client.get("/api/runs").json()["runs"]}
     assert [r["run_id"] for r in client.get("/api/runs", params={"workflow": "slow-drafts"}).json()["runs"]] == [run_id]
 
