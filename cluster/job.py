@@ -24,10 +24,12 @@ from typing import Any, TextIO
 
 from opgraph.kernel import Graph, create_operation
 
-__all__ = ["EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "fanout_graph", "main"]
+from .connection import EXIT_RUNTIME, RuntimeStartError
+
+__all__ = ["EXIT_RUNTIME", "EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "fanout_graph", "main"]
 
 EXIT_RUN_NOT_COMPLETED = 1  # the run failed or was cancelled: the job is marked FAILED
-EXIT_USAGE = 2  # bad arguments, or a workflow definition that does not validate or compile
+EXIT_USAGE = 2  # bad arguments or store, or a workflow definition that does not validate or compile
 
 
 class InjectedFailure(RuntimeError):
@@ -116,11 +118,11 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
     """Run the fan-out; return its envelope and the seconds it took."""
     import ray  # local: `--help` and usage errors must not pay for Ray
 
-    from opgraph.actors import Session
+    from opgraph.cluster.connection import open_session
 
     address = _address(arguments)
     detached = arguments.detached if arguments.detached is not None else address is not None
-    session = Session(address=address, namespace=arguments.namespace, detached=detached)
+    session = open_session(address, namespace=arguments.namespace, detached=detached)
     session.register_operation("fail", fail, record_turn=False)
     metrics = None
     try:
@@ -165,19 +167,21 @@ async def _run_workflow(arguments: argparse.Namespace) -> Any:
     """Run a workflow file on the fixed lane; the run is recorded in the driver's SQLite store."""
     import ray  # local, as in _run_fanout
 
-    from opgraph.actors import Session
+    from opgraph.cluster.connection import open_session
     from opgraph.cluster.workflow_cli import parse_inputs
     from opgraph.cluster.workflows.runner import compile_source, file_source, run_workflow
     from opgraph.cluster.workflows.store import WorkflowStore
 
     inputs = parse_inputs(arguments.input)
-    source = file_source(arguments.file)
+    # Under `ray job submit` the file is read from Ray's copy of the working dir; the run
+    # records the path the user gave, which means something to them (and to the next job).
+    source = file_source(arguments.file, ref=arguments.file)
     compiled = compile_source(source, inputs=inputs, base_dir=arguments.base_dir, model=arguments.model)
     address = _address(arguments)
     detached = arguments.detached if arguments.detached is not None else address is not None
-    session = Session(address=address, namespace=arguments.namespace, detached=detached)
-    try:
-        with WorkflowStore(arguments.store) as store:
+    with WorkflowStore(arguments.store) as store:  # checked before Ray starts: a bad store is a usage error
+        session = open_session(address, namespace=arguments.namespace, detached=detached)
+        try:
             run_id = arguments.run_id or f"workflow-{uuid.uuid4()}"
             print(f"run_id: {run_id}", flush=True)
             print(f"starting {source.ref} ({source.content_hash}) with {len(compiled.graph.nodes)} operations "
@@ -189,17 +193,23 @@ async def _run_workflow(arguments: argparse.Namespace) -> Any:
                                         on_progress=progress)
             progress.close()
             return result
-    finally:
-        ray.shutdown()
+        finally:
+            ray.shutdown()
 
 
 def _workflow(arguments: argparse.Namespace) -> int:
     from opgraph.cluster.workflows.spec import WorkflowDefinitionError
+    from opgraph.kernel import OpGraphError
 
     try:
         result = asyncio.run(_run_workflow(arguments))
     except WorkflowDefinitionError as exc:
         print(json.dumps({"errors": exc.errors}), file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except RuntimeStartError:
+        raise  # main() reports it
+    except OpGraphError as exc:  # the store, the inputs: nothing ran
+        print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     payload = result.to_dict()
     summary = {key: payload[key] for key in ("run_id", "status", "source", "content_hash", "statuses", "elapsed")}
@@ -225,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m opgraph.cluster.job",
         description="Run one opgraph run as a Ray job: progress in the logs, the summary as the last line.",
+        epilog=f"Exit status: 0 the run completed; {EXIT_RUN_NOT_COMPLETED} it failed or was cancelled; "
+               f"{EXIT_USAGE} bad arguments, store or definition (nothing ran); {EXIT_RUNTIME} Ray could not be "
+               "started or reached (nothing ran).",
     )
     modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
     fanout = modes.add_parser("fanout", help="N independent nodes of the built-in 'sleep' operation")
@@ -275,7 +288,11 @@ def _add_runtime_arguments(mode: argparse.ArgumentParser, *, run_id_default: str
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
-    return arguments.handler(arguments)
+    try:
+        return arguments.handler(arguments)
+    except RuntimeStartError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

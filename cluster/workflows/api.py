@@ -147,8 +147,14 @@ class RunTasks:
         # The runner records runtime errors itself; anything escaping it (a store error,
         # say) has no caller left, so it becomes the run's recorded failure.
         kind = type(exc).__name__
+        error = {"run": {"error": f"{kind}: {exc}", "type": kind}}
+        written = self._store.writer.submit(self._record_failure, run_id, error)  # off the event loop
+        written.add_done_callback(lambda done: done.exception() and _say(
+            f"run {run_id} failed with {kind}: {exc}, and recording that failed too: {done.exception()}"))
+
+    def _record_failure(self, run_id: str, error: dict[str, Any]) -> None:
         with contextlib.suppress(RunNotFoundError):  # it ended before writing its row
-            self._store.finish_run(run_id, "failed", error={"run": {"error": f"{kind}: {exc}", "type": kind}})
+            self._store.finish_run(run_id, "failed", error=error)
 
     async def cancel(self, run_id: str) -> None:
         """Cancel through the executor, falling back to the task; wait for the run to settle."""
@@ -260,9 +266,9 @@ _RUN_LINKS = links(202, "The admitted run, with its id and links", {
 
 def _session_factory(address: str | None = None) -> Callable[[], Any]:
     def start() -> Any:
-        from opgraph.actors import Session  # local: it loads Ray, which definitions never need
+        from opgraph.cluster.connection import open_session  # local: it loads Ray, which definitions never need
 
-        return Session(address)
+        return open_session(address)
 
     return start
 

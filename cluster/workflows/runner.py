@@ -67,9 +67,11 @@ def registry_source(store: WorkflowStore, name: str, version: int | None = None)
                           spec=pinned.spec, version=pinned.version, workflow=pinned)
 
 
-def file_source(path: str | Path) -> WorkflowSource:
+def file_source(path: str | Path, *, ref: str | None = None) -> WorkflowSource:
     """Read a definition file once; its validated bytes are what is hashed and compiled.
 
+    The run records ``ref`` as its source (default: the file's resolved path): a Ray job
+    reads a temporary copy of the file and records the path its user gave instead.
     Raises ``WorkflowValidationError`` (a problem list) for unreadable JSON or a spec
     that breaks a storage rule, so a bad file never reaches the runtime.
     """
@@ -83,10 +85,13 @@ def file_source(path: str | Path) -> WorkflowSource:
         spec = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WorkflowValidationError([problem(f"workflow file {str(resolved)!r} is not JSON: {exc}")]) from exc
+    except RecursionError as exc:  # the parser's own depth limit, at about 1,000 levels
+        raise WorkflowValidationError([problem(f"workflow file {str(resolved)!r} nests deeper than JSON is "
+                                               "read here (a definition nests at most 64 levels)")]) from exc
     problems = validate_definition(spec)
     if problems:
         raise WorkflowValidationError(problems)
-    return WorkflowSource(kind="workflow_file", ref=str(resolved),
+    return WorkflowSource(kind="workflow_file", ref=ref or str(resolved),
                           content_hash="sha256:" + hashlib.sha256(raw).hexdigest(), spec=spec)
 
 

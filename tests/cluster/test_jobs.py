@@ -33,7 +33,7 @@ def job_client(head):
         JobSubmissionClient,  # an HTTP client: it never calls ray.init
     )
 
-    return JobSubmissionClient(head.dashboard_url)
+    return JobSubmissionClient(head.dashboard_url, headers={"Authorization": f"Bearer {head.token}"})
 
 
 def wait_for_terminal_status(head, submission_id: str) -> str:
@@ -121,10 +121,13 @@ def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp
 
     submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
     store, results = tmp_path / "runs.db", tmp_path / "result.json"
+    # Relative to the working dir, as a user types it: the job reads Ray's copy of the file
+    # (somewhere under the head's temp dir), and must record the path given here.
+    given = str(example_workflow_path().relative_to(REPOSITORY))
     submitted = subprocess.run(
         opgraph_command("job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPOSITORY),
                         "--submission-id", submission_id, "--",
-                        "workflow", str(example_workflow_path()), "--input", "ticket=login page is slow",
+                        "workflow", given, "--input", "ticket=login page is slow",
                         "--input", "priority=low", "--model", "sim/fast", "--store", str(store),
                         "--results", str(results), "--progress-interval", "0.1"),
         env=ray_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
@@ -141,6 +144,7 @@ def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp
     with WorkflowStore(store) as opened:
         run = opened.get_run(summary["run_id"])
         assert run.status == "completed" and run.content_hash == summary["content_hash"]
+        assert run.source_ref == given and run.provenance["source"]["ref"] == given
 
 
 def test_workflow_job_with_a_bad_definition_exits_with_usage_and_structured_errors(tmp_path):
