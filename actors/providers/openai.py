@@ -169,7 +169,10 @@ def _wire_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
-    """The message as OpenAI expects it: tool-call arguments as JSON strings."""
+    """The message as OpenAI expects it: content as text (or parts), tool-call arguments as JSON strings."""
+    content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        message = {**message, "content": json.dumps(content, default=str)}  # a tool's dict result, say
     tool_calls = message.get("tool_calls")
     if not tool_calls:
         return message

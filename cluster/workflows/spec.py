@@ -376,6 +376,14 @@ def _validate_chat_config(config: Mapping[str, Any], node_id: str | None, errors
             parse_model_id(config["model"])
         except ModelIdentityError as exc:
             errors.append(problem(f"config.model: {exc.message}", node_id=node_id))
+    timeout = config.get("timeout")
+    if timeout is not None and (not _is_number(timeout) or not timeout > 0):
+        errors.append(problem(f"config.timeout is seconds one model call may take, above 0; got {timeout!r}",
+                              node_id=node_id))
+    max_tokens = config.get("max_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        errors.append(problem(f"config.max_tokens must be a whole number from 1, got {max_tokens!r}",
+                              node_id=node_id))
 
 
 def _validate_edges(edges: Any, node_ids: set[str] | None, errors: list[dict[str, Any]]) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "Malformed",
     "OpenAIChatServer",
     "RecordedRequest",
+    "Refusal",
     "Reply",
     "Slow",
     "Status",
@@ -83,6 +84,13 @@ class Hangup:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """The model declines: ``content`` null and ``refusal`` holding its words, as OpenAI answers."""
+
+    text: str = "I'm sorry, but I can't help with that."
+
+
+@dataclass(frozen=True)
 class RecordedRequest:
     path: str
     headers: dict[str, str]
@@ -96,6 +104,7 @@ BY_MODEL: dict[str, Any] = {
     "structured": StructuredReply(),
     "malformed": Malformed(),
     "hold": Slow(3600.0),  # in flight until the server stops (then the connection closes unanswered)
+    "refuses": Refusal(),
 }
 
 
@@ -241,6 +250,9 @@ def _handler_for(server: OpenAIChatServer) -> type[BaseHTTPRequestHandler]:
                 self._send_raw(behaviour.code, behaviour.body.encode(), "application/json", headers)
             elif isinstance(behaviour, Malformed):
                 self._send_raw(200, behaviour.body.encode(), behaviour.content_type)
+            elif isinstance(behaviour, Refusal):
+                message = {"role": "assistant", "content": None, "refusal": behaviour.text}
+                self._send(200, _completion(body, message, "stop"))
             elif isinstance(behaviour, Hangup):
                 self.close_connection = True
                 self.connection.close()
