@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import collections.abc
 import types
-from typing import Any, Union
+from typing import Any, Literal, Union, get_args, get_origin
 
 import pytest
 import typing_extensions
-from typing_extensions import Literal, get_args, get_origin, get_type_hints, is_typeddict
 from anthropic.types.message_create_params import MessageCreateParamsNonStreaming
 from openai.types.chat.completion_create_params import CompletionCreateParamsNonStreaming
+from typing_extensions import get_type_hints, is_typeddict
 
 from opgraph.actors.models import ChatRequest, ToolCall
 from opgraph.actors.providers import AnthropicProvider, OpenAICompatibleProvider
@@ -113,7 +113,8 @@ HISTORY = [
     {"role": "system", "content": "be brief"},
     {"role": "user", "content": "find the tide"},
     {"role": "assistant", "content": None,
-     "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "tide"}'}}]},
+     "tool_calls": [{"id": "call_1", "type": "function",
+                     "function": {"name": "lookup", "arguments": '{"q": "tide"}'}}]},
     {"role": "tool", "tool_call_id": "call_1", "content": "high at 6"},
     {"role": "assistant", "content": "", "tool_calls": [ToolCall("call_2", "lookup", {"q": "moon"})]},
     {"role": "tool", "tool_call_id": "call_2", "content": {"phase": "full"}},
