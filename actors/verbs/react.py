@@ -95,7 +95,8 @@ async def act(branch: Any, instruction: str = "", context: Any = None, model: st
 
 def _usage(usage: Usage) -> dict[str, int]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens, "cache_read_tokens": usage.cache_read_tokens,
+            "cache_creation_tokens": usage.cache_creation_tokens}
 
 
 async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  # ADR-0023's name
@@ -160,7 +161,7 @@ async def ReAct(branch: Any, instruction: str = "", context: Any = None,  # ADR-
                                                  max_rounds=max_rounds, system=system, **options)]
     last = rounds[-1]
     usage = {"calls": len(rounds)}
-    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens", "cache_read_tokens", "cache_creation_tokens"):
         usage[key] = sum(item["usage"][key] for item in rounds)
     return {"answer": last["thought"], "rounds": rounds,
             "stopped": "answered" if last["final"] else "max_rounds", "usage": usage}

@@ -119,6 +119,8 @@ class OpenAIChatServer:
         self._lock = threading.Lock()
         self._queue: collections.deque[Any] = collections.deque()
         self._requests: list[RecordedRequest] = []
+        self.in_flight = 0  # requests being answered now
+        self.peak_in_flight = 0  # the most answered at once, since the last reset_peak()
         self.stopping = threading.Event()
         self.handler_errors: list[BaseException] = []
         self._httpd = _RecordingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -170,6 +172,15 @@ class OpenAIChatServer:
         with self._lock:
             self._requests.append(request)
 
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_in_flight = self.in_flight
+
+    def _entered(self, delta: int) -> None:
+        with self._lock:
+            self.in_flight += delta
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
 
 class _RecordingHTTPServer(ThreadingHTTPServer):
     """Daemon handler threads; a handler's exception is kept for the test instead of printed."""
@@ -219,11 +230,14 @@ def _handler_for(server: OpenAIChatServer) -> type[BaseHTTPRequestHandler]:
             if self.path != "/v1/chat/completions":
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
                 return
+            server._entered(1)
             try:
                 self._act(server._next(body), body)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 # The client gave up first (a timeout test): note it, there is no one to answer.
                 server.handler_errors.append(exc)
+            finally:
+                server._entered(-1)
 
         def _act(self, behaviour: Any, body: dict[str, Any]) -> None:
             if isinstance(behaviour, Slow):
