@@ -3,9 +3,9 @@
 Owns the bucket bounds shared by node latency (executor) and model-call latency
 (providers). Plain Python: the metrics library is imported only by cluster/metrics.py.
 
-The bounds are about 25% apart from 50 ms to 20 s, where model calls and tool calls
-fall, so a quantile interpolated inside one bucket is off by a quarter at most (a 1 s
-node read p50 1.75 s from the former (1, 2.5] bucket); coarser above, up to 10 minutes.
+The bounds are 26% apart from 50 ms to 20 s, where model calls and tool calls fall, so
+a quantile interpolated inside one bucket is off by about a quarter at most (a 1 s node
+read p50 1.75 s from the former (1, 2.5] bucket); coarser outside that range.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ from typing import Any
 
 __all__ = ["LATENCY_BUCKETS", "LatencyHistogram"]
 
+# Below 50 ms: coarse. From 50 ms to 20 s: the R10 preferred numbers (1, 1.25, 1.6, 2,
+# 2.5, 3.2, 4, 5, 6.3, 8 per decade), each bound 1.26 times the last. Above: to 10 minutes.
 LATENCY_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-    1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 12.5, 15.0, 20.0,
+    0.005, 0.01, 0.025,
+    0.05, 0.063, 0.08, 0.1, 0.125, 0.16, 0.2, 0.25, 0.32, 0.4, 0.5, 0.63, 0.8,
+    1.0, 1.25, 1.6, 2.0, 2.5, 3.2, 4.0, 5.0, 6.3, 8.0, 10.0, 12.5, 16.0, 20.0,
     30.0, 45.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0,
 )
 
