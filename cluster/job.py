@@ -58,7 +58,8 @@ class ProgressLog:
 
     Settled counts completed, failed and skipped nodes (cancelled nodes send no signal);
     in flight is started minus finished. A line looks like
-    ``progress: settled 120/200 (60%), in flight 20, failed 0, 1.4 s``.
+    ``progress: settled 120/200 (60%), in flight 20, failed 0, 1.4 s``; the last one,
+    from the run's result, adds ``cancelled N`` when nodes were cancelled.
     """
 
     def __init__(self, total: int, *, out: TextIO | None = None, interval: float = 1.0,
@@ -69,7 +70,8 @@ class ProgressLog:
         self.step_nodes = max(1, int(total * step))
         self.clock = clock
         self.started_at = clock()
-        self.counts = {"started": 0, "completed": 0, "failed": 0, "skipped": 0}
+        self.counts = {"started": 0, "completed": 0, "failed": 0, "skipped": 0, "cancelled": 0}
+        self.finished = False
         self.lines = 0
         self._last_line_at = self.started_at
         self._last_line_settled = 0
@@ -80,6 +82,8 @@ class ProgressLog:
 
     @property
     def in_flight(self) -> int:
+        if self.finished:
+            return 0
         return max(0, self.counts["started"] - self.counts["completed"] - self.counts["failed"])
 
     def __call__(self, op_id: str, name: str, status: str, elapsed: float) -> None:
@@ -90,16 +94,26 @@ class ProgressLog:
                 or now - self._last_line_at >= self.interval):
             self.report(now)
 
-    def close(self) -> None:
-        """The last line, unless the last one printed already says everything settled."""
-        if self.lines == 0 or self._last_line_settled != self.settled:
+    def close(self, envelope: dict[str, Any] | None = None) -> None:
+        """The last line, from the run's result when it is given: a cancelled node sends no
+        signal, so counting signals alone left "in flight 96" after a cancel. Once the run
+        has ended nothing is in flight, and the line says how many were cancelled."""
+        if envelope is not None:
+            statuses = list(envelope.get("operation_statuses", {}).values())
+            for status in ("completed", "failed", "skipped", "cancelled"):
+                self.counts[status] = statuses.count(status)
+            self.counts["started"] = self.counts["completed"] + self.counts["failed"]
+            self.finished = True
+            self.report()
+        elif self.lines == 0 or self._last_line_settled != self.settled:
             self.report()
 
     def report(self, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         percent = 100.0 * self.settled / self.total if self.total else 100.0
+        cancelled = f", cancelled {self.counts['cancelled']}" if self.counts["cancelled"] else ""
         print(f"progress: settled {self.settled}/{self.total} ({percent:.0f}%), in flight {self.in_flight}, "
-              f"failed {self.counts['failed']}, {now - self.started_at:.1f} s", file=self.out, flush=True)
+              f"failed {self.counts['failed']}{cancelled}, {now - self.started_at:.1f} s", file=self.out, flush=True)
         self.lines += 1
         self._last_line_at = now
         self._last_line_settled = self.settled
@@ -141,10 +155,16 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
         progress = ProgressLog(len(graph.nodes), interval=arguments.progress_interval)
         envelope = await session.flow(graph, max_concurrent=arguments.max_concurrent, on_progress=progress,
                                       run_id=run_id)
-        progress.close()
+        progress.close(envelope)
         return envelope, time.monotonic() - progress.started_at
     finally:
         if metrics is not None:
+            # The run is over, its final values are in the actors: let one more scrape read them.
+            from opgraph.cluster.metrics import DEFAULT_LINGER
+
+            linger = DEFAULT_LINGER if arguments.metrics_linger is None else arguments.metrics_linger
+            if await asyncio.to_thread(metrics.linger, linger):
+                print("metrics: scraped once more after the run; closing", flush=True)
             metrics.stop()
         ray.shutdown()
 
@@ -191,7 +211,7 @@ async def _run_workflow(arguments: argparse.Namespace) -> Any:
                                         model=arguments.model, store=store, run_id=run_id,
                                         max_concurrent=arguments.max_concurrent, compiled=compiled,
                                         on_progress=progress)
-            progress.close()
+            progress.close({"operation_statuses": result.statuses} if result.statuses else None)
             return result
         finally:
             ray.shutdown()
@@ -252,6 +272,9 @@ def build_parser() -> argparse.ArgumentParser:
     fanout.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus /metrics on PORT during the run (0: any free port)")
     fanout.add_argument("--metrics-host", default="127.0.0.1", help="interface for --metrics-port (127.0.0.1)")
+    fanout.add_argument("--metrics-linger", type=float, default=None, metavar="SECONDS",
+                        help="after the run, keep --metrics-port open until one more scrape has read the final "
+                             "values, at most SECONDS (30; 0: close at once). Nothing scraped: it closes at once")
     _add_runtime_arguments(fanout, run_id_default="fanout-<uuid>")
     fanout.set_defaults(handler=_fanout)
     workflow = modes.add_parser("workflow", help="run a fixed-workflow JSON file (ADR-0073), recorded in SQLite")

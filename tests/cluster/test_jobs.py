@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from opgraph.cluster.client import job_submit_command, ray_cli
 from opgraph.cluster.job import EXIT_USAGE, ProgressLog, fanout_graph
 
@@ -188,3 +189,18 @@ def test_progress_log_prints_every_step_and_at_most_every_interval():
 def test_fanout_graph_places_failing_nodes():
     graph = fanout_graph(10, 0.0, fail_every=5)
     assert [node.operation for node in graph.nodes.values()].count("fail") == 2
+
+
+def test_the_last_progress_line_after_a_cancel_counts_nothing_in_flight():
+    """100 started, 4 completed, then a cancel: cancelled nodes send no signal, so the
+    signals alone say "in flight 96"; the last line comes from the run's result."""
+    out = io.StringIO()
+    progress = ProgressLog(100, out=out, interval=1e9, step=1.0, clock=lambda: 0.0)
+    for index in range(100):
+        progress(f"n{index}", "sleep", "started", 0.0)
+    for index in range(4):
+        progress(f"n{index}", "sleep", "completed", 0.1)
+    statuses = {f"n{index}": "completed" if index < 4 else "cancelled" for index in range(100)}
+    progress.close({"status": "cancelled", "operation_statuses": statuses})
+    assert out.getvalue().splitlines()[-1] == \
+        "progress: settled 4/100 (4%), in flight 0, failed 0, cancelled 96, 0.0 s"
