@@ -22,11 +22,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+import pytest
+
 # First: sets the test clusters' Ray options before Ray is imported anywhere.
 from ray_session import _pickle_test_module_by_value, _restore_registrations, session  # noqa: F401
 
-import pytest  # noqa: E402
-from opgraph.cluster.metrics import serve_metrics  # noqa: E402
+from opgraph.cluster.metrics import serve_metrics
 
 
 @pytest.fixture(scope="session")
@@ -198,7 +199,8 @@ def start_local_head() -> LocalHead:
     log_path = os.path.join(temp_dir, "ray-start.log")
     command = [
         # This interpreter's Ray CLI: a fresh machine may have no `ray` script on PATH.
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats", "--num-cpus=2",
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+        "--num-cpus=2",
         "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
         # Every port Ray would otherwise take at a fixed default, so the embedded Ray of

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from api_server import serve
+
 from opgraph.cluster.workflows import RunProvenance
 from opgraph.cluster.workflows.api import RunStateConflictError, create_app
 from opgraph.cluster.workflows.store import WorkflowStore
@@ -202,11 +203,13 @@ def test_a_run_is_admitted_at_once_then_completes_with_ordered_signals(client):
 def test_a_conditional_edge_skips_a_node(client):
     """in -> classify -> urgent (priority == 'high') | routine (priority != 'high')."""
     spec = _spec(extra_nodes=[
-        {"id": "urgent", "kind": "chat", "pos": {"x": 2, "y": 0}, "config": {"prompt": "Escalate", "model": "sim/fast"}},
+        {"id": "urgent", "kind": "chat", "pos": {"x": 2, "y": 0},
+         "config": {"prompt": "Escalate", "model": "sim/fast"}},
         {"id": "routine", "kind": "chat", "pos": {"x": 2, "y": 1}, "config": {"prompt": "Reply", "model": "sim/fast"}},
     ], extra_edges=[
         {"id": "e2", "from": "draft", "to": "urgent", "condition": "context.priority == 'high'"},
-        {"id": "e3", "from": "draft", "to": "routine", "condition": "result.text != None and context.priority != 'high'"},
+        {"id": "e3", "from": "draft", "to": "routine",
+         "condition": "result.text != None and context.priority != 'high'"},
     ])
     spec["outputs"] = ["urgent", "routine"]
     _create(client, "triage", spec)

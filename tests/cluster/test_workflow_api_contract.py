@@ -41,7 +41,8 @@ def _wait_listening(server: subprocess.Popen, url: str, log: Path) -> dict:
             return httpx.get(f"{url}/openapi.json", timeout=5).json()
         except httpx.TransportError:
             pass
-        assert time.monotonic() < deadline, f"opgraph serve did not listen within {SERVE_DEADLINE} s:\n{log.read_text()}"
+        assert time.monotonic() < deadline, \
+            f"opgraph serve did not listen within {SERVE_DEADLINE} s:\n{log.read_text()}"
         time.sleep(0.2)
 
 

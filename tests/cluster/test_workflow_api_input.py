@@ -163,8 +163,8 @@ def test_a_body_over_the_limit_is_413_before_it_is_read_whole(served):
 def test_a_condition_that_can_never_compile_is_refused_when_added(client, tmp_path, condition):
     """a -(condition)-> b, through POST, PUT and `opgraph workflows add`: each refuses it
     with the edge's id, and nothing is stored."""
-    problems = assert_problems(client.post("/api/workflows", json={"name": "never", "spec": _spec(condition=condition)}),
-                               422)
+    never = {"name": "never", "spec": _spec(condition=condition)}
+    problems = assert_problems(client.post("/api/workflows", json=never), 422)
     assert problems[0]["edge_id"] == "e1" and "edge expression" in problems[0]["error"]
     assert client.get("/api/workflows/never").status_code == 404
 

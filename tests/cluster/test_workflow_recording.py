@@ -20,10 +20,9 @@ import time
 from typing import Any
 
 import openai_server as srv
-import pytest
 
 from opgraph.actors.providers import OpenAICompatibleProvider
-from opgraph.cluster.workflows.runner import WorkflowSource, file_source, run_workflow
+from opgraph.cluster.workflows.runner import WorkflowSource, run_workflow
 from opgraph.cluster.workflows.spec import content_hash
 from opgraph.cluster.workflows.store import WorkflowStore
 
