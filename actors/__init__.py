@@ -10,36 +10,44 @@ from importlib import import_module
 from typing import Any
 
 _SOURCES = {
-    "branches": ("BranchStore", "BranchTable", "UnknownBranchError"),
-    "executor": ("GraphExecutor", "RunOptions", "UnknownRunError"),
-    "runtime": ("Runtime", "connect"),
-    "session": ("BranchView", "EventsDropped", "RunControl", "RunFinished", "RuntimeLostError", "Session",
-                "flow_stream"),
+    "branches": ("BranchStore", "BranchTable"),
+    "control": ("EventsDropped", "RunControl", "RunFinished"),
+    "errors": ("BranchStoreLostError", "RuntimeLostError", "TurnError", "UnknownBranchError", "UnknownRunError"),
+    "executor": ("GraphExecutor",),
+    "protocol": ("Outcome", "RegisteredOperation", "RunOptions", "RunResources", "TurnResult"),
+    "runtime": ("Runtime", "connect", "find_executors"),
+    "session": ("BranchView", "Session", "flow_stream"),
     "watchers": ("UnknownWatcherError", "envelope_summary"),
-    "workers": ("OperationWorker", "Outcome", "RemoteBranch"),
+    "workers": ("OperationWorker", "RemoteBranch"),
 }
 _MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 
 __all__ = [
     "BranchStore",
+    "BranchStoreLostError",
     "BranchTable",
     "BranchView",
     "EventsDropped",
     "GraphExecutor",
     "OperationWorker",
     "Outcome",
+    "RegisteredOperation",
     "RemoteBranch",
     "RunControl",
     "RunFinished",
     "RunOptions",
+    "RunResources",
     "Runtime",
     "RuntimeLostError",
     "Session",
+    "TurnError",
+    "TurnResult",
     "UnknownBranchError",
     "UnknownRunError",
     "UnknownWatcherError",
     "connect",
     "envelope_summary",
+    "find_executors",
     "flow_stream",
 ]
 

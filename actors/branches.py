@@ -9,19 +9,18 @@ and stores only its own new messages.
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ray
-
 from opgraph.kernel import ExecutionError
 
+from .errors import UnknownBranchError
+from .memory import current_rss_mib
+
 __all__ = ["BranchStore", "BranchTable", "UnknownBranchError", "shard_for"]
-
-
-class UnknownBranchError(ExecutionError):
-    """The branch id is not held by this store (never created, or dropped)."""
 
 
 def shard_for(branch_id: str, shards: int) -> int:
@@ -87,6 +86,13 @@ class BranchTable:
         self._records[branch_id] = _Record(None, 0, list(messages))
         return True
 
+    def ensure(self, branch_id: str) -> bool:
+        """Create ``branch_id`` empty unless it exists; True when it had to be created."""
+        if branch_id in self._records:
+            return False
+        self._records[branch_id] = _Record(None, 0, [])
+        return True
+
     def clone(self, source: str, destination: str) -> None:
         """O(1): the destination sees the source's current messages, then diverges."""
         parent = self._get(source)
@@ -95,12 +101,18 @@ class BranchTable:
         self._records[destination] = _Record(parent, len(parent))
         self.clones += 1
 
-    def replace_history(self, destination: str, source: str) -> None:
-        """Primary inheritance: the destination's history becomes the source's (O(1))."""
-        parent = self._get(source)
+    def replace_history(self, destination: str, source: str) -> bool:
+        """Primary inheritance: the destination's history becomes the source's (O(1)).
+
+        Returns False, and leaves the destination as it is, when the source is not held:
+        it was lost with a store that died, and the caller reports the loss."""
         self._get(destination)
+        parent = self._records.get(source)
+        if parent is None:
+            return False
         # A fresh record: clones taken from the old destination keep their frozen view.
         self._records[destination] = _Record(parent, len(parent))
+        return True
 
     def append(self, branch_id: str, messages: Iterable[Any]) -> int:
         record = self._get(branch_id)
@@ -116,6 +128,7 @@ class BranchTable:
         return len(self._get(branch_id))
 
     def drop(self, branch_id: str) -> bool:
+        """Forget a branch. Clones taken from it keep their view (they hold its record)."""
         return self._records.pop(branch_id, None) is not None
 
     def __contains__(self, branch_id: object) -> bool:
@@ -144,13 +157,35 @@ class BranchStore:
     def clone(self, source: str, destination: str) -> None:
         self.table.clone(source, destination)
 
-    def clone_many(self, pairs: list[tuple[str, str]]) -> int:
-        for source, destination in pairs:
-            self.table.clone(source, destination)
-        return len(pairs)
+    def clone_many(self, pairs: list[tuple[str, str]]) -> list[str]:
+        """Clone each (source, destination); returns the sources this store does not hold.
 
-    def replace_history(self, destination: str, source: str) -> None:
-        self.table.replace_history(destination, source)
+        A source can be missing only when it was lost (its store died and this one
+        replaced it): the destination is then created empty, and the caller reports
+        the loss, instead of every later node of the run failing on a missing branch.
+        """
+        missing = []
+        table = self.table
+        for source, destination in pairs:
+            if source in table:
+                table.clone(source, destination)
+            else:
+                missing.append(source)
+                table.ensure(destination)
+        return missing
+
+    def ensure_many(self, branch_ids: list[str]) -> list[str]:
+        """Create each branch that does not exist yet, empty; returns those created."""
+        return [branch_id for branch_id in branch_ids if self.table.ensure(branch_id)]
+
+    def drop_many(self, branch_ids: list[str]) -> int:
+        return sum(1 for branch_id in branch_ids if self.table.drop(branch_id))
+
+    def ping(self) -> int:
+        return self.shard
+
+    def replace_history(self, destination: str, source: str) -> bool:
+        return self.table.replace_history(destination, source)
 
     def append(self, branch_id: str, messages: list[Any]) -> int:
         return self.table.append(branch_id, messages)
@@ -169,5 +204,7 @@ class BranchStore:
 
         stats = self.table.statistics()
         stats["shard"] = self.shard
+        stats["pid"] = os.getpid()
         stats["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        stats["rss_mib"] = current_rss_mib()
         return stats

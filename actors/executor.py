@@ -1,39 +1,55 @@
-"""GraphExecutor: the actor that owns runs, as a remote surface around an ``ExecutorShell``.
+"""GraphExecutor: the actor that owns runs and supervises the workers and stores they use.
 
-Owns the remote methods, ``RunOptions``, ``UnknownRunError`` and the watcher registry; the
-data path (instructions out, outcomes in) is the shell's, in actors/shell.py. All state
-changes happen on the actor's main event loop, one ``handle`` call at a time, so admission
-is atomic without a lock. Control calls (pause, inject, cancel, status...) arrive on their
-own concurrency group and are marshalled onto that loop, so they stay responsive while
-the data path is saturated. Watchers (other client processes that attached to a run by
-id) get their own bounded queues and never hold up the run.
+Owns the remote surface, the watcher registry and the supervision of its actor pools;
+the data path (instructions out, outcomes in) is the shell's, in actors/shell.py. All
+state changes happen on the actor's main event loop, one ``handle`` call at a time, so
+admission is atomic without a lock. Control calls (pause, inject, cancel, status...)
+arrive on their own concurrency group and are marshalled onto that loop, so they stay
+responsive while the data path is saturated. Watchers (other client processes that
+attached to a run by id) get their own bounded queues and never hold up the run.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
+import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-
 from opgraph.kernel import (
     CancelRequested,
     DispatchHeld,
     FlowEvent,
     InjectRequested,
     OperatorMessageReceived,
-    OpGraphError,
     PauseRequested,
     ResumeRequested,
 )
 
+from .branches import BranchStore
+from .errors import RuntimeLostError, UnknownRunError
 from .histogram import LATENCY_BUCKETS, LatencyHistogram
+from .memory import current_rss_mib, peak_rss_mib
+from .protocol import CallRow, Outcome, RunOptions, RunResources
+from .settings import (
+    PROBE_INTERVAL_SECONDS,
+    PROBE_TIMEOUT_SECONDS,
+    WORKER_CONCURRENCY,
+    ActorNames,
+    newest_generation,
+    tune_garbage_collector,
+)
 from .shell import ExecutorShell, _Run
-from .watchers import WATCHER_IDLE_SECONDS, RunWatcher, UnknownWatcherError, envelope_summary
-from .workers import Outcome, RunResources
+from .supervision import REPLACEMENT_ATTEMPTS, ActorPool
+from .turns import run_turn
+from .watchers import (
+    WATCHER_IDLE_SECONDS,
+    RunWatcher,
+    UnknownWatcherError,
+    envelope_summary,
+)
+from .workers import OperationWorker
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -43,64 +59,150 @@ __all__ = [
     "UnknownRunError",
     "UnknownWatcherError",
     "envelope_summary",
+    "tune_garbage_collector",
 ]
-
-
-def tune_garbage_collector() -> None:
-    """Collect the youngest generation every 50,000 allocations instead of 700.
-
-    A run allocates several small objects per settlement; with the default threshold
-    the collector repeatedly scans a heap holding the whole graph. Measured with
-    ``python -m opgraph.cluster.kernel_bench``: about a third of scheduler time.
-    """
-    _, second, third = gc.get_threshold()
-    gc.set_threshold(50_000, second, third)
-
-
-class UnknownRunError(OpGraphError):
-    """No run with this id is owned by this executor."""
-
-
-@dataclass
-class RunOptions:
-    """Everything ``Session.flow`` decides for one run, shipped to the executor once."""
-
-    context: dict[str, Any] | None = None
-    max_concurrent: int | None = 5
-    parallel: bool = True
-    reactive: bool = False
-    max_spawn: int = 50
-    spawn_type: type | None = None
-    node_builder: Any = None
-    reducers: dict[str, Any] | None = None
-    default_branch_id: str | None = None
-    default_store_index: int = 0
-    known_branches: dict[str, int] = field(default_factory=dict)
-    resources: RunResources = field(default_factory=RunResources)
-    spawn_branch_setup: Any = None
-    want_signals: bool = True
-    want_events: bool = False
-    stream_buffer: int = 1024
 
 
 @ray.remote(concurrency_groups={"control": 32})
 class GraphExecutor:
-    """One executor hosts many runs; it is long-lived and never started per node."""
+    """One executor hosts many runs; it is long-lived and never started per node.
 
-    def __init__(self, workers: list[Any], stores: list[Any], name: str = "", detached: bool = False,
-                 namespace: str | None = None) -> None:
+    It starts (or, on a detached runtime, adopts) its workers and branch stores and
+    supervises them: a dead one is replaced under the next generation's name.
+    """
+
+    def __init__(self, names: ActorNames, workers: int = 2, branch_stores: int = 1, detached: bool = False,
+                 namespace: str | None = None, generation: int = 0) -> None:
         tune_garbage_collector()
-        self.name = name
+        self.names = names
+        self.name = names.executor_of(generation)
+        self.detached = detached
+        self.namespace = namespace
+        self.self_handle = ray.get_runtime_context().current_actor
+        existing = set(ray.util.list_named_actors())
+        stores, store_names, store_generations = self._adopt_or_start(
+            branch_stores, names.store, self._start_store, existing)
+        self.store_pool = ActorPool("branch store", stores, store_names, start=self._start_store,
+                                    on_replaced=self._store_replaced)
+        self.store_pool.generations = store_generations
+        workers_found, worker_names, worker_generations = self._adopt_or_start(
+            workers, names.worker, self._start_worker, existing)
+        self.worker_pool = ActorPool("operation worker", workers_found, worker_names, start=self._start_worker)
+        self.worker_pool.generations = worker_generations
         # Every data-path method lives on the shell: Ray's tracing shim wraps only this class.
-        self.shell = ExecutorShell(workers, stores, detached=detached, namespace=namespace)
+        self.shell = ExecutorShell(self.worker_pool, self.store_pool)
         self.next_token = 0
         self.watchers: dict[str, RunWatcher] = {}  # watcher id -> watcher; outlives forget_run
+        self.probing = False
+        self.probes = 0
+
+    # -- the actors it supervises ------------------------------------------------------
+    def _adopt_or_start(self, count: int, name_of, start, existing: set[str]) -> tuple[list, list, list]:
+        """A detached runtime adopts the newest generation of each actor a former executor left;
+        an owned one starts past it (what an owned executor left died with it)."""
+        handles, names, generations = [], [], []
+        for index in range(count):
+            found = newest_generation(existing, name_of(index))
+            generation = 0 if found is None else found[1] + (0 if self.detached else 1)
+            for _ in range(REPLACEMENT_ATTEMPTS):
+                try:
+                    handle = start(index, generation)
+                    break
+                except ValueError:  # the name is still held by a dead actor: the next generation's
+                    generation += 1
+            else:
+                raise RuntimeLostError(f"could not start {name_of(index)}: every name was taken", actor=self.name)
+            handles.append(handle)
+            names.append(name_of(index, generation))
+            generations.append(generation)
+        return handles, names, generations
+
+    def _lifetime(self) -> str | None:
+        return "detached" if self.detached else None
+
+    def _start_store(self, index: int, generation: int) -> Any:
+        return BranchStore.options(name=self.names.store(index, generation), namespace=self.namespace,
+                                   get_if_exists=self.detached,
+                                   lifetime=self._lifetime()).remote(index)
+
+    def _start_worker(self, index: int, generation: int) -> Any:
+        stores = getattr(self, "store_pool", None)
+        name = self.names.worker(index, generation)
+        return OperationWorker.options(
+            name=name, namespace=self.namespace, get_if_exists=self.detached,
+            max_concurrency=WORKER_CONCURRENCY, lifetime=self._lifetime(),
+        ).remote(index, list(stores.handles) if stores else [], list(stores.names) if stores else [],
+                 self.self_handle, name)
+
+    async def _store_replaced(self, index: int, handle: Any) -> None:
+        await self.shell.store_replaced(index, handle)
+
+    async def start(self) -> dict[str, Any]:
+        """Bind the main loop and start the liveness probe; returns the runtime's actor names.
+
+        Called once by whoever starts or finds this executor, so that an idle runtime's
+        deaths are noticed too, not only those met by a call.
+        """
+        self._bind()
+        return await self.pool()
+
+    def _bind(self) -> None:
+        self.shell.bind_loop()
+        if not self.probing:
+            self.probing = True
+            self.shell.loop.call_later(PROBE_INTERVAL_SECONDS, self._probe_soon)
+
+    def _probe_soon(self) -> None:
+        # A timer chain (see ExecutorShell._probe_lag); each probe is one short task.
+        task = self.shell.loop.create_task(self._probe())
+        self.shell.told.add(task)
+        task.add_done_callback(self.shell.told.discard)
+
+    async def _probe(self) -> None:
+        try:
+            await asyncio.gather(self.worker_pool.probe(PROBE_TIMEOUT_SECONDS),
+                                 self.store_pool.probe(PROBE_TIMEOUT_SECONDS))
+            self.probes += 1
+        finally:
+            self.shell.loop.call_later(PROBE_INTERVAL_SECONDS, self._probe_soon)
+
+    async def pool(self) -> dict[str, Any]:
+        """The live handles and names of this executor's workers and stores."""
+        return {"executor": self.name, "workers": list(self.worker_pool.handles),
+                "worker_names": list(self.worker_pool.names), "stores": list(self.store_pool.handles),
+                "store_names": list(self.store_pool.names)}
 
     # -- data path (main loop) ------------------------------------------------
     async def start_run(self, run_id: str, graph: Any, options: RunOptions) -> str:
         """Validate and start a run; raise the kernel's typed error for a bad graph."""
+        self._bind()
         await self.shell.start_run(run_id, graph, options)
         return run_id
+
+    async def resources(self, key: str) -> RunResources:
+        """A run's (or a Session's turn key's) operations, providers and settings, for a worker."""
+        resources = self.shell.resources.get(key)
+        if resources is None:
+            raise UnknownRunError(f"nothing registered under {key!r} on {self.name}", run_id=key, actor=self.name)
+        return resources
+
+    async def register_resources(self, key: str, resources: RunResources | None) -> None:
+        """What a Session's turns run with (``Session.turn``), under ``key``; None removes it."""
+        self._bind()
+        self.shell.release_resources(key)
+        if resources is not None:
+            self.shell.resources[key] = resources
+
+    async def turn(self, key: str, call: CallRow) -> tuple[Any, dict[str, Any], int]:
+        """Run one call on a live worker (``Session.turn``): (outcome row, usage, attempt)."""
+        self._bind()
+        return await run_turn(self.shell, key, call)
+
+    async def cancel_turn(self, key: str, node_id: str) -> bool:
+        for index, worker in enumerate(self.worker_pool.handles):
+            if self.worker_pool.alive[index]:
+                self.shell.tell(worker.cancel.remote(key, [node_id]), self.worker_pool, index, worker)
+        return True
 
     async def report(self, run_id: str, outcomes: list[Outcome]) -> None:
         """Outcomes pushed by a worker outside a batch stream (kept for external workers)."""
@@ -123,7 +225,7 @@ class GraphExecutor:
             try:
                 await asyncio.wait_for(run.wakeup.wait(), timeout)
             except asyncio.TimeoutError:
-                pass
+                pass  # nothing new within the poll window: the driver polls again
         items = []
         while run.outbox and len(items) < max_items:
             items.append(run.outbox.popleft())
@@ -140,6 +242,23 @@ class GraphExecutor:
     async def forget_run(self, run_id: str) -> bool:
         return self.shell.forget_run(run_id)
 
+    # -- branches (main loop) ----------------------------------------------------------
+    async def create_branch(self, branch_id: str, messages: list[Any], scope: str | None = None) -> int:
+        self._bind()
+        return await self.shell.branches.create(branch_id, messages, scope)
+
+    async def branch_messages(self, branch_id: str) -> list[Any]:
+        self._bind()
+        return await self.shell.branches.messages(branch_id)
+
+    async def drop_scope(self, scope: str) -> int:
+        """Drop every branch of ``scope`` (a Session's, or a run's) and of the scopes it holds."""
+        self._bind()
+        for run in self.shell.runs.values():
+            if run.options.branch_scope == scope and not run.done.is_set():
+                run.options.branch_scope = None  # still running: its later clones belong to nobody
+        return await self.shell.branches.drop_scope(scope)
+
     async def next_watch_events(self, watcher_id: str, max_items: int = 2048,
                                 timeout: float = 5.0) -> tuple[list[FlowEvent], int, dict[str, Any] | None]:
         """Long-poll for a watcher: (events, dropped since last poll, summary once the run ended).
@@ -148,7 +267,7 @@ class GraphExecutor:
         """
         watcher = self.watchers.get(watcher_id)
         if watcher is None:
-            raise UnknownWatcherError(f"watcher {watcher_id} is not known to this executor")
+            raise UnknownWatcherError(f"watcher {watcher_id} is not known to this executor", actor=self.name)
         items, dropped, finished = await watcher.next_items(max_items, timeout)
         if finished is not None:
             self._remove_watcher(watcher)
@@ -190,6 +309,10 @@ class GraphExecutor:
         return await self._on_main(self._status(run_id))
 
     @ray.method(concurrency_group="control")
+    async def has_run(self, run_id: str) -> bool:
+        return run_id in self.shell.runs
+
+    @ray.method(concurrency_group="control")
     async def statistics(self) -> dict[str, Any]:
         if self.shell.loop is None:
             # No run has started, so nothing lives on the main loop yet: safe to read here.
@@ -203,7 +326,7 @@ class GraphExecutor:
     async def _on_main(self, coroutine):
         if self.shell.loop is None:
             coroutine.close()
-            raise UnknownRunError("this executor has not started any run")
+            raise UnknownRunError("this executor has not started any run", actor=self.name)
         future = asyncio.run_coroutine_threadsafe(coroutine, self.shell.loop)
         return await asyncio.wrap_future(future)
 
@@ -267,6 +390,7 @@ class GraphExecutor:
         stats["held"] = run.state.held
         stats["messages"] = run.messages
         stats["watchers"] = len(run.watchers)
+        stats["executor"] = self.name
         return stats
 
     async def _statistics(self) -> dict[str, Any]:
@@ -275,17 +399,22 @@ class GraphExecutor:
         for run_id, run in shell.runs.items():
             runs[run_id] = run.state.statistics()
             shell.harvest(run, runs[run_id])
-        import resource  # local: only statistics reads process memory
-
         return {
             "name": self.name,
+            "pid": os.getpid(),
             "active_runs": sum(1 for r in shell.runs.values() if not r.state.finished),
             "in_flight": sum(len(r.state.running) for r in shell.runs.values() if not r.state.finished),
             "queued": sum(len(r.state.ready) for r in shell.runs.values() if not r.state.finished),
             "loop_lag_seconds": shell.loop_lag,
             "worker_deaths": shell.worker_deaths,
-            "workers": len(shell.workers),
-            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "workers": len(self.worker_pool),
+            "worker_pool": self.worker_pool.statistics(),
+            "store_pool": self.store_pool.statistics(),
+            "branches": shell.branches.statistics(),
+            "probes": self.probes,
+            "tell_failures": shell.tell_failures,
+            "max_rss_mib": peak_rss_mib(),
+            "rss_mib": current_rss_mib(),
             **shell.totals,
             # totals["runs"] counts runs; it used to hide the per-run snapshots under the same key.
             "runs_started": shell.totals["runs"],
@@ -298,5 +427,7 @@ class GraphExecutor:
     def _run(self, run_id: str) -> _Run:
         run = self.shell.runs.get(run_id)
         if run is None:
-            raise UnknownRunError(f"run {run_id} is not owned by this executor")
+            raise UnknownRunError(f"run {run_id} is unknown or already finished on {self.name}",
+                                  run_id=run_id, actor=self.name)
         return run
+

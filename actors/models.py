@@ -51,14 +51,6 @@ class ProviderError(ExecutionError):
         self.provider = provider
         self.status = status
 
-    def __reduce__(self):
-        return (_rebuild_provider_error,
-                (type(self), self.message, self.provider, self.status, self.node_id, self.branch_id, self.edge_id))
-
-
-def _rebuild_provider_error(cls, message, provider, status, node_id, branch_id, edge_id):
-    return cls(message, provider=provider, status=status, node_id=node_id, branch_id=branch_id, edge_id=edge_id)
-
 
 class ModelIdentityError(ProviderError):
     """A model id without a provider prefix; the expected form is ``provider/model``."""
@@ -100,15 +92,6 @@ class ProviderRefusal(ProviderError):
         super().__init__(message, provider=provider, status=status, node_id=node_id, branch_id=branch_id,
                          edge_id=edge_id)
         self.refusal = refusal
-
-    def __reduce__(self):
-        return (_rebuild_refusal, (self.message, self.refusal, self.provider, self.status, self.node_id,
-                                   self.branch_id, self.edge_id))
-
-
-def _rebuild_refusal(message, refusal, provider, status, node_id, branch_id, edge_id):
-    return ProviderRefusal(message, refusal=refusal, provider=provider, status=status, node_id=node_id,
-                           branch_id=branch_id, edge_id=edge_id)
 
 
 def parse_model_id(model: str) -> tuple[str, str]:

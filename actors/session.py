@@ -1,8 +1,10 @@
-"""The driver-side Session facade: ``flow()``, ``flow_stream()``, run control and branches.
+"""The driver-side Session facade: ``flow()``, ``flow_stream()``, ``turn()``, branches and their lifetime.
 
 Owns the caller's view of a run (ADR-0033 D1): it resolves defaults, ships the graph to
-the GraphExecutor, relays lifecycle signals to ``on_progress`` and branch hooks, and
-returns the result envelope. It never schedules anything itself.
+the GraphExecutor, relays lifecycle signals to ``on_progress``, ``on_signal`` and branch
+hooks, and returns the result envelope. It never schedules anything itself, and no model
+call runs here: single turns run on the worker pool too. A Session's branches live until
+it is closed; a run started ``isolated`` has branches of its own, released with it.
 """
 
 from __future__ import annotations
@@ -10,171 +12,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
-import ray
+from opgraph.kernel import NODE_PROGRESS_KINDS, FlowEvent, Graph, OpGraphError, OperationError, RetryPolicy
 
-from opgraph.kernel import NODE_PROGRESS_KINDS, ExecutionError, FlowEvent, Graph, OpGraphError, Operation
-
-from .branches import shard_for
-from .executor import RunOptions, UnknownRunError
-from .runtime import DEFAULT_NAMESPACE, EXECUTOR_NAME, Runtime, connect
+from .control import EventsDropped, RunControl, RunFinished
+from .errors import RuntimeLostError, TurnError
 from .models import ModelProvider, parse_model_id
-from .workers import RegisteredOperation, RunResources
+from .protocol import RegisteredOperation, RunOptions, RunResources, TurnResult
+from .runtime import Runtime, connect, joined_with_address
+from .settings import DEFAULT_NAMESPACE, cancel_grace_seconds, default_max_concurrency
 
 __all__ = ["BranchView", "EventsDropped", "RunControl", "RunFinished", "RuntimeLostError", "Session", "flow_stream"]
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """Translate a Ray task error into the typed error raised inside the actor."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
-        return cause
-    return exc
-
-
-class RuntimeLostError(ExecutionError):
-    """An opgraph actor (the executor or a branch store) died; the run cannot be observed."""
-
-
-def _translated(exc: ray.exceptions.RayError) -> BaseException:
-    """The opgraph error for a Ray error: the actor's own typed error, or a lost runtime."""
-    if isinstance(exc, ray.exceptions.RayActorError):
-        return RuntimeLostError(f"an opgraph actor died: {type(exc).__name__}")
-    cause = _unwrap(exc)
-    if cause is exc:
-        return ExecutionError(f"remote call failed: {exc}")
-    return cause
-
-
-async def _call(ref: Any) -> Any:
-    """Await a Ray call, translating Ray's errors into opgraph's at this boundary."""
-    try:
-        return await ref
-    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
-        raise _translated(exc) from None
-
-
-async def _start(executor: Any, run_id: str, graph: Graph, options: Any) -> None:
-    """Admit a run; if the caller is cancelled meanwhile, the run must not go on undrained.
-
-    The executor may admit it anyway (the call is already on its way), so wait for the
-    admission to settle, then cancel and forget the run before re-raising.
-    """
-    admission = executor.start_run.remote(run_id, graph, options)
-    try:
-        await _call(admission)
-    except asyncio.CancelledError:
-        with contextlib.suppress(ray.exceptions.RayError, OpGraphError):
-            await admission
-            await executor.cancel.remote(run_id)
-            executor.forget_run.remote(run_id)
-        raise
-
-
-@dataclass(frozen=True)
-class EventsDropped:
-    """``RunControl.watch()`` fell behind: ``count`` settled-node events were dropped for it."""
-
-    count: int
-
-
-@dataclass(frozen=True)
-class RunFinished:
-    """The last item ``RunControl.watch()`` yields: how the run ended.
-
-    ``status`` is the envelope's ("completed", "failed", "cancelled"), or "error" when the
-    run failed as a whole, or "forgotten" when its owner left before it settled.
-    """
-
-    status: str
-    summary: dict[str, Any]
-
-
-class RunControl:
-    """Live control of one run (the ``executor_ref`` handle): pause, resume, inject, steer, cancel.
-
-    A second client process finds a run by id with ``RunControl.attach(run_id, address=...)``
-    and can also ``watch()`` its settled nodes. The run lives as long as the client that
-    started it waits on ``flow()``; that client owns the result envelope.
-    """
-
-    def __init__(self, executor: Any, run_id: str) -> None:
-        self.executor = executor
-        self.run_id = run_id
-
-    @classmethod
-    def attach(cls, run_id: str, *, address: str | None = "auto",
-               namespace: str = DEFAULT_NAMESPACE) -> RunControl:
-        """Join the cluster at ``address`` and find run ``run_id`` on the namespace's executor.
-
-        Raises ``UnknownRunError`` when the namespace has no executor or the executor has
-        no such run (never started, or already settled and returned to its owner).
-        Starts no actors. Call it outside a running event loop, like ``Session()``.
-        """
-        connect(address, namespace=namespace)
-        try:
-            executor = ray.get_actor(EXECUTOR_NAME, namespace=namespace)
-        except ValueError:
-            raise UnknownRunError(f"no opgraph executor in namespace {namespace!r}: "
-                                  f"nothing has run there; check --address and --namespace") from None
-        try:
-            ray.get(executor.status.remote(run_id))
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
-            raise _translated(exc) from None
-        return cls(executor, run_id)
-
-    async def pause(self) -> bool:
-        return await _call(self.executor.pause.remote(self.run_id))
-
-    async def resume(self) -> bool:
-        return await _call(self.executor.resume.remote(self.run_id))
-
-    async def inject(self, operation: Operation, *, after: Operation | str | None = None,
-                     independent: bool = False) -> bool:
-        """Admit a prebuilt operation; False outside a running reactive run (ADR-0023 D6)."""
-        after_id = getattr(after, "id", after)
-        return await _call(self.executor.inject.remote(self.run_id, operation, after_id, independent))
-
-    async def send_operator_message(self, text: str) -> bool:
-        return await _call(self.executor.send_operator_message.remote(self.run_id, text))
-
-    async def cancel(self) -> bool:
-        return await _call(self.executor.cancel.remote(self.run_id))
-
-    async def status(self) -> dict[str, Any]:
-        return await _call(self.executor.status.remote(self.run_id))
-
-    async def watch(self, *, buffer: int = 1024, poll_timeout: float = 5.0,
-                    ) -> AsyncIterator[FlowEvent | EventsDropped | RunFinished]:
-        """Yield this run's settled nodes from now on, then one ``RunFinished``.
-
-        Ideal over retrospective: a watcher has its own bounded queue on the executor
-        and never slows the run; when it falls ``buffer`` events behind, the oldest are
-        dropped and an ``EventsDropped`` says how many. Nodes settled before attaching
-        are not replayed (``status()`` counts them). Leaving early detaches the watcher.
-        """
-        executor = self.executor
-        watcher_id = await _call(executor.watch.remote(self.run_id, buffer))
-        finished = False
-        try:
-            while True:
-                items, dropped, summary = await _call(
-                    executor.next_watch_events.remote(watcher_id, 2048, poll_timeout))
-                if dropped:
-                    yield EventsDropped(dropped)
-                for event in items:
-                    yield event
-                if summary is not None:
-                    finished = True
-                    yield RunFinished(str(summary.get("status")), summary)
-                    return
-        finally:
-            if not finished:
-                await _call(executor.unwatch.remote(watcher_id))
 
 
 class BranchView:
@@ -204,18 +56,33 @@ class Session:
 
     ``Session()`` joins the embedded local Ray (started quietly on first use); pass
     ``address`` ("auto", "ray://host:port", "host:port") to join a running cluster.
+    ``detached`` (default: True when joining through an address) shares the runtime's
+    actors by name with every process of the namespace, so no process's exit ends
+    another's run; otherwise this process owns its runtime.
+
+    The Session's branches (its default branch, named branches, and the clones of its
+    runs) live until ``close()`` (or the end of a ``with``/``async with`` block), which
+    drops them from the stores. ``cancel_grace`` bounds how long cancelled operations
+    may keep running before they are reported cancelled (default ``OPGRAPH_CANCEL_GRACE``,
+    5 s).
     """
 
     def __init__(self, address: str | None = None, *, workers: int = 2, branch_stores: int = 1,
-                 namespace: str = "opgraph", detached: bool = False,
-                 default_model: str | None = None) -> None:
+                 namespace: str = DEFAULT_NAMESPACE, detached: bool | None = None,
+                 default_model: str | None = None, cancel_grace: float | None = None) -> None:
         if default_model is not None:
             parse_model_id(default_model)  # fail fast on "gpt-4" instead of "openai/gpt-4"
+        if cancel_grace is not None and (isinstance(cancel_grace, bool) or not isinstance(cancel_grace, (int, float))
+                                         or cancel_grace <= 0):
+            raise OperationError(f"cancel_grace must be a number of seconds above 0, got {cancel_grace!r}")
         self.default_model = default_model or os.environ.get("OPGRAPH_DEFAULT_MODEL", "sim/default")
+        self.cancel_grace = float(cancel_grace) if cancel_grace is not None else cancel_grace_seconds()
         self.providers: dict[str, ModelProvider] = {}
         connect(address, namespace=namespace)
+        if detached is None:
+            detached = address is not None or joined_with_address()
         self.id = str(uuid.uuid4())
-        # Actors are named per namespace: a Session in another namespace gets its own runtime.
+        self.scope = f"session-{self.id}"
         self.runtime = Runtime.get_or_start(workers=workers, branch_stores=branch_stores, detached=detached,
                                             namespace=namespace)
         self.branches: dict[str, str] = {}
@@ -227,17 +94,60 @@ class Session:
             "noop": RegisteredOperation(_noop, record_turn=False),
             "sleep": RegisteredOperation(_sleep, record_turn=False),
         }
+        self._turn_key: str | None = None
+        self._turn_executor: Any = None
+        self._resources_version = 0
+        self.closed = False
         self.default_branch = self._create_branch(f"session-{self.id}-default", [])
+
+    # -- lifetime -------------------------------------------------------------------------
+    def close(self) -> int:
+        """Drop every branch of this Session from the stores; returns how many. Idempotent.
+
+        Not from inside a running event loop: use ``await session.aclose()`` there.
+        """
+        if self.closed:
+            return 0
+        self.closed = True
+        dropped = self.runtime.call_sync("drop_scope", self.scope, retry_if_dead=True)
+        if self._turn_key is not None:
+            self.runtime.call_sync("register_resources", self._turn_key, None)
+        return dropped
+
+    async def aclose(self) -> int:
+        if self.closed:
+            return 0
+        self.closed = True
+        dropped = await self.runtime.call("drop_scope", self.scope, retry_if_dead=True)
+        if self._turn_key is not None:
+            await self.runtime.call("register_resources", self._turn_key, None)
+        return dropped
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Session:
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        await self.aclose()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise OpGraphError("this Session is closed; its branches were dropped. Start a new Session")
 
     # -- branches and operations ---------------------------------------------------
     def _create_branch(self, branch_id: str, messages: list[Any]) -> str:
-        shard = shard_for(branch_id, len(self.runtime.stores))
-        ray.get(self.runtime.stores[shard].create.remote(branch_id, messages, True))
+        shard = self.runtime.call_sync("create_branch", branch_id, messages, self.scope, retry_if_dead=True)
         self._locations[branch_id] = shard
         return branch_id
 
     def new_branch(self, name: str | None = None, messages: list[Any] | None = None) -> str:
         """Create a named branch (a role's conversation) and return its id."""
+        self._check_open()
         branch_id = f"session-{self.id}-{name or uuid.uuid4()}"
         if name is not None and name in self.branches:
             raise OpGraphError(f"branch {name!r} already exists", branch_id=self.branches[name])
@@ -247,11 +157,13 @@ class Session:
         return branch_id
 
     def register_operation(self, name: str, fn: Callable[..., Any], *, record_turn: bool = True,
-                           timeout: float | None = None) -> None:
+                           timeout: float | None = None, retry: RetryPolicy | int | None = None) -> None:
         """Register ``async fn(branch, **parameters)``; shipped to workers per run by cloudpickle.
 
         ``timeout`` (seconds) bounds each call: a hung model or tool call becomes a
-        failed operation of type ``OperationTimeout`` instead of a stuck run.
+        failed operation of type ``OperationTimeout`` instead of a stuck run. ``retry``
+        (a RetryPolicy, or a number of attempts retried after ``WorkerDied``) runs a
+        failed attempt again as a new attempt; ``branch.idempotency_key`` tells them apart.
         The ``context`` parameter is input: a predecessor's ``<id>_result`` in it may be
         the same object for sibling operations in one worker batch (as in the record's
         in-process flow), so copy a value before changing it in place.
@@ -262,7 +174,10 @@ class Session:
             raise OpGraphError(f"operation {name!r} must be an async function")
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
             raise OpGraphError(f"operation {name!r} timeout must be a number of seconds above 0, got {timeout!r}")
-        self.operations[name] = RegisteredOperation(fn, record_turn, timeout)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            retry = RetryPolicy.of(retry)
+        self.operations[name] = RegisteredOperation(fn, record_turn, timeout, retry)
+        self._resources_version += 1
 
     def register_provider(self, name: str, provider: ModelProvider) -> None:
         """Serve ``name`` (a provider prefix like "scripted", or one "provider/model") with ``provider``.
@@ -273,20 +188,12 @@ class Session:
         if not isinstance(provider, ModelProvider):
             raise OpGraphError(f"provider for {name!r} must implement async complete(request)")
         self.providers[name] = provider
+        self._resources_version += 1
 
     async def messages(self, branch: str) -> list[Any]:
         """A branch's messages, wherever its store shard is."""
         branch_id = self.branches.get(branch, branch)
-        shard = self._locations.get(branch_id)
-        stores = self.runtime.stores
-        if shard is None:
-            for index, store in enumerate(stores):
-                if await store.has.remote(branch_id):
-                    shard = index
-                    break
-        if shard is None:
-            raise OpGraphError("branch not found in any store", branch_id=branch_id)
-        return await _call(stores[shard].messages.remote(branch_id))
+        return await self.runtime.call("branch_messages", branch_id)
 
     def _resolve_branch(self, branch: Any) -> str:
         if branch is None:
@@ -294,14 +201,66 @@ class Session:
         branch_id = str(getattr(branch, "id", branch))
         return self.branches.get(branch_id, branch_id)
 
+    def _resources(self) -> RunResources:
+        return RunResources(dict(self.operations), dict(self.providers), {"default_model": self.default_model})
+
+    # -- single turns ----------------------------------------------------------------
+    async def turn(self, branch: Any, operation: str, /, *, timeout: float | None = None,
+                   **parameters: Any) -> TurnResult:
+        """Run one registered operation (a verb such as ``operate``) on ``branch``, on a worker.
+
+        A single call, not a graph, with a graph node's supervision: a dead worker is a
+        ``WorkerDied`` attempt (retried under the operation's RetryPolicy), a timeout an
+        ``OperationTimeout``. A failure raises ``TurnError`` with its ``error_type``.
+        Cancelling the awaiting task cancels the turn on its worker.
+        """
+        self._check_open()
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise OperationError(f"turn timeout must be a number of seconds above 0, got {timeout!r}")
+        if operation not in self.operations:
+            known = ", ".join(sorted(self.operations))
+            raise OperationError(f"operation {operation!r} is not registered (known: {known})")
+        branch_id = self._resolve_branch(branch)
+        key = await self._turn_resources()
+        node_id = f"turn-{uuid.uuid4()}"
+        call = (node_id, 1, operation, parameters, branch_id, 0)
+        started = time.perf_counter()
+        request = asyncio.ensure_future(self.runtime.call("turn", key, call))
+        try:
+            row, usage, attempt = await asyncio.wait_for(asyncio.shield(request), timeout)
+        except (asyncio.CancelledError, asyncio.TimeoutError) as stopped:
+            with contextlib.suppress(OpGraphError):
+                await self.runtime.call("cancel_turn", key, node_id)
+            request.cancel()
+            if isinstance(stopped, asyncio.TimeoutError):
+                raise TurnError(f"the turn exceeded its {timeout} s timeout", error_type="OperationTimeout",
+                                branch_id=branch_id, node_id=node_id) from None
+            raise
+        if row[2] == "completed":
+            return TurnResult(row[3], usage, branch_id, attempt, time.perf_counter() - started)
+        raise TurnError(row[4] or f"the turn ended {row[2]}", error_type=row[5] or row[2], usage=usage,
+                        branch_id=branch_id, node_id=node_id)
+
+    async def _turn_resources(self) -> str:
+        """Register this Session's operations for turns with the executor when they changed."""
+        executor = await self.runtime.live_executor()
+        key = f"{self.scope}/v{self._resources_version}"
+        if key != self._turn_key or executor is not self._turn_executor:
+            await self.runtime.call("register_resources", key, self._resources())
+            if self._turn_key is not None and self._turn_key != key:
+                await self.runtime.call("register_resources", self._turn_key, None)
+            self._turn_key, self._turn_executor = key, executor
+        return key
+
     # -- flow -------------------------------------------------------------------------
-    def _options(self, *, context, max_concurrent, parallel, reactive, max_spawn, spawn_type,
+    def _options(self, *, run_id: str, context, max_concurrent, parallel, reactive, max_spawn, spawn_type,
                  node_builder, default_branch, spawn_branch_setup, reducers, want_signals,
-                 want_events, stream_buffer) -> RunOptions:
+                 want_events, stream_buffer, isolated: bool = False) -> RunOptions:
+        self._check_open()
         if max_concurrent is None:
-            max_concurrent = int(os.environ.get("OPGRAPH_MAX_CONCURRENCY", "10000"))
-        default_branch_id = self._resolve_branch(default_branch)
-        known = dict(self._locations)
+            max_concurrent = default_max_concurrency()
+        resources = self._resources()
+        resources.spawn_type = spawn_type
         return RunOptions(
             context=context,
             max_concurrent=max_concurrent,
@@ -311,16 +270,40 @@ class Session:
             spawn_type=spawn_type,
             node_builder=node_builder,
             reducers=reducers,
-            default_branch_id=default_branch_id,
-            default_store_index=known.get(default_branch_id, 0),
-            known_branches=known,
-            resources=RunResources(dict(self.operations), dict(self.providers),
-                                   {"default_model": self.default_model}),
+            default_branch_id=self._resolve_branch(default_branch),
+            clone_source_branch_id=self.default_branch,
+            known_branches=dict(self._locations),
+            resources=resources,
+            retry_policies={name: op.retry for name, op in self.operations.items() if op.retry is not None},
             spawn_branch_setup=spawn_branch_setup,
             want_signals=want_signals,
             want_events=want_events,
             stream_buffer=stream_buffer,
+            branch_scope=f"run-{run_id}" if isolated else self.scope,
+            scope_parent=self.scope if isolated else None,
+            isolated=isolated,
+            cancel_grace=self.cancel_grace,
         )
+
+    async def _start(self, run_id: str, graph: Graph, options: RunOptions) -> Any:
+        """Admit a run (on a replacement executor if the last one died idle); returns the executor.
+
+        If the caller is cancelled meanwhile, the run must not go on undrained: the
+        executor may admit it anyway (the call is on its way), so wait for the admission
+        to settle, then cancel and forget the run before re-raising.
+        """
+        graph.check_references()  # an edge to a missing node is refused before anything is shipped
+        admission = asyncio.ensure_future(self.runtime.call("start_run", run_id, graph, options, run_id=run_id,
+                                                            retry_if_dead=True))
+        try:
+            await asyncio.shield(admission)
+        except asyncio.CancelledError:
+            with contextlib.suppress(OpGraphError):
+                await admission
+                await self.runtime.call("cancel", run_id)
+                await self.runtime.call("forget_run", run_id)
+            raise
+        return self.runtime.executor
 
     async def flow(
         self,
@@ -342,48 +325,79 @@ class Session:
         spawn_branch_setup: Callable[[Any, Any], Any] | None = None,
         reducers: dict[str, Callable[[Any, Any], Any]] | None = None,
         run_id: str | None = None,
+        on_signal: Callable[[Any], Any] | None = None,
+        isolated: bool = False,
         on_settled: Callable[[FlowEvent], Awaitable[Any]] | None = None,
     ) -> dict[str, Any]:
         """Run ``graph`` on the executor and return the result envelope (ADR-0033 D1).
 
         Ideal over retrospective: lifecycle signals are emitted for every run and
-        drained before return; ``on_branch_created`` fires for reactive clones too.
-        ``alcall_params`` is accepted for signature compatibility and has no effect:
-        capacity is the executor's counter, not an in-process limiter. ``run_id`` names
-        the run (default: a fresh uuid) so another process can ``RunControl.attach`` to it.
+        drained before return; ``on_branch_created`` fires for reactive clones too;
+        ``on_signal`` receives every canonical lifecycle signal (queued, started,
+        completed, failed, skipped, spawned, paused, escalated, and cancelled) as its
+        typed model. ``alcall_params`` is accepted for signature compatibility and has
+        no effect: capacity is the executor's counter, not an in-process limiter.
+        ``run_id`` names the run (default: a fresh uuid) so another process can
+        ``RunControl.attach`` to it.
+
+        ``isolated``: the run gets a default branch of its own, and its branches belong
+        to it rather than to the Session, so nothing of another run reaches it; they
+        stay readable after the run (to record them) until ``release_run(run_id)``.
+        Without it the record's semantics hold: dependent nodes clone the Session's
+        default branch, and every branch lives until the Session is closed.
+
         ``on_settled`` (async) is awaited with each settled node's ``FlowEvent``, result
         included, as the run goes: how a run store records outputs before the run ends.
         """
         del alcall_params
+        run_id = run_id or str(uuid.uuid4())
         options = self._options(
-            context=context, max_concurrent=max_concurrent, parallel=parallel, reactive=reactive,
+            run_id=run_id, context=context, max_concurrent=max_concurrent, parallel=parallel, reactive=reactive,
             max_spawn=max_spawn, spawn_type=spawn_type, node_builder=node_builder,
             default_branch=default_branch, spawn_branch_setup=spawn_branch_setup, reducers=reducers,
-            want_signals=bool(on_progress or verbose or on_branch_created),
-            want_events=on_settled is not None, stream_buffer=1 << 30,
+            want_signals=bool(on_progress or verbose or on_branch_created or on_signal),
+            want_events=on_settled is not None, stream_buffer=1 << 30, isolated=isolated,
         )
-        run_id = run_id or str(uuid.uuid4())
-        executor = self.runtime.executor
-        await _start(executor, run_id, graph, options)
+        executor = await self._start(run_id, graph, options)
         if executor_ref is not None:
-            executor_ref["executor"] = RunControl(executor, run_id)
+            executor_ref["executor"] = RunControl(executor, run_id, self.runtime.executor_name)
             executor_ref["run_id"] = run_id
         try:
-            envelope = await self._drain(run_id, graph, on_progress, on_branch_created, verbose, on_settled)
+            envelope = await self._drain(executor, run_id, graph, on_progress, on_branch_created, verbose,
+                                         on_event=on_settled, on_signal=on_signal)
         except BaseException:
             # Stop the run's remaining work, then re-raise; a dead executor has nothing to stop.
-            with contextlib.suppress(ray.exceptions.RayError):
-                await executor.cancel.remote(run_id)
+            with contextlib.suppress(OpGraphError):
+                await asyncio.shield(self._executor_call(executor, "cancel", run_id))
             raise
         finally:
-            executor.forget_run.remote(run_id)
+            with contextlib.suppress(OpGraphError):
+                await asyncio.shield(self._executor_call(executor, "forget_run", run_id))
         return envelope
 
-    async def _drain(self, run_id: str, graph: Graph, on_progress, on_branch_created, verbose,
-                     on_event: Callable[[FlowEvent], Any] | None = None) -> dict[str, Any]:
-        executor = self.runtime.executor
+    async def release_run(self, run_id: str) -> int:
+        """Drop the branches of a finished ``isolated`` run (once recorded); returns how many."""
+        return await self.runtime.call("drop_scope", f"run-{run_id}")
+
+    async def _executor_call(self, executor: Any, method: str, run_id: str, *args: Any) -> Any:
+        """A call to the executor that owns ``run_id``; its death is told to the runtime."""
+        from .errors import translate  # local: only this error path needs it
+
+        try:
+            return await getattr(executor, method).remote(run_id, *args)
+        except Exception as exc:  # noqa: BLE001 - translated here, at the boundary
+            error = translate(exc, actor=self.runtime.executor_name, run_id=run_id, doing=method)
+            if isinstance(error, RuntimeLostError):
+                self.runtime.mark_dead(executor)
+            if error is exc:
+                raise
+            raise error from None
+
+    async def _drain(self, executor: Any, run_id: str, graph: Graph, on_progress, on_branch_created, verbose,
+                     on_event: Callable[[FlowEvent], Any] | None = None,
+                     on_signal: Callable[[Any], Any] | None = None) -> dict[str, Any]:
         while True:
-            items, done, result = await _call(executor.next_events.remote(run_id))
+            items, done, result = await self._executor_call(executor, "next_events", run_id)
             for kind, item in items:
                 if kind == "signal":
                     progress = NODE_PROGRESS_KINDS.get(item.kind)
@@ -391,6 +405,8 @@ class Session:
                         print(f"[opgraph] {item.kind:<9} {getattr(item, 'name', '') or item.op_id}")
                     if progress is not None and on_progress is not None:
                         on_progress(item.op_id, item.name, progress, item.elapsed)
+                    if on_signal is not None:
+                        on_signal(item)
                 elif kind == "branch" and on_branch_created is not None:
                     node_id, branch_id, reactive = item
                     on_branch_created(BranchView(self, branch_id, node_id, reactive))
@@ -418,7 +434,7 @@ class Session:
 
     def run_control(self, run_id: str) -> RunControl:
         """Control of a run on this session's executor, by id (started here or elsewhere)."""
-        return RunControl(self.runtime.executor, run_id)
+        return RunControl(self.runtime.executor, run_id, self.runtime.executor_name)
 
     def run(self, graph: Graph, **kwargs: Any) -> dict[str, Any]:
         """Synchronous ``flow`` for scripts (not from inside a running event loop)."""
@@ -447,19 +463,18 @@ async def flow_stream(
     run's remaining work and awaits its settlement. Nothing here is asyncio-private.
     """
     del alcall_params
+    run_id = str(uuid.uuid4())
     options = session._options(
-        context=context, max_concurrent=max_concurrent, parallel=True, reactive=True,
+        run_id=run_id, context=context, max_concurrent=max_concurrent, parallel=True, reactive=True,
         max_spawn=max_spawn, spawn_type=spawn_type, node_builder=node_builder,
         default_branch=branch, spawn_branch_setup=None, reducers=None,
         want_signals=verbose, want_events=True, stream_buffer=max(1, buffer),
     )
-    run_id = str(uuid.uuid4())
-    executor = session.runtime.executor
-    await _start(executor, run_id, graph, options)
+    executor = await session._start(run_id, graph, options)
     finished = False
     try:
         while True:
-            items, done, result = await _call(executor.next_events.remote(run_id))
+            items, done, result = await session._executor_call(executor, "next_events", run_id)
             for kind, item in items:
                 if kind == "event":
                     yield item
@@ -473,9 +488,10 @@ async def flow_stream(
     finally:
         if not finished:
             # Early close: cancel what remains and wait until the run has settled.
-            await _call(executor.cancel.remote(run_id))
+            await session._executor_call(executor, "cancel", run_id)
             while True:
-                _, done, _ = await _call(executor.next_events.remote(run_id))
+                _, done, _ = await session._executor_call(executor, "next_events", run_id)
                 if done:
                     break
-        executor.forget_run.remote(run_id)
+        with contextlib.suppress(OpGraphError):
+            await session._executor_call(executor, "forget_run", run_id)

@@ -1,10 +1,11 @@
 """ExecutorShell: the GraphExecutor's data path, events in and instructions out.
 
-Owns every run's bookkeeping (its kernel ``FlowState``, in-flight references, driver
-outbox) and the executor-wide counters. It turns instructions into worker and branch-store
-messages and feeds what comes back in as events. It must run only on the actor's main
-loop and has no remote surface: a plain class, because Ray wraps every method of an actor
-class in a tracing shim, a cost per call this path (several per node) need not pay.
+Owns every run's bookkeeping (its kernel ``FlowState``, in-flight calls, driver outbox)
+and the executor-wide counters. It turns instructions into worker and branch-store
+messages and feeds what comes back, failures included, in as events: the kernel
+decides what a failure means. It runs only on the actor's main loop and has no remote
+surface: a plain class, because Ray wraps every method of an actor class in a tracing
+shim, a cost per call this path (several per node) need not pay.
 """
 
 from __future__ import annotations
@@ -12,17 +13,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 from opgraph.kernel import (
     AdmissionDecided,
+    CancelGraceExpired,
     CancelOperation,
     CloneBranch,
     ConditionsEvaluated,
     DispatchHeld,
     DispatchOperation,
+    DispatchUndelivered,
     EmitSignal,
     EscalationRequested,
     EvaluateConditions,
@@ -31,6 +34,7 @@ from opgraph.kernel import (
     FlowEvent,
     FlowStarted,
     FlowState,
+    NodeCancelled,
     NodeCompleted,
     NodeFailed,
     NodeSkipped,
@@ -39,13 +43,15 @@ from opgraph.kernel import (
     ReplaceHistory,
     SpawnRequested,
 )
+from opgraph.kernel.failures import BRANCH_STORE_LOST, OUTCOME_LOST, WORKER_DIED, WORKER_ERROR
 
+from .branch_registry import BranchRegistry
+from .errors import clean_text, is_actor_death
 from .histogram import LatencyHistogram
+from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources
+from .settings import PROBE_TIMEOUT_SECONDS
+from .supervision import ActorPool
 from .watchers import RunWatcher, envelope_summary
-from .workers import CallRow, Outcome, OutcomeRow
-
-if TYPE_CHECKING:
-    from .executor import RunOptions
 
 __all__ = ["DISPATCH_BATCH", "DISPATCH_WINDOW", "ExecutorShell"]
 
@@ -56,7 +62,7 @@ LAG_PROBE_SECONDS = 0.25  # period of the loop-lag probe (metric opgraph_executo
 
 
 class _Run:
-    """The shell's bookkeeping for one run: its state machine, refs, and driver outbox."""
+    """The shell's bookkeeping for one run: its state machine, calls in flight, and driver outbox."""
 
     def __init__(self, run_id: str, state: FlowState, options: RunOptions) -> None:
         self.run_id = run_id
@@ -69,13 +75,16 @@ class _Run:
         self.envelope: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
-        self.pending_branch_refs: list[Any] = []
+        self.pending_branch_work: list[Any] = []  # coroutines of store calls a dispatch must wait for
         self.pending_dispatch: list[Any] = []
         self.flush_scheduled = False
         self.node_worker: dict[str, int] = {}
         self.inject_waiters: dict[int, asyncio.Future] = {}
         self.started = time.time()
         self.messages = 0
+        self.grace_timer: asyncio.TimerHandle | None = None
+        self.hook_errors: list[dict[str, Any]] = []
+        self.lost_branches: list[dict[str, Any]] = []
         # What the executor-wide counters have already taken from this run (see harvest).
         self.harvested_spawns = 0
         self.harvested_drops = 0
@@ -116,33 +125,41 @@ def _finished_event(row: OutcomeRow) -> OperationFinished:
 
 
 class ExecutorShell:
-    """What a GraphExecutor contains: its runs, workers, branch locations and counters."""
+    """What a GraphExecutor contains: its runs, its supervised workers and stores, and counters."""
 
-    def __init__(self, workers: list[Any], stores: list[Any], *, detached: bool = False,
-                 namespace: str | None = None) -> None:
-        self.detached = detached
-        self.namespace = namespace
-        self.workers = list(workers)
-        self.stores = list(stores)
+    def __init__(self, workers: ActorPool, stores: ActorPool) -> None:
+        self.workers = workers
+        self.branches = BranchRegistry(stores)
         self.runs: dict[str, _Run] = {}
-        self.location: dict[str, int] = {}  # branch id -> store index; clones live beside their source
+        # Operations, providers and settings by key (a run id, or a Session's turn key),
+        # fetched by workers the first time a call of that key reaches them.
+        self.resources: dict[str, RunResources] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.self_handle = None
-        self.next_worker = 0
         self.loop_lag = 0.0
         self.worker_deaths = 0
-        self.totals = {"runs": 0, "dispatched": 0, "settled": 0, "spawned": 0, "messages": 0}
+        self.told: set[asyncio.Task] = set()
+        self.tell_failures = 0
+        self.totals = {"runs": 0, "dispatched": 0, "settled": 0, "spawned": 0, "messages": 0, "undelivered": 0,
+                       "turns": 0}
         # Executor-wide, monotonic across forget_run: what metrics export as counters.
         self.settled_by_status: dict[str, int] = {}
         self.dropped_spawns_by_reason: dict[str, int] = {}
         self.node_latency: dict[str, LatencyHistogram] = {}  # outcome status -> histogram
 
+    @property
+    def stores(self) -> ActorPool:
+        return self.branches.stores
+
     # -- runs: admitted, reported to, forgotten -----------------------------------------
     async def start_run(self, run_id: str, graph: Any, options: RunOptions) -> None:
         """Validate and start a run; raise the kernel's typed error for a bad graph."""
-        self._bind_loop()
+        self.bind_loop()
         if run_id in self.runs:
-            raise OpGraphError(f"run {run_id} already exists on this executor")
+            raise OpGraphError(f"run {run_id} already exists on this executor", run_id=run_id)
+        if options.isolated:
+            own = f"run-{run_id}-default"
+            options.default_branch_id = own
+            options.clone_source_branch_id = own
         state = FlowState(
             graph,
             run_id=run_id,
@@ -154,21 +171,28 @@ class ExecutorShell:
             node_builder=options.node_builder,
             spawn_type=options.spawn_type,
             default_branch_id=options.default_branch_id,
+            clone_source_branch_id=options.clone_source_branch_id,
             known_branches=set(options.known_branches),
             reducers=options.reducers,
+            retry_policies=options.retry_policies,
             write_back=False,  # this graph is the executor's copy; the driver mirrors the envelope
             progress_signals=options.want_signals,  # queued/started/spawned reach only signal subscribers
         )
         run = _Run(run_id, state, options)
-        self.location.update(options.known_branches)
-        if options.default_branch_id is not None:
-            self.location[options.default_branch_id] = options.default_store_index
         instructions = state.handle(FlowStarted(now=time.time()))  # raises OperationError on a bad graph
+        registry = self.branches
+        if options.branch_scope is not None:
+            registry.adopt(options.branch_scope, (), parent=options.scope_parent)
+        if options.isolated:
+            await registry.create(options.default_branch_id, [], options.branch_scope)
+        lost = await registry.ensure(dict(options.known_branches))
+        run.lost_branches.extend({"branch_id": branch_id, "reason": "its branch store died; recreated empty"}
+                                 for branch_id in lost)
         # Nodes restored as already settled were counted by the run that settled them.
         run.harvested_settled = dict(state.statistics()["settled_by_status"])
         self.runs[run_id] = run
+        self.resources[run_id] = options.resources
         self.totals["runs"] += 1
-        await asyncio.gather(*(w.prepare.remote(run_id, options.resources, self.self_handle) for w in self.workers))
         await self._carry_out(run, instructions)
 
     async def report(self, run_id: str, outcomes: list[Outcome]) -> None:
@@ -198,9 +222,18 @@ class ExecutorShell:
                             "detail": "the owning client left before the run settled"})
         for task in run.tasks:
             task.cancel()
-        for worker in self.workers:
-            worker.forget.remote(run_id)
+        if run.grace_timer is not None:
+            run.grace_timer.cancel()
+        self._fail_waiters(run, None)
+        self.release_resources(run_id)
         return True
+
+    def release_resources(self, key: str) -> None:
+        """Forget ``key``'s resources here and on every live worker."""
+        if self.resources.pop(key, None) is not None:
+            for index, worker in enumerate(self.workers.handles):
+                if self.workers.alive[index]:
+                    self.tell(worker.forget.remote(key), self.workers, index, worker)
 
     def harvest(self, run: _Run, stats: dict[str, Any]) -> None:
         """Fold what ``run`` counted since the last harvest into the executor-wide counters.
@@ -221,10 +254,9 @@ class ExecutorShell:
                 self.settled_by_status[status] = self.settled_by_status.get(status, 0) + new
                 run.harvested_settled[status] = count
 
-    def _bind_loop(self) -> None:
+    def bind_loop(self) -> None:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
-            self.self_handle = ray.get_runtime_context().current_actor
             self._probe_lag(self.loop.time())
 
     def _probe_lag(self, scheduled: float) -> None:
@@ -238,6 +270,23 @@ class ExecutorShell:
         self.loop_lag = max(0.0, now - scheduled)
         self.loop.call_at(now + LAG_PROBE_SECONDS, self._probe_lag, now + LAG_PROBE_SECONDS)
 
+    # -- tells: sent without waiting, but watched -------------------------------------------
+    def tell(self, ref: Any, pool: ActorPool | None = None, index: int = 0, handle: Any = None) -> None:
+        """A remote call nobody waits for; a failure is never lost: an actor death reaches the
+        supervisor (``pool``), anything else is counted in ``statistics()``."""
+        task = self.loop.create_task(self._watch_tell(ref, pool, index, handle))
+        self.told.add(task)
+        task.add_done_callback(self.told.discard)
+
+    async def _watch_tell(self, ref: Any, pool: ActorPool | None, index: int, handle: Any) -> None:
+        try:
+            await ref
+        except Exception as exc:  # noqa: BLE001 - routed to the supervisor, or counted
+            if pool is not None and is_actor_death(exc):
+                pool.mark_dead(index, handle, "a message to it failed")
+            else:
+                self.tell_failures += 1
+
     # -- events in, instructions out ------------------------------------------------------
     async def feed(self, run: _Run, events: list[Any]) -> None:
         """The one entry point for events: handle them, then carry out the instructions."""
@@ -246,11 +295,14 @@ class ExecutorShell:
         try:
             instructions = run.state.handle(*events)
         except OpGraphError as exc:
+            if exc.run_id is None:
+                exc.run_id = run.run_id
             self._fail_run(run, exc)
             return
-        except Exception as exc:  # a scheduler bug: end the run with it, never leave it open
+        except Exception as exc:  # noqa: BLE001 - a scheduler bug: end the run with it, never leave it open
             self._fail_run(run, ExecutionError(
-                f"the scheduler of run {run.run_id} failed on {type(events[0]).__name__}: {type(exc).__name__}: {exc}"))
+                f"the scheduler failed on {type(events[0]).__name__}: {type(exc).__name__}: {exc}",
+                run_id=run.run_id))
             return
         await self._carry_out(run, instructions)
 
@@ -259,6 +311,18 @@ class ExecutorShell:
         run.done.set()
         run.wakeup.set()
         run.finish_watchers()
+        self._fail_waiters(run, exc)
+
+    @staticmethod
+    def _fail_waiters(run: _Run, exc: BaseException | None) -> None:
+        """Injections still waiting for admission get an answer: the run's error, or False."""
+        for waiter in run.inject_waiters.values():
+            if not waiter.done():
+                if exc is None:
+                    waiter.set_result(False)
+                else:
+                    waiter.set_exception(exc)
+        run.inject_waiters.clear()
 
     async def _carry_out(self, run: _Run, instructions: list[Any]) -> None:
         """Turn instructions into messages. Branch work is awaited before dispatch."""
@@ -267,6 +331,9 @@ class ExecutorShell:
         dispatches: list[DispatchOperation] = []
         cancels: list[CancelOperation] = []
         reactive_clones: list[CloneBranch] = []
+        registry = self.branches
+        options = run.options
+        default_shard = registry.shard_of(options.default_branch_id)
         for instruction in instructions:
             kind = type(instruction)
             if kind is DispatchOperation:
@@ -274,11 +341,11 @@ class ExecutorShell:
             elif kind is EmitSignal:
                 self._deliver_signal(run, instruction)
             elif kind is CloneBranch:
-                source = instruction.source if instruction.source is not None else run.options.default_branch_id
-                shard = self.location.get(source, run.options.default_store_index)
-                self.location[instruction.branch_id] = shard
+                source = instruction.source if instruction.source is not None else options.default_branch_id
+                shard = registry.shard_of(source, default_shard)
+                registry.place(instruction.branch_id, shard)
                 clones.setdefault(shard, []).append((source, instruction.branch_id))
-                if run.options.want_signals:
+                if options.want_signals:
                     run.post("branch", (instruction.node_id, instruction.branch_id, instruction.reactive))
                 if instruction.reactive:
                     reactive_clones.append(instruction)
@@ -293,33 +360,23 @@ class ExecutorShell:
                 if waiter is not None and not waiter.done():
                     waiter.set_result(instruction.accepted)
             elif kind is FinishRun:
-                run.envelope = instruction.envelope
-                run.envelope["run_id"] = run.run_id
-                run.envelope["scheduler_messages"] = run.messages
-                run.done.set()
-                run.wakeup.set()
-                run.finish_watchers()
-                for worker in self.workers:
-                    worker.forget.remote(run.run_id)
+                self._finish(run, instruction.envelope)
+        if clones and options.branch_scope is not None:
+            registry.adopt(options.branch_scope, [pair[1] for pairs in clones.values() for pair in pairs])
         for shard, pairs in clones.items():
-            run.pending_branch_refs.append(self.stores[shard].clone_many.remote(pairs))
+            run.pending_branch_work.append(self._clone(run, shard, pairs))
             run.messages += 1
         for replace in replaces:
-            source = replace.source if replace.source is not None else run.options.default_branch_id
-            shard = self.location.get(replace.branch_id, run.options.default_store_index)
-            run.pending_branch_refs.append(self.stores[shard].replace_history.remote(replace.branch_id, source))
+            source = replace.source if replace.source is not None else options.default_branch_id
+            shard = registry.shard_of(replace.branch_id, default_shard)
+            run.pending_branch_work.append(self._replace_history(run, shard, replace.branch_id, source))
             run.messages += 1
-        if reactive_clones and run.options.spawn_branch_setup is not None:
+        if reactive_clones and options.spawn_branch_setup is not None:
             await self._await_branch_work(run)
             for clone in reactive_clones:
                 self._run_spawn_setup(run, clone)
         if cancels:
-            by_worker: dict[int, list[str]] = {}
-            for cancel in cancels:
-                by_worker.setdefault(run.node_worker.get(cancel.node_id, 0), []).append(cancel.node_id)
-            for index, node_ids in by_worker.items():
-                if index < len(self.workers):
-                    self.workers[index].cancel.remote(run.run_id, node_ids)
+            self._cancel_in_flight(run, cancels)
         if dispatches:
             run.pending_dispatch.extend(dispatches)
             if not run.flush_scheduled:
@@ -331,6 +388,42 @@ class ExecutorShell:
                 window = DISPATCH_WINDOW if len(run.state.running) > len(run.pending_dispatch) else 0.0
                 self.loop.call_later(window, self._spawn_task, run, self._flush(run))
 
+    def _finish(self, run: _Run, envelope: dict[str, Any]) -> None:
+        run.envelope = envelope
+        envelope["run_id"] = run.run_id
+        envelope["scheduler_messages"] = run.messages
+        if run.options.isolated:
+            envelope["default_branch"] = run.options.default_branch_id  # the run's own, for reading it back
+        if run.hook_errors:
+            envelope["hook_errors"] = list(run.hook_errors)
+        if run.lost_branches:
+            envelope["lost_branches"] = list(run.lost_branches)
+        if run.grace_timer is not None:
+            run.grace_timer.cancel()
+            run.grace_timer = None
+        run.done.set()
+        run.wakeup.set()
+        run.finish_watchers()
+        self._fail_waiters(run, None)
+        self.release_resources(run.run_id)
+
+    def _cancel_in_flight(self, run: _Run, cancels: list[CancelOperation]) -> None:
+        """Ask the workers to cancel; give the operations ``cancel_grace`` seconds to stop."""
+        by_worker: dict[int, list[str]] = {}
+        for cancel in cancels:
+            by_worker.setdefault(run.node_worker.get(cancel.node_id, 0), []).append(cancel.node_id)
+        for index, node_ids in by_worker.items():
+            if index < len(self.workers) and self.workers.alive[index]:
+                worker = self.workers.handles[index]
+                self.tell(worker.cancel.remote(run.run_id, node_ids), self.workers, index, worker)
+        if run.grace_timer is None:
+            run.grace_timer = self.loop.call_later(run.options.cancel_grace, self._grace_expired, run)
+
+    def _grace_expired(self, run: _Run) -> None:
+        run.grace_timer = None
+        if not run.done.is_set():
+            self._spawn_task(run, self.feed(run, [CancelGraceExpired(now=time.time())]))
+
     async def _flush(self, run: _Run) -> None:
         run.flush_scheduled = False
         dispatches, run.pending_dispatch = run.pending_dispatch, []
@@ -339,21 +432,36 @@ class ExecutorShell:
             self._dispatch(run, dispatches)
 
     async def _await_branch_work(self, run: _Run) -> None:
-        refs, run.pending_branch_refs = run.pending_branch_refs, []
-        if refs:
+        work, run.pending_branch_work = run.pending_branch_work, []
+        if work:
             try:
-                await asyncio.gather(*refs)
-            except Exception as exc:  # a branch store failure fails the run, typed
-                self._fail_run(run, OpGraphError(f"branch store failed: {exc}"))
+                await asyncio.gather(*work)
+            except OpGraphError as exc:  # a store failed for good (its replacement too): the run ends, typed
+                if exc.run_id is None:
+                    exc.run_id = run.run_id
+                self._fail_run(run, exc)
+
+    async def _clone(self, run: _Run, shard: int, pairs: list[tuple[str, str]]) -> None:
+        missing = await self.branches.call(shard, "clone_many", pairs, run_id=run.run_id)
+        if missing:
+            lost = set(missing)
+            run.lost_branches.extend({"branch_id": source, "reason": "its branch store died; clones start empty"}
+                                     for source in sorted(lost))
+
+    async def _replace_history(self, run: _Run, shard: int, branch_id: str, source: str) -> None:
+        if not await self.branches.call(shard, "replace_history", branch_id, source, run_id=run.run_id,
+                                        branch_id=branch_id):
+            run.lost_branches.append({"branch_id": source, "reason": "its branch store died; history not inherited"})
 
     def _run_spawn_setup(self, run: _Run, clone: CloneBranch) -> None:
         child = run.state.graph.nodes[clone.node_id]
-        store = self.stores[self.location.get(clone.branch_id, 0)]
-        handle = _SetupBranch(clone.branch_id, store, run.pending_branch_refs)
+        handle = _SetupBranch(clone.branch_id, self.branches.shard_of(clone.branch_id), self.branches,
+                              run.pending_branch_work, run.run_id)
         try:
             run.options.spawn_branch_setup(child, handle)
-        except Exception as exc:  # user hook: recorded on the run, never a crash
-            run.post("hook_error", {"node_id": clone.node_id, "error": f"{type(exc).__name__}: {exc}"})
+        except Exception as exc:  # noqa: BLE001 - a user hook: reaches the caller in the envelope, never a crash
+            run.hook_errors.append({"hook": "spawn_branch_setup", "node_id": clone.node_id,
+                                    "error": f"{type(exc).__name__}: {exc}"})
 
     def _deliver_signal(self, run: _Run, instruction: EmitSignal) -> None:
         kind = instruction.kind
@@ -370,24 +478,28 @@ class ExecutorShell:
                 if run.options.want_events:
                     run.post("event", event)
                     run.undelivered_events += 1
+        elif kind is NodeCancelled:
+            self.totals["settled"] += 1
         if run.options.want_signals:
             run.post("signal", instruction.signal)
 
+    # -- dispatch ------------------------------------------------------------------------------
     def _dispatch(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
         if run.done.is_set():
             return
-        location, default_store = self.location, run.options.default_store_index
-        calls: list[CallRow] = [(*d, location.get(d.branch_id, default_store)) for d in dispatches]
+        registry, default_shard = self.branches, self.branches.shard_of(run.options.default_branch_id)
+        location = registry.location
+        calls: list[CallRow] = [(*d, location.get(d.branch_id, default_shard)) for d in dispatches]
         self.totals["dispatched"] += len(calls)
-        workers = len(self.workers)
-        per_worker = max(1, min(DISPATCH_BATCH, -(-len(calls) // workers)))
-        for start in range(0, len(calls), per_worker):
-            chunk = calls[start:start + per_worker]
-            index = self.next_worker % workers
-            self.next_worker += 1
-            for call in chunk:
-                run.node_worker[call[0]] = index
-            self._spawn_task(run, self._drive_batch(run, index, chunk))
+        if len(calls) == 1 and len(run.state.running) == 1:
+            # The run's only call in flight (a chain's every link): a plain call answers in
+            # one message, where a stream costs its acknowledgement, item and end.
+            self._spawn_task(run, self._drive_single(run, calls[0]))
+        else:
+            live = max(1, sum(self.workers.alive))
+            per_worker = max(1, min(DISPATCH_BATCH, -(-len(calls) // live)))
+            for start in range(0, len(calls), per_worker):
+                self._spawn_task(run, self._drive_batch(run, calls[start:start + per_worker]))
         if run.options.want_events and run.undelivered_events >= run.options.stream_buffer and not run.state.held:
             self._spawn_task(run, self.feed(run, [DispatchHeld(now=time.time(), held=True)]))
 
@@ -396,31 +508,83 @@ class ExecutorShell:
         run.tasks.add(task)
         task.add_done_callback(run.tasks.discard)
 
-    async def _drive_batch(self, run: _Run, index: int, calls: list[CallRow]) -> None:
-        """Stream one batch's outcomes back as events; a dead worker fails what is left."""
-        worker = self.workers[index]
-        pending = {call[0]: call[1] for call in calls}  # node id -> attempt, until its outcome arrives
+    async def _live_worker(self, run: _Run, calls: list[CallRow]) -> tuple[int, Any] | None:
+        """A live worker for ``calls``; None (the calls failed, typed) when none can come back."""
+        try:
+            return await self.workers.live()
+        except OpGraphError as exc:
+            await self.feed(run, [OperationFinished(now=time.time(), node_id=call[0], attempt=call[1],
+                                                    status="failed", error=exc.message, error_type=WORKER_DIED)
+                                  for call in calls])
+            return None
+
+    async def _drive_single(self, run: _Run, call: CallRow) -> None:
+        """One call, answered in one message. Should its worker die, nothing says whether the
+        call had started, so it counts as in flight (WorkerDied: failed, or retried)."""
+        chosen = await self._live_worker(run, [call])
+        if chosen is None:
+            return
+        index, worker = chosen
+        run.node_worker[call[0]] = index
+        pending = {call[0]: call[1]}
         run.messages += 1
         try:
-            if len(calls) == 1:
-                # One call (a chain's every link): a plain call answers in one message,
-                # where a stream costs its item and its end, ~1 ms more per link here.
-                await self._settle_rows(run, pending, await worker.run_one.remote(run.run_id, calls[0]))
-                return
+            await self._settle_rows(run, pending, await worker.run_one.remote(run.run_id, call))
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
+            await self._batch_failed(run, index, worker, pending, exc, acknowledged=True)
+
+    async def _drive_batch(self, run: _Run, calls: list[CallRow]) -> None:
+        """Stream one batch's outcomes back as events.
+
+        The stream's first item acknowledges that every call started. A worker that dies
+        before it never ran the batch: its calls go back to the kernel as undelivered and
+        run again elsewhere. One that dies after it fails (or retries) what is left.
+        """
+        chosen = await self._live_worker(run, calls)
+        if chosen is None:
+            return
+        index, worker = chosen
+        for call in calls:
+            run.node_worker[call[0]] = index
+        pending = {call[0]: call[1] for call in calls}  # node id -> attempt, until its outcome arrives
+        run.messages += 1
+        acknowledged = False
+        try:
             stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls)
             async for ref in stream:
-                await self._settle_rows(run, pending, await ref)
-        except ray.exceptions.RayActorError as exc:
-            self.worker_deaths += 1
-            await self._fail_pending(run, pending, f"operation worker {index} died: {type(exc).__name__}",
-                                     "WorkerDied")
-            await self._replace_worker(index, worker)
-        except ray.exceptions.RayTaskError as exc:
+                rows = await ref
+                if not acknowledged:
+                    acknowledged = True  # the first item: ACKNOWLEDGED
+                    continue
+                await self._settle_rows(run, pending, rows)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
+            await self._batch_failed(run, index, worker, pending, exc, acknowledged=acknowledged)
+
+    async def _batch_failed(self, run: _Run, index: int, worker: Any, pending: dict[str, int],
+                            exc: BaseException, *, acknowledged: bool) -> None:
+        """A call or stream to worker ``index`` failed: tell the kernel what that means for each call."""
+        if not pending:
+            return
+        now = time.time()
+        name = self.workers.name_of(index)
+        if is_actor_death(exc):
+            if self.workers.mark_dead(index, worker, f"while running run {run.run_id}"):
+                self.worker_deaths += 1
+            if not acknowledged:
+                self.totals["undelivered"] += len(pending)
+                await self.feed(run, [DispatchUndelivered(now, node_id, attempt, f"worker {name} was dead")
+                                      for node_id, attempt in pending.items()])
+                return
+            reason, kind = f"operation worker {name} died while running the operation (run {run.run_id})", WORKER_DIED
+        elif isinstance(exc, ray.exceptions.RayTaskError):
             # The worker is alive but its batch loop raised: a bug, not a death.
-            await self._fail_pending(run, pending, f"operation worker {index} failed: {exc}", "WorkerError")
-        except Exception as exc:  # an outcome that could not be fetched or read (lost, unpicklable)
-            await self._fail_pending(run, pending, f"outcome from operation worker {index} could not be received: "
-                                     f"{type(exc).__name__}: {exc}", "OutcomeLost")
+            reason, kind = clean_text(f"operation worker {name} failed: {exc}"), WORKER_ERROR
+        else:  # an outcome that could not be fetched or read
+            reason, kind = clean_text(f"outcome from operation worker {name} could not be received: "
+                                      f"{type(exc).__name__}: {exc}"), OUTCOME_LOST
+        await self.feed(run, [OperationFinished(now=now, node_id=node_id, attempt=attempt, status="failed",
+                                                error=reason, error_type=kind)
+                              for node_id, attempt in pending.items()])
 
     async def _settle_rows(self, run: _Run, pending: dict[str, int], rows: list[OutcomeRow]) -> None:
         """One worker message of outcome rows: observed, then fed to the run as events."""
@@ -428,28 +592,13 @@ class ExecutorShell:
         histograms = self.node_latency
         for row in rows:
             pending.pop(row[0], None)
+            if row[5] == BRANCH_STORE_LOST:  # a worker met a dead store: have it noticed now
+                self.stores.check(PROBE_TIMEOUT_SECONDS)
             histogram = histograms.get(row[2])
             if histogram is None:
                 histogram = histograms[row[2]] = LatencyHistogram()
             histogram.observe(row[8] - row[7])
         await self.feed(run, [_finished_event(row) for row in rows])
-
-    async def _fail_pending(self, run: _Run, pending: dict[str, int], reason: str, kind: str) -> None:
-        now = time.time()
-        await self.feed(run, [
-            OperationFinished(now=now, node_id=node_id, attempt=attempt, status="failed", error=reason, error_type=kind)
-            for node_id, attempt in pending.items()
-        ])
-
-    async def _replace_worker(self, index: int, dead: Any) -> None:
-        if index < len(self.workers) and self.workers[index] is dead:
-            from .runtime import start_worker  # local: runtime imports the executor, which imports this module
-
-            replacement = start_worker(self.stores, index, namespace=self.namespace, detached=self.detached)
-            self.workers[index] = replacement
-            for run in self.runs.values():
-                if not run.state.finished:
-                    await replacement.prepare.remote(run.run_id, run.options.resources, self.self_handle)
 
     async def _evaluate_conditions(self, run: _Run, instruction: EvaluateConditions) -> None:
         edges = run.state.graph.edges
@@ -461,19 +610,47 @@ class ExecutorShell:
                 if asyncio.iscoroutine(outcome):
                     outcome = await outcome
                 results.append((edge_id, bool(outcome)))
-        except Exception as exc:  # user condition: becomes a failed node, typed
+        except Exception as exc:  # noqa: BLE001 - user condition: becomes a failed node, typed
             error = f"{type(exc).__name__}: {exc}"
         await self.feed(run, [ConditionsEvaluated(now=time.time(), node_id=instruction.node_id,
                                                   results=tuple(results), error=error)])
+
+    # -- supervision hooks ------------------------------------------------------------------------
+    async def store_replaced(self, index: int, handle: Any) -> None:
+        """A branch store was replaced: workers learn the new handle; its branches are lost."""
+        name = self.stores.name_of(index)
+        lost = await self.branches.store_replaced(index)
+        for run in self.runs.values():
+            if not run.state.finished:
+                mine = [b for b in lost if b in run.state.branch.values() or b == run.options.default_branch_id]
+                run.lost_branches.extend({"branch_id": b, "reason": f"branch store {name} died"} for b in mine)
+        updates = []
+        for worker_index, worker in enumerate(self.workers.handles):
+            if self.workers.alive[worker_index]:
+                updates.append(self._update_worker_store(worker_index, worker, index, handle, name))
+        await asyncio.gather(*updates)
+
+    async def _update_worker_store(self, worker_index: int, worker: Any, index: int, handle: Any, name: str) -> None:
+        try:
+            await worker.set_store.remote(index, handle, name)
+        except Exception as exc:  # noqa: BLE001 - a worker that cannot be told is taken for dead if it is
+            if is_actor_death(exc):
+                self.workers.mark_dead(worker_index, worker, "could not be told of a new branch store")
+            else:
+                self.tell_failures += 1
 
 
 class _SetupBranch:
     """The branch handed to ``spawn_branch_setup``: writes are awaited before the child runs."""
 
-    def __init__(self, branch_id: str, store: Any, pending: list[Any]) -> None:
+    def __init__(self, branch_id: str, shard: int, registry: BranchRegistry, pending: list[Any],
+                 run_id: str) -> None:
         self.id = branch_id
-        self._store = store
+        self._shard = shard
+        self._registry = registry
         self._pending = pending
+        self._run_id = run_id
 
     def append(self, *messages: Any) -> None:
-        self._pending.append(self._store.append.remote(self.id, list(messages)))
+        self._pending.append(self._registry.call(self._shard, "append", self.id, list(messages),
+                                                 run_id=self._run_id, branch_id=self.id))

@@ -3,105 +3,77 @@
 Owns the operation boundary. A worker reads the branch, awaits the registered
 operation with its prepared parameters, records the turn, and streams typed outcomes
 back in batches. It never raises for an operation failure: an exception becomes a
-``failed`` outcome with its type and text.
+``failed`` outcome with its type and text, and an outcome that cannot be sent (an
+unpicklable result) fails only its own node.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import pickle
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import ray
-
-from opgraph.kernel import EscalationRequest, ExecutionError, SpawnRequest, extract_requests, to_mapping
+from opgraph.kernel import (
+    EscalationRequest,
+    ExecutionError,
+    SpawnRequest,
+    request_sightings,
+    to_mapping,
+)
 from opgraph.kernel.contracts import PLAIN_TYPES
+from opgraph.kernel.failures import (
+    BRANCH_STORE_LOST,
+    CANCELLED,
+    NOT_REGISTERED,
+    OPERATION_TIMEOUT,
+    UNSERIALISABLE_OUTCOME,
+)
+from ray import cloudpickle
 
+from .errors import BranchStoreLostError, clean_text, translate
+from .memory import current_rss_mib, peak_rss_mib
 from .models import parse_model_id
+from .protocol import ACKNOWLEDGED, CallRow, OutcomeRow, RunResources
+from .settings import tune_garbage_collector
+from .usage import CallUsage, open_usage
 
-__all__ = [
-    "BranchStoreLostError", "CallRow", "OperationWorker", "Outcome", "OutcomeRow", "RegisteredOperation", "RemoteBranch",
-    "RunResources",
-]
+__all__ = ["LiveEmissions", "OperationWorker", "RemoteBranch"]
 
 
 OUTCOME_WINDOW = 0.002  # seconds
 OUTCOME_BATCH = 256  # outcomes per streamed message
-
-# A call travels to a worker, and its outcome travels back, as a plain tuple: a batch of
-# builtin tuples pickles in C, where a dataclass per item cost ~6 us each way in Python
-# reduce and setstate, the largest per-node cost of a 10,000-node fan-out. (DESIGN.md
-# names pydantic models through the kernel's msgpack codec as the wire format; on this
-# per-node path that would cost more still, so these rows are a deliberate exception.)
-#   CallRow:    (node_id, attempt, operation, parameters, branch_id, store_index)
-#   OutcomeRow: (node_id, attempt, status, response, error, error_type, requests, started, finished)
-# ``requests`` is a list of (kind, request, dedupe key, redelivery).
-CallRow = tuple[str, int, str, dict[str, Any], "str | None", int]
-OutcomeRow = tuple[str, int, str, Any, "str | None", "str | None", list, float, float]
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What a worker returns for one call, never an exception; ``row()`` is its wire form."""
-
-    node_id: str
-    attempt: int
-    status: str  # completed | failed | cancelled
-    response: Any = None
-    error: str | None = None
-    error_type: str | None = None
-    requests: list[tuple[str, Any, Any, bool]] = field(default_factory=list)
-    started: float = 0.0
-    finished: float = 0.0
-
-    def row(self) -> OutcomeRow:
-        return (self.node_id, self.attempt, self.status, self.response, self.error, self.error_type,
-                self.requests, self.started, self.finished)
-
-
-@dataclass(slots=True)
-class RunResources:
-    """What a run ships to each worker once: operations, providers and settings."""
-
-    operations: dict[str, Any] = field(default_factory=dict)
-    providers: dict[str, Any] = field(default_factory=dict)
-    settings: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class RegisteredOperation:
-    """A user operation: ``async fn(branch, **parameters)``.
-
-    ``record_turn`` appends the instruction and response to the branch; ``timeout``
-    (seconds) turns a hung call into a failed outcome of type ``OperationTimeout``.
-    """
-
-    fn: Callable[..., Any]
-    record_turn: bool = True
-    timeout: float | None = None
 
 
 class RemoteBranch:
     """The branch handle an operation receives: reads and writes go to the BranchStore.
 
     ``emit(request)`` sends a SpawnRequest or EscalationRequest to the executor while the
-    operation is still running (the record's bus delivery).
+    operation is still running (the record's bus delivery). ``idempotency_key`` is
+    ``(run_id, node_id, attempt)``: the same for one attempt wherever it runs, new for a
+    retry, so an operation with outside effects can make them once per attempt.
     """
 
-    def __init__(self, branch_id: str | None, store: Any, run_id: str, node_id: str,
-                 executor: Any, emitted: list[tuple[str, Any, Any, bool]],
-                 run: RunResources | None = None, live: LiveEmissions | None = None) -> None:
+    def __init__(self, branch_id: str | None, worker: OperationWorker, store_index: int, run_id: str,
+                 node_id: str, attempt: int, executor: Any, emitted: list[tuple[str, Any, Any, bool]],
+                 identities: dict[int, Any], run: RunResources | None = None) -> None:
         self.id = branch_id
-        self._store = store
+        self._worker = worker
+        self._store_index = store_index
         self.run_id = run_id
         self.node_id = node_id
+        self.attempt = attempt
         self._executor = executor
         self._emitted = emitted
+        self._identities = identities
         self._run = run or RunResources()
-        self._live = live
+
+    @property
+    def idempotency_key(self) -> tuple[str, str, int]:
+        return (self.run_id, self.node_id, self.attempt)
 
     @property
     def default_model(self) -> str | None:
@@ -121,23 +93,38 @@ class RemoteBranch:
     async def messages(self) -> list[Any]:
         if self.id is None:
             return []
-        return await _branch_call(self._store.messages.remote(self.id), self.id)
+        return await self._call("messages", self.id)
 
     async def append(self, *messages: Any) -> int:
         if self.id is None:
             return 0
-        return await _branch_call(self._store.append.remote(self.id, list(messages)), self.id)
+        return await self._call("append", self.id, list(messages))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        """A store call, with Ray's errors translated at this boundary."""
+        store, name = self._worker.store(self._store_index)
+        try:
+            return await getattr(store, method).remote(*args)
+        except Exception as exc:  # noqa: BLE001 - translated: a dead store is a typed, per-node failure
+            error = translate(exc, actor=name, run_id=self.run_id, node_id=self.node_id, branch_id=self.id,
+                              doing=f"{method} on the branch")
+            if error is exc:
+                raise
+            raise error from None
 
     def emit(self, request: SpawnRequest | EscalationRequest) -> None:
         kind = "escalation" if isinstance(request, EscalationRequest) else "spawn"
-        key = (self.node_id, id(request))
-        # Keep the object alive (its id is the de-duplication key) and redeliver it with
-        # the outcome, so a late live message can never lose the request.
+        key = self._identities.get(id(request))
+        if key is None:
+            # The object stays alive in ``emitted``, so its id cannot be reused meanwhile.
+            key = self._identities[id(request)] = (self.node_id, self.attempt, len(self._identities))
+        # Redelivered with the outcome as well, so a late live message can never lose it.
         self._emitted.append((kind, request, key, True))
         if self._executor is None:
             return
-        if self._live is None or not self._live.add(self.run_id, self._executor, (self.node_id, kind, request, key)):
-            self._executor.receive_request.remote(self.run_id, self.node_id, kind, request, key)
+        item = (self.node_id, kind, request, key)
+        if not self._worker.live.add(self.run_id, self._executor, item):
+            self._worker.tell(self._executor.receive_request.remote(self.run_id, *item))
 
 
 class LiveEmissions:
@@ -149,7 +136,8 @@ class LiveEmissions:
     (``GraphExecutor.receive_requests``), in emission order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, worker: OperationWorker) -> None:
+        self._worker = worker
         self._pending: dict[str, tuple[Any, list[tuple[str, str, Any, Any]]]] = {}
 
     def add(self, run_id: str, executor: Any, item: tuple[str, str, Any, Any]) -> bool:
@@ -168,34 +156,28 @@ class LiveEmissions:
 
     def _send(self, run_id: str) -> None:
         executor, items = self._pending.pop(run_id)
-        executor.receive_requests.remote(run_id, items)
-
-
-class BranchStoreLostError(ExecutionError):
-    """The BranchStore holding this branch died; its messages cannot be read or written."""
-
-
-async def _branch_call(ref: Any, branch_id: str) -> Any:
-    """Await a store call, translating Ray's errors at this boundary."""
-    try:
-        return await ref
-    except ray.exceptions.RayActorError as exc:
-        raise BranchStoreLostError(f"branch store died: {type(exc).__name__}", branch_id=branch_id) from None
-    except ray.exceptions.RayTaskError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, ExecutionError):
-            raise cause from None
-        raise ExecutionError(f"branch store call failed: {exc}", branch_id=branch_id) from None
+        self._worker.tell(executor.receive_requests.remote(run_id, items))
 
 
 def _collect(done: list[OutcomeRow], wake: asyncio.Event, call: CallRow, task: asyncio.Task) -> None:
     """A call's task finished: queue its outcome row (a task cancelled before it ran yields one too)."""
     if task.cancelled():
         now = time.time()
-        done.append((call[0], call[1], "cancelled", None, "cancelled", "Cancelled", [], now, now))
+        done.append((call[0], call[1], "cancelled", None, "cancelled", CANCELLED, [], now, now))
     else:
         done.append(task.result())
     wake.set()
+
+
+async def _settled(task: asyncio.Task, call: CallRow) -> OutcomeRow:
+    """A call task's outcome row, also when it was cancelled before it started running."""
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.cancelled():
+            raise  # the worker itself is being cancelled, not the call
+        now = time.time()
+        return (call[0], call[1], "cancelled", None, "cancelled", CANCELLED, [], now, now)
 
 
 def _turn_text(response: Any) -> Any:
@@ -208,68 +190,162 @@ def _turn_text(response: Any) -> Any:
 
 @ray.remote
 class OperationWorker:
-    """An async actor; thousands of I/O-bound operations share its event loop."""
+    """An async actor; thousands of I/O-bound operations share its event loop.
 
-    def __init__(self, stores: list[Any], index: int = 0) -> None:
-        from .executor import tune_garbage_collector  # local: executor imports this module
+    ``executor`` is the GraphExecutor that supervises it: the worker fetches a run's
+    resources from it the first time a call of that run arrives, and sends live
+    emissions to it.
+    """
 
+    def __init__(self, index: int = 0, stores: list[Any] | None = None, store_names: list[str] | None = None,
+                 executor: Any = None, name: str = "") -> None:
         tune_garbage_collector()
-        self.stores = stores
         self.index = index
-        self.runs: dict[str, RunResources] = {}
-        # run id -> the executor that owns it, for live emissions. Sent once with
-        # ``prepare``: an actor handle in every batch cost a deserialisation per batch.
-        self.executors: dict[str, Any] = {}
+        self.name = name or f"opgraph-worker-{index}"
+        self.stores = list(stores or [])
+        self.store_names = list(store_names or [f"opgraph-branches-{i}" for i in range(len(self.stores))])
+        self.executor = executor
+        self.resources: dict[str, RunResources] = {}
+        self._fetching: dict[str, asyncio.Future] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
-        self.live = LiveEmissions()
+        # Cancels that arrived before their call did (it was still fetching resources, or
+        # in transit): the call is cancelled as soon as it arrives.
+        self.cancelled_early: dict[str, set[str]] = {}
+        self.live = LiveEmissions(self)
+        self.told: set[Any] = set()
+        self.tell_failures = 0
+        self.loop: asyncio.AbstractEventLoop | None = None  # the actor's loop, for tells from threads
         self.executed = 0
         self.failed = 0
         self.in_flight = 0
         self.peak_in_flight = 0
 
     async def ping(self) -> int:
+        self.loop = asyncio.get_running_loop()
         return self.index
 
-    async def prepare(self, run_id: str, resources: RunResources, executor: Any = None) -> int:
-        """Load a run's operations, providers and settings (shipped once per run by cloudpickle).
+    # -- what the executor tells it ----------------------------------------------------
+    async def set_store(self, index: int, store: Any, name: str) -> None:
+        """A branch store was replaced: later calls use the new one."""
+        while len(self.stores) <= index:
+            self.stores.append(None)
+            self.store_names.append("")
+        self.stores[index] = store
+        self.store_names[index] = name
 
-        ``executor`` is the run's owner, which receives what operations ``emit``.
-        """
-        self.runs[run_id] = resources
-        self.executors[run_id] = executor
-        return len(resources.operations)
-
-    async def forget(self, run_id: str) -> None:
-        self.runs.pop(run_id, None)
-        self.executors.pop(run_id, None)
+    async def forget(self, key: str) -> None:
+        self.resources.pop(key, None)
+        self.cancelled_early.pop(key, None)
 
     async def cancel(self, run_id: str, node_ids: list[str]) -> int:
         cancelled = 0
         for node_id in node_ids:
             task = self.tasks.get((run_id, node_id))
-            if task is not None and not task.done():
+            if task is None:
+                self.cancelled_early.setdefault(run_id, set()).add(node_id)
+            elif not task.done():
                 task.cancel()
                 cancelled += 1
         return cancelled
 
+    def _start_call(self, run_id: str, call: CallRow, resources: RunResources,
+                    usage: dict[str, Any] | None = None) -> asyncio.Task:
+        """The call's task, registered for ``cancel``; cancelled at once if its cancel came first."""
+        task = asyncio.ensure_future(_execute(self, run_id, call, resources, usage=usage))
+        self.tasks[(run_id, call[0])] = task
+        early = self.cancelled_early.get(run_id)
+        if early and call[0] in early:
+            early.discard(call[0])
+            task.cancel()
+        return task
+
+    def store(self, index: int) -> tuple[Any, str]:
+        if index >= len(self.stores) or self.stores[index] is None:
+            raise ExecutionError(f"this worker knows no branch store {index}", actor=self.name)
+        return self.stores[index], self.store_names[index]
+
+    def tell(self, ref: Any) -> None:
+        """Send and do not wait, but watch: a failed tell is counted, never silently lost.
+
+        Live emissions are also carried in the outcome, so a lost one costs nothing; the
+        count shows in ``statistics()``.
+        """
+        self.told.add(ref)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # an operation emitting from a thread: watch it on the actor's loop
+            if self.loop is None:
+                raise ExecutionError("a message sent from a thread before the worker's loop was known",
+                                     actor=self.name) from None
+            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._watch_tell(ref)))
+            return
+        asyncio.ensure_future(self._watch_tell(ref))
+
+    async def _watch_tell(self, ref: Any) -> None:
+        try:
+            await ref
+        except Exception:  # noqa: BLE001 - counted; the outcome redelivers what the tell carried
+            self.tell_failures += 1
+        finally:
+            self.told.discard(ref)
+
+    # -- resources, fetched once per run ------------------------------------------------
+    async def _resources_for(self, key: str) -> RunResources:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        resources = self.resources.get(key)
+        if resources is not None:
+            return resources
+        fetching = self._fetching.get(key)
+        if fetching is None:
+            fetching = self._fetching[key] = asyncio.ensure_future(self._fetch(key))
+        return await asyncio.shield(fetching)
+
+    async def _fetch(self, key: str) -> RunResources:
+        try:
+            if self.executor is None:
+                return RunResources()
+            try:
+                resources = await self.executor.resources.remote(key)
+            except Exception as exc:  # noqa: BLE001 - translated; every call of the run then fails typed
+                raise translate(exc, actor="executor", run_id=key, doing="fetching the run's operations") from None
+            self.resources[key] = resources
+            return resources
+        finally:
+            self._fetching.pop(key, None)
+
+    # -- calls -------------------------------------------------------------------------------
     async def run_one(self, run_id: str, call: CallRow) -> list[OutcomeRow]:
         """Run a single call and answer with its outcome row (a plain call, not a stream).
 
-        The batch loop with one call: its outcome is the whole batch, so no window waits.
+        Used for a run's only call in flight (a chain's every link), where a stream's
+        extra messages would cost about a millisecond per link.
         """
-        return [row async for batch in self.run_batch(run_id, [call]) for row in batch]
+        resources = await self._resources_or_failure(run_id, [call])
+        if isinstance(resources, list):
+            return resources
+        task = self._start_call(run_id, call, resources)
+        try:
+            return [await _settled(task, call)]
+        finally:
+            self.tasks.pop((run_id, call[0]), None)
 
     async def run_batch(self, run_id: str, calls: list[CallRow]):
-        """Run calls concurrently; yield lists of outcome rows as they finish (a streaming generator)."""
-        resources = self.runs.get(run_id) or RunResources()
-        executor = self.executors.get(run_id)
+        """Run calls concurrently; yield lists of outcome rows as they finish (a streaming generator).
+
+        The first item is ``ACKNOWLEDGED``: every call has started. Should the worker die
+        before that item is out, the executor knows none of them ran.
+        """
+        yield ACKNOWLEDGED
+        resources = await self._resources_or_failure(run_id, calls)
+        if isinstance(resources, list):
+            yield resources
+            return
         done: list[OutcomeRow] = []
         wake = asyncio.Event()
         tasks = self.tasks
         for call in calls:
-            task = asyncio.ensure_future(_execute(self, run_id, call, resources, executor))
-            tasks[(run_id, call[0])] = task
-            task.add_done_callback(partial(_collect, done, wake, call))
+            self._start_call(run_id, call, resources).add_done_callback(partial(_collect, done, wake, call))
         remaining = len(calls)
         while remaining:
             if not done:
@@ -285,19 +361,45 @@ class OperationWorker:
                 tasks.pop((run_id, row[0]), None)
             yield batch
 
-    async def statistics(self) -> dict[str, Any]:
-        import resource  # local: only statistics reads process memory
+    async def run_turn(self, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any]]:
+        """One call outside any graph (``Session.turn``): its outcome row and its token usage."""
+        resources = await self._resources_or_failure(key, [call])
+        if isinstance(resources, list):
+            return resources[0], CallUsage().as_dict()
+        usage: dict[str, Any] = {}
+        task = self._start_call(key, call, resources, usage)
+        try:
+            row = await _settled(task, call)
+        finally:
+            self.tasks.pop((key, call[0]), None)
+        return row, usage
 
-        from .providers.limits import latency_totals, usage_totals  # local: providers import httpx lazily
+    async def _resources_or_failure(self, run_id: str, calls: list[CallRow]) -> RunResources | list[OutcomeRow]:
+        try:
+            return await self._resources_for(run_id)
+        except Exception as exc:  # noqa: BLE001 - every call fails with it, typed; the worker goes on
+            now = time.time()
+            text = clean_text(str(exc))
+            return [(call[0], call[1], "failed", None, text, type(exc).__name__, [], now, now) for call in calls]
+
+    async def statistics(self) -> dict[str, Any]:
+        from .providers.limits import (  # local: providers import httpx lazily
+            latency_totals,
+            usage_totals,
+        )
 
         return {
             "index": self.index,
+            "name": self.name,
+            "pid": os.getpid(),
             "in_flight": self.in_flight,
             "peak_in_flight": self.peak_in_flight,
             "executed": self.executed,
             "failed": self.failed,
-            "runs": len(self.runs),
-            "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "runs": len(self.resources),
+            "tell_failures": self.tell_failures,
+            "max_rss_mib": peak_rss_mib(),
+            "rss_mib": current_rss_mib(),
             # Model calls run in this process, so its totals are this worker's provider usage.
             "providers": usage_totals(),
             "provider_latency": latency_totals(),
@@ -305,25 +407,27 @@ class OperationWorker:
 
 
 async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resources: RunResources,
-                   executor: Any) -> OutcomeRow:
+                   usage: dict[str, Any] | None = None) -> OutcomeRow:
     """Run one call to its outcome row. A function, not a method: Ray wraps every method of
     an actor class in a tracing shim, a cost per call this path (once per node) need not pay.
     """
     node_id, attempt, operation, parameters, branch_id, store_index = call
     started = time.time()
     emitted: list[tuple[str, Any, Any, bool]] = []
+    identities: dict[int, Any] = {}
     worker.in_flight += 1
     if worker.in_flight > worker.peak_in_flight:
         worker.peak_in_flight = worker.in_flight
+    tally = open_usage() if usage is not None else None
     try:
         registered = resources.operations.get(operation)
         if registered is None:
             known = ", ".join(sorted(resources.operations)) or "none"
             return (node_id, attempt, "failed", None,
-                    f"operation {operation!r} is not registered (known: {known})", "OperationError", [],
+                    f"operation {operation!r} is not registered (known: {known})", NOT_REGISTERED, [],
                     started, time.time())
-        store = worker.stores[store_index] if worker.stores else None
-        branch = RemoteBranch(branch_id, store, run_id, node_id, executor, emitted, resources, worker.live)
+        branch = RemoteBranch(branch_id, worker, store_index, run_id, node_id, attempt,
+                              worker.executor, emitted, identities, resources)
         if registered.timeout is None:
             response = await registered.fn(branch, **parameters)
         else:
@@ -332,27 +436,82 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
             except asyncio.TimeoutError:
                 worker.failed += 1
                 return (node_id, attempt, "failed", None,
-                        f"operation {operation!r} exceeded its {registered.timeout} s timeout", "OperationTimeout",
+                        f"operation {operation!r} exceeded its {registered.timeout} s timeout", OPERATION_TIMEOUT,
                         list(emitted), started, time.time())
-        if registered.record_turn and branch_id is not None and store is not None:
+        if registered.record_turn and branch_id is not None:
             turn = [{"role": "user", "content": parameters.get("instruction", "")},
                     {"role": "assistant", "content": _turn_text(response)}]
-            await _branch_call(store.append.remote(branch_id, turn), branch_id)
+            await branch.append(*turn)
         requests = list(emitted)
         if type(response) not in PLAIN_TYPES:  # nothing to walk
-            for found in extract_requests(response, (SpawnRequest, EscalationRequest)):
+            kinds = (resources.spawn_type or SpawnRequest, EscalationRequest)
+            for found, _ in request_sightings(response, kinds):
                 kind = "escalation" if isinstance(found, EscalationRequest) else "spawn"
-                # The same object as a live emission shares its key: a true second
-                # sighting, which the scheduler records as a duplicate.
-                requests.append((kind, found, (node_id, id(found)), False))
+                # The same object keeps one key, whether sent live or seen again here: a true
+                # second sighting, which the scheduler records as a duplicate (ADR-0023 D6).
+                key = identities.get(id(found))
+                if key is None:
+                    key = identities[id(found)] = (node_id, attempt, len(identities))
+                requests.append((kind, found, key, False))
+            problem = _unserialisable(response, requests)
+            if problem is not None:
+                worker.failed += 1
+                return (node_id, attempt, "failed", None, f"node {node_id}: {problem}", UNSERIALISABLE_OUTCOME,
+                        [], started, time.time())
+        elif emitted and (problem := _unserialisable(None, requests)) is not None:
+            worker.failed += 1
+            return (node_id, attempt, "failed", None, f"node {node_id}: {problem}", UNSERIALISABLE_OUTCOME,
+                    [], started, time.time())
         worker.executed += 1
         return (node_id, attempt, "completed", response, None, None, requests, started, time.time())
     except asyncio.CancelledError:
-        return (node_id, attempt, "cancelled", None, "cancelled", "Cancelled", list(emitted), started, time.time())
+        return (node_id, attempt, "cancelled", None, "cancelled", CANCELLED, _sendable(emitted), started, time.time())
+    except BranchStoreLostError as exc:
+        worker.failed += 1
+        return (node_id, attempt, "failed", None, str(exc), BRANCH_STORE_LOST, _sendable(emitted), started,
+                time.time())
     except Exception as exc:  # an operation failure is an outcome, never a raise
         worker.failed += 1
-        return (node_id, attempt, "failed", None, str(exc) or type(exc).__name__, type(exc).__name__,
-                list(emitted), started, time.time())
+        return (node_id, attempt, "failed", None, clean_text(str(exc) or type(exc).__name__), type(exc).__name__,
+                _sendable(emitted), started, time.time())
     finally:
         worker.in_flight -= 1
+        if tally is not None:
+            usage.update(tally.as_dict())
+
+
+def _unserialisable(response: Any, requests: list[tuple[str, Any, Any, bool]]) -> str | None:
+    """Why this outcome cannot travel to the executor, or None when it can.
+
+    Checked here, per node, because Ray pickles a whole batch of outcomes at once: one
+    result that will not pickle used to fail every node of its batch.
+    """
+    problem = _pickling_problem(response)
+    if problem is not None:
+        return f"its result ({type(response).__name__}) cannot be serialised: {problem}"
+    for kind, request, _, _ in requests:
+        problem = _pickling_problem(request)
+        if problem is not None:
+            return f"a {kind} request it emitted ({type(request).__name__}) cannot be serialised: {problem}"
+    return None
+
+
+def _pickling_problem(value: Any) -> str | None:
+    """None when Ray can ship ``value``: plain pickle first (C, fast), cloudpickle for what it
+    alone handles (local classes, lambdas)."""
+    try:
+        pickle.dumps(value, protocol=5)
+    except Exception:  # noqa: BLE001 - not picklable by value: cloudpickle may still manage
+        try:
+            cloudpickle.dumps(value)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is the answer
+            return clean_text(f"{type(exc).__name__}: {exc}", 300)
+    return None
+
+
+def _sendable(emitted: list[tuple[str, Any, Any, bool]]) -> list[tuple[str, Any, Any, bool]]:
+    """The emissions of a failed or cancelled call that can travel (those that cannot are left out)."""
+    if not emitted:
+        return []
+    return [item for item in emitted if _unserialisable(None, [item]) is None]
 

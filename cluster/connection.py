@@ -49,9 +49,6 @@ class RuntimeStartError(OpGraphError):
         super().__init__(message)
         self.address = address
 
-    def __reduce__(self):
-        return (_rebuild, (type(self), self.message, self.address, None))
-
 
 class ClusterUnreachableError(RuntimeStartError):
     """The address did not answer as a Ray cluster; ``tried`` says what was tried and what came back."""
@@ -60,18 +57,9 @@ class ClusterUnreachableError(RuntimeStartError):
         super().__init__(message, address=address)
         self.tried = tried
 
-    def __reduce__(self):
-        return (_rebuild, (type(self), self.message, self.address, self.tried))
-
 
 class ClusterAuthenticationError(ClusterUnreachableError):
     """The cluster uses token authentication and refused this process's token (or its lack of one)."""
-
-
-def _rebuild(cls, message, address, tried):
-    if tried is None and not issubclass(cls, ClusterUnreachableError):
-        return cls(message, address=address)
-    return cls(message, address=address, tried=tried)
 
 
 @dataclass(frozen=True, slots=True)

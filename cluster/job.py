@@ -154,7 +154,7 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
               f"{'detached' if detached else 'job-owned'} actors)", flush=True)
         progress = ProgressLog(len(graph.nodes), interval=arguments.progress_interval)
         envelope = await session.flow(graph, max_concurrent=arguments.max_concurrent, on_progress=progress,
-                                      run_id=run_id)
+                                      run_id=run_id, isolated=True)
         progress.close(envelope)
         return envelope, time.monotonic() - progress.started_at
     finally:
@@ -166,6 +166,8 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
             if await asyncio.to_thread(metrics.linger, linger):
                 print("metrics: scraped once more after the run; closing", flush=True)
             metrics.stop()
+        # A detached runtime outlives this job: leave none of the job's branches in it.
+        await session.aclose()
         ray.shutdown()
 
 

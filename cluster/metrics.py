@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from opgraph.actors import Runtime, connect
+from opgraph.actors import Runtime, connect, find_executors
 from opgraph.actors.histogram import LatencyHistogram
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 
@@ -34,11 +34,6 @@ SCRAPE_TIMEOUT = 2.0  # seconds one scrape waits for all actors' snapshots toget
 # default 15 s scrape interval, and the shipped config's 5 s.
 DEFAULT_LINGER = 30.0
 
-# The actor names runtime.py gives each namespace's shared actors.
-_EXECUTOR_NAME = "opgraph-executor-0"
-_WORKER_NAME = "opgraph-worker-{}"
-_STORE_NAME = "opgraph-branches-{}"
-_MAX_DISCOVERED = 1024  # bounds the by-name search for workers and store shards
 
 # Label values every scrape carries, at 0 until something happens: Prometheus's rate()
 # cannot see the increase that creates a series, so a series born at N loses N.
@@ -104,16 +99,14 @@ class RuntimeCollector(Collector):
         return readings
 
     def _refresh(self, component: str, index: int) -> None:
-        """A dead worker is replaced by the executor under the same name; find the new one."""
-        if component != "worker":
-            return
+        """A dead worker or store is replaced by the executor: read its current handles."""
         try:
-            replacement = ray.get_actor(_WORKER_NAME.format(index))
-        except ValueError:
-            return  # not replaced (yet): the next scrape tries again
+            pool = ray.get(self.runtime.executor.pool.remote(), timeout=self.timeout)
+        except ray.exceptions.RayError:
+            return  # the executor itself is down: reported as up 0; the next scrape tries again
         with self._lock:
-            if index < len(self.runtime.workers):
-                self.runtime.workers[index] = replacement
+            self.runtime.workers[:] = pool["workers"]
+            self.runtime.stores[:] = pool["stores"]
 
     # -- translation --------------------------------------------------------------------
     def collect(self) -> Iterator[Metric]:
@@ -345,22 +338,17 @@ def serve_metrics(session_or_runtime: Any, port: int = DEFAULT_PORT, host: str =
 
 
 def find_runtime() -> Runtime | None:
-    """The shared actors of the current Ray namespace, looked up by name; None without an executor."""
-    try:
-        executor = ray.get_actor(_EXECUTOR_NAME)
-    except ValueError:
+    """The runtime of the current Ray namespace (its newest executor and that executor's
+    workers and stores); None without an executor."""
+    executors = find_executors(ray.get_runtime_context().namespace)
+    if not executors:
         return None
-    return Runtime(executor=executor, workers=_named(_WORKER_NAME), stores=_named(_STORE_NAME))
-
-
-def _named(pattern: str) -> list[Any]:
-    handles = []
-    for index in range(_MAX_DISCOVERED):
-        try:
-            handles.append(ray.get_actor(pattern.format(index)))
-        except ValueError:
-            break
-    return handles
+    _, executor = max(executors, key=lambda found: found[0])  # the newest generation's name sorts last
+    try:
+        pool = ray.get(executor.pool.remote(), timeout=30)
+    except ray.exceptions.RayError:
+        return None
+    return Runtime(executor=executor, workers=list(pool["workers"]), stores=list(pool["stores"]))
 
 
 def serve(address: str | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,

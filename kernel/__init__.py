@@ -15,6 +15,8 @@ from .contracts import (
     TaskAssignment,
     default_node_builder,
     extract_requests,
+    request_problem,
+    request_sightings,
     role_node_builder,
 )
 from .errors import (
@@ -31,12 +33,14 @@ from .errors import (
 )
 from .events import (
     AdmissionDecided,
+    CancelGraceExpired,
     CancelOperation,
     CancelRequested,
     CloneBranch,
     ConditionsEvaluated,
     DispatchHeld,
     DispatchOperation,
+    DispatchUndelivered,
     EmitSignal,
     EscalationRequested,
     EvaluateConditions,
@@ -50,6 +54,7 @@ from .events import (
     ResumeRequested,
     SpawnRequested,
 )
+from .failures import FAILURE_KINDS, RETRYABLE_KINDS, RetryPolicy
 from .graph import BRANCH_OPERATIONS, Edge, EdgeCondition, Graph, Operation, create_operation
 from .patterns import build_dag_graph, build_fanout_graph, normalise_dependency_ordinals
 from .results import FlowEvent
@@ -57,6 +62,7 @@ from .scheduler import DEFAULT_MAX_CONCURRENCY, TRANSITIONS, FlowState
 from .signals import (
     NODE_PROGRESS_KINDS,
     SIGNAL_SCHEMA_VERSION,
+    NodeCancelled,
     NodeCompleted,
     NodeEscalated,
     NodeFailed,
@@ -81,6 +87,7 @@ __all__ = [
     "AdmissionDecided",
     "BRANCH_OPERATIONS",
     "CODEC_SCHEMA_VERSION",
+    "CancelGraceExpired",
     "CancelOperation",
     "CancelRequested",
     "CloneBranch",
@@ -89,6 +96,7 @@ __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DispatchHeld",
     "DispatchOperation",
+    "DispatchUndelivered",
     "Edge",
     "EdgeCondition",
     "EdgeConditionError",
@@ -98,6 +106,7 @@ __all__ = [
     "EvaluateConditions",
     "ExecutionError",
     "ExpansionStrategy",
+    "FAILURE_KINDS",
     "FinishRun",
     "FlowEvent",
     "FlowStarted",
@@ -107,6 +116,7 @@ __all__ = [
     "InjectRequested",
     "InvariantViolation",
     "NODE_PROGRESS_KINDS",
+    "NodeCancelled",
     "NodeCompleted",
     "NodeEscalated",
     "NodeFailed",
@@ -122,8 +132,10 @@ __all__ = [
     "OperationGraphBuilder",
     "OperatorMessageReceived",
     "PauseRequested",
+    "RETRYABLE_KINDS",
     "ReplaceHistory",
     "ResumeRequested",
+    "RetryPolicy",
     "RoutingError",
     "SIGNAL_SCHEMA_VERSION",
     "SPAWN_ALLOWED_OPERATIONS",
@@ -145,6 +157,8 @@ __all__ = [
     "normalise_dependency_ordinals",
     "register_condition",
     "register_model",
+    "request_problem",
+    "request_sightings",
     "render_operator_messages",
     "role_node_builder",
     "to_mapping",

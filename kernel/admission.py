@@ -13,8 +13,10 @@ from pydantic import BaseModel
 
 from . import events as ev
 from . import signals as sig
+from .contracts import EscalationRequest, request_problem
 from .events import new_record as _new_record
 from .graph import Operation
+from .states import TERMINAL
 
 __all__ = ["BUILDER_ERROR_CHARS", "SPAWN_INSTRUCTION_CHARS", "ReactiveAdmission"]
 
@@ -30,7 +32,11 @@ class ReactiveAdmission:
             return
         request, emitter_id = event.request, event.emitter_id
         emitter = self.graph.nodes.get(emitter_id) if emitter_id else None
-        assignee = getattr(request, "assignee", None)
+        problem = request_problem(request, self.spawn_type)
+        if problem is not None:  # never routed, never admitted, and the run goes on
+            self._drop("invalid_request", None, emitter_id, error=problem)
+            return
+        assignee = _attribute(request, "assignee")
         if self._is_duplicate_request(event):
             if not event.redelivery:
                 self._drop("duplicate", assignee, emitter_id)
@@ -43,13 +49,17 @@ class ReactiveAdmission:
         if child is None:
             self._drop("null_child", assignee, emitter_id)
             return
-        independent = bool(getattr(request, "independent", False))
+        independent = bool(_attribute(request, "independent"))
         self._accept(child, None if independent or emitter is None else emitter_id, emitter_id, assignee, independent)
 
     def _on_escalation(self, event: ev.EscalationRequested) -> None:
         if not self.reactive or self.finished or self.cancelling:
             return
         request = event.request
+        problem = request_problem(request, EscalationRequest)
+        if problem is not None:
+            self._drop("invalid_request", None, event.emitter_id, error=problem)
+            return
         if self._is_duplicate_request(event):
             if not event.redelivery:
                 self._drop("duplicate", None, event.emitter_id)
@@ -58,13 +68,13 @@ class ReactiveAdmission:
         if emitter is not None:
             self.escalated_operations.append(emitter.id)
         child_id = None
-        if getattr(request, "route", None) == "higher_tier" and emitter is not None:
+        if _attribute(request, "route") == "higher_tier" and emitter is not None:
             parameters = dict(emitter.parameters)
             parameters.pop("context", None)
             original = parameters.get("instruction", "")
             parameters["instruction"] = (
                 f"[ESCALATION] The previous attempt escalated this task to a higher tier. "
-                f"Reason: {getattr(request, 'reason', '')}\n\n{original}"
+                f"Reason: {_attribute(request, 'reason') or ''}\n\n{original}"
             )
             child = Operation(operation=emitter.operation, parameters=parameters)
             child.metadata["escalated_from"] = emitter.id
@@ -76,8 +86,8 @@ class ReactiveAdmission:
                 fields={
                     "run_id": self.run_id,
                     "op_id": event.emitter_id or "",
-                    "route": _text(getattr(request, "route", ""), SPAWN_INSTRUCTION_CHARS),
-                    "reason": _text(getattr(request, "reason", ""), SPAWN_INSTRUCTION_CHARS),
+                    "route": _text(_attribute(request, "route") or "", SPAWN_INSTRUCTION_CHARS),
+                    "reason": _text(_attribute(request, "reason") or "", SPAWN_INSTRUCTION_CHARS),
                     "child_id": child_id,
                 },
             )
@@ -169,14 +179,22 @@ class ReactiveAdmission:
             self._children[emitter_id] = count + 1
             ranks[child_id] = (*emitter_rank, count)
 
-        # Its own branch, cloned from a known branch it names, else its parent's.
-        branch_id, default_branch = child.branch_id, self.default_branch_id
+        if child.status in TERMINAL:
+            # Injected already settled: it short-circuits like a restored node (ADR-0023
+            # D5, which D6's injections share) and is never invoked.
+            self._restore(child)
+            self._release_dependents(child_id)
+            return True
+
+        # Its own branch (ADR-0023 D6), cloned from a known branch it names, else from its
+        # emitter's for a dependent spawn, else from the session's default branch.
+        branch_id = child.branch_id
         if self._branch_is_known(branch_id):
             source = branch_id
         elif after is not None:
-            source = self.branch.get(after, default_branch)
+            source = self.branch.get(after, self.default_branch_id)
         else:
-            source = default_branch
+            source = self.clone_source_branch_id
         self._clone_branch(child_id, source, reactive=True)
         out, record, signal = self._out.append, _new_record, ev.EmitSignal
         if self.progress_signals:
@@ -194,6 +212,14 @@ class ReactiveAdmission:
         if unsettled == 0:
             self._gate(child_id)
         return True
+
+
+def _attribute(value: Any, name: str) -> Any:
+    """``getattr(value, name, None)`` for a user object whose attribute may raise: None then."""
+    try:
+        return getattr(value, name, None)
+    except Exception:  # noqa: BLE001 - user code behind the attribute; the request was validated already
+        return None
 
 
 def _text(value: Any, limit: int) -> str:

@@ -49,6 +49,7 @@ for _model in (
     signals.NodeCompleted,
     signals.NodeFailed,
     signals.NodeSkipped,
+    signals.NodeCancelled,
     signals.NodePaused,
     signals.NodeSpawned,
     signals.NodeEscalated,

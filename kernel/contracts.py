@@ -17,6 +17,7 @@ from .errors import OperationError, RoutingError
 from .graph import Operation, _plain_operation, create_operation
 
 __all__ = [
+    "MAX_REQUEST_TEXT",
     "PLAIN_TYPES",
     "SPAWN_ALLOWED_OPERATIONS",
     "SPAWN_EXTRACTION_DEPTH",
@@ -25,11 +26,16 @@ __all__ = [
     "TaskAssignment",
     "default_node_builder",
     "extract_requests",
+    "request_problem",
+    "request_sightings",
     "role_node_builder",
 ]
 
 SPAWN_ALLOWED_OPERATIONS: frozenset[str] = frozenset({"operate", "chat", "communicate", "ReAct"})
 SPAWN_EXTRACTION_DEPTH = 4
+# The longest text a request field may carry: an instruction is a task for one node, and
+# a request travels through the scheduler, signals and the run log.
+MAX_REQUEST_TEXT = 32_768
 # Plain values: one holds no request object (``extract_requests`` need not walk it) and
 # no context update, and is handed on as it is, never copied or converted.
 PLAIN_TYPES: frozenset[type] = frozenset({str, int, float, bool, type(None), bytes})
@@ -103,6 +109,71 @@ def extract_requests(
 
     walk(value, 0)
     return found
+
+
+def request_sightings(
+    value: Any,
+    kinds: tuple[type, ...] = (SpawnRequest, EscalationRequest),
+    *,
+    max_depth: int = SPAWN_EXTRACTION_DEPTH,
+) -> list[tuple[Any, int]]:
+    """Every sighting of a request object in ``value``, walked as ``extract_requests`` walks.
+
+    Each sighting comes with the ordinal of its object's first sighting, so the same
+    object seen twice yields the same ordinal twice: the scheduler admits it once and
+    records the second as a ``duplicate`` (ADR-0023 D6). The ordinal, not ``id()``, goes
+    into the de-duplication key, so the key means the same after a restart.
+    """
+    sightings: list[tuple[Any, int]] = []
+    ordinals: dict[int, int] = {}
+
+    def walk(item: Any, depth: int) -> None:
+        if isinstance(item, kinds):
+            ordinal = ordinals.setdefault(id(item), len(ordinals))
+            sightings.append((item, ordinal))
+            return
+        if depth >= max_depth:
+            return
+        if isinstance(item, (list, tuple)):
+            children = item
+        elif isinstance(item, Mapping):
+            children = item.values()
+        elif isinstance(item, BaseModel):
+            children = [getattr(item, name) for name in type(item).model_fields]
+        else:
+            return
+        for child in children:
+            walk(child, depth + 1)
+
+    walk(value, 0)
+    return sightings
+
+
+def request_problem(request: Any, kind: type) -> str | None:
+    """Why ``request`` cannot be admitted as a ``kind``, or None when it can.
+
+    A request built with ``model_construct`` skips validation, so fields arrive as
+    they were set: an instruction of ``None``, or a megabyte of text. Requests are
+    validated again here, before routing, and text fields are bounded by
+    ``MAX_REQUEST_TEXT``. Reading a field may run user code (a property), so any
+    error becomes the problem text rather than an escape.
+    """
+    try:
+        if not isinstance(request, kind):
+            return f"expected a {kind.__name__}, got {type(request).__name__}"
+        if isinstance(request, BaseModel):
+            fields = {name: getattr(request, name) for name in type(request).model_fields}
+            type(request).model_validate(fields)
+            for name, field_value in fields.items():
+                if isinstance(field_value, str) and len(field_value) > MAX_REQUEST_TEXT:
+                    return f"field {name!r} holds {len(field_value):,} characters (at most {MAX_REQUEST_TEXT:,})"
+        return None
+    except Exception as exc:  # noqa: BLE001 - user request objects: any failure is the problem found
+        try:
+            text = str(exc)
+        except Exception:  # noqa: BLE001 - an exception that cannot even be shown
+            text = "<unprintable>"
+        return f"{type(exc).__name__}: {text}"[:500]
 
 
 def default_node_builder(request: SpawnRequest, emitter: Operation | None) -> Operation:

@@ -1,19 +1,55 @@
-"""The one exception tree of opgraph; every error says which node, branch or edge it concerns.
+"""The one exception tree of opgraph, drawn here for every layer; each error says what it concerns.
 
-Owns the typed errors raised by every layer. Foreign errors (Ray, httpx, SDKs) are
-translated into these at the boundary, so callers never catch a foreign type::
+Owns the root error and the kernel's own errors, and draws every ``OpGraphError``
+subclass of every layer below (a test walks them all and checks each is drawn and
+pickles with its ids). Foreign errors (Ray, httpx, SDKs) are translated into these at
+the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
+``edge_id``, ``run_id`` and ``actor`` name what an error concerns::
 
     OpGraphError
-    ├── OperationError            graph/operation contract violations (ADR-0023 D1/D2)
-    │   ├── GraphCycleError       the graph (or a mutation) would contain a cycle
-    │   ├── EdgeConditionError    an edge condition is invalid or raised
-    │   ├── UnsafeExpressionError an edge expression is outside the safe grammar (expressions.py)
-    │   └── UnknownNodeError      a referenced node id is not in the graph
-    ├── ExecutionError            an operation could not be invoked (no branch, ...)
-    ├── RoutingError (ValueError) a spawn request cannot be routed (unknown assignee)
-    ├── StateTransitionError      an illegal scheduler transition (a kernel bug)
-    ├── InvariantViolation        ``FlowState.validate()`` found broken invariants
-    └── CodecError                a value cannot be encoded or decoded on the wire
+    ├── OperationError               graph/operation contract violations (ADR-0023 D1/D2)
+    │   ├── GraphCycleError          the graph (or a mutation) would contain a cycle
+    │   ├── EdgeConditionError       an edge condition is invalid or raised
+    │   ├── UnsafeExpressionError    an edge expression is outside the safe grammar (expressions.py)
+    │   └── UnknownNodeError         a referenced node id is not in the graph
+    ├── ExecutionError               an operation could not be invoked, or its runtime failed
+    │   ├── RuntimeLostError         an opgraph actor died with a call outstanding (actors/errors.py)
+    │   ├── BranchStoreLostError     the store holding the branch died (actors/errors.py)
+    │   ├── UnknownBranchError       no such branch: never created, dropped, or lost (actors/errors.py)
+    │   ├── TurnError                a single Session.turn failed; ``error_type`` says how (actors/errors.py)
+    │   ├── VerbError                a branch verb was misused or its answer unusable (actors/verbs/errors.py)
+    │   │   ├── VerbParameterError   a verb got parameters it cannot use
+    │   │   ├── ToolDefinitionError  a tool cannot be described to a model
+    │   │   └── ParseError           the model's answer does not fit the requested shape
+    │   │       └── SelectionError   the answer picks no offered choice
+    │   └── ProviderError            a model provider failed (actors/models.py)
+    │       ├── ModelIdentityError   a model id is not "provider/model"
+    │       ├── ProviderConfigError  the provider is missing a key, URL or model
+    │       ├── ProviderTimeout      the model call exceeded its timeout
+    │       ├── ProviderRateLimited  still 429 after every retry
+    │       ├── ProviderUnavailable  unreachable, or still 5xx after every retry
+    │       ├── ProviderHTTPError    any other HTTP error status
+    │       └── ProviderResponseError  an answer that cannot be read
+    ├── UnknownRunError              no live run with this id on the namespace's executors (actors/errors.py)
+    ├── UnknownWatcherError          no such watcher: finished, closed or idle (actors/watchers.py)
+    ├── RoutingError (ValueError)    a spawn request cannot be routed (unknown assignee)
+    ├── StateTransitionError         an illegal scheduler transition (a kernel bug)
+    ├── InvariantViolation           ``FlowState.validate()`` found broken invariants
+    ├── CodecError                   a value cannot be encoded or decoded on the wire
+    ├── WorkflowDefinitionError      a fixed workflow definition is bad (cluster/workflows/spec.py)
+    │   ├── WorkflowValidationError  it breaks the spec; ``.errors`` lists every problem
+    │   └── WorkflowCompileError     it cannot compile to a graph
+    ├── WorkflowStoreError           the run store failed, or is closed (cluster/workflows/schema.py)
+    │   ├── StoreSchemaError         the file's schema is newer than this code knows
+    │   ├── WorkflowNameConflictError  a live workflow already has the name (store.py)
+    │   ├── WorkflowNotFoundError    no live workflow by that name or id (store.py)
+    │   │   └── WorkflowVersionNotFoundError  the workflow exists, the version does not
+    │   ├── RunNotFoundError         no run with that id (store.py)
+    │   └── RunConflictError         a run with that id already exists (store.py)
+    ├── LaneCapabilityError          a control the lane's capabilities exclude (cluster/workflows/lanes.py)
+    ├── ProvenanceError              run provenance that breaks the lane's rules (lanes.py)
+    ├── RunStateConflictError        a run control that its state forbids (cluster/workflows/api.py)
+    └── RuntimeUnavailableError      the HTTP API has no runtime to run on (api.py)
 
 Every class pickles with its ids intact, because Ray ships exceptions between processes.
 """
@@ -37,7 +73,8 @@ __all__ = [
 class OpGraphError(Exception):
     """Root of every opgraph error.
 
-    ``node_id``, ``branch_id`` and ``edge_id`` name what the error concerns, when known.
+    ``node_id``, ``branch_id``, ``edge_id``, ``run_id`` and ``actor`` (the name of an
+    opgraph actor, such as ``opgraph-worker-1``) name what the error concerns, when known.
     """
 
     def __init__(
@@ -47,35 +84,42 @@ class OpGraphError(Exception):
         node_id: str | None = None,
         branch_id: str | None = None,
         edge_id: str | None = None,
+        run_id: str | None = None,
+        actor: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.node_id = node_id
         self.branch_id = branch_id
         self.edge_id = edge_id
+        self.run_id = run_id
+        self.actor = actor
 
     def __reduce__(self):
-        # Exception pickling replays only ``args``; keyword ids would be lost.
-        return (
-            _rebuild,
-            (type(self), self.message, self.node_id, self.branch_id, self.edge_id),
-        )
+        # Exception pickling replays only ``args``; keyword ids (and any attributes a
+        # subclass added) would be lost, so the whole instance dict travels too.
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
 
     def __str__(self) -> str:
         where = [
             f"{label}={value}"
             for label, value in (
+                ("run", self.run_id),
                 ("node", self.node_id),
                 ("branch", self.branch_id),
                 ("edge", self.edge_id),
+                ("actor", self.actor),
             )
             if value is not None
         ]
         return f"{self.message} [{', '.join(where)}]" if where else self.message
 
 
-def _rebuild(cls, message, node_id, branch_id, edge_id):
-    return cls(message, node_id=node_id, branch_id=branch_id, edge_id=edge_id)
+def _rebuild(cls, message, fields):
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    error.__dict__.update(fields)
+    return error
 
 
 class OperationError(OpGraphError):

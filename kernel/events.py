@@ -23,12 +23,14 @@ new_record = tuple.__new__
 
 __all__ = [
     "AdmissionDecided",
+    "CancelGraceExpired",
     "CancelOperation",
     "CancelRequested",
     "CloneBranch",
     "ConditionsEvaluated",
     "DispatchHeld",
     "DispatchOperation",
+    "DispatchUndelivered",
     "EmitSignal",
     "EscalationRequested",
     "EvaluateConditions",
@@ -68,6 +70,19 @@ class OperationFinished(NamedTuple):
     # True when the shell already extracted requests from the response (the worker
     # does, where object identity still means something); skips a second walk.
     extracted: bool = False
+
+
+class DispatchUndelivered(NamedTuple):
+    """The attempt was sent to a worker that was already dead: it never started.
+
+    The node goes back to the ready queue and is dispatched again as a new attempt; it
+    is not failed, because nothing of it ran (DESIGN.md, "Supervision").
+    """
+
+    now: float = 0.0
+    node_id: str = ""
+    attempt: int = 0
+    reason: str = ""
 
 
 class ConditionsEvaluated(NamedTuple):
@@ -140,6 +155,15 @@ class OperatorMessageReceived(NamedTuple):
 class CancelRequested(NamedTuple):
     now: float = 0.0
     reason: str = "cancelled"
+
+
+class CancelGraceExpired(NamedTuple):
+    """The cancel grace period elapsed: operations still in flight are settled ``cancelled``.
+
+    They ignored the cancellation; whatever they return later is a stale result.
+    """
+
+    now: float = 0.0
 
 
 # -- instructions -------------------------------------------------------------
@@ -251,6 +275,8 @@ Event = (
     | DispatchHeld
     | OperatorMessageReceived
     | CancelRequested
+    | CancelGraceExpired
+    | DispatchUndelivered
 )
 Instruction = (
     CloneBranch | ReplaceHistory | DispatchOperation | CancelOperation | EvaluateConditions | EmitSignal

@@ -185,13 +185,21 @@ def condition_is_async(condition: Any) -> bool:
 
 
 def validate_condition(condition: Any, edge_id: str) -> None:
-    """Reject a non-null condition that has no callable ``apply`` (ADR-0023 D2)."""
+    """Reject a non-null condition that is not an EdgeCondition (ADR-0023 D2).
+
+    Invalid condition types fail validation before any work starts: an object that
+    merely has an ``apply`` method is not a condition the record accepts.
+    """
     if condition is None:
         return
+    if not isinstance(condition, EdgeCondition):
+        raise EdgeConditionError(
+            f"edge condition must be an EdgeCondition, got {type(condition).__name__}",
+            edge_id=edge_id,
+        )
     if not callable(getattr(condition, "apply", None)):
         raise EdgeConditionError(
-            f"edge condition must have an apply(input) method, got {type(condition).__name__}",
-            edge_id=edge_id,
+            f"edge condition {type(condition).__name__} has no callable apply(input)", edge_id=edge_id,
         )
 
 
@@ -331,6 +339,19 @@ class Graph:
                     stack.append(nxt)
         return False
 
+    def check_references(self) -> None:
+        """Raise UnknownNodeError for the first edge whose endpoint is not a node of the graph.
+
+        ``add_edge`` refuses such an edge, but ``edges`` is a plain dict a caller can fill
+        by hand; a flow checks this before the graph is shipped anywhere.
+        """
+        nodes = self.nodes
+        for edge_id, edge in self.edges.items():
+            for endpoint in (edge.head, edge.tail):
+                if endpoint not in nodes:
+                    raise UnknownNodeError(f"edge {edge_id} refers to a node the graph does not hold",
+                                           node_id=endpoint, edge_id=edge_id)
+
     def is_acyclic(self) -> bool:
         """Kahn's algorithm: O(nodes + edges)."""
         indegree = {n: len(self._in[n]) for n in self.nodes}
@@ -415,7 +436,10 @@ def _graph_from_rows(cls: type[Graph], name: str, nodes: list[Any], edges: list[
     outgoing = graph._out = {node_id: [] for node_id in graph.nodes}
     incoming = graph._in = {node_id: [] for node_id in graph.nodes}
     for edge_id, edge in graph.edges.items():
-        outgoing[edge.head].append(edge_id)
-        incoming[edge.tail].append(edge_id)
+        # An edge to a node the graph does not hold is kept, to be refused with
+        # UnknownNodeError by ``check_references``: raising here, while unpickling,
+        # would reach the caller as a transport error instead.
+        outgoing.setdefault(edge.head, []).append(edge_id)
+        incoming.setdefault(edge.tail, []).append(edge_id)
     return graph
 

@@ -199,7 +199,9 @@ class NodeRegistration:
             return
         inherits = bool(node.metadata.get("inherit_context"))
         if self.deps[node_id] or inherits:
-            self._clone_branch(node_id, self.default_branch_id)
+            # From the session's default branch, not the flow's (ADR-0023 D3): the flow's
+            # default branch serves roots only.
+            self._clone_branch(node_id, self.clone_source_branch_id)
             if inherits and node.metadata.get("primary_dependency"):
                 self.pending_inheritance.add(node_id)
         else:

@@ -13,8 +13,11 @@ from .errors import InvariantViolation
 
 __all__ = ["FlowEvent", "DROPPED_SPAWN_REASONS", "validate_envelope"]
 
+# The record's five reasons (ADR-0023 D6), plus ``invalid_request``: beyond the record, a
+# request that fails validation again at admission (one built with ``model_construct``,
+# or not of the run's spawn type) is dropped before routing, never admitted.
 DROPPED_SPAWN_REASONS = frozenset(
-    {"builder_error", "null_child", "cycle", "max_spawn_exceeded", "duplicate"}
+    {"builder_error", "null_child", "cycle", "max_spawn_exceeded", "duplicate", "invalid_request"}
 )
 
 

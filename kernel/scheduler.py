@@ -25,13 +25,14 @@ from .contracts import (
     EscalationRequest,
     SpawnRequest,
     default_node_builder,
-    extract_requests,
+    request_sightings,
 )
 from .dispatch import OperationDispatch
 from .errors import (
     OperationError,
     StateTransitionError,
 )
+from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION_ERROR, RetryPolicy
 from .events import new_record as _new_record
 from .graph import Graph, Operation, condition_is_async, validate_condition
 from .invariants import InvariantChecks
@@ -82,6 +83,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         reducers: Mapping[str, Callable[[Any, Any], Any]] | None = None,
         write_back: bool = True,
         progress_signals: bool = True,
+        clone_source_branch_id: str | None = None,
+        retry_policies: Mapping[str, RetryPolicy] | None = None,
     ) -> None:
         """``write_back`` records each node's final status, response and error on its
         Operation when the run finishes (``_write_back``); a shell whose graph is a copy
@@ -92,9 +95,15 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         that only a signal subscriber reads, so a shell without one turns them off (the
         GraphExecutor does, unless the run asked for signals). The signals that settle
         something (completed, failed, skipped) and the rare ones (paused, escalated)
-        are always emitted."""
+        are always emitted.
+
+        ``default_branch_id`` is the flow's default branch: roots without a branch of
+        their own run on it. ``clone_source_branch_id`` is the session's default branch,
+        which dependent and inheriting nodes are cloned from (ADR-0023 D3); it defaults
+        to the flow's. ``retry_policies`` maps an operation name to its RetryPolicy."""
         if not isinstance(graph, Graph):
             raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
+        graph.check_references()
         if context is not None and not isinstance(context, Mapping):
             raise OperationError(f"context must be a mapping, got {type(context).__name__}")
         for key, reducer in (reducers or {}).items():
@@ -108,6 +117,10 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             max_concurrent = 1
         if max_concurrent < 1:
             raise OperationError(f"max_concurrent must be at least 1, got {max_concurrent}")
+        for name, policy in (retry_policies or {}).items():
+            if not isinstance(policy, RetryPolicy):
+                raise OperationError(f"the retry policy for operation {name!r} is not a RetryPolicy: "
+                                     f"{type(policy).__name__}")
         self.graph = graph
         self.run_id = run_id
         self.capacity = max_concurrent
@@ -116,6 +129,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.node_builder = node_builder or default_node_builder
         self.spawn_type = spawn_type or SpawnRequest
         self.default_branch_id = default_branch_id
+        self.clone_source_branch_id = default_branch_id if clone_source_branch_id is None else clone_source_branch_id
+        self.retry_policies = dict(retry_policies or {})
         self.known_branches = None if known_branches is None else set(known_branches)
         self.shared = SharedContext(context, reducers)
         self.write_back = write_back
@@ -133,6 +148,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.results: dict[str, Any] = {}
         self._mapped_results: dict[str, Any] = {}  # see ``_mapped_result`` (dispatch.py)
         self.errors: dict[str, str] = {}
+        # Nodes restored as FAILED: reported failed, but their payload reaches no dependent.
+        self.restored_failed: set[str] = set()
         self.ready: deque[str] = deque()
         # Operations in flight: node id -> (attempt, node, dependencies). The node and its
         # dependencies ride along so that settling reads one small dict, not two big ones.
@@ -158,7 +175,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self._seen_requests: set[Any] = set()
         self._children: dict[str, int] = {}
         self._injected = 0
-        self.counters = {"events": 0, "dispatched": 0, "settled": 0, "stale_results": 0}
+        self.counters = {"events": 0, "dispatched": 0, "settled": 0, "stale_results": 0, "redispatched": 0}
         self._out: list[ev.Instruction] = []
 
     # -- the one mutator --------------------------------------------------------
@@ -264,15 +281,11 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         # Restored terminal nodes short-circuit without invocation (ADR-0023 D5). All
         # of them settle before any is released, so no restored node is ever gated.
         for node in restored:
-            if node.response is not None:
-                self.results[node.id] = node.response
-            elif node.status == FAILED:
-                self.results[node.id] = {"error": node.error or "failed before restore"}
-            self._transition(node.id, node.status, "restored")
+            self._restore(node)
         for node in restored:
             self._release_dependents(node.id)
         if self.cancelling:  # cancelled before it started: nothing runs, and the run ends
-            self._cancel_open_nodes()
+            self._cancel_open_nodes(announce=False)
             return
         state, unsettled, incoming = self.state, self.unsettled, graph._in
         if fresh and not restored:
@@ -292,6 +305,22 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             if state[node_id] == WAITING and unsettled[node_id] == 0:
                 # A root has no incoming path to gate on (what _gate would conclude).
                 (gate if incoming[node_id] else make_ready)(node_id)
+
+    def _restore(self, node: Operation) -> None:
+        """Settle a node that arrived terminal, without invoking it (ADR-0023 D5).
+
+        A completed (or cancelled) node's response is restored as its result. Ideal over
+        retrospective: a node restored as FAILED is reported failed, never as completed,
+        and its error payload reaches no dependent: it has no result entry, and an edge
+        from it counts as a path that did not pass (``_gate``).
+        """
+        node_id, status = node.id, node.status
+        if status == FAILED:
+            self.restored_failed.add(node_id)
+            self.errors[node_id] = node.error or "failed before restore"
+        elif status != SKIPPED and node.response is not None:
+            self.results[node_id] = node.response
+        self._transition(node_id, status, "restored")
 
     def _on_finished(self, event: ev.OperationFinished) -> None:
         node_id, status, response = event.node_id, event.status, event.response
@@ -316,34 +345,72 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             if update is not None and not isinstance(update, Mapping):
                 # Ideal over retrospective: a bad context update is a failure, not "completed".
                 message = f"response context must be a mapping, got {type(update).__name__}"
-                self._settle_failed(node_id, message, "ContextUpdateError")
+                self._settle_failed(node_id, message, CONTEXT_UPDATE_ERROR)
             else:
                 self._settle_completed(node_id, in_flight, response, update)
         elif status == FAILED:
-            self._settle_failed(node_id, event.error or "operation failed", event.error_type)
+            policy = self.retry_policies.get(in_flight[1].operation) if self.retry_policies else None
+            if policy is not None and not self.cancelling and policy.allows(event.attempt, event.error_type):
+                self._requeue(node_id, f"retried after {event.error_type} on attempt {event.attempt}")
+            else:
+                self._settle_failed(node_id, event.error or "operation failed", event.error_type)
         elif status == CANCELLED:
-            self._transition(node_id, CANCELLED, "operation cancelled")
-            self._release_dependents(node_id)
+            self._cancel_node(node_id, "operation cancelled")
         else:
             raise OperationError(f"unknown operation outcome {event.status!r}", node_id=node_id)
         requests: Iterable[ev.Event] = event.requests
         if not requests and not plain and not event.extracted and status == COMPLETED:
-            # In-process drivers may hand back live request objects in the response.
+            # In-process drivers may hand back live request objects in the response. The
+            # de-duplication key is durable: the same object seen twice shares the ordinal
+            # of its first sighting (ADR-0023 D6 identity semantics, without ``id()``).
             requests = [
                 (ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested)(
-                    now=event.now, emitter_id=node_id, request=found, dedupe_key=("object", id(found))
+                    now=event.now, emitter_id=node_id, request=found,
+                    dedupe_key=(node_id, event.attempt, "result", ordinal),
                 )
-                for found in extract_requests(response, (self.spawn_type, EscalationRequest))
+                for found, ordinal in request_sightings(response, (self.spawn_type, EscalationRequest))
             ]
         for request in requests:
             _HANDLERS[type(request)](self, request)
+
+    def _on_undelivered(self, event: ev.DispatchUndelivered) -> None:
+        node_id = event.node_id
+        in_flight = self.running.get(node_id)
+        if in_flight is None or in_flight[0] != event.attempt:
+            self.counters["stale_results"] += 1
+            return
+        del self.running[node_id]
+        if self.cancelling:
+            self._cancel_node(node_id, "cancelled before it started")
+        else:
+            self._requeue(node_id, f"attempt {event.attempt} never started: {event.reason}"[:200])
+
+    def _requeue(self, node_id: str, reason: str) -> None:
+        """A node that left flight without settling goes back to the front of the queue;
+        its next dispatch is a new attempt."""
+        self.running.pop(node_id, None)
+        self._transition(node_id, READY, reason)
+        self.counters["redispatched"] += 1
+        self.ready.appendleft(node_id)
+        if self.paused:
+            self._announce_pause(node_id)
+
+    def _on_cancel_grace(self, event: ev.CancelGraceExpired) -> None:
+        """Operations that ignored cancellation past the grace period settle ``cancelled``."""
+        if not self.cancelling:
+            return
+        for node_id in list(self.running):
+            del self.running[node_id]
+            reason = f"{CANCEL_GRACE_EXPIRED}: the operation ignored cancellation past the grace period"
+            self.errors[node_id] = reason
+            self._cancel_node(node_id, reason)
 
     def _on_conditions(self, event: ev.ConditionsEvaluated) -> None:
         node_id = event.node_id
         if self.state.get(node_id) != EVALUATING:
             return
         if event.error is not None:
-            self._settle_failed(node_id, f"edge condition raised: {event.error}", "EdgeConditionError", from_gate=True)
+            self._settle_failed(node_id, f"edge condition raised: {event.error}", EDGE_CONDITION_ERROR, from_gate=True)
         elif any(passed for _, passed in event.results):
             self._make_ready(node_id)
         else:
@@ -377,14 +444,26 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self._cancel_reason = event.reason
         self._cancel_open_nodes()
 
-    def _cancel_open_nodes(self) -> None:
-        """Cancel every node not yet in flight; ask the shell to cancel those that are."""
+    def _cancel_open_nodes(self, announce: bool = True) -> None:
+        """Cancel every node not yet in flight; ask the shell to cancel those that are.
+
+        ``announce``: each node cancelled here gets a NodeCancelled signal; a run cancelled
+        before it started announced no node, so it cancels them silently."""
         self.ready.clear()
         for node_id, state in list(self.state.items()):
             if state in (WAITING, EVALUATING, READY):
-                self._transition(node_id, CANCELLED, self._cancel_reason)
+                if announce:
+                    self._cancel_node(node_id, self._cancel_reason)
+                else:
+                    self._transition(node_id, CANCELLED, self._cancel_reason)
             elif state == RUNNING:
                 self._out.append(ev.CancelOperation(node_id, self.attempt[node_id]))
+
+    def _cancel_node(self, node_id: str, reason: str) -> None:
+        """Settle one node ``cancelled``, announce it, and release what waits on it."""
+        self._transition(node_id, CANCELLED, reason)
+        self._emit(sig.NodeCancelled, node_id, {"reason": reason})
+        self._release_dependents(node_id)
 
     # -- transitions --------------------------------------------------------------
     def _transition(self, node_id: str, new: str, reason: str) -> None:
@@ -433,11 +512,16 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         edges = self.graph.edges
         state = self.state
         deferred = None
+        restored_failed, blocked_by = self.restored_failed, None
         # Live edges (head not skipped) in order; the first that passes readies the node.
-        # With none live, or none passing and none deferred, the node is skipped.
+        # With none live, or none passing and none deferred, the node is skipped. A head
+        # restored as failed offers no path: its error must not reach the dependent.
         for edge_id in edge_ids:
             edge = edges[edge_id]
             if state[edge.head] == SKIPPED:
+                continue
+            if restored_failed and edge.head in restored_failed:
+                blocked_by = edge.head
                 continue
             if edge.condition is None:
                 self._make_ready(node_id)
@@ -453,7 +537,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 self._settle_failed(
                     node_id,
                     f"edge condition raised {type(exc).__name__}: {exc}",
-                    "EdgeConditionError",
+                    EDGE_CONDITION_ERROR,
                     from_gate=True,
                     edge_id=edge.id,
                 )
@@ -469,14 +553,17 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 self._settle_failed(
                     node_id,
                     f"edge condition input could not be prepared: {type(exc).__name__}: {exc}",
-                    "EdgeConditionError",
+                    EDGE_CONDITION_ERROR,
                     from_gate=True,
                 )
                 return
             self._transition(node_id, EVALUATING, "awaiting async edge conditions")
             self._out.append(request)
             return
-        self._skip(node_id)
+        if blocked_by is not None:
+            self._skip(node_id, f"no incoming path passed: dependency {blocked_by} was restored as failed")
+        else:
+            self._skip(node_id)
 
     def _condition_input(self, head: str) -> dict[str, Any]:
         return {"result": to_mapping(self.results.get(head)), "context": self.shared.data}
@@ -495,9 +582,9 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             self._pause_announced.add(node_id)
             self._emit(sig.NodePaused, node_id)
 
-    def _skip(self, node_id: str) -> None:
-        self._transition(node_id, SKIPPED, "no incoming path passed")
-        self._emit(sig.NodeSkipped, node_id)
+    def _skip(self, node_id: str, reason: str = "no incoming path passed") -> None:
+        self._transition(node_id, SKIPPED, reason)
+        self._emit(sig.NodeSkipped, node_id, {"reason": reason})
         self._release_dependents(node_id)
 
     def _settle_completed(
@@ -521,7 +608,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                     follows=lambda other: self.graph.reaches(other, node_id),
                 )
             except OperationError as exc:  # a user reducer raised: the merge was undone whole
-                self._settle_failed(node_id, exc.message, "ContextUpdateError")
+                self._settle_failed(node_id, exc.message, CONTEXT_UPDATE_ERROR)
                 return
         self.results[node_id] = response
         attempt, node, deps = in_flight
@@ -573,4 +660,6 @@ _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
     ev.OperatorMessageReceived: FlowState._on_operator_message,
     ev.DispatchHeld: FlowState._on_hold,
     ev.CancelRequested: FlowState._on_cancel,
+    ev.CancelGraceExpired: FlowState._on_cancel_grace,
+    ev.DispatchUndelivered: FlowState._on_undelivered,
 }

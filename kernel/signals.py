@@ -1,8 +1,9 @@
 """Canonical lifecycle signals keyed by ``op_id`` (ADR-0033 D5).
 
 Owns the signal models every run emits, whoever called it: queued, started,
-completed, failed, skipped, spawned, paused, escalated. Each carries the schema
-version. Signals are data; delivery belongs to the executor shell.
+completed, failed, skipped, spawned, paused, escalated, and (beyond the record)
+cancelled. Each carries the schema version. Signals are data; delivery belongs to
+the executor shell.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import BaseModel, Field
 __all__ = [
     "NODE_PROGRESS_KINDS",
     "NODE_PROGRESS_SIGNALS",
+    "NodeCancelled",
     "SIGNAL_SCHEMA_VERSION",
     "NodeCompleted",
     "NodeEscalated",
@@ -63,9 +65,22 @@ class NodeFailed(NodeQueued):
 
 
 class NodeSkipped(NodeQueued):
-    """Ideal over retrospective: a condition skip is its own signal, never ``failed``."""
+    """Ideal over retrospective: a condition skip is its own signal, never ``failed``.
+
+    ``reason`` says why no incoming path passed."""
 
     kind: str = "skipped"
+    reason: str | None = None
+
+
+class NodeCancelled(NodeQueued):
+    """Beyond the record: a node settled ``cancelled`` (waiting, or cancelled while running).
+
+    ADR-0033 D5's list has no cancelled signal, so a node cancelled mid-run was seen as
+    queued, started, then nothing; every cancelled node that was queued now says so."""
+
+    kind: str = "cancelled"
+    reason: str | None = None
 
 
 class NodePaused(NodeQueued):
@@ -96,5 +111,6 @@ NODE_PROGRESS_SIGNALS: dict[type, str] = {
     NodeCompleted: "completed",
     NodeFailed: "failed",
     NodeSkipped: "skipped",
+    NodeCancelled: "cancelled",
 }
 NODE_PROGRESS_KINDS: dict[str, str] = {cls.model_fields["kind"].default: status for cls, status in NODE_PROGRESS_SIGNALS.items()}

@@ -38,6 +38,7 @@ TRANSITIONS: frozenset[tuple[str, str]] = frozenset(
         (RUNNING, COMPLETED),
         (RUNNING, FAILED),
         (RUNNING, CANCELLED),
+        (RUNNING, READY),  # never started on a dead worker, or retried under its retry policy
     }
 )
 # The same table keyed by the state left, so the per-transition check is one set probe.
@@ -63,8 +64,9 @@ assert all((old, new) in TRANSITIONS for old, (new, _) in IMPLIED_STEPS.items())
 def implied_story(current: str | None, attempt: int) -> list[tuple[str, str, str, int]]:
     """The steps that lead along the common path to ``current`` (none if it is off the path).
 
-    Attempts count dispatches and a node is dispatched at most once, so every step from
-    ``ready`` on carries the node's one attempt number and the first step carries 0.
+    Attempts count dispatches. A node on the common path was dispatched once (a second
+    dispatch goes back through ``ready``, off the path, and records its story), so every
+    step from ``ready`` on carries the node's one attempt number and the first carries 0.
     """
     story: list[tuple[str, str, str, int]] = []
     if current not in IMPLIED_STATES:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from opgraph.kernel import Graph
 
-from ..workers import RegisteredOperation
+from ..protocol import RegisteredOperation
 from .chat import chat, chat_and_record, communicate, interpret
 from .conversation import MODEL_OPTIONS, UsageTally
 from .conversation import name_predecessor_results as _name_predecessor_results

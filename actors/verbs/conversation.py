@@ -16,6 +16,7 @@ from typing import Any
 from opgraph.kernel import Graph, to_mapping
 
 from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderError, ToolCall, Usage
+from ..usage import record_usage
 from .errors import VerbParameterError
 
 __all__ = [
@@ -152,6 +153,7 @@ class BoundModel:
                 error.node_id = getattr(self.branch, "node_id", None)
             raise
         self.usage.add(response.usage)
+        record_usage(self.model_id, response.usage.prompt_tokens, response.usage.completion_tokens)
         self.last = response
         return response
 

@@ -47,9 +47,6 @@ class RunStateConflictError(OpGraphError):
         super().__init__(message)
         self.run_id, self.status = run_id, status
 
-    def __reduce__(self):
-        return (type(self), (self.message, self.run_id, self.status))
-
 
 class RuntimeUnavailableError(OpGraphError):
     """The Session (Ray and the runtime actors) could not be started; no run was created."""

@@ -266,13 +266,18 @@ async def run_workflow(
 
     helper = asyncio.ensure_future(publish_control()) if control is not None else None
     status, outputs, errors, statuses = "failed", {}, {}, {}
+    default_branch = f"run-{run_id}-default"  # the isolated run's own (the envelope names it too)
     try:
         try:
+            # Isolated: its own default branch, so no other run's conversation reaches it,
+            # and its branches are dropped once recorded (below), so a long-lived runtime
+            # (opgraph serve, a detached cluster runtime) stays flat run after run.
             envelope = await session.flow(
                 compiled.graph, **compiled.flow_options(), max_concurrent=max_concurrent, run_id=run_id,
                 on_progress=recorder.progress, on_branch_created=recorder.branch_created,
-                on_settled=recorder.settled, executor_ref=executor_ref,
+                on_settled=recorder.settled, executor_ref=executor_ref, isolated=True,
             )
+            default_branch = envelope.get("default_branch", default_branch)
             status = _run_status(envelope)
             outputs, errors, statuses = _summarise(envelope, compiled)
         except asyncio.CancelledError:
@@ -284,9 +289,11 @@ async def run_workflow(
                 helper.cancel()
         try:
             await recorder.drain()  # every signal and node result before the branches and the end
-            await recorder.record_branches(session.default_branch, session.messages)
+            await recorder.record_branches(default_branch, session.messages)
         except Exception as exc:  # noqa: BLE001 - lost branch history must not hide the run's outcome
             errors.setdefault("branches", {"error": f"could not record branch messages: {exc}"})
+        finally:
+            await _release(session, run_id, errors)
     except asyncio.CancelledError:
         # Cancelled while running or while recording branches: the row must still end.
         await asyncio.shield(recorder.drain())
@@ -303,3 +310,12 @@ async def run_workflow(
     return WorkflowRunResult(run_id=run_id, status=status, source=source.label, content_hash=source.content_hash,
                              outputs=outputs, errors=errors, statuses=statuses, provenance=provenance,
                              elapsed=time.perf_counter() - started)
+
+
+
+async def _release(session: Any, run_id: str, errors: dict[str, Any]) -> None:
+    """Drop the run's branches from the stores, once recorded; a failure is noted on the run."""
+    try:
+        await session.release_run(run_id)
+    except Exception as exc:  # noqa: BLE001 - the run's outcome stands; the leak is reported with it
+        errors.setdefault("branches", {"error": f"could not release the run's branches: {exc}"})

@@ -34,15 +34,10 @@ __all__ = [
 class WorkflowStoreError(OpGraphError):
     """The store cannot do what was asked: its database failed, or it was closed.
 
-    Subclasses name their fields in ``_fields``; pickling rebuilds them from those.
+    ``_fields`` names a subclass's own fields (the root error pickles them with the rest).
     """
 
     _fields: tuple[str, ...] = ()
-
-    def __reduce__(self):
-        if not self._fields:
-            return super().__reduce__()
-        return (type(self), tuple(getattr(self, field) for field in self._fields))
 
 
 class StoreSchemaError(WorkflowStoreError):

@@ -95,14 +95,6 @@ class WorkflowDefinitionError(OpGraphError):
         """The first problem, in the record's ``to_dict`` shape."""
         return dict(self.errors[0])
 
-    def __reduce__(self):
-        # The base class pickles message and ids only; the problem list must survive too.
-        return (_rebuild_definition_error, (type(self), self.errors))
-
-
-def _rebuild_definition_error(cls, errors):
-    return cls(errors)
-
 
 class WorkflowValidationError(WorkflowDefinitionError):
     """The definition's JSON breaks a version-1 storage rule (ADR-0073 D1)."""

@@ -101,6 +101,14 @@ def test_replace_history_adopts_the_source_without_touching_older_clones():
     assert table.messages("primary") == ["p1", "p2", "p3"]
 
 
+def test_inheriting_from_a_lost_source_leaves_the_destination_and_says_so():
+    """root <- replace_history(from missing): the source died with its store; root keeps its view."""
+    table = table_with()
+    before = table.messages("root")
+    assert table.replace_history("root", "missing") is False
+    assert table.messages("root") == before
+
+
 def test_unknown_branches_raise_a_typed_error_naming_the_branch():
     table = table_with()
 
@@ -108,7 +116,6 @@ def test_unknown_branches_raise_a_typed_error_naming_the_branch():
         lambda: table.messages("missing"),
         lambda: table.append("missing", ["x"]),
         lambda: table.clone("missing", "new"),
-        lambda: table.replace_history("root", "missing"),
         lambda: table.replace_history("missing", "root"),
         lambda: table.length("missing"),
     ):

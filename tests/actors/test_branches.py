@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from opgraph.actors import Session
 from opgraph.kernel import OperationGraphBuilder, SpawnRequest
 
 FLOW_TIMEOUT = 60.0
@@ -46,50 +47,59 @@ async def history_then_note(branch: Any, note: str = "", **parameters: Any) -> l
 
 
 def test_a_clone_never_writes_into_its_parent(session):
-    """root -> dependent: the dependent's clone takes notes; the parent branch never sees them."""
-    session.register_operation("history_then_note", history_then_note)
-    parent = session.new_branch(messages=[SEED])
-    builder = OperationGraphBuilder("isolation")
-    root = builder.add_operation("history_then_note", instruction="root step")
-    dependent = builder.add_operation("history_then_note", instruction="dependent step", note="private")
-    created = BranchesCreated()
+    """root -> dependent, flow default branch ``parent`` (seeded): root runs on ``parent``; the
+    dependent runs on a clone of the Session's default branch (ADR-0023 D3: the flow's
+    default branch serves roots only), takes notes there, and ``parent`` never sees them."""
+    with Session() as own:
+        own.register_operation("history_then_note", history_then_note)
+        parent = own.new_branch(messages=[SEED])
+        builder = OperationGraphBuilder("isolation")
+        root = builder.add_operation("history_then_note", instruction="root step")
+        dependent = builder.add_operation("history_then_note", instruction="dependent step", note="private")
+        created = BranchesCreated()
 
-    async def scenario() -> tuple[dict[str, Any], list[Any], list[Any]]:
-        envelope = await session.flow(builder.get_graph(), default_branch=parent, on_branch_created=created)
-        return envelope, await session.messages(parent), await created.views[dependent].messages()
+        async def scenario() -> tuple[dict[str, Any], list[Any], list[Any], list[Any]]:
+            envelope = await own.flow(builder.get_graph(), default_branch=parent, on_branch_created=created)
+            return (envelope, await own.messages(parent), await created.views[dependent].messages(),
+                    await own.messages(own.default_branch))
 
-    envelope, parent_messages, clone_messages = run(scenario())
+        envelope, parent_messages, clone_messages, session_messages = run(scenario())
 
     results = envelope["operation_results"]
     assert set(created.views) == {dependent}
-    assert created.views[dependent].id != parent
+    assert created.views[dependent].id not in (parent, own.default_branch)
     assert created.views[dependent].reactive is False
-    # The root ran on the parent itself; the dependent's clone diverged from the seed.
     assert parent_messages == [SEED, *turn("root step", results[root])]
-    assert results[dependent] == [SEED]
-    assert clone_messages == [SEED, {"role": "note", "content": "private"},
-                              *turn("dependent step", results[dependent])]
+    # Cloned from the Session's default branch, which was empty: the seed is not inherited.
+    assert results[dependent] == []
+    assert clone_messages == [{"role": "note", "content": "private"}, *turn("dependent step", results[dependent])]
     assert all(message.get("content") != "private" for message in parent_messages)
+    assert session_messages == []
 
 
 def test_inherit_context_starts_from_the_primary_predecessor_history(session):
-    """root -> a -> b (inherit_context from a): b starts with exactly a's conversation."""
-    session.register_operation("history_then_note", history_then_note)
-    parent = session.new_branch(messages=[SEED])
-    builder = OperationGraphBuilder("inheritance")
-    root = builder.add_operation("history_then_note", instruction="root step")
-    a = builder.add_operation("history_then_note", depends_on=[root], instruction="a step", note="a's notes")
-    b = builder.add_operation("history_then_note", depends_on=[a], inherit_context=True, instruction="b step")
-    created = BranchesCreated()
+    """root -> a -> b (inherit_context from a): b starts with exactly a's conversation.
 
-    async def scenario() -> tuple[dict[str, Any], list[Any], list[Any]]:
-        envelope = await session.flow(builder.get_graph(), default_branch=parent, on_branch_created=created)
-        return envelope, await created.views[a].messages(), await created.views[b].messages()
+    ``a`` is cloned from the Session's default branch (fresh, so empty), never from the
+    flow's default branch ``parent``, whose seed only the root sees."""
+    with Session() as own:
+        own.register_operation("history_then_note", history_then_note)
+        parent = own.new_branch(messages=[SEED])
+        builder = OperationGraphBuilder("inheritance")
+        root = builder.add_operation("history_then_note", instruction="root step")
+        a = builder.add_operation("history_then_note", depends_on=[root], instruction="a step", note="a's notes")
+        b = builder.add_operation("history_then_note", depends_on=[a], inherit_context=True, instruction="b step")
+        created = BranchesCreated()
 
-    envelope, a_messages, b_messages = run(scenario())
+        async def scenario() -> tuple[dict[str, Any], list[Any], list[Any]]:
+            envelope = await own.flow(builder.get_graph(), default_branch=parent, on_branch_created=created)
+            return envelope, await created.views[a].messages(), await created.views[b].messages()
+
+        envelope, a_messages, b_messages = run(scenario())
 
     results = envelope["operation_results"]
-    a_history = [SEED, {"role": "note", "content": "a's notes"}, *turn("a step", results[a])]
+    assert results[root] == [SEED]
+    a_history = [{"role": "note", "content": "a's notes"}, *turn("a step", results[a])]
     assert a_messages == a_history  # b's own turn never reached a's branch
     assert results[b] == a_history
     assert b_messages == [*a_history, *turn("b step", results[b])]

@@ -204,7 +204,8 @@ def test_cyclic_graph_raises_the_typed_operation_error(session):
         run(session.flow(graph))
 
     assert type(raised.value) is OperationError
-    assert str(raised.value) == "Graph must be acyclic for flow execution"
+    assert raised.value.message == "Graph must be acyclic for flow execution"
+    assert raised.value.run_id is not None and raised.value.actor.startswith("opgraph-executor-")
 
 
 def test_lifecycle_signals_are_drained_before_flow_returns(session):
@@ -340,7 +341,7 @@ def test_operation_failures_are_typed_outcomes_not_raises(session):
     assert envelope["failed_operations"] == [raising.id, unregistered.id]
     assert results[raising.id]["error_type"] == "KeyError"
     assert "missing piece" in results[raising.id]["error"]
-    assert results[unregistered.id]["error_type"] == "OperationError"
+    assert results[unregistered.id]["error_type"] == "OperationNotRegistered"
     assert "'never_registered_anywhere' is not registered" in results[unregistered.id]["error"]
     assert progress == {node_id: ["queued", "started", "failed"] for node_id in graph.nodes}
     assert graph.nodes[raising.id].status == "failed"

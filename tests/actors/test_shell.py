@@ -11,8 +11,9 @@ import asyncio
 
 import pytest
 
-from opgraph.actors.executor import RunOptions
+from opgraph.actors.protocol import ACKNOWLEDGED, RunOptions
 from opgraph.actors.shell import ExecutorShell, _Run
+from opgraph.actors.supervision import ActorPool
 from opgraph.kernel import (
     ExecutionError,
     FlowState,
@@ -41,7 +42,7 @@ def fed(error: BaseException) -> _Run:
 
     async def go() -> _Run:
         run = _Run("run-7", Failing(error), RunOptions())
-        await ExecutorShell([], []).feed(run, [PauseRequested()])
+        await shell_with([]).feed(run, [PauseRequested()])
         return run
 
     return asyncio.run(go())
@@ -62,23 +63,48 @@ def test_a_typed_scheduler_error_ends_the_run_as_it_is(error):
     assert run.error is error
 
 
+def shell_with(workers: list) -> ExecutorShell:
+    """A shell over stand-in workers and no stores; nothing in it is a Ray actor."""
+    pool = ActorPool("operation worker", workers, [f"worker-{i}" for i in range(len(workers))],
+                     start=lambda index, generation: None)
+    shell = ExecutorShell(pool, ActorPool("branch store", [], [], start=lambda index, generation: None))
+    shell.bind_loop()
+    return shell
+
+
+class _Method:
+    def __init__(self, function) -> None:
+        self.function = function
+
+    def remote(self, *args):
+        return self.function(*args)
+
+    def options(self, **options):
+        return self
+
+
+async def _value(value):
+    return value
+
+
 class _Unreadable:
-    """A worker whose outcome cannot be received: the awaited reply raises."""
+    """A worker that acknowledges a batch, then whose outcome cannot be received."""
 
     def __init__(self) -> None:
         self.forgotten: list[str] = []
-        self.run_one = self
-        self.forget = self
+        self.run_batch = _Method(self._stream)
+        self.forget = _Method(self._forget)
 
-    def remote(self, run_id: str, *rest):
-        if not rest:  # forget(run_id)
-            self.forgotten.append(run_id)
-            return None
+    def _forget(self, key: str):
+        self.forgotten.append(key)
+        return _value(None)
 
-        async def reply():
+    async def _stream(self, run_id: str, calls: list):
+        async def unreadable():
             raise ValueError("the outcome would not unpickle")
 
-        return reply()
+        yield _value(ACKNOWLEDGED)
+        yield unreadable()
 
 
 def test_an_outcome_that_cannot_be_received_fails_its_node_and_the_run_finishes():
@@ -90,9 +116,12 @@ def test_an_outcome_that_cannot_be_received_fails_its_node_and_the_run_finishes(
         state = FlowState(graph)
         (dispatch,) = [i for i in state.handle(FlowStarted()) if isinstance(i, DispatchOperation)]
         worker = _Unreadable()
-        shell = ExecutorShell([worker], [])
+        shell = shell_with([worker])
         run = _Run("run-8", state, RunOptions())
-        await shell._drive_batch(run, 0, [(node.id, dispatch.attempt)])
+        shell.runs[run.run_id] = run
+        shell.resources[run.run_id] = run.options.resources
+        await shell._drive_batch(run, [(node.id, dispatch.attempt, "chat", {}, None, 0)])
+        await asyncio.gather(*shell.told)  # the forget tell, watched to its end
         return run, node.id, worker
 
     run, node_id, worker = asyncio.run(go())
@@ -101,3 +130,19 @@ def test_an_outcome_that_cannot_be_received_fails_its_node_and_the_run_finishes(
     result = run.envelope["operation_results"][node_id]
     assert result["error_type"] == "OutcomeLost" and "would not unpickle" in result["error"]
     assert worker.forgotten == ["run-8"]
+
+
+def test_an_injection_waiting_for_admission_is_failed_not_stranded_when_its_run_fails():
+    """inject is awaiting AdmissionDecided when the scheduler raises: the waiter gets the run's error."""
+
+    async def go():
+        shell = shell_with([])
+        run = _Run("run-9", Failing(KeyError("lost")), RunOptions())
+        waiter = asyncio.get_running_loop().create_future()
+        run.inject_waiters[1] = waiter
+        await shell.feed(run, [PauseRequested()])
+        return run, waiter
+
+    run, waiter = asyncio.run(go())
+    assert run.done.is_set()
+    assert isinstance(waiter.exception(), ExecutionError) and waiter.exception().run_id == "run-9"

@@ -170,10 +170,10 @@ def closed_port() -> int:
 
 async def flow_on_fresh_branch(session: Any, builder: OperationGraphBuilder, **options: Any
                                ) -> tuple[dict[str, Any], str]:
-    """Run the graph with a new default branch (the roots' conversation); return both."""
-    branch = session.new_branch()
-    envelope = await session.flow(builder.get_graph(), default_branch=branch, **options)
-    return envelope, branch
+    """Run the graph isolated: a new default branch of its own (the roots' conversation), which
+    dependents are cloned from too, so nothing of an earlier test reaches them; return both."""
+    envelope = await session.flow(builder.get_graph(), isolated=True, **options)
+    return envelope, envelope["default_branch"]
 
 
 def single(session: Any, operation: str, **parameters: Any) -> tuple[Any, list[Any], str]:

@@ -165,6 +165,19 @@ def test_an_edge_condition_without_apply_is_refused_and_not_added():
     assert graph.edges == {} and graph.predecessors(n["b"]) == []
 
 
+def test_an_object_with_apply_that_is_no_edge_condition_is_refused_before_any_work():
+    """ADR-0023 D2: invalid condition types fail validation; a duck-typed apply is not enough."""
+
+    class LooksLikeOne:
+        def apply(self, input):
+            return True
+
+    graph, n = graph_of("a", "b")
+    with pytest.raises(EdgeConditionError) as caught:
+        graph.add_edge(n["a"], n["b"], condition=LooksLikeOne())
+    assert "LooksLikeOne" in caught.value.message and graph.edges == {}
+
+
 def test_an_edge_condition_with_apply_is_accepted():
     class Always(EdgeCondition):
         def apply(self, input):

@@ -101,3 +101,21 @@ def test_copy_shares_nodes_and_deepcopy_does_not():
     assert deep.nodes[node_id] is not graph.nodes[node_id]
     assert deep.nodes[node_id] == graph.nodes[node_id]
     assert deep._in == graph._in
+
+
+def test_a_graph_whose_edge_names_a_missing_node_unpickles_and_is_refused_with_unknown_node():
+    """a -> (missing): the edge was put in by hand; unpickling keeps it, the flow refuses it typed."""
+    import pytest
+
+    from opgraph.kernel import FlowState, UnknownNodeError
+
+    graph = Graph("dangling")
+    a = graph.add_node(create_operation("chat", {"instruction": "a"}))
+    edge = Edge(head=a.id, tail="missing")
+    graph.edges[edge.id] = edge
+    copied = pickle.loads(pickle.dumps(graph))
+    with pytest.raises(UnknownNodeError) as caught:
+        copied.check_references()
+    assert caught.value.node_id == "missing" and caught.value.edge_id == edge.id
+    with pytest.raises(UnknownNodeError):
+        FlowState(copied)

@@ -216,8 +216,9 @@ def expected_statuses(spec: FlowSpec) -> list[str]:
     """The reference model of ADR-0023 D2: an OR over incoming paths from non-skipped heads.
 
     A root runs. Otherwise a node runs when some incoming edge from a head that was
-    not skipped passes (no condition, or a condition that holds); failed heads still
-    count as live paths. Aggregation sources delay a node but never gate it.
+    not skipped passes (no condition, or a condition that holds); heads that failed
+    while running still count as live paths, heads restored as failed do not (their
+    error must not reach a dependent). Aggregation sources delay a node but never gate it.
     """
     statuses: list[str] = []
     for index, node in enumerate(spec.nodes):
@@ -226,7 +227,8 @@ def expected_statuses(spec: FlowSpec) -> list[str]:
             continue
         incoming = [(head, condition) for head, tail, condition in spec.edges if tail == index]
         runs = not incoming or any(
-            statuses[head] != "skipped" and condition in PASSING_CONDITIONS for head, condition in incoming
+            statuses[head] != "skipped" and spec.nodes[head].restored != "failed" and condition in PASSING_CONDITIONS
+            for head, condition in incoming
         )
         statuses.append(("failed" if node.fails else "completed") if runs else "skipped")
     return statuses

@@ -20,6 +20,7 @@ from opgraph.kernel import (
     EscalationRequested,
     Graph,
     InjectRequested,
+    OperationFinished,
     SpawnRequest,
     SpawnRequested,
     create_operation,
@@ -125,12 +126,27 @@ def test_a_child_whose_instruction_cannot_be_shown_is_admitted_and_announced_wit
     assert isinstance(driver.dispatched()[child_id].parameters["instruction"], Unprintable)
 
 
-def test_an_escalation_request_without_a_reason_still_escalates(drive):
+def test_an_escalation_request_that_is_no_escalation_request_is_dropped_as_invalid(drive):
+    """a (running) escalates with a look-alike object: dropped with a reason, nothing scheduled, a goes on."""
     graph, n = build("a")
     driver = drive(graph, reactive=True, default_branch_id="default")
     driver.handle(EscalationRequested(emitter_id=n.a, request=SimpleNamespace(route="higher_tier"), dedupe_key=1))
-    (child_id,) = [node for node in driver.dispatched() if node != n.a]
-    assert driver.dispatched()[child_id].parameters["instruction"].startswith("[ESCALATION]")
+    assert [node for node in driver.dispatched() if node != n.a] == []
+    (dropped,) = driver.state.dropped_spawns
+    assert dropped["reason"] == "invalid_request" and "EscalationRequest" in dropped["error"]
+    driver.complete(n.a)
+    assert driver.envelope["status"] == "completed"
+
+
+def test_an_escalation_request_built_without_validation_is_dropped_as_invalid(drive):
+    """EscalationRequest.model_construct(route=...) has no reason: validated again, dropped, not escalated."""
+    graph, n = build("a")
+    driver = drive(graph, reactive=True, default_branch_id="default")
+    request = EscalationRequest.model_construct(route="higher_tier")
+    driver.handle(EscalationRequested(emitter_id=n.a, request=request, dedupe_key=1))
+    assert [node for node in driver.dispatched() if node != n.a] == []
+    assert driver.state.escalated_operations == []
+    assert [entry["reason"] for entry in driver.state.dropped_spawns] == ["invalid_request"]
 
 
 def test_an_independent_spawn_has_no_edge_and_clones_the_default_branch(drive):
@@ -175,14 +191,35 @@ def test_the_same_request_seen_twice_is_recorded_as_a_duplicate(drive):
     assert [d["reason"] for d in driver.state.dropped_spawns] == ["duplicate"]
 
 
-def test_a_request_sent_live_and_found_in_the_response_is_a_duplicate(drive):
-    """a sends a request over the bus, then returns the same object in its response."""
+def test_a_request_sent_live_and_carried_again_under_its_key_is_a_duplicate(drive):
+    """a sends a request over the bus, then its outcome carries the same request under the same
+    key (the worker keys one object the same way on both routes): admitted once, then a duplicate."""
     driver, n = reactive(drive, "a")
     request = SpawnRequest(instruction="once")
-    driver.handle(SpawnRequested(emitter_id=n.a, request=request, dedupe_key=("object", id(request))))
-    driver.complete(n.a, {"requests": [request]})
+    driver.handle(SpawnRequested(emitter_id=n.a, request=request, dedupe_key=(n.a, 1, 0)))
+    attempt = driver.dispatched()[n.a].attempt
+    driver._outstanding.pop(n.a)
+    driver.handle(OperationFinished(node_id=n.a, attempt=attempt, response={"requests": [request]}, extracted=True,
+                                    requests=(SpawnRequested(emitter_id=n.a, request=request, dedupe_key=(n.a, 1, 0)),)))
     assert len(spawned_children(driver)) == 1
     assert [d["reason"] for d in driver.state.dropped_spawns] == ["duplicate"]
+
+
+def test_the_same_request_object_returned_twice_is_admitted_once_then_recorded_duplicate(drive):
+    """a returns [r, r] (one object, two sightings): ADR-0023 D6 de-duplicates by identity."""
+    driver, n = reactive(drive, "a")
+    request = SpawnRequest(instruction="once")
+    driver.complete(n.a, {"requests": [request, request]})
+    assert len(spawned_children(driver)) == 1
+    assert [d["reason"] for d in driver.state.dropped_spawns] == ["duplicate"]
+
+
+def test_equal_but_distinct_request_objects_are_both_admitted(drive):
+    """a returns two equal SpawnRequests: distinct objects are not de-duplicated (ADR-0023 D6)."""
+    driver, n = reactive(drive, "a")
+    driver.complete(n.a, {"requests": [SpawnRequest(instruction="same"), SpawnRequest(instruction="same")]})
+    assert len(spawned_children(driver)) == 2
+    assert driver.state.dropped_spawns == []
 
 
 def test_a_shell_redelivery_of_a_request_is_ignored_silently(drive):
@@ -315,3 +352,106 @@ def test_other_escalation_routes_are_only_recorded(drive):
     driver.complete(n.a)
     assert driver.envelope["escalated_operations"] == [n.a]
     assert driver.envelope["spawned_operations"] == 0
+
+
+# -- malformed requests are validated, dropped with a reason, never admitted --------------
+class Flaky:
+    """A spawn type that is no pydantic model; reading ``assignee`` (or ``instruction``) raises."""
+
+    operation = "chat"
+
+    def __init__(self, instruction_raises: bool = False) -> None:
+        self.instruction_raises = instruction_raises
+
+    @property
+    def assignee(self):
+        raise RuntimeError("assignee exploded")
+
+    @property
+    def instruction(self):
+        if self.instruction_raises:
+            raise RuntimeError("instruction exploded")
+        return "from a flaky request"
+
+
+def test_a_spawn_request_built_without_validation_is_dropped_as_invalid(drive):
+    """a spawns SpawnRequest.model_construct(instruction=None): never admitted; the run goes on."""
+    driver, n = reactive(drive, "a")
+    driver.complete(n.a, {"requests": [SpawnRequest.model_construct(instruction=None)]})
+    assert spawned_children(driver) == []
+    (dropped,) = driver.state.dropped_spawns
+    assert dropped["reason"] == "invalid_request" and "instruction" in dropped["error"]
+    assert driver.envelope["status"] == "completed"
+
+
+def test_a_megabyte_instruction_is_dropped_as_invalid(drive):
+    driver, n = reactive(drive, "a")
+    driver.complete(n.a, {"requests": [SpawnRequest.model_construct(instruction="x" * 1_000_000)]})
+    assert spawned_children(driver) == []
+    (dropped,) = driver.state.dropped_spawns
+    assert dropped["reason"] == "invalid_request" and "1,000,000 characters" in dropped["error"]
+
+
+def test_requests_whose_attributes_raise_never_abort_the_run(drive):
+    """a spawns two Flaky requests: the first (assignee raises) is admitted without an assignee,
+    the second (instruction raises too) is a builder_error; a completes and the run goes on."""
+    driver, n = reactive(drive, "a", spawn_type=Flaky)
+    driver.handle(SpawnRequested(emitter_id=n.a, request=Flaky(), dedupe_key=1),
+                  SpawnRequested(emitter_id=n.a, request=Flaky(instruction_raises=True), dedupe_key=2))
+    (child_id,) = spawned_children(driver)
+    assert driver.graph.nodes[child_id].parameters["instruction"] == "from a flaky request"
+    (dropped,) = driver.state.dropped_spawns
+    assert dropped["reason"] == "builder_error" and "instruction exploded" in dropped["error"]
+    driver.run_to_end()
+    assert driver.envelope["status"] == "completed"
+
+
+def test_a_request_of_another_type_than_the_runs_spawn_type_is_dropped(drive):
+    class Custom(SpawnRequest):
+        pass
+
+    driver, n = reactive(drive, "a", spawn_type=Custom)
+    driver.handle(SpawnRequested(emitter_id=n.a, request=SpawnRequest(instruction="plain"), dedupe_key=1))
+    assert spawned_children(driver) == []
+    assert driver.state.dropped_spawns[0]["reason"] == "invalid_request"
+
+
+# -- injected operations that are already settled -------------------------------------------
+def test_an_injected_operation_that_is_already_cancelled_short_circuits(drive):
+    """inject x (status cancelled) after a: admitted, settled cancelled, never dispatched."""
+    driver, n = reactive(drive, "a")
+    injected = create_operation("chat", {"instruction": "never run me"})
+    injected.status = "cancelled"
+    driver.handle(InjectRequested(operation=injected, after=n.a, token=1))
+    assert driver.of_type(AdmissionDecided, last=True) == [AdmissionDecided(1, True, injected.id, None)]
+    driver.complete(n.a)
+    assert injected.id not in [d.node_id for d in driver.of_type(DispatchOperation)]
+    assert driver.envelope["operation_statuses"][injected.id] == "cancelled"
+
+
+def test_an_injected_operation_that_is_already_completed_restores_its_response(drive):
+    driver, n = reactive(drive, "a")
+    injected = create_operation("chat", {"instruction": "done elsewhere"})
+    injected.status, injected.response = "completed", "from before"
+    driver.handle(InjectRequested(operation=injected, independent=True, token=2))
+    driver.complete(n.a)
+    assert injected.id not in [d.node_id for d in driver.of_type(DispatchOperation)]
+    assert driver.envelope["operation_results"][injected.id] == "from before"
+
+
+# -- where clones come from (ADR-0023 D3, D6) ---------------------------------------------------
+def test_independent_children_clone_the_session_default_not_the_flow_default(drive):
+    """flow default "flow-root", session default "session": an independent child clones "session"."""
+    driver, n = reactive(drive, "a", default_branch_id="flow-root", clone_source_branch_id="session")
+    driver.complete(n.a, {"requests": [SpawnRequest(instruction="side", independent=True)]})
+    (child_id,) = spawned_children(driver)
+    (clone,) = [c for c in driver.of_type(CloneBranch) if c.node_id == child_id]
+    assert clone.source == "session"
+
+
+def test_a_dependent_child_clones_its_emitters_branch_which_is_the_flow_default_for_a_root(drive):
+    driver, n = reactive(drive, "a", default_branch_id="flow-root", clone_source_branch_id="session")
+    driver.complete(n.a, {"requests": [SpawnRequest(instruction="follow up")]})
+    (child_id,) = spawned_children(driver)
+    (clone,) = [c for c in driver.of_type(CloneBranch) if c.node_id == child_id]
+    assert clone.source == "flow-root"

@@ -286,13 +286,32 @@ def test_a_restored_completed_node_short_circuits_and_its_dependents_run(drive):
     assert driver.signals("started", op_id=n.a) == []
 
 
-def test_a_restored_failed_node_settles_with_its_error(drive):
-    """a (restored: failed) -> b."""
+def test_a_restored_failed_node_is_reported_failed_and_its_dependent_skipped_with_the_reason(drive):
+    """a (restored: failed) -> b: a is failed (not completed), its error reaches nobody, b is skipped."""
     graph, n = build("a", "b", edges=(("a", "b"),))
     restored = graph.nodes[n.a]
     restored.status, restored.error = "failed", "timed out last time"
     driver = drive(graph)
-    assert context_of(driver, n.b)[f"{n.a}_result"] == {"error": "timed out last time"}
+    envelope = driver.envelope
+    assert driver.dispatched() == {}
+    assert envelope["operation_statuses"] == {n.a: "failed", n.b: "skipped"}
+    assert envelope["failed_operations"] == [n.a]
+    assert n.a not in envelope["completed_operations"]
+    assert n.a not in envelope["operation_results"]
+    assert envelope["skipped_operations"] == [n.b]
+    (skipped,) = driver.signals("skipped", op_id=n.b)
+    assert skipped.reason == f"no incoming path passed: dependency {n.a} was restored as failed"
+    assert driver.state.story(n.b)[-1][2] == skipped.reason
+
+
+def test_a_dependent_with_another_live_path_runs_beside_a_restored_failure(drive):
+    """a (restored: failed) -> c <- b: b's path passes, so c runs, without a's error in its context."""
+    graph, n = build("a", "b", "c", edges=(("a", "c"), ("b", "c")))
+    graph.nodes[n.a].status = "failed"
+    driver = drive(graph)
+    driver.complete(n.b, "fine")
+    context = context_of(driver, n.c)
+    assert f"{n.a}_result" not in context and context[f"{n.b}_result"] == "fine"
 
 
 # -- pause and backpressure ---------------------------------------------------------------

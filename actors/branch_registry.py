@@ -1,0 +1,161 @@
+"""Where every branch lives, who owns it, and the executor's calls to the branch stores.
+
+Owns the executor's branch bookkeeping: branch id -> store shard, branch scopes (a
+Session's branches, a run's branches) so that they are dropped together, and the
+branches lost with a store that died. Every store call goes through ``call``, which
+notices a dead store, waits for its replacement and tries once more there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .branches import shard_for
+from .errors import UnknownBranchError, is_actor_death, translate
+from .supervision import ActorPool
+
+__all__ = ["BranchRegistry"]
+
+
+class BranchRegistry:
+    """Branch locations and scopes for one executor, over its pool of BranchStores.
+
+    A scope is a name (``session-<id>``, ``run-<id>``) owning a set of branches; a scope
+    may have a parent, and dropping a scope drops its children too. A branch belongs to
+    at most one scope.
+    """
+
+    def __init__(self, stores: ActorPool) -> None:
+        self.stores = stores
+        self.location: dict[str, int] = {}
+        self.scopes: dict[str, set[str]] = {}
+        self.children: dict[str, set[str]] = {}  # scope -> nested scopes
+        self.owner: dict[str, str] = {}  # branch id -> its scope
+        self.lost: set[str] = set()  # branches that died with their store, not yet recreated
+
+    # -- where a branch lives ---------------------------------------------------------------
+    def shard_of(self, branch_id: str | None, default: int = 0) -> int:
+        if branch_id is None:
+            return default
+        return self.location.get(branch_id, default)
+
+    def home_shard(self, branch_id: str) -> int:
+        return shard_for(branch_id, len(self.stores))
+
+    def place(self, branch_id: str, shard: int, scope: str | None = None) -> None:
+        self.location[branch_id] = shard
+        if scope is not None:
+            self.adopt(scope, [branch_id])
+
+    def adopt(self, scope: str, branch_ids: Iterable[str], parent: str | None = None) -> None:
+        """Put ``branch_ids`` under ``scope`` (created on first use, nested under ``parent``)."""
+        owned = self.scopes.get(scope)
+        if owned is None:
+            owned = self.scopes[scope] = set()
+            if parent is not None:
+                self.children.setdefault(parent, set()).add(scope)
+        owner = self.owner
+        for branch_id in branch_ids:
+            previous = owner.get(branch_id)
+            if previous is not None and previous != scope:
+                self.scopes.get(previous, set()).discard(branch_id)
+            owner[branch_id] = scope
+            owned.add(branch_id)
+
+    def knows(self, branch_id: str) -> bool:
+        return branch_id in self.location
+
+    # -- store calls ------------------------------------------------------------------------
+    async def call(self, shard: int, method: str, *args: Any, run_id: str | None = None,
+                   branch_id: str | None = None) -> Any:
+        """``store[shard].method(*args)``; a dead store is replaced and the call tried once more
+        on the replacement (which starts empty: its callers handle missing branches)."""
+        for attempt in (1, 2):
+            index, store = await self.stores.live(shard)
+            try:
+                return await getattr(store, method).remote(*args)
+            except Exception as exc:  # noqa: BLE001 - translated below; a death is retried once
+                if is_actor_death(exc) and attempt == 1:
+                    self.stores.mark_dead(index, store, f"{method} failed")
+                    continue
+                raise translate(exc, actor=self.stores.name_of(index), run_id=run_id, branch_id=branch_id,
+                                doing=method) from None
+        raise AssertionError("unreachable: the loop returns or raises")
+
+    async def create(self, branch_id: str, messages: list[Any], scope: str | None) -> int:
+        shard = self.home_shard(branch_id)
+        await self.call(shard, "create", branch_id, messages, True, branch_id=branch_id)
+        self.lost.discard(branch_id)
+        self.place(branch_id, shard, scope)
+        return shard
+
+    async def ensure(self, branches: dict[str, int], scope: str | None = None) -> list[str]:
+        """Make sure each branch (id -> shard) exists; returns the ids found lost and recreated empty.
+
+        Called when a run starts with branches this executor does not know (it replaced
+        a dead one) or knows to be lost (their store died): they come back empty, and the
+        run reports them lost instead of failing on a missing branch.
+        """
+        # A store being replaced has lost its branches; only once that is known can they be found.
+        await self.stores.settled()
+        wanted: dict[int, list[str]] = {}
+        for branch_id, shard in branches.items():
+            if branch_id in self.lost or branch_id not in self.location:
+                if shard >= len(self.stores):
+                    shard = self.home_shard(branch_id)
+                wanted.setdefault(shard, []).append(branch_id)
+        recreated: list[str] = []
+        for shard, branch_ids in wanted.items():
+            created = set(await self.call(shard, "ensure_many", branch_ids))
+            for branch_id in branch_ids:
+                if branch_id in created or branch_id in self.lost:
+                    recreated.append(branch_id)
+                self.lost.discard(branch_id)
+                self.location[branch_id] = shard
+        if scope is not None:
+            self.adopt(scope, [b for b in branches if b not in self.owner])
+        return recreated
+
+    async def messages(self, branch_id: str) -> list[Any]:
+        shard = self.location.get(branch_id)
+        if shard is None:
+            raise UnknownBranchError("this runtime holds no such branch", branch_id=branch_id)
+        if branch_id in self.lost:
+            raise UnknownBranchError("the branch was lost with its branch store", branch_id=branch_id)
+        return await self.call(shard, "messages", branch_id, branch_id=branch_id)
+
+    # -- dropping -----------------------------------------------------------------------------
+    async def drop_scope(self, scope: str) -> int:
+        """Drop every branch of ``scope`` and of the scopes nested in it; returns how many."""
+        scopes = [scope]
+        for name in scopes:  # grows while walking: nested scopes, breadth first
+            scopes.extend(self.children.pop(name, ()))
+        by_shard: dict[int, list[str]] = {}
+        for name in scopes:
+            for branch_id in self.scopes.pop(name, ()):
+                self.owner.pop(branch_id, None)
+                self.lost.discard(branch_id)
+                shard = self.location.pop(branch_id, None)
+                if shard is not None:
+                    by_shard.setdefault(shard, []).append(branch_id)
+        for parent_children in self.children.values():
+            parent_children.difference_update(scopes)
+        dropped = 0
+        for shard, branch_ids in by_shard.items():
+            dropped += await self.call(shard, "drop_many", branch_ids)
+        return dropped
+
+    # -- a store died and was replaced ----------------------------------------------------------
+    async def store_replaced(self, index: int) -> list[str]:
+        """Every branch that lived on shard ``index`` is lost; each is recreated empty at once on
+        the replacement, so later nodes find their branch (with no history) instead of failing,
+        and stays in ``lost`` until a run that names it has reported the loss."""
+        lost = [branch_id for branch_id, shard in self.location.items() if shard == index]
+        self.lost.update(lost)
+        if lost:
+            await self.call(index, "ensure_many", lost)
+        return lost
+
+    def statistics(self) -> dict[str, Any]:
+        return {"branches": len(self.location), "scopes": len(self.scopes), "lost": len(self.lost)}

@@ -1,0 +1,140 @@
+"""The messages between the executor, its workers and the driver, declared once (no Ray import).
+
+Owns the wire layout of a call and its outcome, what a run ships to workers, a registered
+operation and the result of a single turn. The per-node rows are plain tuples, pickled
+by Ray: a batch of builtin tuples pickles in C, where a dataclass per item cost ~6 us
+each way in Python reduce and setstate, the largest per-node cost of a 10,000-node
+fan-out. (DESIGN.md names the kernel's msgpack codec for durable data; on this per-node
+path it would cost more still, so these rows are a deliberate exception.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opgraph.kernel import RetryPolicy
+
+__all__ = [
+    "ACKNOWLEDGED",
+    "CallRow",
+    "Outcome",
+    "OutcomeRow",
+    "RegisteredOperation",
+    "RunOptions",
+    "RunResources",
+    "TurnResult",
+]
+
+#   CallRow:    (node_id, attempt, operation, parameters, branch_id, store_index)
+#   OutcomeRow: (node_id, attempt, status, response, error, error_type, requests, started, finished)
+# ``requests`` is a list of (kind, request, dedupe key, redelivery); a dedupe key is
+# (node_id, attempt, ordinal): the same object keeps its ordinal on both routes.
+CallRow = tuple[str, int, str, dict[str, Any], "str | None", int]
+OutcomeRow = tuple[str, int, str, Any, "str | None", "str | None", list, float, float]
+
+# The first item a worker's batch stream yields: "every call of this batch has started".
+# A batch whose stream fails before it never reached a live worker, so its calls are
+# re-dispatched instead of failed (DESIGN.md, "Supervision").
+ACKNOWLEDGED: list = []
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What a worker returns for one call, never an exception; ``row()`` is its wire form."""
+
+    node_id: str
+    attempt: int
+    status: str  # completed | failed | cancelled
+    response: Any = None
+    error: str | None = None
+    error_type: str | None = None
+    requests: list[tuple[str, Any, Any, bool]] = field(default_factory=list)
+    started: float = 0.0
+    finished: float = 0.0
+
+    def row(self) -> OutcomeRow:
+        return (self.node_id, self.attempt, self.status, self.response, self.error, self.error_type,
+                self.requests, self.started, self.finished)
+
+
+@dataclass(slots=True)
+class RegisteredOperation:
+    """A user operation: ``async fn(branch, **parameters)``.
+
+    ``record_turn`` appends the instruction and response to the branch; ``timeout``
+    (seconds) turns a hung call into a failed outcome of type ``OperationTimeout``;
+    ``retry`` says how often a failed attempt is tried again, and after which kinds.
+    """
+
+    fn: Callable[..., Any]
+    record_turn: bool = True
+    timeout: float | None = None
+    retry: RetryPolicy | None = None
+
+
+@dataclass(slots=True)
+class RunResources:
+    """What a run (or a Session's turns) ships to each worker once: operations, providers, settings.
+
+    Workers fetch it from the executor the first time a call of the run reaches them,
+    so a worker started to replace a dead one is set up before it runs anything.
+    ``spawn_type`` is the request type a worker looks for in results.
+    """
+
+    operations: dict[str, Any] = field(default_factory=dict)
+    providers: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    spawn_type: type | None = None
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    """One agent turn run on a worker (``Session.turn``): its response and what it cost.
+
+    ``usage`` sums every model call of the turn: calls, prompt_tokens, completion_tokens,
+    total_tokens, and ``by_model`` ("provider/model" -> the same counts), from which a
+    cost budget is priced.
+    """
+
+    response: Any
+    usage: dict[str, Any]
+    branch_id: str
+    attempt: int
+    elapsed: float
+
+
+@dataclass
+class RunOptions:
+    """Everything ``Session.flow`` decides for one run, shipped to the executor once.
+
+    ``default_branch_id`` is where roots run; ``clone_source_branch_id`` the session's
+    default branch, which dependent nodes are cloned from. ``known_branches`` (id ->
+    shard) are branches the run may name; the executor recreates any it finds lost.
+    ``branch_scope`` owns the branches the run creates (``scope_parent`` owns that
+    scope in turn); with ``isolated`` the run also gets a default branch of its own,
+    in its scope, so nothing of another run reaches it.
+    """
+
+    context: dict[str, Any] | None = None
+    max_concurrent: int | None = 5
+    parallel: bool = True
+    reactive: bool = False
+    max_spawn: int = 50
+    spawn_type: type | None = None
+    node_builder: Any = None
+    reducers: dict[str, Any] | None = None
+    default_branch_id: str | None = None
+    clone_source_branch_id: str | None = None
+    known_branches: dict[str, int] = field(default_factory=dict)
+    resources: RunResources = field(default_factory=RunResources)
+    retry_policies: dict[str, RetryPolicy] = field(default_factory=dict)
+    spawn_branch_setup: Any = None
+    want_signals: bool = True
+    want_events: bool = False
+    stream_buffer: int = 1024
+    branch_scope: str | None = None
+    scope_parent: str | None = None
+    isolated: bool = False
+    cancel_grace: float = 5.0

@@ -1,0 +1,130 @@
+"""Process settings of the actor runtime: names, sizes, intervals and the environment they come from.
+
+Owns the defaults every actor module reads (so none of them imports another for a
+constant) and the naming of actors. A detached runtime is shared by name by every
+process of its namespace; an owned one carries its creator's id in every name, so no
+other process can find and come to depend on actors that die with their owner.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import dataclass
+
+__all__ = [
+    "CANCEL_GRACE_SECONDS",
+    "DEFAULT_NAMESPACE",
+    "EXECUTOR_CONCURRENCY",
+    "EXECUTOR_PREFIX",
+    "PROBE_INTERVAL_SECONDS",
+    "PROBE_TIMEOUT_SECONDS",
+    "WORKER_CONCURRENCY",
+    "ActorNames",
+    "newest_generation",
+    "cancel_grace_seconds",
+    "default_max_concurrency",
+    "tune_garbage_collector",
+]
+
+DEFAULT_NAMESPACE = "opgraph"
+EXECUTOR_PREFIX = "opgraph-executor-"
+WORKER_CONCURRENCY = 100_000
+EXECUTOR_CONCURRENCY = 100_000
+# How often the executor asks every worker and store whether it is alive, and how long
+# an answer may take: an idle actor's death is noticed within about a second.
+PROBE_INTERVAL_SECONDS = 1.0
+PROBE_TIMEOUT_SECONDS = 10.0
+CANCEL_GRACE_SECONDS = 5.0
+
+
+def tune_garbage_collector() -> None:
+    """Collect the youngest generation every 50,000 allocations instead of 700.
+
+    A run allocates several small objects per settlement; with the default threshold
+    the collector repeatedly scans a heap holding the whole graph. Measured with
+    ``python -m opgraph.cluster.kernel_bench``: about a third of scheduler time.
+    """
+    _, second, third = gc.get_threshold()
+    gc.set_threshold(50_000, second, third)
+
+
+def cancel_grace_seconds() -> float:
+    """How long cancelled operations get to stop before they are reported cancelled anyway."""
+    return _positive_float("OPGRAPH_CANCEL_GRACE", CANCEL_GRACE_SECONDS)
+
+
+def default_max_concurrency() -> int:
+    """``max_concurrent=None``: the ``OPGRAPH_MAX_CONCURRENCY`` bound, default 10,000."""
+    text = os.environ.get("OPGRAPH_MAX_CONCURRENCY", "10000")
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        from opgraph.kernel import OperationError  # local: settings load before anything else
+
+        raise OperationError(f"OPGRAPH_MAX_CONCURRENCY must be a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _positive_float(variable: str, default: float) -> float:
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        from opgraph.kernel import OperationError  # local: settings load before anything else
+
+        raise OperationError(f"{variable} must be a number of seconds above 0, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ActorNames:
+    """The names of one runtime's actors.
+
+    ``suffix`` is empty for the detached runtime every process of the namespace shares
+    (``opgraph-executor-0``, ``opgraph-worker-1``...). An owned runtime's names end in
+    its creator's id. A replacement takes the next generation (``opgraph-worker-1.g2``):
+    a dead actor's name is not always free yet, and a name must never find the dead one.
+    """
+
+    suffix: str = ""
+
+    @property
+    def executor(self) -> str:
+        return f"{EXECUTOR_PREFIX}{self.suffix or '0'}"
+
+    def executor_of(self, generation: int) -> str:
+        return self.executor if generation == 0 else f"{self.executor}.g{generation}"
+
+    def worker(self, index: int, generation: int = 0) -> str:
+        return self._member("worker", index, generation)
+
+    def store(self, index: int, generation: int = 0) -> str:
+        return self._member("branches", index, generation)
+
+    def _member(self, kind: str, index: int, generation: int) -> str:
+        name = f"opgraph-{kind}-{index}"
+        if self.suffix:
+            name += f"-{self.suffix}"
+        return name if generation == 0 else f"{name}.g{generation}"
+
+
+def newest_generation(names: set[str] | list[str], base: str) -> tuple[str, int] | None:
+    """The newest generation of ``base`` among ``names`` (``base`` is 0, ``base.gN`` is N)."""
+    best = None
+    for name in names:
+        if name == base:
+            generation = 0
+        elif name.startswith(base + ".g") and name[len(base) + 2:].isdigit():
+            generation = int(name[len(base) + 2:])
+        else:
+            continue
+        if best is None or generation > best[1]:
+            best = (name, generation)
+    return best

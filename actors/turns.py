@@ -1,0 +1,59 @@
+"""Single turns: one call on a branch, on a supervised worker, outside any graph.
+
+Owns the executor side of ``Session.turn``: pick a live worker, run the call, and treat
+its failures as a graph node's are treated (a dead worker is a ``WorkerDied`` attempt,
+retried under the operation's RetryPolicy with a new attempt number). Engines run every
+agent turn through here, so no model call runs in the driver.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import ray
+
+from opgraph.kernel.failures import OUTCOME_LOST, WORKER_DIED, WORKER_ERROR
+
+from .errors import clean_text, is_actor_death
+from .protocol import CallRow, OutcomeRow
+
+if TYPE_CHECKING:
+    from .shell import ExecutorShell
+
+__all__ = ["run_turn"]
+
+
+async def run_turn(shell: ExecutorShell, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any], int]:
+    """Run ``call`` (its store index is filled in here) until it settles; (row, usage, attempt)."""
+    node_id, attempt, operation, parameters, branch_id, _ = call
+    shard = shell.branches.shard_of(branch_id)
+    resources = shell.resources.get(key)
+    registered = resources.operations.get(operation) if resources is not None else None
+    policy = getattr(registered, "retry", None)
+    while True:
+        row, usage = await _attempt(shell, key, (node_id, attempt, operation, parameters, branch_id, shard))
+        shell.totals["turns"] += 1
+        if row[2] == "failed" and policy is not None and policy.allows(attempt, row[5]):
+            attempt += 1
+            continue
+        return row, usage, attempt
+
+
+async def _attempt(shell: ExecutorShell, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any]]:
+    index, worker = await shell.workers.live()
+    try:
+        return await worker.run_turn.remote(key, call)
+    except Exception as exc:  # noqa: BLE001 - every failure becomes the turn's typed outcome
+        name = shell.workers.name_of(index)
+        if is_actor_death(exc):
+            if shell.workers.mark_dead(index, worker, "while running a turn"):
+                shell.worker_deaths += 1
+            error, kind = f"operation worker {name} died while running the turn", WORKER_DIED
+        elif isinstance(exc, ray.exceptions.RayTaskError):
+            error, kind = clean_text(f"operation worker {name} failed: {exc}"), WORKER_ERROR
+        else:
+            error, kind = clean_text(f"the turn's outcome could not be received: {type(exc).__name__}: {exc}"), \
+                OUTCOME_LOST
+        now = time.time()
+        return (call[0], call[1], "failed", None, error, kind, [], now, now), {}

@@ -1,0 +1,325 @@
+"""Supervision: real actors killed on purpose (ray.kill and SIGKILL of the pid), runs go on.
+
+Every test has a runtime of its own (a Session in a fresh namespace: its own executor,
+two workers and a branch store), so it kills nothing another test relies on, and stands
+alone. Operations hold on a Gauge latch, so a kill lands while exactly the calls the test
+means are in flight; tests wait on events with timeouts, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from typing import Any
+
+import pytest
+import ray
+
+from opgraph.actors import RuntimeLostError, Session
+from opgraph.kernel import Graph, OperationGraphBuilder, create_operation
+
+FLOW_TIMEOUT = 90.0
+WAIT = 30.0
+
+
+def run(coroutine: Any, timeout: float = FLOW_TIMEOUT) -> Any:
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+@pytest.fixture()
+def own():
+    """A runtime of its own, in a throwaway namespace; killed whole afterwards."""
+    session = Session(namespace=f"opgraph-supervision-{uuid.uuid4().hex[:8]}")
+    yield session
+    with_children = [session.runtime.executor, *session.runtime.workers, *session.runtime.stores]
+    for handle in with_children:
+        try:
+            ray.kill(handle)
+        except ValueError:  # already dead
+            continue
+
+
+def statistics(session: Session) -> dict[str, Any]:
+    return ray.get(session.runtime.executor.statistics.remote())
+
+
+def wait_for_pool(session: Session, kind: str, check, seconds: float = WAIT) -> dict[str, Any]:
+    """Poll the executor's ``kind`` pool statistics until ``check`` holds (or fail after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        snapshot = statistics(session)[kind]
+        if check(snapshot):
+            return snapshot
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{kind} never reached the expected state: {snapshot}")
+        time.sleep(0.05)
+
+
+def pool(session: Session) -> dict[str, Any]:
+    return ray.get(session.runtime.executor.pool.remote())
+
+
+def kill(handle: Any, how: str) -> None:
+    """``ray.kill`` the actor, or SIGKILL its process."""
+    if how == "ray.kill":
+        ray.kill(handle, no_restart=True)
+    else:
+        os.kill(ray.get(handle.statistics.remote())["pid"], signal.SIGKILL)
+
+
+def held_operation(gauge: Any):
+    """Tells the Gauge it entered (per node, and which worker runs it), then holds until released."""
+
+    async def held(branch: Any, key: str, label: str, **parameters: Any) -> dict[str, Any]:
+        worker = ray.get_runtime_context().get_actor_id()
+        await gauge.enter.remote(key, label, worker)
+        await gauge.enter.remote(f"{key}/{label}")
+        try:
+            await gauge.wait_released.remote(key)
+        finally:
+            await gauge.exit.remote(key)
+        return {"label": label, "idempotency_key": list(branch.idempotency_key)}
+
+    return held
+
+
+def labelled(operation: str, key: str, labels: list[str]) -> tuple[Graph, dict[str, str]]:
+    builder = OperationGraphBuilder("labelled")
+    ids = {label: builder.add_operation(operation, depends_on=[], key=key, label=label) for label in labels}
+    return builder.get_graph(), ids
+
+
+class Progress:
+    """on_progress that keeps every (node, status) and wakes waiters on each."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+        self.changed = asyncio.Event()
+
+    def __call__(self, op_id: str, name: str, status: str, elapsed: float) -> None:
+        self.seen.append((op_id, status))
+        self.changed.set()
+
+    def count(self, status: str) -> int:
+        return sum(1 for _, seen in self.seen if seen == status)
+
+    async def wait_count(self, status: str, count: int) -> None:
+        while self.count(status) < count:
+            self.changed.clear()
+            await self.changed.wait()
+
+
+async def entries(gauge: Any, key: str, labels: list[str]) -> dict[str, int]:
+    return {label: (await gauge.snapshot.remote(f"{key}/{label}"))["entered"] for label in labels}
+
+
+# -- a worker dies mid-run ------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_a_worker_killed_mid_run_fails_only_what_was_in_flight_on_it(own, gauge, how):
+    """n0..n7 held in flight over two workers, n8..n15 queued (max_concurrent=8); one worker is killed.
+
+    Only the nodes in flight on it fail (WorkerDied, naming the worker and run); every
+    queued node runs later on live workers, none of them twice, and the next run of the
+    same Session completes on a live replacement.
+    """
+    key = f"mid-run-{how}"
+    own.register_operation("held", held_operation(gauge), record_turn=False)
+    labels = [f"n{i}" for i in range(16)]
+    graph, ids = labelled("held", key, labels)
+    progress = Progress()
+
+    async def scenario():
+        flow = asyncio.create_task(own.flow(graph, max_concurrent=8, on_progress=progress))
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 8), WAIT)
+        placement = await gauge.worker_of.remote(key)
+        victim_id = placement["n0"]
+        [victim] = [w for w in own.runtime.workers if w._actor_id.hex() == victim_id]
+        on_victim = sorted(label for label, worker in placement.items() if worker == victim_id)
+        kill(victim, how)
+        await asyncio.wait_for(progress.wait_count("failed", len(on_victim)), WAIT)
+        await gauge.release.remote(key)
+        envelope = await flow
+        return envelope, on_victim, await entries(gauge, key, labels)
+
+    envelope, on_victim, entered = run(scenario())
+
+    failed = {ids[label] for label in on_victim}
+    statuses = envelope["operation_statuses"]
+    assert {node for node, status in statuses.items() if status == "failed"} == failed
+    assert {node for node, status in statuses.items() if status == "completed"} == set(ids.values()) - failed
+    for node in failed:
+        result = envelope["operation_results"][node]
+        assert result["error_type"] == "WorkerDied"
+        assert "opgraph-worker-" in result["error"] and envelope["run_id"] in result["error"]
+    assert all(count == 1 for count in entered.values()), entered  # nothing ran twice
+
+    ray.get(gauge.release.remote(f"{key}-after"))  # the next run's nodes need not hold
+    after = run(own.flow(labelled("held", f"{key}-after", ["a", "b", "c", "d"])[0], max_concurrent=4),
+                timeout=WAIT)
+    assert after["status"] == "completed"
+    wait_for_pool(own, "worker_pool", lambda workers: workers["replacements"] >= 1 and workers["alive"] == 2)
+
+
+def test_a_worker_death_is_retried_as_a_new_attempt_under_the_retry_policy(own, gauge):
+    """n0..n3 held over two workers with retry=2; one worker is killed: its nodes run again as
+    attempt 2 (a new idempotency key) on a live worker, and the run completes."""
+    key = "retried"
+    own.register_operation("held", held_operation(gauge), record_turn=False, retry=2)
+    labels = ["n0", "n1", "n2", "n3"]
+    graph, ids = labelled("held", key, labels)
+
+    async def scenario():
+        flow = asyncio.create_task(own.flow(graph, max_concurrent=4))
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+        placement = await gauge.worker_of.remote(key)
+        victim_id = placement["n0"]
+        [victim] = [w for w in own.runtime.workers if w._actor_id.hex() == victim_id]
+        on_victim = [label for label, worker in placement.items() if worker == victim_id]
+        kill(victim, "SIGKILL")
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 4 + len(on_victim)), WAIT)
+        await gauge.release.remote(key)
+        return await flow, on_victim
+
+    envelope, on_victim = run(scenario())
+
+    assert envelope["status"] == "completed"
+    results = envelope["operation_results"]
+    for label in on_victim:
+        assert results[ids[label]]["idempotency_key"] == [envelope["run_id"], ids[label], 2]
+    for label in set(labels) - set(on_victim):
+        assert results[ids[label]]["idempotency_key"][2] == 1
+
+
+def test_when_every_worker_dies_finished_nodes_stay_completed_and_the_session_recovers(own, gauge):
+    """done (finished first) | n0, n1 held on both workers; both workers die: done stays completed,
+    only n0 and n1 fail, and the next run completes on replacements."""
+    own.register_operation("held", held_operation(gauge), record_turn=False)
+    builder = OperationGraphBuilder("all-die")
+    done = builder.add_operation("noop", depends_on=[], instruction="quick")
+    held = [builder.add_operation("held", depends_on=[], key="all", label=label) for label in ("n0", "n1")]
+    progress = Progress()
+
+    async def scenario():
+        flow = asyncio.create_task(own.flow(builder.get_graph(), max_concurrent=3, on_progress=progress))
+        await asyncio.wait_for(gauge.wait_entered.remote("all", 2), WAIT)
+        await asyncio.wait_for(progress.wait_count("completed", 1), WAIT)
+        for worker in list(own.runtime.workers):
+            kill(worker, "ray.kill")
+        return await flow
+
+    envelope = run(scenario())
+
+    assert envelope["operation_statuses"][done] == "completed"
+    assert {envelope["operation_statuses"][node] for node in held} == {"failed"}
+    assert {envelope["operation_results"][node]["error_type"] for node in held} == {"WorkerDied"}
+    ray.get(gauge.release.remote("all-after"))
+    after = run(own.flow(labelled("held", "all-after", ["a", "b"])[0], max_concurrent=2), timeout=WAIT)
+    assert after["status"] == "completed"
+
+
+# -- a worker dies while idle ----------------------------------------------------------------
+def test_an_idle_worker_death_is_noticed_by_the_probe_and_replaced_within_five_seconds(own):
+    """Kill a worker while nothing runs: the executor's probe notices it and starts a replacement."""
+    victim = own.runtime.workers[0]
+    before = statistics(own)["worker_pool"]
+    kill(victim, "SIGKILL")
+    wait_for_pool(own, "worker_pool", lambda workers: workers["replacements"] > before["replacements"]
+                  and workers["alive"] == workers["size"], seconds=5.0)
+    assert pool(own)["workers"][0]._actor_id != victim._actor_id
+    graph = Graph("after-idle-death")
+    for index in range(20):
+        graph.add_node(create_operation("noop", {"instruction": f"n{index}"}))
+    assert run(own.flow(graph, max_concurrent=20), timeout=WAIT)["status"] == "completed"
+
+
+def test_work_sent_to_a_dead_worker_before_anyone_noticed_runs_again_and_does_not_fail(own):
+    """Both workers SIGKILLed, and a 200-node fan-out started at once: batches that reach a dead
+    worker never started, so they are re-dispatched, not failed; every node completes once."""
+    for worker in list(own.runtime.workers):
+        kill(worker, "SIGKILL")
+    graph = Graph("undelivered")
+    for index in range(200):
+        graph.add_node(create_operation("noop", {"instruction": f"n{index}"}))
+
+    envelope = run(own.flow(graph, max_concurrent=200), timeout=WAIT)
+
+    assert envelope["status"] == "completed"
+    assert envelope["failed_operations"] == []
+    wait_for_pool(own, "worker_pool", lambda workers: workers["deaths"] == 2 and workers["alive"] == 2)
+
+
+# -- a branch store dies ----------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_a_dead_branch_store_fails_the_nodes_that_touch_it_typed_and_the_session_goes_on(own, gauge, how):
+    """reads_branch x3 wait while the store is killed, then read: each fails with
+    BranchStoreLostError; the Session's next run, which records turns, completes; its default
+    branch came back empty and the run says so (lost_branches)."""
+
+    async def reads_branch(branch, key: str, **parameters):
+        await gauge.enter.remote(key)
+        await gauge.wait_released.remote(key)
+        return await branch.messages()
+
+    key = f"store-{how}"
+    own.register_operation("reads_branch", reads_branch, record_turn=False)
+    builder = OperationGraphBuilder("store-death")
+    first = [builder.add_operation("reads_branch", depends_on=[], key=key) for _ in range(3)]
+
+    async def scenario():
+        flow = asyncio.create_task(own.flow(builder.get_graph(), max_concurrent=3))
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 3), WAIT)
+        kill(own.runtime.stores[0], how)
+        await asyncio.sleep(0)  # the kill is synchronous; the release follows it
+        await gauge.release.remote(key)
+        return await flow
+
+    envelope = run(scenario())
+
+    assert {envelope["operation_statuses"][node] for node in first} == {"failed"}
+    assert {envelope["operation_results"][node]["error_type"] for node in first} == {"BranchStoreLostError"}
+    for node in first:
+        assert "opgraph-branches-" in envelope["operation_results"][node]["error"]
+
+    chain = OperationGraphBuilder("after-store-death")
+    head = chain.add_operation("chat", instruction="first")
+    chain.add_operation("chat", depends_on=[head], instruction="second")
+    after = run(own.flow(chain.get_graph()), timeout=WAIT)
+    assert after["status"] == "completed", after["operation_results"]
+    assert [entry["branch_id"] for entry in after.get("lost_branches", [])] == [own.default_branch]
+    messages = run(own.messages(own.default_branch), timeout=WAIT)
+    assert [message["content"] for message in messages if message["role"] == "user"] == ["first"]
+
+
+# -- the executor dies ---------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_a_dead_executor_is_a_typed_error_within_seconds_and_the_next_flow_completes(own, gauge, how):
+    """n0..n3 held; the executor is killed mid-run: flow() raises RuntimeLostError naming the
+    executor and the run within seconds; the same Session's next flow runs on a new executor."""
+    key = f"executor-{how}"
+    own.register_operation("held", held_operation(gauge), record_turn=False)
+    graph, _ = labelled("held", key, ["n0", "n1", "n2", "n3"])
+    executor = own.runtime.executor
+    run_id = f"doomed-{how}"
+
+    async def scenario():
+        flow = asyncio.create_task(own.flow(graph, max_concurrent=4, run_id=run_id))
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+        killed_at = time.monotonic()
+        kill(executor, how)
+        with pytest.raises(RuntimeLostError) as lost:
+            await flow
+        return lost.value, time.monotonic() - killed_at
+
+    error, seconds = run(scenario())
+
+    assert seconds < 10.0
+    assert error.run_id == run_id and error.actor.startswith("opgraph-executor-")
+    ray.get(gauge.release.remote(key))
+    own.register_operation("held_again", held_operation(gauge), record_turn=False)
+    ray.get(gauge.release.remote(f"{key}-after"))
+    after = run(own.flow(labelled("held_again", f"{key}-after", ["a", "b"])[0]), timeout=WAIT)
+    assert after["status"] == "completed"
+    assert own.runtime.executor._actor_id != executor._actor_id
