@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from opgraph.kernel import NODE_PROGRESS_KINDS, FlowEvent, Graph, OpGraphError, OperationError, RetryPolicy
+from opgraph.kernel import NODE_PROGRESS_KINDS, FlowEvent, Graph, OperationError, OpGraphError, RetryPolicy
 
 from .control import EventsDropped, RunControl, RunFinished
 from .errors import RuntimeLostError, TurnError
@@ -228,7 +228,7 @@ class Session:
         request = asyncio.ensure_future(self.runtime.call("turn", key, call))
         try:
             row, usage, attempt = await asyncio.wait_for(asyncio.shield(request), timeout)
-        except (asyncio.CancelledError, asyncio.TimeoutError) as stopped:
+        except (TimeoutError, asyncio.CancelledError) as stopped:
             with contextlib.suppress(OpGraphError):
                 await self.runtime.call("cancel_turn", key, node_id)
             request.cancel()
@@ -385,7 +385,7 @@ class Session:
 
         try:
             return await getattr(executor, method).remote(run_id, *args)
-        except Exception as exc:  # noqa: BLE001 - translated here, at the boundary
+        except Exception as exc:  # translated here, at the boundary
             error = translate(exc, actor=self.runtime.executor_name, run_id=run_id, doing=method)
             if isinstance(error, RuntimeLostError):
                 self.runtime.mark_dead(executor)
@@ -430,7 +430,8 @@ class Session:
             if status == "completed":
                 node.response = results.get(node_id)
             elif status == "failed":
-                node.error = str(results.get(node_id, {}).get("error")) if isinstance(results.get(node_id), dict) else None
+                result = results.get(node_id)
+                node.error = str(result.get("error")) if isinstance(result, dict) else None
 
     def run_control(self, run_id: str) -> RunControl:
         """Control of a run on this session's executor, by id (started here or elsewhere)."""
