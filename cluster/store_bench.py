@@ -57,11 +57,14 @@ class CountingStore(WorkflowStore):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.transactions = 0
+        self.transactions = self.signals = self.nodes = 0
 
-    def record_progress(self, *args: Any, **kwargs: Any) -> int:
+    def record_progress(self, run_id: str, *, signals: Any = (), nodes: Any = ()) -> int:
+        signals, nodes = list(signals), list(nodes)
         self.transactions += 1
-        return super().record_progress(*args, **kwargs)
+        self.signals += len(signals)
+        self.nodes += len(nodes)
+        return super().record_progress(run_id, signals=signals, nodes=nodes)
 
 
 async def _one(session: Any, nodes: int, capacity: int, store: WorkflowStore | None) -> float:
@@ -87,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = Session()
     timings: dict[str, list[float]] = {"no store": [], "store": []}
     transactions: list[int] = []
+    written = (0, 0)
     with tempfile.TemporaryDirectory(prefix="store-bench-") as folder:
         asyncio.run(_one(session, 50, arguments.max_concurrent, None))  # warm the workers
         for round_ in range(arguments.repeat):
@@ -94,13 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             with CountingStore(Path(folder) / f"round-{round_}.db") as store:
                 timings["store"].append(asyncio.run(_one(session, arguments.nodes, arguments.max_concurrent, store)))
                 transactions.append(store.transactions)
+                written = (store.signals, store.nodes)
     bare, recorded = statistics.median(timings["no store"]), statistics.median(timings["store"])
     print(f"{arguments.nodes} nodes, max_concurrent={arguments.max_concurrent}, median of {arguments.repeat}:")
     print(f"  no store            {bare:7.3f} s  ({arguments.nodes / bare:,.0f} nodes/s)")
     print(f"  store, as it goes   {recorded:7.3f} s  ({arguments.nodes / recorded:,.0f} nodes/s)")
     print(f"  ratio store/none    {recorded / bare:7.2f}x  (+{(recorded - bare) * 1000 / arguments.nodes:.2f} ms/node)")
     print(f"  progress transactions per run: {statistics.median(transactions):.0f} "
-          f"(for {arguments.nodes * 4} signals and {arguments.nodes} node results)")
+          f"(for {written[0]} signals and {written[1]} node results)")
     return 0
 
 
