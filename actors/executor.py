@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import ray
+
 from opgraph.kernel import (
     CancelRequested,
     DispatchHeld,
@@ -225,7 +226,7 @@ class GraphExecutor:
             run.wakeup.clear()
             try:
                 await asyncio.wait_for(run.wakeup.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass  # nothing new within the poll window: the driver polls again
         items = []
         while run.outbox and len(items) < max_items:

@@ -29,7 +29,8 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │       ├── ProviderRateLimited  still 429 after every retry
     │       ├── ProviderUnavailable  unreachable, or still 5xx after every retry
     │       ├── ProviderHTTPError    any other HTTP error status
-    │       └── ProviderResponseError  an answer that cannot be read
+    │       ├── ProviderResponseError  an answer that cannot be read
+    │       └── ProviderRefusal      the model declined to answer; ``refusal`` holds its words
     ├── UnknownRunError              no live run with this id on the namespace's executors (actors/errors.py)
     ├── UnknownWatcherError          no such watcher: finished, closed or idle (actors/watchers.py)
     ├── RoutingError (ValueError)    a spawn request cannot be routed (unknown assignee)
@@ -48,8 +49,11 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   └── RunConflictError         a run with that id already exists (store.py)
     ├── LaneCapabilityError          a control the lane's capabilities exclude (cluster/workflows/lanes.py)
     ├── ProvenanceError              run provenance that breaks the lane's rules (lanes.py)
-    ├── RunStateConflictError        a run control that its state forbids (cluster/workflows/api.py)
-    └── RuntimeUnavailableError      the HTTP API has no runtime to run on (api.py)
+    ├── RunStateConflictError        a run control that its state forbids (cluster/workflows/problems.py)
+    ├── RuntimeUnavailableError      the HTTP API has no runtime to run on (problems.py)
+    └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
+        └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
+            └── ClusterAuthenticationError  the cluster refused this process's token, or its lack of one
 
 Every class pickles with its ids intact, because Ray ships exceptions between processes.
 """

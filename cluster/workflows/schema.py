@@ -16,6 +16,7 @@ from pathlib import Path
 from opgraph.kernel import OpGraphError
 
 __all__ = [
+    "MAX_VERSION",
     "MIGRATIONS",
     "RUN_STATUSES",
     "RUN_TRANSITIONS",
@@ -107,8 +108,15 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE runs ADD COLUMN owner_pid INTEGER",
         "ALTER TABLE runs ADD COLUMN owner_start TEXT",
     )),
+    Migration(4, "each node's status and result, recorded as the node settles", (
+        """CREATE TABLE run_nodes (
+            run_id TEXT NOT NULL REFERENCES runs(run_id), node_id TEXT NOT NULL, spec_node_id TEXT,
+            status TEXT NOT NULL, result TEXT, settled_at REAL NOT NULL,
+            PRIMARY KEY (run_id, node_id))""",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
+MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER: no definition version can be higher
 
 RUN_STATUSES: tuple[str, ...] = ("admitted", "running", "completed", "failed", "cancelled")
 TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from opgraph.actors import Session, UnknownBranchError
-from opgraph.kernel import OpGraphError, OperationGraphBuilder
+from opgraph.kernel import OperationGraphBuilder, OpGraphError
 
 TIMEOUT = 60.0
 

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from opgraph.actors import Session
-from opgraph.kernel import Edge, Graph, OperationGraphBuilder, SpawnRequest, UnknownNodeError, create_operation
+from opgraph.kernel import Edge, Graph, SpawnRequest, UnknownNodeError, create_operation
 
 TIMEOUT = 60.0
 
