@@ -16,7 +16,6 @@ import time
 from collections import deque
 from typing import Any
 
-
 from opgraph.kernel import (
     AdmissionDecided,
     CancelGraceExpired,
@@ -58,8 +57,8 @@ __all__ = ["DISPATCH_BATCH", "DISPATCH_WINDOW", "ExecutorShell"]
 _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipped: "skipped"}
 DISPATCH_BATCH = 256  # calls per message; measured flat between 64 and 512 on 2 cores
 DISPATCH_WINDOW = 0.002  # seconds; bounds added latency, amortises message cost
-LAG_PROBE_SECONDS = 0.25
-LARGE_RUN_NODES = 10_000  # forgetting a run this large triggers a full garbage collection  # period of the loop-lag probe (metric opgraph_executor_loop_lag_seconds)
+LAG_PROBE_SECONDS = 0.25  # period of the loop-lag probe (metric opgraph_executor_loop_lag_seconds)
+LARGE_RUN_NODES = 10_000  # forgetting a run this large triggers a full garbage collection
 
 
 class _Run:
