@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ray
+
 from opgraph.kernel import ExecutionError
 
 from .errors import UnknownBranchError

@@ -9,18 +9,21 @@ module inspects a Ray exception's type or text; callers never catch a Ray type.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
 from opgraph.kernel import ExecutionError, OpGraphError
+from opgraph.kernel.failures import OUTCOME_LOST, WORKER_DIED, WORKER_ERROR
 
 __all__ = [
     "BranchStoreLostError",
+    "CallFailure",
     "RuntimeLostError",
     "TurnError",
     "UnknownBranchError",
     "UnknownRunError",
+    "call_failure",
     "clean_text",
     "is_actor_death",
     "translate",
@@ -103,3 +106,26 @@ def translate(exc: BaseException, *, actor: str | None = None, run_id: str | Non
     if isinstance(exc, ray.exceptions.RayError):
         return ExecutionError(clean_text(f"{type(exc).__name__}{what}: {exc}"), **ids)
     return exc
+
+
+class CallFailure(NamedTuple):
+    """What a failed call to a worker means for the calls it carried: a failure kind and its text."""
+
+    died: bool  # the worker is gone (its calls may not have started)
+    error_type: str
+    text: str
+
+
+def call_failure(exc: BaseException, worker: str, what: str) -> CallFailure:
+    """Classify the failure of a call that carried ``what`` to ``worker``.
+
+    A death is ``WorkerDied``; a worker that is alive but whose own loop raised is
+    ``WorkerError`` (an opgraph bug, not a death); anything else means the outcome
+    could not be received (``OutcomeLost``).
+    """
+    if is_actor_death(exc):
+        return CallFailure(True, WORKER_DIED, f"operation worker {worker} died while running {what}")
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        return CallFailure(False, WORKER_ERROR, clean_text(f"operation worker {worker} failed: {exc}"))
+    return CallFailure(False, OUTCOME_LOST, clean_text(
+        f"the outcome of {what} from operation worker {worker} could not be received: {type(exc).__name__}: {exc}"))

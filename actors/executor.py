@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import ray
+
 from opgraph.kernel import (
     CancelRequested,
     DispatchHeld,
@@ -37,6 +38,7 @@ from .settings import (
     PROBE_TIMEOUT_SECONDS,
     WORKER_CONCURRENCY,
     ActorNames,
+    names_in,
     newest_generation,
     tune_garbage_collector,
 )
@@ -79,7 +81,7 @@ class GraphExecutor:
         self.detached = detached
         self.namespace = namespace
         self.self_handle = ray.get_runtime_context().current_actor
-        existing = set(ray.util.list_named_actors())
+        existing = names_in(namespace or ray.get_runtime_context().namespace)
         stores, store_names, store_generations = self._adopt_or_start(
             branch_stores, names.store, self._start_store, existing)
         self.store_pool = ActorPool("branch store", stores, store_names, start=self._start_store,
@@ -224,7 +226,7 @@ class GraphExecutor:
             run.wakeup.clear()
             try:
                 await asyncio.wait_for(run.wakeup.wait(), timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass  # nothing new within the poll window: the driver polls again
         items = []
         while run.outbox and len(items) < max_items:

@@ -12,7 +12,8 @@ their branch handle. Concrete providers live in ``actors/providers/``; verbs in
     ├── ProviderRateLimited    429 after every retry
     ├── ProviderUnavailable    connection refused / reset, 5xx after every retry
     ├── ProviderHTTPError      any other non-2xx status
-    └── ProviderResponseError  a malformed or unparseable body
+    ├── ProviderResponseError  a malformed or unparseable body
+    └── ProviderRefusal        the model declined to answer; ``refusal`` holds its words
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "ProviderError",
     "ProviderHTTPError",
     "ProviderRateLimited",
+    "ProviderRefusal",
     "ProviderResponseError",
     "ProviderTimeout",
     "ProviderUnavailable",
@@ -48,14 +50,6 @@ class ProviderError(ExecutionError):
         super().__init__(message, node_id=node_id, branch_id=branch_id, edge_id=edge_id)
         self.provider = provider
         self.status = status
-
-    def __reduce__(self):
-        return (_rebuild_provider_error,
-                (type(self), self.message, self.provider, self.status, self.node_id, self.branch_id, self.edge_id))
-
-
-def _rebuild_provider_error(cls, message, provider, status, node_id, branch_id, edge_id):
-    return cls(message, provider=provider, status=status, node_id=node_id, branch_id=branch_id, edge_id=edge_id)
 
 
 class ModelIdentityError(ProviderError):
@@ -86,6 +80,20 @@ class ProviderResponseError(ProviderError):
     """The provider's body could not be parsed into a ChatResponse."""
 
 
+class ProviderRefusal(ProviderError):
+    """The model refused the request (OpenAI's ``refusal``, Anthropic's ``refusal`` stop reason).
+
+    ``refusal`` is the model's own explanation (may be empty). Not retried: the same
+    request is refused again; rephrase the instruction or choose another model.
+    """
+
+    def __init__(self, message: str, *, refusal: str = "", provider: str | None = None, status: int | None = None,
+                 node_id: str | None = None, branch_id: str | None = None, edge_id: str | None = None) -> None:
+        super().__init__(message, provider=provider, status=status, node_id=node_id, branch_id=branch_id,
+                         edge_id=edge_id)
+        self.refusal = refusal
+
+
 def parse_model_id(model: str) -> tuple[str, str]:
     """Split ``provider/model`` (the model part may itself contain '/'). ADR-0073 D4."""
     if not isinstance(model, str) or "/" not in model:
@@ -107,8 +115,15 @@ class ToolCall:
 
 @dataclass(slots=True)
 class Usage:
+    """Tokens of one call. ``prompt_tokens`` counts every input token, cached or not;
+    ``cache_read_tokens`` and ``cache_creation_tokens`` say how many of them were read from,
+    or written to, the provider's prompt cache (Anthropic bills these apart; OpenAI reports
+    cached reads as ``prompt_tokens_details.cached_tokens``)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_creation_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -20,7 +20,7 @@ import ray
 
 from .errors import RuntimeLostError, is_actor_death, translate
 from .executor import GraphExecutor
-from .settings import DEFAULT_NAMESPACE, EXECUTOR_CONCURRENCY, EXECUTOR_PREFIX, ActorNames, newest_generation
+from .settings import DEFAULT_NAMESPACE, EXECUTOR_CONCURRENCY, EXECUTOR_PREFIX, ActorNames, names_in, newest_generation
 
 __all__ = ["DEFAULT_NAMESPACE", "Runtime", "connect", "find_executors", "joined_with_address"]
 
@@ -135,8 +135,7 @@ class Runtime:
         workers, stores = self.sizes
         floor = 0  # a generation whose name still finds a dead actor is passed over
         while time.monotonic() < deadline:
-            names = [entry if isinstance(entry, str) else entry["name"] for entry in ray.util.list_named_actors()]
-            newest = newest_generation(names, self.names.executor)
+            newest = newest_generation(names_in(self.namespace), self.names.executor)
             generation = max(floor, newest[1] if newest else 0)
             handle = GraphExecutor.options(
                 name=self.names.executor_of(generation), namespace=self.namespace, get_if_exists=True,

@@ -14,10 +14,10 @@ import contextlib
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from opgraph.kernel import NODE_PROGRESS_KINDS, FlowEvent, Graph, OpGraphError, OperationError, RetryPolicy
+from opgraph.kernel import NODE_PROGRESS_KINDS, FlowEvent, Graph, OperationError, OpGraphError, RetryPolicy
 
 from .control import EventsDropped, RunControl, RunFinished
 from .errors import RuntimeLostError, TurnError
@@ -228,7 +228,7 @@ class Session:
         request = asyncio.ensure_future(self.runtime.call("turn", key, call))
         try:
             row, usage, attempt = await asyncio.wait_for(asyncio.shield(request), timeout)
-        except (asyncio.CancelledError, asyncio.TimeoutError) as stopped:
+        except (TimeoutError, asyncio.CancelledError) as stopped:
             with contextlib.suppress(OpGraphError):
                 await self.runtime.call("cancel_turn", key, node_id)
             request.cancel()
@@ -327,6 +327,7 @@ class Session:
         run_id: str | None = None,
         on_signal: Callable[[Any], Any] | None = None,
         isolated: bool = False,
+        on_settled: Callable[[FlowEvent], Awaitable[Any]] | None = None,
     ) -> dict[str, Any]:
         """Run ``graph`` on the executor and return the result envelope (ADR-0033 D1).
 
@@ -344,6 +345,9 @@ class Session:
         stay readable after the run (to record them) until ``release_run(run_id)``.
         Without it the record's semantics hold: dependent nodes clone the Session's
         default branch, and every branch lives until the Session is closed.
+
+        ``on_settled`` (async) is awaited with each settled node's ``FlowEvent``, result
+        included, as the run goes: how a run store records outputs before the run ends.
         """
         del alcall_params
         run_id = run_id or str(uuid.uuid4())
@@ -352,7 +356,7 @@ class Session:
             max_spawn=max_spawn, spawn_type=spawn_type, node_builder=node_builder,
             default_branch=default_branch, spawn_branch_setup=spawn_branch_setup, reducers=reducers,
             want_signals=bool(on_progress or verbose or on_branch_created or on_signal),
-            want_events=False, stream_buffer=1 << 30, isolated=isolated,
+            want_events=on_settled is not None, stream_buffer=1 << 30, isolated=isolated,
         )
         executor = await self._start(run_id, graph, options)
         if executor_ref is not None:
@@ -360,7 +364,7 @@ class Session:
             executor_ref["run_id"] = run_id
         try:
             envelope = await self._drain(executor, run_id, graph, on_progress, on_branch_created, verbose,
-                                         on_signal=on_signal)
+                                         on_event=on_settled, on_signal=on_signal)
         except BaseException:
             # Stop the run's remaining work, then re-raise; a dead executor has nothing to stop.
             with contextlib.suppress(OpGraphError):
@@ -381,7 +385,7 @@ class Session:
 
         try:
             return await getattr(executor, method).remote(run_id, *args)
-        except Exception as exc:  # noqa: BLE001 - translated here, at the boundary
+        except Exception as exc:  # translated here, at the boundary
             error = translate(exc, actor=self.runtime.executor_name, run_id=run_id, doing=method)
             if isinstance(error, RuntimeLostError):
                 self.runtime.mark_dead(executor)
@@ -426,7 +430,8 @@ class Session:
             if status == "completed":
                 node.response = results.get(node_id)
             elif status == "failed":
-                node.error = str(results.get(node_id, {}).get("error")) if isinstance(results.get(node_id), dict) else None
+                result = results.get(node_id)
+                node.error = str(result.get("error")) if isinstance(result, dict) else None
 
     def run_control(self, run_id: str) -> RunControl:
         """Control of a run on this session's executor, by id (started here or elsewhere)."""

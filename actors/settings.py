@@ -21,6 +21,7 @@ __all__ = [
     "PROBE_TIMEOUT_SECONDS",
     "WORKER_CONCURRENCY",
     "ActorNames",
+    "names_in",
     "newest_generation",
     "cancel_grace_seconds",
     "default_max_concurrency",
@@ -128,3 +129,11 @@ def newest_generation(names: set[str] | list[str], base: str) -> tuple[str, int]
         if best is None or generation > best[1]:
             best = (name, generation)
     return best
+
+
+def names_in(namespace: str | None) -> set[str]:
+    """The named actors of ``namespace`` (an actor's own namespace can differ from its job's)."""
+    import ray  # local: settings are read before Ray is needed anywhere
+
+    return {entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
+            if namespace is None or entry["namespace"] == namespace}

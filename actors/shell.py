@@ -11,11 +11,10 @@ shim, a cost per call this path (several per node) need not pay.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections import deque
 from typing import Any
-
-import ray
 
 from opgraph.kernel import (
     AdmissionDecided,
@@ -43,10 +42,10 @@ from opgraph.kernel import (
     ReplaceHistory,
     SpawnRequested,
 )
-from opgraph.kernel.failures import BRANCH_STORE_LOST, OUTCOME_LOST, WORKER_DIED, WORKER_ERROR
+from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
 from .branch_registry import BranchRegistry
-from .errors import clean_text, is_actor_death
+from .errors import call_failure, is_actor_death
 from .histogram import LatencyHistogram
 from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources
 from .settings import PROBE_TIMEOUT_SECONDS
@@ -59,6 +58,7 @@ _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipp
 DISPATCH_BATCH = 256  # calls per message; measured flat between 64 and 512 on 2 cores
 DISPATCH_WINDOW = 0.002  # seconds; bounds added latency, amortises message cost
 LAG_PROBE_SECONDS = 0.25  # period of the loop-lag probe (metric opgraph_executor_loop_lag_seconds)
+LARGE_RUN_NODES = 10_000  # forgetting a run this large triggers a full garbage collection
 
 
 class _Run:
@@ -226,6 +226,12 @@ class ExecutorShell:
             run.grace_timer.cancel()
         self._fail_waiters(run, None)
         self.release_resources(run_id)
+        if len(run.state.state) >= LARGE_RUN_NODES:
+            # A large run leaves reference cycles (tasks, closures) that the youngest
+            # generations never reach at this process's GC thresholds; collected now, a
+            # long-lived executor stays flat run after run instead of growing until a
+            # full collection happens to run.
+            gc.collect()
         return True
 
     def release_resources(self, key: str) -> None:
@@ -566,24 +572,18 @@ class ExecutorShell:
         if not pending:
             return
         now = time.time()
-        name = self.workers.name_of(index)
-        if is_actor_death(exc):
+        failure = call_failure(exc, self.workers.name_of(index), f"the operation (run {run.run_id})")
+        if failure.died:
             if self.workers.mark_dead(index, worker, f"while running run {run.run_id}"):
                 self.worker_deaths += 1
             if not acknowledged:
                 self.totals["undelivered"] += len(pending)
-                await self.feed(run, [DispatchUndelivered(now, node_id, attempt, f"worker {name} was dead")
+                await self.feed(run, [DispatchUndelivered(now, node_id, attempt,
+                                                          f"worker {self.workers.name_of(index)} was dead")
                                       for node_id, attempt in pending.items()])
                 return
-            reason, kind = f"operation worker {name} died while running the operation (run {run.run_id})", WORKER_DIED
-        elif isinstance(exc, ray.exceptions.RayTaskError):
-            # The worker is alive but its batch loop raised: a bug, not a death.
-            reason, kind = clean_text(f"operation worker {name} failed: {exc}"), WORKER_ERROR
-        else:  # an outcome that could not be fetched or read
-            reason, kind = clean_text(f"outcome from operation worker {name} could not be received: "
-                                      f"{type(exc).__name__}: {exc}"), OUTCOME_LOST
         await self.feed(run, [OperationFinished(now=now, node_id=node_id, attempt=attempt, status="failed",
-                                                error=reason, error_type=kind)
+                                                error=failure.text, error_type=failure.error_type)
                               for node_id, attempt in pending.items()])
 
     async def _settle_rows(self, run: _Run, pending: dict[str, int], rows: list[OutcomeRow]) -> None:

@@ -164,7 +164,7 @@ class ActorPool:
             return 0
         results = await asyncio.gather(*(_ping(handle, timeout) for _, handle in slots))
         died = 0
-        for (index, handle), error in zip(slots, results):
+        for (index, handle), error in zip(slots, results, strict=True):
             if error is None:
                 continue
             if is_actor_death(error):
@@ -181,7 +181,7 @@ class ActorPool:
 async def _ping(handle: Any, timeout: float) -> BaseException | None:
     try:
         await asyncio.wait_for(_await(handle.ping.remote()), timeout)
-    except asyncio.TimeoutError as exc:  # alive but busy, or hung: not taken for dead
+    except TimeoutError as exc:  # alive but busy, or hung: not taken for dead
         return exc
     except Exception as exc:  # noqa: BLE001 - the probe's answer; classified by the caller
         return exc

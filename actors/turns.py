@@ -11,11 +11,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-import ray
-
-from opgraph.kernel.failures import OUTCOME_LOST, WORKER_DIED, WORKER_ERROR
-
-from .errors import clean_text, is_actor_death
+from .errors import call_failure
 from .protocol import CallRow, OutcomeRow
 
 if TYPE_CHECKING:
@@ -45,15 +41,8 @@ async def _attempt(shell: ExecutorShell, key: str, call: CallRow) -> tuple[Outco
     try:
         return await worker.run_turn.remote(key, call)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the turn's typed outcome
-        name = shell.workers.name_of(index)
-        if is_actor_death(exc):
-            if shell.workers.mark_dead(index, worker, "while running a turn"):
-                shell.worker_deaths += 1
-            error, kind = f"operation worker {name} died while running the turn", WORKER_DIED
-        elif isinstance(exc, ray.exceptions.RayTaskError):
-            error, kind = clean_text(f"operation worker {name} failed: {exc}"), WORKER_ERROR
-        else:
-            error, kind = clean_text(f"the turn's outcome could not be received: {type(exc).__name__}: {exc}"), \
-                OUTCOME_LOST
+        failure = call_failure(exc, shell.workers.name_of(index), "the turn")
+        if failure.died and shell.workers.mark_dead(index, worker, "while running a turn"):
+            shell.worker_deaths += 1
         now = time.time()
-        return (call[0], call[1], "failed", None, error, kind, [], now, now), {}
+        return (call[0], call[1], "failed", None, failure.text, failure.error_type, [], now, now), {}

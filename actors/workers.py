@@ -17,6 +17,8 @@ from functools import partial
 from typing import Any
 
 import ray
+from ray import cloudpickle
+
 from opgraph.kernel import (
     EscalationRequest,
     ExecutionError,
@@ -32,7 +34,6 @@ from opgraph.kernel.failures import (
     OPERATION_TIMEOUT,
     UNSERIALISABLE_OUTCOME,
 )
-from ray import cloudpickle
 
 from .errors import BranchStoreLostError, clean_text, translate
 from .memory import current_rss_mib, peak_rss_mib
@@ -105,7 +106,7 @@ class RemoteBranch:
         store, name = self._worker.store(self._store_index)
         try:
             return await getattr(store, method).remote(*args)
-        except Exception as exc:  # noqa: BLE001 - translated: a dead store is a typed, per-node failure
+        except Exception as exc:  # translated: a dead store is a typed, per-node failure
             error = translate(exc, actor=name, run_id=self.run_id, node_id=self.node_id, branch_id=self.id,
                               doing=f"{method} on the branch")
             if error is exc:
@@ -433,7 +434,7 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
         else:
             try:
                 response = await asyncio.wait_for(registered.fn(branch, **parameters), registered.timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 worker.failed += 1
                 return (node_id, attempt, "failed", None,
                         f"operation {operation!r} exceeded its {registered.timeout} s timeout", OPERATION_TIMEOUT,
@@ -470,7 +471,7 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
         worker.failed += 1
         return (node_id, attempt, "failed", None, str(exc), BRANCH_STORE_LOST, _sendable(emitted), started,
                 time.time())
-    except Exception as exc:  # an operation failure is an outcome, never a raise
+    except Exception as exc:  # noqa: BLE001 - an operation failure is an outcome, never a raise
         worker.failed += 1
         return (node_id, attempt, "failed", None, clean_text(str(exc) or type(exc).__name__), type(exc).__name__,
                 _sendable(emitted), started, time.time())

@@ -292,7 +292,7 @@ def table(shapes: Sequence[Shape], results: list[dict[str, Outcome]], names: Seq
     if len(names) == 2:
         header.append(f"{names[0]}/{names[1]}")
     rows, notes = [header], []
-    for shape, outcomes in zip(shapes, results):
+    for shape, outcomes in zip(shapes, results, strict=True):
         row = [shape.label, f"{shape.nodes:,}", f"{shape.ideal:.2f}" if shape.ideal else "-"]
         for name in names:
             outcome = outcomes[name]
@@ -310,7 +310,7 @@ def table(shapes: Sequence[Shape], results: list[dict[str, Outcome]], names: Seq
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.ljust(width) if column == 0 else cell.rjust(width)
-                       for column, (cell, width) in enumerate(zip(row, widths))) for row in rows]
+                       for column, (cell, width) in enumerate(zip(row, widths, strict=True))) for row in rows]
     return lines + notes
 
 
@@ -347,9 +347,10 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
     print("\n".join(table(shapes, results, names)))
     if args.json:
         document = {"repeat": args.repeat, "machine": described, "ray_start_seconds": ray_start, "libraries": names,
-                    "shapes": [{**asdict(shape), "label": shape.label, "nodes": shape.nodes, "ideal_seconds": shape.ideal,
+                    "shapes": [{**asdict(shape), "label": shape.label, "nodes": shape.nodes,
+                                "ideal_seconds": shape.ideal,
                                 "results": {name: outcomes[name].figures(shape) for name in names}}
-                               for shape, outcomes in zip(shapes, results)]}
+                               for shape, outcomes in zip(shapes, results, strict=True)]}
         with open(args.json, "w") as handle:
             json.dump(document, handle, indent=2)
     return 0 if all(outcomes["opgraph"].status == "ok" for outcomes in results) else 1

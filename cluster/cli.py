@@ -9,10 +9,14 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+from .client import RUN_EXIT_CODES
 from .engine_cli import add_engine_parser, add_run_show_parser
-from .workflow_cli import add_flow_parser, add_run_arguments, add_workflows_parser
+from .workflow_cli import add_flow_parser, add_run_arguments, add_workflows_parser, positive_int
+from .workflows.body import DEFAULT_MAX_BODY_BYTES
 
 __all__ = ["main"]
+
+_RUN_EPILOG = RUN_EXIT_CODES[0].upper() + RUN_EXIT_CODES[1:] + "."
 
 
 def _installed_version() -> str:
@@ -33,8 +37,14 @@ def _run_demo(arguments: argparse.Namespace) -> int:
 def _serve_api(arguments: argparse.Namespace) -> int:
     # Lazy: FastAPI and uvicorn load only for the server.
     from opgraph.cluster.workflows.api import serve
+    from opgraph.kernel import OpGraphError
 
-    serve(arguments.host, arguments.port, store_path=arguments.store, address=arguments.address)
+    try:
+        serve(arguments.host, arguments.port, store_path=arguments.store, address=arguments.address,
+              max_body_bytes=arguments.max_body_bytes)
+    except OpGraphError as exc:  # the store cannot be opened: nothing was served
+        print(f"opgraph serve: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -106,7 +116,12 @@ def _build_parser() -> argparse.ArgumentParser:
     api.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     api.add_argument("--store", default=None,
                      help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
-    api.add_argument("--address", default=None, help="Ray address (default: embedded local Ray, started on first run)")
+    api.add_argument("--address", default=None,
+                     help="Ray address (default: an embedded local Ray); the runtime starts with the server, "
+                          "before it takes requests")
+    api.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                     help=f"largest request body taken; a larger one is refused with 413 before it is read "
+                          f"whole ({DEFAULT_MAX_BODY_BYTES})")
     api.set_defaults(handler=_serve_api)
 
     # Parsed by opgraph.cluster.bench itself: main() hands `bench ...` over before argparse
@@ -149,7 +164,11 @@ def _build_parser() -> argparse.ArgumentParser:
                         help="arguments of python -m opgraph.cluster.job, e.g. -- fanout --nodes 1000")
     submit.set_defaults(handler=_submit_job)
 
-    run = subcommands.add_parser("run", help="find a live run by id on a running cluster and control it")
+    run = subcommands.add_parser(
+        "run", help="find a live run by id on a running cluster and control it",
+        description="Attach to a run that a process on the cluster is running, by its id. A cluster with "
+                    "token authentication (Ray's default) needs RAY_AUTH_MODE=token and its token.",
+        epilog=_RUN_EPILOG)
     run.set_defaults(handler=lambda _: _print_help_of(run))
     run_commands = run.add_subparsers(dest="action", metavar="ACTION")
     for action, help_text in [
@@ -160,7 +179,8 @@ def _build_parser() -> argparse.ArgumentParser:
         ("message", "send an operator message, rendered into the next dispatched instructions"),
         ("watch", "stream settled nodes as JSON lines until the run ends"),
     ]:
-        command = run_commands.add_parser(action, help=help_text)
+        command = run_commands.add_parser(action, help=help_text, epilog=_RUN_EPILOG,
+                                          description=help_text[0].upper() + help_text[1:] + ".")
         command.add_argument("run_id", metavar="RUN_ID")
         if action == "message":
             command.add_argument("text", metavar="TEXT")

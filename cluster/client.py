@@ -17,10 +17,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["RUN_ACTIONS", "job_submit_command", "ray_cli", "run_action", "submit_job"]
+from .connection import EXIT_RUNTIME, RuntimeStartError
+
+__all__ = ["RUN_ACTIONS", "RUN_EXIT_CODES", "job_submit_command", "ray_cli", "run_action", "submit_job"]
 
 RUN_ACTIONS = ("status", "pause", "resume", "cancel", "message", "watch")
 EXIT_REFUSED = 1  # the run is unknown, already settled, or ended other than "completed"
+RUN_EXIT_CODES = (f"exit status: 0 done; {EXIT_REFUSED} the run is unknown, already finished, or (watch) ended "
+                  f"other than completed; 2 bad arguments; {EXIT_RUNTIME} the cluster could not be reached "
+                  "(nothing answered, or it refused this process's token)")
 
 
 def ray_cli() -> list[str]:
@@ -110,20 +115,35 @@ def run_action(action: str, run_id: str, *, address: str | None = None, namespac
                text: str | None = None, limit: int | None = None) -> int:
     """`opgraph run ACTION RUN_ID`: attach to a run on a running cluster and act on it."""
     import ray  # local: the CLI's other commands must not pay for Ray
-    from opgraph.actors import RunControl
+
+    from opgraph.actors import RunControl, UnknownRunError
     from opgraph.kernel import OpGraphError
+
+    from .connection import probe_cluster
 
     if action not in RUN_ACTIONS:
         raise ValueError(f"unknown run action {action!r}; expected one of {RUN_ACTIONS}")
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
+        # Ray would retry an address that does not answer for minutes (or forever), and
+        # report a refused token as "cannot connect": ask the GCS first, for a few seconds.
+        probe_cluster(address)
         control = RunControl.attach(run_id, address=address, namespace=namespace)
         return asyncio.run(_act(control, action, text, limit))
+    except RuntimeStartError as exc:
+        print(f"opgraph run {action}: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    except UnknownRunError:
+        # The executor knows a run only while its owner waits on it.
+        print(f"opgraph run {action}: run {run_id} is unknown or already finished (a run is found only "
+              f"while the process that started it waits on it; namespace {namespace!r} at {address})",
+              file=sys.stderr)
+        return EXIT_REFUSED
     except OpGraphError as exc:
         print(f"opgraph run {action}: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     except ConnectionError as exc:
         print(f"opgraph run {action}: cannot reach a Ray cluster at {address!r}: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return EXIT_RUNTIME
     finally:
         ray.shutdown()

@@ -1,6 +1,6 @@
 """The durable record of engine runs: the SQLite ``EventSink`` engines write to, and its reads.
 
-Owns the ``engine_runs`` and ``engine_events`` tables (schema migration 4, in the same
+Owns the ``engine_runs`` and ``engine_events`` tables (schema migration 5, in the same
 file as the workflow store: ``OPGRAPH_DB``, default ``~/.opgraph/opgraph.db``): a run's
 row with its inputs, configuration, status and statistics, and every typed event and
 notification under the run's id. It never runs an engine.

@@ -14,7 +14,7 @@ from typing import Any
 
 from opgraph.actors import Session
 from opgraph.actors.models import ModelProvider, parse_model_id
-from opgraph.actors.providers import OpenAICompatibleProvider
+from opgraph.actors.providers import provider_from_environment
 from opgraph.kernel import Graph, OperationGraphBuilder
 
 __all__ = ["DEFAULT_OPENAI_MODEL", "build_graph", "cli", "main", "model_from_environment", "run_three_nodes"]
@@ -31,14 +31,16 @@ VERB = "chat_and_record"
 def model_from_environment(environ: Mapping[str, str] = os.environ) -> tuple[str, ModelProvider | None]:
     """``sim/default``, or ``openai/<OPENAI_MODEL>`` with a provider for OPENAI_BASE_URL when it is set.
 
-    The provider is built here, in the driver, and registered on the session, so the
-    workers reach the same server even when they did not inherit this environment.
+    The provider is built here, in the driver, from the same settings as the built-in
+    (``ENVIRONMENT_SETTINGS``), and registered on the session, so the workers reach the
+    same server with the same limits even when they did not inherit this environment.
     """
-    base_url = environ.get("OPENAI_BASE_URL")
-    if not base_url:
+    if not environ.get("OPENAI_BASE_URL"):
         return "sim/default", None
     model = f"openai/{environ.get('OPENAI_MODEL') or DEFAULT_OPENAI_MODEL}"
-    return model, OpenAICompatibleProvider(base_url=base_url, api_key=environ.get("OPENAI_API_KEY"))
+    # Built as the built-in provider is: OPENAI_MAX_CONCURRENCY, OPENAI_TIMEOUT and
+    # OPENAI_MAX_TOKENS hold here as in every other entry point.
+    return model, provider_from_environment("openai", environ)
 
 
 def build_graph(model: str, topic: str = DEFAULT_TOPIC) -> Graph:

@@ -24,10 +24,12 @@ from typing import Any, TextIO
 
 from opgraph.kernel import Graph, create_operation
 
-__all__ = ["EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "fanout_graph", "main"]
+from .connection import EXIT_RUNTIME, RuntimeStartError
+
+__all__ = ["EXIT_RUNTIME", "EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "fanout_graph", "main"]
 
 EXIT_RUN_NOT_COMPLETED = 1  # the run failed or was cancelled: the job is marked FAILED
-EXIT_USAGE = 2  # bad arguments, or a workflow definition that does not validate or compile
+EXIT_USAGE = 2  # bad arguments or store, or a workflow definition that does not validate or compile
 
 
 class InjectedFailure(RuntimeError):
@@ -56,7 +58,8 @@ class ProgressLog:
 
     Settled counts completed, failed and skipped nodes (cancelled nodes send no signal);
     in flight is started minus finished. A line looks like
-    ``progress: settled 120/200 (60%), in flight 20, failed 0, 1.4 s``.
+    ``progress: settled 120/200 (60%), in flight 20, failed 0, 1.4 s``; the last one,
+    from the run's result, adds ``cancelled N`` when nodes were cancelled.
     """
 
     def __init__(self, total: int, *, out: TextIO | None = None, interval: float = 1.0,
@@ -67,7 +70,8 @@ class ProgressLog:
         self.step_nodes = max(1, int(total * step))
         self.clock = clock
         self.started_at = clock()
-        self.counts = {"started": 0, "completed": 0, "failed": 0, "skipped": 0}
+        self.counts = {"started": 0, "completed": 0, "failed": 0, "skipped": 0, "cancelled": 0}
+        self.finished = False
         self.lines = 0
         self._last_line_at = self.started_at
         self._last_line_settled = 0
@@ -78,6 +82,8 @@ class ProgressLog:
 
     @property
     def in_flight(self) -> int:
+        if self.finished:
+            return 0
         return max(0, self.counts["started"] - self.counts["completed"] - self.counts["failed"])
 
     def __call__(self, op_id: str, name: str, status: str, elapsed: float) -> None:
@@ -88,16 +94,26 @@ class ProgressLog:
                 or now - self._last_line_at >= self.interval):
             self.report(now)
 
-    def close(self) -> None:
-        """The last line, unless the last one printed already says everything settled."""
-        if self.lines == 0 or self._last_line_settled != self.settled:
+    def close(self, envelope: dict[str, Any] | None = None) -> None:
+        """The last line, from the run's result when it is given: a cancelled node sends no
+        signal, so counting signals alone left "in flight 96" after a cancel. Once the run
+        has ended nothing is in flight, and the line says how many were cancelled."""
+        if envelope is not None:
+            statuses = list(envelope.get("operation_statuses", {}).values())
+            for status in ("completed", "failed", "skipped", "cancelled"):
+                self.counts[status] = statuses.count(status)
+            self.counts["started"] = self.counts["completed"] + self.counts["failed"]
+            self.finished = True
+            self.report()
+        elif self.lines == 0 or self._last_line_settled != self.settled:
             self.report()
 
     def report(self, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         percent = 100.0 * self.settled / self.total if self.total else 100.0
+        cancelled = f", cancelled {self.counts['cancelled']}" if self.counts["cancelled"] else ""
         print(f"progress: settled {self.settled}/{self.total} ({percent:.0f}%), in flight {self.in_flight}, "
-              f"failed {self.counts['failed']}, {now - self.started_at:.1f} s", file=self.out, flush=True)
+              f"failed {self.counts['failed']}{cancelled}, {now - self.started_at:.1f} s", file=self.out, flush=True)
         self.lines += 1
         self._last_line_at = now
         self._last_line_settled = self.settled
@@ -116,11 +132,11 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
     """Run the fan-out; return its envelope and the seconds it took."""
     import ray  # local: `--help` and usage errors must not pay for Ray
 
-    from opgraph.actors import Session
+    from opgraph.cluster.connection import open_session
 
     address = _address(arguments)
     detached = arguments.detached if arguments.detached is not None else address is not None
-    session = Session(address=address, namespace=arguments.namespace, detached=detached)
+    session = open_session(address, namespace=arguments.namespace, detached=detached)
     session.register_operation("fail", fail, record_turn=False)
     metrics = None
     try:
@@ -139,10 +155,16 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
         progress = ProgressLog(len(graph.nodes), interval=arguments.progress_interval)
         envelope = await session.flow(graph, max_concurrent=arguments.max_concurrent, on_progress=progress,
                                       run_id=run_id, isolated=True)
-        progress.close()
+        progress.close(envelope)
         return envelope, time.monotonic() - progress.started_at
     finally:
         if metrics is not None:
+            # The run is over, its final values are in the actors: let one more scrape read them.
+            from opgraph.cluster.metrics import DEFAULT_LINGER
+
+            linger = DEFAULT_LINGER if arguments.metrics_linger is None else arguments.metrics_linger
+            if await asyncio.to_thread(metrics.linger, linger):
+                print("metrics: scraped once more after the run; closing", flush=True)
             metrics.stop()
         # A detached runtime outlives this job: leave none of the job's branches in it.
         await session.aclose()
@@ -167,19 +189,21 @@ async def _run_workflow(arguments: argparse.Namespace) -> Any:
     """Run a workflow file on the fixed lane; the run is recorded in the driver's SQLite store."""
     import ray  # local, as in _run_fanout
 
-    from opgraph.actors import Session
+    from opgraph.cluster.connection import open_session
     from opgraph.cluster.workflow_cli import parse_inputs
     from opgraph.cluster.workflows.runner import compile_source, file_source, run_workflow
     from opgraph.cluster.workflows.store import WorkflowStore
 
     inputs = parse_inputs(arguments.input)
-    source = file_source(arguments.file)
+    # Under `ray job submit` the file is read from Ray's copy of the working dir; the run
+    # records the path the user gave, which means something to them (and to the next job).
+    source = file_source(arguments.file, ref=arguments.file)
     compiled = compile_source(source, inputs=inputs, base_dir=arguments.base_dir, model=arguments.model)
     address = _address(arguments)
     detached = arguments.detached if arguments.detached is not None else address is not None
-    session = Session(address=address, namespace=arguments.namespace, detached=detached)
-    try:
-        with WorkflowStore(arguments.store) as store:
+    with WorkflowStore(arguments.store) as store:  # checked before Ray starts: a bad store is a usage error
+        session = open_session(address, namespace=arguments.namespace, detached=detached)
+        try:
             run_id = arguments.run_id or f"workflow-{uuid.uuid4()}"
             print(f"run_id: {run_id}", flush=True)
             print(f"starting {source.ref} ({source.content_hash}) with {len(compiled.graph.nodes)} operations "
@@ -189,19 +213,25 @@ async def _run_workflow(arguments: argparse.Namespace) -> Any:
                                         model=arguments.model, store=store, run_id=run_id,
                                         max_concurrent=arguments.max_concurrent, compiled=compiled,
                                         on_progress=progress)
-            progress.close()
+            progress.close({"operation_statuses": result.statuses} if result.statuses else None)
             return result
-    finally:
-        ray.shutdown()
+        finally:
+            ray.shutdown()
 
 
 def _workflow(arguments: argparse.Namespace) -> int:
     from opgraph.cluster.workflows.spec import WorkflowDefinitionError
+    from opgraph.kernel import OpGraphError
 
     try:
         result = asyncio.run(_run_workflow(arguments))
     except WorkflowDefinitionError as exc:
         print(json.dumps({"errors": exc.errors}), file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    except RuntimeStartError:
+        raise  # main() reports it
+    except OpGraphError as exc:  # the store, the inputs: nothing ran
+        print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
     payload = result.to_dict()
     summary = {key: payload[key] for key in ("run_id", "status", "source", "content_hash", "statuses", "elapsed")}
@@ -227,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m opgraph.cluster.job",
         description="Run one opgraph run as a Ray job: progress in the logs, the summary as the last line.",
+        epilog=f"Exit status: 0 the run completed; {EXIT_RUN_NOT_COMPLETED} it failed or was cancelled; "
+               f"{EXIT_USAGE} bad arguments, store or definition (nothing ran); {EXIT_RUNTIME} Ray could not be "
+               "started or reached (nothing ran).",
     )
     modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
     fanout = modes.add_parser("fanout", help="N independent nodes of the built-in 'sleep' operation")
@@ -241,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     fanout.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus /metrics on PORT during the run (0: any free port)")
     fanout.add_argument("--metrics-host", default="127.0.0.1", help="interface for --metrics-port (127.0.0.1)")
+    fanout.add_argument("--metrics-linger", type=float, default=None, metavar="SECONDS",
+                        help="after the run, keep --metrics-port open until one more scrape has read the final "
+                             "values, at most SECONDS (30; 0: close at once). Nothing scraped: it closes at once")
     _add_runtime_arguments(fanout, run_id_default="fanout-<uuid>")
     fanout.set_defaults(handler=_fanout)
     workflow = modes.add_parser("workflow", help="run a fixed-workflow JSON file (ADR-0073), recorded in SQLite")
@@ -277,7 +313,11 @@ def _add_runtime_arguments(mode: argparse.ArgumentParser, *, run_id_default: str
 
 def main(argv: Sequence[str] | None = None) -> int:
     arguments = build_parser().parse_args(argv)
-    return arguments.handler(arguments)
+    try:
+        return arguments.handler(arguments)
+    except RuntimeStartError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_RUNTIME
 
 
 if __name__ == "__main__":

@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--signals", action="store_true",
                         help="emit queued, started and spawned signals, as a run with a signal subscriber does")
     parser.add_argument("--batch", type=int, default=OUTCOME_BATCH,
-                        help=f"outcomes per handle() call (default {OUTCOME_BATCH}, as the executor; 0: all outstanding)")
+                        help=f"outcomes per handle() call (default {OUTCOME_BATCH}, as the executor; "
+                             "0: all outstanding)")
     parser.add_argument("--only", default="",
                         help="comma-separated subset of shapes to run: fanout, chain, spawns (default: all)")
     args = parser.parse_args(argv)

@@ -4,8 +4,9 @@ Owns argument handling, the live progress display (rich on a terminal, one plain
 per lifecycle signal otherwise), structured error printing and exit codes. It must not
 compile, store or run anything itself: the workflows package does that.
 
-Exit codes: 0 completed, 1 failed run, 2 bad definition, arguments or unknown name,
-130 cancelled (Ctrl-C).
+Exit codes: 0 completed, 1 failed run, 2 bad definition, arguments, store or unknown name
+(nothing ran), 3 the runtime (Ray) could not be started or reached (nothing ran), 130
+cancelled (Ctrl-C). Options are checked before anything starts.
 """
 
 from __future__ import annotations
@@ -21,12 +22,19 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
+from .connection import EXIT_RUNTIME, RuntimeStartError
 from .workflows.lanes import describe_capabilities
 from .workflows.spec import WorkflowDefinitionError
 
-__all__ = ["EXAMPLE_WORKFLOW", "add_flow_parser", "add_workflows_parser", "parse_inputs", "run_flow"]
+__all__ = [
+    "EXAMPLE_WORKFLOW", "EXIT_CODES", "add_flow_parser", "add_workflows_parser", "parse_inputs", "positive_int",
+    "run_flow",
+]
 
 EXIT_FAILED, EXIT_INVALID, EXIT_CANCELLED = 1, 2, 130
+EXIT_CODES = ("exit status: 0 completed; 1 the run failed; 2 bad definition, arguments, store or unknown "
+              f"name (nothing ran); {EXIT_RUNTIME} the runtime (Ray) could not be started or reached "
+              "(nothing ran); 130 cancelled")
 _FINAL = {"completed": "done", "failed": "failed", "skipped": "skipped"}
 
 
@@ -53,8 +61,23 @@ def parse_inputs(pairs: list[str] | None) -> dict[str, Any]:
     return inputs
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number above 0 (argparse exits 2 before anything starts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _refused(exc: OpGraphError) -> int:
-    """Print why nothing ran (a definition's problem list, or the typed error); exit 2."""
+    """Print why nothing ran (a definition's problem list, or the typed error); exit 2 (3 for
+    a runtime that could not be started or reached)."""
+    if isinstance(exc, RuntimeStartError):
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
     if isinstance(exc, WorkflowDefinitionError):
         kind = "compile" if type(exc).__name__ == "WorkflowCompileError" else "validation"
         print(f"error: the workflow definition failed {kind} ({len(exc.errors)} problem(s)):", file=sys.stderr)
@@ -137,8 +160,7 @@ def _open_store(path: str | None) -> Any:
 
 
 async def _run(arguments: argparse.Namespace, target: str) -> int:
-    from opgraph.actors import Session
-
+    from .connection import open_session
     from .workflows.runner import compile_source, resolve_source, run_workflow
 
     store = _open_store(arguments.store)
@@ -146,7 +168,7 @@ async def _run(arguments: argparse.Namespace, target: str) -> int:
         inputs = parse_inputs(arguments.input)
         source = resolve_source(target, store)
         compiled = compile_source(source, inputs=inputs, base_dir=arguments.base_dir, model=arguments.model)
-        session = Session(arguments.address, default_model=arguments.default_model)
+        session = open_session(arguments.address, default_model=arguments.default_model)
         spec_ids = [spec_id for spec_id in compiled.node_ids_by_spec_id]
         print(f"running {source.label} ({source.content_hash[:19]}…) on lane fixed_workflow", file=sys.stderr)
         with ProgressDisplay(spec_ids, live=None if not arguments.plain else False) as display:
@@ -188,10 +210,13 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-model", default=None,
                         help="provider/model for chat nodes that name none (default: OPGRAPH_DEFAULT_MODEL or "
                              "sim/default, the built-in simulated provider)")
-    parser.add_argument("--max-concurrent", type=int, default=5, help="operations in flight at once (5)")
+    parser.add_argument("--max-concurrent", type=positive_int, default=5, help="operations in flight at once (5)")
     parser.add_argument("--store", default=None,
-                        help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
-    parser.add_argument("--address", default=None, help='Ray address (default: embedded local Ray)')
+                        help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or "
+                             "~/.opgraph/opgraph.db)")
+    parser.add_argument("--address", default=None,
+                        help="Ray address host:port, auto or ray://host:port (default: an embedded local Ray); "
+                             "a cluster with token authentication needs RAY_AUTH_MODE=token")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
 
@@ -203,9 +228,9 @@ def add_flow_parser(subcommands: Any) -> None:
     run = actions.add_parser(
         "run", help="run a workflow by name[@version] or from a JSON file",
         description="Compile and run a fixed workflow, pinned to one version and content hash, with live "
-                    "progress. Exit status: 0 completed, 1 failed, 2 bad definition or arguments, 130 cancelled.",
-        epilog=f"Lane fixed_workflow capabilities: {describe_capabilities()}. Controls the lane cannot "
-               "honour are rejected, never queued.",
+                    "progress. Options, the definition and the store are checked before Ray starts.",
+        epilog=f"E{EXIT_CODES[1:]}. Lane fixed_workflow capabilities: {describe_capabilities()}. "
+               "Controls the lane cannot honour are rejected, never queued.",
     )
     run.add_argument("target", metavar="NAME-OR-FILE", help="registry name, name@VERSION, or a .json file")
     add_run_arguments(run)
@@ -214,7 +239,10 @@ def add_flow_parser(subcommands: Any) -> None:
 
 # -- workflows ---------------------------------------------------------------------------
 def _workflows(arguments: argparse.Namespace) -> int:
-    store = _open_store(arguments.store)
+    try:
+        store = _open_store(arguments.store)
+    except OpGraphError as exc:  # a directory, a file that is no SQLite store, no permission
+        return _refused(exc)
     try:
         return _WORKFLOW_ACTIONS[arguments.workflows_command](store, arguments)
     except OpGraphError as exc:

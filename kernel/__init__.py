@@ -25,8 +25,8 @@ from .errors import (
     ExecutionError,
     GraphCycleError,
     InvariantViolation,
-    OpGraphError,
     OperationError,
+    OpGraphError,
     RoutingError,
     StateTransitionError,
     UnknownNodeError,
@@ -54,6 +54,15 @@ from .events import (
     ResumeRequested,
     SpawnRequested,
 )
+from .expressions import (
+    CONDITION_NAMES,
+    MAX_AST_DEPTH,
+    MAX_EXPRESSION_LENGTH,
+    CompiledExpression,
+    ExpressionCondition,
+    UnsafeExpressionError,
+    parse_expression,
+)
 from .failures import FAILURE_KINDS, RETRYABLE_KINDS, RetryPolicy
 from .graph import BRANCH_OPERATIONS, Edge, EdgeCondition, Graph, Operation, create_operation
 from .patterns import build_dag_graph, build_fanout_graph, normalise_dependency_ordinals
@@ -72,15 +81,6 @@ from .signals import (
     NodeSpawned,
     NodeStarted,
     Signal,
-)
-from .expressions import (
-    CONDITION_NAMES,
-    MAX_AST_DEPTH,
-    MAX_EXPRESSION_LENGTH,
-    CompiledExpression,
-    ExpressionCondition,
-    UnsafeExpressionError,
-    parse_expression,
 )
 
 __all__ = [

@@ -43,7 +43,7 @@ class ReactiveAdmission:
             return
         try:
             child = self.node_builder(request, emitter)
-        except Exception as exc:  # user routing code: becomes a ledger entry, never a crash
+        except Exception as exc:  # noqa: BLE001 - user routing code: becomes a ledger entry, never a crash
             self._drop("builder_error", assignee, emitter_id, error=_text(exc, BUILDER_ERROR_CHARS))
             return
         if child is None:

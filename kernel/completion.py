@@ -58,11 +58,11 @@ class RunCompletion:
         results, state, missing = self.results, self.state, _MISSING
         # Everything in registration order. Comprehensions and C-level passes rather
         # than one loop with branches: at the end of a large run every node goes through.
-        statuses = dict(zip(state, map(_PUBLIC_STATUS.__getitem__, state.values())))
+        statuses = dict(zip(state, map(_PUBLIC_STATUS.__getitem__, state.values()), strict=True))
         by_state: dict[str, list[str]] = {SKIPPED: [], FAILED: [], CANCELLED: []}
         if countOf(state.values(), COMPLETED) == len(state) == len(results):
             # Every node completed, so each has a result: the common large run, in C.
-            operation_results = dict(zip(state, map(results.__getitem__, state)))
+            operation_results = dict(zip(state, map(results.__getitem__, state), strict=True))
             completed = list(operation_results)
         else:
             operation_results = {

@@ -54,7 +54,7 @@ def format_steer_timestamp(ts: Any) -> str:
     """Numeric timestamps become UTC ``YYYY-MM-DDTHH:MM:SSZ``; anything else is ``str(ts)``."""
     if isinstance(ts, (int, float)) and not isinstance(ts, bool):
         try:
-            moment = _dt.datetime.fromtimestamp(float(ts), tz=_dt.timezone.utc)
+            moment = _dt.datetime.fromtimestamp(float(ts), tz=_dt.UTC)
         except (OverflowError, OSError, ValueError):
             return str(ts)
         return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,25 +1,64 @@
-"""The one exception tree of opgraph; every error says which node, branch or edge it concerns.
+"""The one exception tree of opgraph, drawn here for every layer; each error says what it concerns.
 
-Owns the typed errors raised by every layer. Foreign errors (Ray, httpx, SDKs) are
-translated into these at the boundary, so callers never catch a foreign type::
+Owns the root error and the kernel's own errors, and draws every ``OpGraphError``
+subclass of every layer below (a test walks them all and checks each is drawn and
+pickles with its ids). Foreign errors (Ray, httpx, SDKs) are translated into these at
+the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
+``edge_id``, ``run_id`` and ``actor`` name what an error concerns::
 
     OpGraphError
-    ├── OperationError            graph/operation contract violations (ADR-0023 D1/D2)
-    │   ├── GraphCycleError       the graph (or a mutation) would contain a cycle
-    │   ├── EdgeConditionError    an edge condition is invalid or raised
-    │   ├── UnsafeExpressionError an edge expression is outside the safe grammar (expressions.py)
-    │   └── UnknownNodeError      a referenced node id is not in the graph
-    ├── ExecutionError            an operation could not be invoked (no branch, ...)
-    │   └── TurnError (actors/errors.py) a single turn (``Session.turn``) failed; ``error_type``, ``usage``
-    ├── RoutingError (ValueError) a spawn request cannot be routed (unknown assignee)
-    ├── StateTransitionError      an illegal scheduler transition (a kernel bug)
-    ├── InvariantViolation        ``FlowState.validate()`` found broken invariants
-    ├── CodecError                a value cannot be encoded or decoded on the wire
-    └── EngineError (engines/errors.py)     an engine run could not do what was asked; ``run_id``
-        ├── EngineInputError (ValueError)   bad engine input, refused before any agent is made
-        ├── EngineBudgetError (RuntimeError) a hard bound (agents, deadline, tokens, cost) refused work
-        ├── PlanError                       the planner gave no usable plan, even after one retry
-        └── EventSinkError                  an engine run's events could not be recorded durably
+    ├── OperationError               graph/operation contract violations (ADR-0023 D1/D2)
+    │   ├── GraphCycleError          the graph (or a mutation) would contain a cycle
+    │   ├── EdgeConditionError       an edge condition is invalid or raised
+    │   ├── UnsafeExpressionError    an edge expression is outside the safe grammar (expressions.py)
+    │   └── UnknownNodeError         a referenced node id is not in the graph
+    ├── ExecutionError               an operation could not be invoked, or its runtime failed
+    │   ├── RuntimeLostError         an opgraph actor died with a call outstanding (actors/errors.py)
+    │   ├── BranchStoreLostError     the store holding the branch died (actors/errors.py)
+    │   ├── UnknownBranchError       no such branch: never created, dropped, or lost (actors/errors.py)
+    │   ├── TurnError                a single Session.turn failed; ``error_type`` says how (actors/errors.py)
+    │   ├── VerbError                a branch verb was misused or its answer unusable (actors/verbs/errors.py)
+    │   │   ├── VerbParameterError   a verb got parameters it cannot use
+    │   │   ├── ToolDefinitionError  a tool cannot be described to a model
+    │   │   └── ParseError           the model's answer does not fit the requested shape
+    │   │       └── SelectionError   the answer picks no offered choice
+    │   └── ProviderError            a model provider failed (actors/models.py)
+    │       ├── ModelIdentityError   a model id is not "provider/model"
+    │       ├── ProviderConfigError  the provider is missing a key, URL or model
+    │       ├── ProviderTimeout      the model call exceeded its timeout
+    │       ├── ProviderRateLimited  still 429 after every retry
+    │       ├── ProviderUnavailable  unreachable, or still 5xx after every retry
+    │       ├── ProviderHTTPError    any other HTTP error status
+    │       ├── ProviderResponseError  an answer that cannot be read
+    │       └── ProviderRefusal      the model declined to answer; ``refusal`` holds its words
+    ├── UnknownRunError              no live run with this id on the namespace's executors (actors/errors.py)
+    ├── UnknownWatcherError          no such watcher: finished, closed or idle (actors/watchers.py)
+    ├── RoutingError (ValueError)    a spawn request cannot be routed (unknown assignee)
+    ├── StateTransitionError         an illegal scheduler transition (a kernel bug)
+    ├── InvariantViolation           ``FlowState.validate()`` found broken invariants
+    ├── CodecError                   a value cannot be encoded or decoded on the wire
+    ├── EngineError                  an engine run could not do what was asked; ``run_id`` (engines/errors.py)
+    │   ├── EngineInputError (ValueError)     bad engine input, refused before any agent is made
+    │   ├── EngineBudgetError (RuntimeError)  a hard bound (agents, deadline, tokens, cost) refused work
+    │   ├── PlanError                the planner gave no usable plan, even after one retry
+    │   └── EventSinkError           an engine run's events could not be recorded durably
+    ├── WorkflowDefinitionError      a fixed workflow definition is bad (cluster/workflows/spec.py)
+    │   ├── WorkflowValidationError  it breaks the spec; ``.errors`` lists every problem
+    │   └── WorkflowCompileError     it cannot compile to a graph
+    ├── WorkflowStoreError           the run store failed, or is closed (cluster/workflows/schema.py)
+    │   ├── StoreSchemaError         the file's schema is newer than this code knows
+    │   ├── WorkflowNameConflictError  a live workflow already has the name (store.py)
+    │   ├── WorkflowNotFoundError    no live workflow by that name or id (store.py)
+    │   │   └── WorkflowVersionNotFoundError  the workflow exists, the version does not
+    │   ├── RunNotFoundError         no run with that id (store.py)
+    │   └── RunConflictError         a run with that id already exists (store.py)
+    ├── LaneCapabilityError          a control the lane's capabilities exclude (cluster/workflows/lanes.py)
+    ├── ProvenanceError              run provenance that breaks the lane's rules (lanes.py)
+    ├── RunStateConflictError        a run control that its state forbids (cluster/workflows/problems.py)
+    ├── RuntimeUnavailableError      the HTTP API has no runtime to run on (problems.py)
+    └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
+        └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
+            └── ClusterAuthenticationError  the cluster refused this process's token, or its lack of one
 
 Every class pickles with its ids intact, because Ray ships exceptions between processes.
 """

@@ -290,7 +290,7 @@ class CompiledExpression:
             return _member(self._eval(node.value, variables), self._eval(node.slice, variables))
         if isinstance(node, ast.Compare):
             left = self._eval(node.left, variables)
-            for op, comparator in zip(node.ops, node.comparators):
+            for op, comparator in zip(node.ops, node.comparators, strict=True):
                 right = self._eval(comparator, variables)
                 if not _compare(_COMPARISONS[type(op)], left, right):
                     return False

@@ -173,7 +173,7 @@ class NodeRegistration:
         if count:
             self._deferred_ranks = 0
             # node -> (position,), built in C: zip over one iterable yields 1-tuples.
-            self.rank.update(zip(islice(self.graph.nodes, count), zip(range(count))))
+            self.rank.update(zip(islice(self.graph.nodes, count), zip(range(count)), strict=True))
         return self.rank
 
     def _clone_branch(self, node_id: str, source: str | None, reactive: bool = False) -> None:

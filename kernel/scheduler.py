@@ -32,8 +32,8 @@ from .errors import (
     OperationError,
     StateTransitionError,
 )
-from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION_ERROR, RetryPolicy
 from .events import new_record as _new_record
+from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION_ERROR, RetryPolicy
 from .graph import Graph, Operation, condition_is_async, validate_condition
 from .invariants import InvariantChecks
 from .registration import NodeRegistration
@@ -265,7 +265,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         progress, cancelling = self.progress_signals, self.cancelling
         # Registration filled ``deps`` in node order when nothing was registered before.
         deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
-        for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order):
+        for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order, strict=True):
             if early and node_id in early:
                 continue
             if node.status not in TERMINAL:
@@ -533,7 +533,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 continue
             try:
                 passed = bool(edge.condition.apply(self._condition_input(edge.head)))
-            except Exception as exc:  # user condition code: settles the node as failed
+            except Exception as exc:  # noqa: BLE001 - user condition code: settles the node as failed
                 self._settle_failed(
                     node_id,
                     f"edge condition raised {type(exc).__name__}: {exc}",
@@ -549,7 +549,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             try:
                 inputs = tuple((edge.id, to_mapping(self.results.get(edge.head))) for edge in deferred)
                 request = ev.EvaluateConditions(node_id, inputs, self.shared.snapshot())
-            except Exception as exc:  # a head's result that will not convert: as if the condition raised
+            except Exception as exc:  # noqa: BLE001 - a head's result that will not convert: as if the condition raised
                 self._settle_failed(
                     node_id,
                     f"edge condition input could not be prepared: {type(exc).__name__}: {exc}",

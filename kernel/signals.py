@@ -113,4 +113,6 @@ NODE_PROGRESS_SIGNALS: dict[type, str] = {
     NodeSkipped: "skipped",
     NodeCancelled: "cancelled",
 }
-NODE_PROGRESS_KINDS: dict[str, str] = {cls.model_fields["kind"].default: status for cls, status in NODE_PROGRESS_SIGNALS.items()}
+NODE_PROGRESS_KINDS: dict[str, str] = {
+    cls.model_fields["kind"].default: status for cls, status in NODE_PROGRESS_SIGNALS.items()
+}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping
+from typing import Any
 
 from ..models import ModelProvider, ProviderConfigError
 from .anthropic import AnthropicProvider
@@ -20,6 +22,7 @@ from .sim import SimulatedProvider, example_from_schema
 
 __all__ = [
     "BUILTIN_PROVIDERS",
+    "ENVIRONMENT_SETTINGS",
     "AnthropicProvider",
     "OpenAICompatibleProvider",
     "PermitTable",
@@ -30,7 +33,9 @@ __all__ = [
     "SimulatedProvider",
     "builtin_provider",
     "clear_builtin_providers",
+    "environment_providers",
     "example_from_schema",
+    "provider_from_environment",
     "provider_slot",
     "reset_usage_totals",
     "retry_after_seconds",
@@ -43,21 +48,87 @@ _cache: dict[str, ModelProvider] = {}
 _cache_lock = threading.Lock()
 
 
-def _concurrency(variable: str) -> int | None:
-    value = os.environ.get(variable)
+# The environment of the built-in HTTP providers, read by ``provider_from_environment``
+# (the workers' built-ins, and every entry point that builds one in the driver). Unset
+# means the default in brackets.
+ENVIRONMENT_SETTINGS: dict[str, dict[str, str]] = {
+    "openai": {
+        "OPENAI_BASE_URL": "server URL [https://api.openai.com/v1; a local vLLM/Ollama/llama.cpp URL needs no key]",
+        "OPENAI_API_KEY": "bearer key [required only for api.openai.com]",
+        "OPENAI_TIMEOUT": "seconds one attempt may take [600, as the openai SDK]",
+        "OPENAI_MAX_TOKENS": "max_tokens of a request that names none [unset: the server's limit]",
+        "OPENAI_MAX_CONCURRENCY": "calls in flight at once, cluster-wide [unlimited]",
+    },
+    "anthropic": {
+        "ANTHROPIC_BASE_URL": "server URL [https://api.anthropic.com]",
+        "ANTHROPIC_API_KEY": "key [required for the default URL]",
+        "ANTHROPIC_TIMEOUT": "seconds one attempt may take [600, as the anthropic SDK]",
+        "ANTHROPIC_MAX_TOKENS": "max_tokens of a request that names none [4096; the API requires one]",
+        "ANTHROPIC_MAX_CONCURRENCY": "calls in flight at once, cluster-wide [unlimited]",
+    },
+}
+
+
+def _number(environ: Mapping[str, str], variable: str, kind: type, provider: str) -> Any:
+    value = environ.get(variable)
     if not value:
         return None
     try:
-        return int(value)
+        number = kind(value)
     except ValueError as exc:
-        raise ProviderConfigError(f"{variable}={value!r} must be an integer") from exc
+        raise ProviderConfigError(f"{variable}={value!r} must be a {kind.__name__}", provider=provider) from exc
+    if not number > 0:
+        raise ProviderConfigError(f"{variable}={value!r} must be above 0", provider=provider)
+    return number
+
+
+def provider_from_environment(name: str, environ: Mapping[str, str] | None = None, **overrides: Any) -> ModelProvider:
+    """The ``openai`` or ``anthropic`` provider as ``ENVIRONMENT_SETTINGS`` configures it.
+
+    ``overrides`` (constructor arguments) win over the environment. Every entry point
+    builds these providers here, so ``OPENAI_MAX_CONCURRENCY`` or ``OPENAI_TIMEOUT`` mean
+    the same in a worker's built-in, in ``opgraph flow run`` and in the examples.
+    """
+    environ = os.environ if environ is None else environ
+    if name not in ENVIRONMENT_SETTINGS:
+        raise ProviderConfigError(f"no environment settings for provider {name!r}; "
+                                  f"known: {', '.join(ENVIRONMENT_SETTINGS)}", provider=name)
+    prefix = name.upper()
+    settings: dict[str, Any] = {
+        "base_url": environ.get(f"{prefix}_BASE_URL") or None,
+        "api_key": environ.get(f"{prefix}_API_KEY"),
+        "timeout": _number(environ, f"{prefix}_TIMEOUT", float, name),
+        "max_tokens": _number(environ, f"{prefix}_MAX_TOKENS", int, name),
+        "concurrency": _number(environ, f"{prefix}_MAX_CONCURRENCY", int, name),
+    }
+    settings = {key: value for key, value in settings.items() if value is not None}
+    settings.update(overrides)
+    provider_class = OpenAICompatibleProvider if name == "openai" else AnthropicProvider
+    return provider_class(**settings)
+
+
+def environment_providers(environ: Mapping[str, str] | None = None) -> dict[str, ModelProvider]:
+    """The HTTP providers this process's environment configures (any of their variables set).
+
+    An entry point registers these on its Session, so the workers call the models with
+    the driver's settings even when they did not inherit its environment (a ``ray start``
+    head). A provider whose settings are incomplete is left out: a worker's built-in then
+    reports the problem on the node that needs it, and runs that never call it still run.
+    """
+    environ = os.environ if environ is None else environ
+    providers = {}
+    for name, variables in ENVIRONMENT_SETTINGS.items():
+        if any(environ.get(variable) for variable in variables):
+            try:
+                providers[name] = provider_from_environment(name, environ)
+            except ProviderConfigError:
+                continue  # reported by the built-in, on the node that calls it
+    return providers
 
 
 def _build(name: str) -> ModelProvider:
-    if name == "openai":
-        return OpenAICompatibleProvider(concurrency=_concurrency("OPENAI_MAX_CONCURRENCY"))
-    if name == "anthropic":
-        return AnthropicProvider(concurrency=_concurrency("ANTHROPIC_MAX_CONCURRENCY"))
+    if name in ENVIRONMENT_SETTINGS:
+        return provider_from_environment(name)
     if name == "sim":
         return SimulatedProvider()
     if name == "scripted":
@@ -76,10 +147,10 @@ def _build(name: str) -> ModelProvider:
 def builtin_provider(name: str) -> ModelProvider:
     """The process's built-in provider for a ``provider/`` prefix, built on first use.
 
-    ``openai`` reads OPENAI_BASE_URL / OPENAI_API_KEY (no key needed for a local server),
-    ``anthropic`` ANTHROPIC_API_KEY / ANTHROPIC_BASE_URL; ``*_MAX_CONCURRENCY`` caps calls
-    in flight cluster-wide. The environment is read once per process (see
-    ``clear_builtin_providers``). A configuration error is raised, never cached.
+    ``openai`` and ``anthropic`` read ``ENVIRONMENT_SETTINGS`` (base URL, key, timeout,
+    max_tokens, concurrency; no key needed for a local OpenAI-compatible server). The
+    environment is read once per process (see ``clear_builtin_providers``). A
+    configuration error is raised, never cached.
     """
     with _cache_lock:
         provider = _cache.get(name)

@@ -17,11 +17,19 @@ from ..models import (
     ChatRequest,
     ChatResponse,
     ProviderConfigError,
+    ProviderRefusal,
     ProviderResponseError,
     ToolCall,
     Usage,
 )
-from .http import RETRYABLE_STATUSES, HTTPChatProvider, ProviderHTTPClient, RetryPolicy
+from .http import (
+    DEFAULT_TIMEOUT,
+    RETRYABLE_STATUSES,
+    HTTPChatProvider,
+    ProviderHTTPClient,
+    RetryPolicy,
+    check_max_tokens,
+)
 
 __all__ = ["ANTHROPIC_VERSION", "DEFAULT_ANTHROPIC_BASE_URL", "AnthropicProvider"]
 
@@ -39,14 +47,18 @@ class AnthropicProvider(HTTPChatProvider):
 
     ``api_key`` and ``base_url`` default to ``ANTHROPIC_API_KEY`` and ``ANTHROPIC_BASE_URL``;
     a key is required for the default URL. ``response_format`` has no API counterpart, so a
-    JSON schema becomes an instruction appended to the system prompt.
+    JSON schema becomes an instruction appended to the system prompt. ``timeout`` bounds
+    each attempt (600 s, as the anthropic SDK); ``max_tokens`` (4096) is sent when a request
+    names none, since the API requires it. ``temperature`` is not sent (the API's request
+    type no longer has it); empty turns in the history are left out (the API refuses them).
     """
 
     endpoint = "/v1/messages"
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, *, name: str = "anthropic",
-                 timeout: float = 60.0, max_retries: int = 3, backoff: float = 0.5, max_delay: float = 20.0,
-                 concurrency: int | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, max_tokens: int = DEFAULT_MAX_TOKENS, max_retries: int = 3,
+                 backoff: float = 0.5, max_delay: float = 20.0, concurrency: int | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         base_url = (base_url or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_ANTHROPIC_BASE_URL).rstrip("/")
         api_key = api_key if api_key is not None else os.environ.get("ANTHROPIC_API_KEY")
         if not api_key and base_url == DEFAULT_ANTHROPIC_BASE_URL:
@@ -55,6 +67,7 @@ class AnthropicProvider(HTTPChatProvider):
             )
         self.name = name
         self.base_url = base_url
+        self.max_tokens = check_max_tokens(max_tokens, name) or DEFAULT_MAX_TOKENS
         headers = {"anthropic-version": ANTHROPIC_VERSION}
         if api_key:
             headers["x-api-key"] = api_key
@@ -67,8 +80,7 @@ class AnthropicProvider(HTTPChatProvider):
     def __repr__(self) -> str:
         return f"AnthropicProvider(name={self.name!r}, base_url={self.base_url!r})"
 
-    @staticmethod
-    def request_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
+    def request_body(self, request: ChatRequest, model_name: str) -> dict[str, Any]:
         system: list[str] = []
         messages: list[dict[str, Any]] = []
         for message in request.messages:
@@ -77,6 +89,10 @@ class AnthropicProvider(HTTPChatProvider):
                 system.append(_plain_text(message.get("content")))
                 continue
             wire_role, blocks = _blocks(message)
+            if not blocks:
+                # An empty turn (a reply that said nothing, recorded on the branch): the API
+                # refuses a message without content, and replaying it adds nothing.
+                continue
             if messages and messages[-1]["role"] == wire_role:
                 messages[-1]["content"].extend(blocks)  # the API wants user/assistant turns to alternate
             else:
@@ -86,15 +102,15 @@ class AnthropicProvider(HTTPChatProvider):
             system.append(instruction)
         body: dict[str, Any] = {
             "model": model_name,
-            "max_tokens": request.max_tokens or DEFAULT_MAX_TOKENS,
+            "max_tokens": request.max_tokens or self.max_tokens,
             "messages": messages,
         }
         if system:
             body["system"] = "\n\n".join(part for part in system if part)
         if request.tools:
             body["tools"] = [_wire_tool(tool) for tool in request.tools]
-        if request.temperature is not None:
-            body["temperature"] = request.temperature
+        # ``temperature`` is not sent: the Messages API's request type (anthropic SDK
+        # MessageCreateParams) no longer takes it, and a field it does not take is refused.
         return body
 
     def parse_body(self, body: Any, request: ChatRequest, *, status: int | None = None) -> ChatResponse:
@@ -124,14 +140,22 @@ class AnthropicProvider(HTTPChatProvider):
         usage = body.get("usage") or {}
         if not isinstance(usage, dict):
             raise malformed("usage is not an object")
-        counts = [usage.get("input_tokens") or 0, usage.get("output_tokens") or 0]
-        if not all(isinstance(count, int) for count in counts):
+        fresh, output, cache_read, cache_creation = (
+            usage.get(key) or 0 for key in ("input_tokens", "output_tokens", "cache_read_input_tokens",
+                                             "cache_creation_input_tokens"))
+        if not all(type(count) is int for count in (fresh, output, cache_read, cache_creation)):
             raise malformed("token counts are not integers")
         stop_reason = body.get("stop_reason")
+        if stop_reason == "refusal":
+            said = "".join(texts)
+            raise ProviderRefusal(f"{self.name}: {request.model} refused" + (f": {said!r:.500}" if said else ""),
+                                  refusal=said, provider=self.name, status=status)
         return ChatResponse(
             content="".join(texts) if texts else None,
             tool_calls=tool_calls,
-            usage=Usage(prompt_tokens=counts[0], completion_tokens=counts[1]),
+            # input_tokens counts only what the cache did not serve: the prompt is all three.
+            usage=Usage(prompt_tokens=fresh + cache_read + cache_creation, completion_tokens=output,
+                        cache_read_tokens=cache_read, cache_creation_tokens=cache_creation),
             model=request.model,
             provider=self.name,
             finish_reason=_FINISH_REASONS.get(stop_reason, stop_reason),
@@ -158,7 +182,7 @@ def _blocks(message: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                          "content": result}]
     blocks: list[dict[str, Any]] = []
     text = _plain_text(content)
-    if text:
+    if text.strip():  # the API refuses empty and whitespace-only text blocks
         blocks.append({"type": "text", "text": text})
     if role == "assistant":
         for call in message.get("tool_calls") or []:

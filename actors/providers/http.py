@@ -35,11 +35,23 @@ from ..models import (
 from .limits import provider_slot, record_call, record_failure, record_retry
 
 __all__ = [
-    "RETRYABLE_STATUSES", "HTTPChatProvider", "JSONReply", "ProviderHTTPClient", "RetryPolicy", "retry_after_seconds",
+    "DEFAULT_TIMEOUT", "RETRYABLE_STATUSES", "HTTPChatProvider", "JSONReply", "ProviderHTTPClient", "RetryPolicy",
+    "check_max_tokens", "retry_after_seconds",
 ]
 
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
 BODY_EXCERPT = 300  # characters of an error body quoted in messages
+# Seconds one attempt may take: the official openai and anthropic SDKs' 10 minutes, since
+# a model (a local one on a CPU above all) may generate for minutes. 60 s failed real nodes.
+DEFAULT_TIMEOUT = 600.0
+
+
+def check_max_tokens(value: int | None, provider: str) -> int | None:
+    """``value`` when it is None or a positive int; otherwise a ProviderConfigError."""
+    if value is not None and (type(value) is not int or value < 1):
+        raise ProviderConfigError(f"{provider}: max_tokens must be a positive integer, got {value!r}",
+                                  provider=provider)
+    return value
 
 
 def retry_after_seconds(value: str | None, *, now: float | None = None) -> float | None:
@@ -101,9 +113,12 @@ class ProviderHTTPClient:
     """
 
     def __init__(self, provider: str, base_url: str, headers: dict[str, str] | None = None, *,
-                 timeout: float = 60.0, retry: RetryPolicy | None = None,
+                 timeout: float = DEFAULT_TIMEOUT, retry: RetryPolicy | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, concurrency: int | None = None,
                  seed: int | None = None) -> None:
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ProviderConfigError(f"{provider}: timeout must be a number of seconds above 0, got {timeout!r}",
+                                      provider=provider)
         self.provider = provider
         self.base_url = base_url.rstrip("/")
         self.headers = dict(headers or {})
@@ -190,11 +205,13 @@ class ProviderHTTPClient:
             async with asyncio.timeout(timeout):
                 return await self._client().post(url, json=payload, timeout=httpx.Timeout(timeout))
         except (TimeoutError, httpx.TimeoutException) as exc:
-            raise ProviderTimeout(f"{self.provider}: no answer from {url} within {timeout:g} s",
-                                  provider=self.provider) from exc
+            raise ProviderTimeout(f"{self.provider}: no answer from {url} within {timeout:g} s; give the node a "
+                                  f"longer timeout=, or the provider one ({self.provider.upper()}_TIMEOUT for a "
+                                  "built-in provider)", provider=self.provider) from exc
         except httpx.UnsupportedProtocol as exc:
-            raise ProviderConfigError(f"{self.provider}: base URL {self.base_url!r} needs an http:// or https:// scheme",
-                                      provider=self.provider) from exc
+            raise ProviderConfigError(
+                f"{self.provider}: base URL {self.base_url!r} needs an http:// or https:// scheme",
+                provider=self.provider) from exc
         except httpx.TransportError as exc:
             # Refused, reset, or the server hung up mid-answer: worth another try.
             raise _RetryableFailure(f"connection failed ({type(exc).__name__}: {exc})") from exc

@@ -210,7 +210,8 @@ async def provider_slot(provider: str, limit: int | None) -> AsyncIterator[None]
 
 # -- usage accounting ----------------------------------------------------------------------
 
-_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "calls", "retries", "failures")
+_USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cache_read_tokens", "cache_creation_tokens", "calls",
+                 "retries", "failures")
 _usage_lock = threading.Lock()
 _usage: dict[str, dict[str, int]] = {}
 _latency: dict[str, LatencyHistogram] = {}
@@ -232,6 +233,8 @@ def record_call(provider: str, usage: Usage, seconds: float | None = None) -> No
         totals = _totals_for(provider)
         totals["prompt_tokens"] += usage.prompt_tokens
         totals["completion_tokens"] += usage.completion_tokens
+        totals["cache_read_tokens"] += usage.cache_read_tokens
+        totals["cache_creation_tokens"] += usage.cache_creation_tokens
         totals["calls"] += 1
         if seconds is not None:
             histogram = _latency.get(provider)
@@ -257,7 +260,8 @@ def record_failure(provider: str) -> None:
 
 
 def usage_totals() -> dict[str, dict[str, int]]:
-    """This process's totals: {provider: {prompt_tokens, completion_tokens, calls, retries, failures}}."""
+    """This process's totals: {provider: {prompt_tokens, completion_tokens, cache_read_tokens,
+    cache_creation_tokens, calls, retries, failures}}."""
     with _usage_lock:
         return {provider: dict(totals) for provider, totals in _usage.items()}
 

@@ -17,11 +17,12 @@ from ..models import (
     ChatRequest,
     ChatResponse,
     ProviderConfigError,
+    ProviderRefusal,
     ProviderResponseError,
     ToolCall,
     Usage,
 )
-from .http import HTTPChatProvider, ProviderHTTPClient, RetryPolicy
+from .http import DEFAULT_TIMEOUT, HTTPChatProvider, ProviderHTTPClient, RetryPolicy, check_max_tokens
 
 __all__ = ["DEFAULT_OPENAI_BASE_URL", "OpenAICompatibleProvider"]
 
@@ -33,15 +34,21 @@ class OpenAICompatibleProvider(HTTPChatProvider):
 
     ``base_url`` and ``api_key`` default to ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY``. A
     key is required only for the default OpenAI URL: local servers need none.
+    ``timeout`` bounds each attempt (default 600 s, as the openai SDK: a local model may
+    generate for minutes); ``max_tokens`` is sent when a request names none (default: the
+    server's own limit). A node's ``timeout=``/``max_tokens=`` wins over both.
     ``max_retries`` retries follow the first attempt; ``backoff`` and ``max_delay`` shape
     the waits (see ``RetryPolicy``); ``concurrency`` caps calls in flight cluster-wide.
+    The built-in ``openai/`` provider reads all of these from the environment
+    (``provider_from_environment``).
     """
 
     endpoint = "/chat/completions"
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, name: str = "openai",
-                 timeout: float = 60.0, max_retries: int = 3, backoff: float = 0.5, max_delay: float = 20.0,
-                 concurrency: int | None = None, transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 timeout: float = DEFAULT_TIMEOUT, max_tokens: int | None = None, max_retries: int = 3,
+                 backoff: float = 0.5, max_delay: float = 20.0, concurrency: int | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         base_url = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_OPENAI_BASE_URL
         api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         if not api_key and base_url.rstrip("/") == DEFAULT_OPENAI_BASE_URL:
@@ -52,6 +59,7 @@ class OpenAICompatibleProvider(HTTPChatProvider):
             )
         self.name = name
         self.base_url = base_url.rstrip("/")
+        self.max_tokens = check_max_tokens(max_tokens, name)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = ProviderHTTPClient(
             name, self.base_url, headers, timeout=timeout, transport=transport, concurrency=concurrency,
@@ -61,8 +69,7 @@ class OpenAICompatibleProvider(HTTPChatProvider):
     def __repr__(self) -> str:
         return f"OpenAICompatibleProvider(name={self.name!r}, base_url={self.base_url!r})"
 
-    @staticmethod
-    def request_body(request: ChatRequest, model_name: str) -> dict[str, Any]:
+    def request_body(self, request: ChatRequest, model_name: str) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model_name, "messages": [_wire_message(m) for m in request.messages]}
         if request.tools:
             body["tools"] = [_wire_tool(tool) for tool in request.tools]
@@ -70,8 +77,9 @@ class OpenAICompatibleProvider(HTTPChatProvider):
             body["response_format"] = request.response_format
         if request.temperature is not None:
             body["temperature"] = request.temperature
-        if request.max_tokens is not None:
-            body["max_tokens"] = request.max_tokens
+        max_tokens = request.max_tokens if request.max_tokens is not None else self.max_tokens
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
         return body
 
     def parse_body(self, body: Any, request: ChatRequest, *, status: int | None = None) -> ChatResponse:
@@ -91,15 +99,28 @@ class OpenAICompatibleProvider(HTTPChatProvider):
         message = choices[0].get("message")
         if not isinstance(message, dict):
             raise malformed("choices[0] has no message")
-        tool_calls = [self._tool_call(raw, index, malformed) for index, raw in enumerate(message.get("tool_calls") or [])]
+        refusal = message.get("refusal")
+        if refusal is not None and not isinstance(refusal, str):
+            raise malformed("refusal is not text")
+        if refusal:
+            # The answer is the refusal (content is null beside it): a typed error that
+            # carries the model's words, not an empty reply for chat or a ParseError for operate.
+            raise ProviderRefusal(f"{self.name}: {request.model} refused: {refusal!r:.500}", refusal=refusal,
+                                  provider=self.name, status=status)
+        raw_calls = message.get("tool_calls") or []
+        tool_calls = [self._tool_call(raw, index, malformed) for index, raw in enumerate(raw_calls)]
         usage = body.get("usage") or {}
         if not isinstance(usage, dict):
             raise malformed("usage is not an object")
+        details = usage.get("prompt_tokens_details") or {}
+        if not isinstance(details, dict):
+            raise malformed("usage.prompt_tokens_details is not an object")
         return ChatResponse(
             content=_text(message.get("content"), malformed),
             tool_calls=tool_calls,
             usage=Usage(prompt_tokens=_count(usage.get("prompt_tokens"), malformed),
-                        completion_tokens=_count(usage.get("completion_tokens"), malformed)),
+                        completion_tokens=_count(usage.get("completion_tokens"), malformed),
+                        cache_read_tokens=_count(details.get("cached_tokens"), malformed)),
             model=request.model,
             provider=self.name,
             finish_reason=choices[0].get("finish_reason"),
@@ -148,7 +169,10 @@ def _wire_tool(tool: dict[str, Any]) -> dict[str, Any]:
 
 
 def _wire_message(message: dict[str, Any]) -> dict[str, Any]:
-    """The message as OpenAI expects it: tool-call arguments as JSON strings."""
+    """The message as OpenAI expects it: content as text (or parts), tool-call arguments as JSON strings."""
+    content = message.get("content")
+    if content is not None and not isinstance(content, (str, list)):
+        message = {**message, "content": json.dumps(content, default=str)}  # a tool's dict result, say
     tool_calls = message.get("tool_calls")
     if not tool_calls:
         return message

@@ -7,9 +7,12 @@ and appends its own turns to the branch, so all register with ``record_turn=Fals
 
 from __future__ import annotations
 
+from opgraph.kernel import Graph
+
 from ..protocol import RegisteredOperation
 from .chat import chat, chat_and_record, communicate, interpret
 from .conversation import MODEL_OPTIONS, UsageTally
+from .conversation import name_predecessor_results as _name_predecessor_results
 from .errors import ParseError, SelectionError, ToolDefinitionError, VerbError, VerbParameterError
 from .operate import operate
 from .parse import parse, select
@@ -35,6 +38,7 @@ __all__ = [
     "communicate",
     "interpret",
     "json_candidates",
+    "name_predecessor_results",
     "operate",
     "parse",
     "react_stream_rounds",
@@ -55,3 +59,9 @@ VERB_OPERATIONS: dict[str, RegisteredOperation] = {
     # The generator itself cannot be awaited; the graph gets its rounds as one list.
     "ReActStream": RegisteredOperation(react_stream_rounds, record_turn=False),
 }
+
+
+def name_predecessor_results(graph: Graph, label: str = "reference_id") -> Graph:
+    """Show each verb node's predecessor results to the model by their names (``metadata[label]``,
+    the builder's ``node_id=``) instead of node ids; see ``conversation.name_predecessor_results``."""
+    return _name_predecessor_results(graph, VERB_OPERATIONS, label)

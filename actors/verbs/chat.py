@@ -24,7 +24,7 @@ async def _exchange(branch: Any, instruction: str, context: Any, model: str | No
                     use_history: bool = True) -> tuple[Exchange, BoundModel]:
     bound = BoundModel(branch, model, options, verb)
     history = model_history(await branch.messages()) if use_history else []
-    seen, recorded = user_turn(instruction, context, guidance=guidance)
+    seen, recorded = user_turn(instruction, context, guidance=guidance, names=bound.result_names)
     conversation = system_messages(system) + history + ([seen] if seen else [])
     if not history and seen is None:
         raise VerbParameterError(f"{verb} has nothing to say: give an instruction or context, "

@@ -8,11 +8,12 @@ performs no I/O of its own beyond the provider call and never writes to a branch
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opgraph.kernel import to_mapping
+from opgraph.kernel import Graph, to_mapping
 
 from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderError, ToolCall, Usage
 from ..usage import record_usage
@@ -38,9 +39,15 @@ __all__ = [
 # The options every model-calling verb passes straight into the ChatRequest.
 MODEL_OPTIONS = ("temperature", "max_tokens", "timeout")
 
-# Parameters the graph builder itself puts on a node (``add_aggregation``): bookkeeping
-# for the scheduler, accepted by every verb and never sent to the model.
-GRAPH_PARAMETERS = ("aggregation_sources", "aggregation_count")
+# Parameters put on a node by whoever built the graph (``add_aggregation``, the workflow
+# compiler, ``name_predecessor_results``), accepted by every verb and never sent to the
+# model: ``result_names`` maps a predecessor's node id to the name its result is shown by.
+GRAPH_PARAMETERS = ("aggregation_sources", "aggregation_count", "result_names")
+
+# The record ``chat_and_record`` returns: in a prompt, only its text is the step's answer.
+_RECORD_KEYS = frozenset({"text", "model", "provider", "finish_reason", "usage"})
+# Kernel node ids are uuid4 strings; a context key "<uuid>_result" is a predecessor's result.
+_NODE_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def where(branch: Any) -> dict[str, Any]:
@@ -60,18 +67,25 @@ class UsageTally:
     calls: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_creation_tokens: int = 0
 
     def add(self, usage: Usage) -> None:
         self.calls += 1
         self.prompt_tokens += usage.prompt_tokens
         self.completion_tokens += usage.completion_tokens
+        self.cache_read_tokens += usage.cache_read_tokens
+        self.cache_creation_tokens += usage.cache_creation_tokens
 
     def as_dict(self) -> dict[str, int]:
+        """Calls and tokens; ``prompt_tokens`` includes the cached ones the two cache fields break out."""
         return {
             "calls": self.calls,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "cache_read_tokens": self.cache_read_tokens,
+            "cache_creation_tokens": self.cache_creation_tokens,
         }
 
 
@@ -121,6 +135,7 @@ class BoundModel:
             )
         self.branch = branch
         self.model_id: str = model_id
+        self.result_names: Mapping[str, str] = dict(options.get("result_names") or {})
         self.provider = branch.provider_for(model_id)
         self.options = {key: value for key, value in options.items() if key in MODEL_OPTIONS}
         self.usage = UsageTally()
@@ -143,27 +158,76 @@ class BoundModel:
         return response
 
 
-def render_context(context: Any) -> str | None:
-    """The flow context as one compact preamble, or None when there is nothing to say.
+def render_context(context: Any, names: Mapping[str, str] | None = None) -> str | None:
+    """The flow context as a compact preamble, or None when there is nothing to say.
 
-    Predecessor results arrive as ``<node id>_result`` keys next to the shared context;
-    they are rendered as JSON so the model sees structure, not Python reprs.
+    Predecessor results (the ``<node id>_result`` keys of ADR-0023, which stay as they are
+    for code) are shown apart, each by the name ``names`` gives its node (the authored
+    node id, or the builder's reference id), else as "step N"; a ``chat_and_record``
+    record shows only its text, never its bookkeeping (model, provider, usage). The
+    rest is shown as shared context. Both as JSON, so the model sees structure.
     """
     if context is None or (isinstance(context, (Mapping, Sequence, str)) and len(context) == 0):
         return None
-    return "Context (results of earlier steps and shared data):\n" + compact_json(context)
+    if not isinstance(context, Mapping):
+        return "Context:\n" + compact_json(context)
+    names = names or {}
+    results: dict[str, Any] = {}
+    shared: dict[str, Any] = {}
+    for key, value in context.items():
+        node_id = key[:-len("_result")] if isinstance(key, str) and key.endswith("_result") else None
+        if node_id is not None and (node_id in names or _NODE_ID.fullmatch(node_id)):
+            results[names.get(node_id) or f"step {len(results) + 1}"] = _answer(value)
+        else:
+            shared[key] = value
+    parts = []
+    if results:
+        parts.append("Results of earlier steps:\n" + compact_json(results))
+    if shared:
+        parts.append("Shared context:\n" + compact_json(shared))
+    return "\n\n".join(parts)
 
 
-def user_turn(instruction: str, context: Any, *, guidance: str | None = None
-              ) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _answer(value: Any) -> Any:
+    """What a step answered: a chat record's text, anything else as it is."""
+    if isinstance(value, Mapping) and "text" in value and set(value) <= _RECORD_KEYS:
+        return value["text"]
+    return value
+
+
+def name_predecessor_results(graph: Graph, operations: Collection[str], label: str = "reference_id") -> Graph:
+    """Give every node of ``graph`` that runs one of ``operations`` (verbs: they take the
+    parameter) the names its predecessors' results are shown by.
+
+    Such a node whose predecessors carry ``metadata[label]`` (the builder's ``node_id=``,
+    the compiler's authored id) gets ``result_names`` {predecessor id: that name} among
+    its parameters, so the model reads "plan" where the context key is "<uuid>_result".
+    Returns ``graph``.
+    """
+    for node_id, node in graph.nodes.items():
+        if node.operation not in operations:
+            continue
+        names = {}
+        for predecessor in graph.predecessors(node_id):
+            name = graph.nodes[predecessor].metadata.get(label)
+            if isinstance(name, str) and name:
+                names[predecessor] = name
+        if names:
+            node.parameters["result_names"] = names
+    return graph
+
+
+def user_turn(instruction: str, context: Any, *, guidance: str | None = None,
+              names: Mapping[str, str] | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """The user message the model sees, and the one the branch records.
 
-    The model sees the context preamble, the instruction and any verb guidance in one
-    message (one user turn suits every provider). The branch records the instruction
-    alone: context is rebuilt for every node from the flow, so copying it into history
-    would repeat predecessor results in every descendant's conversation.
+    The model sees the context preamble (predecessor results by ``names``), the
+    instruction and any verb guidance in one message (one user turn suits every
+    provider). The branch records the instruction alone: context is rebuilt for every
+    node from the flow, so copying it into history would repeat predecessor results in
+    every descendant's conversation.
     """
-    parts = [part for part in (render_context(context), instruction or None, guidance) if part]
+    parts = [part for part in (render_context(context, names), instruction or None, guidance) if part]
     seen = {"role": "user", "content": "\n\n".join(parts)} if parts else None
     recorded = {"role": "user", "content": instruction} if instruction else None
     return seen, recorded

@@ -48,7 +48,7 @@ async def operate(branch: Any, instruction: str = "", context: Any = None, model
     bound = BoundModel(branch, model, options, "operate")
     history = model_history(await branch.messages())
     guidance = schema_guidance(model_class) if model_class is not None else None
-    seen, recorded = user_turn(instruction, context, guidance=guidance)
+    seen, recorded = user_turn(instruction, context, guidance=guidance, names=bound.result_names)
     conversation = system_messages(system) + history + ([seen] if seen else [])
     if not history and seen is None:
         raise VerbParameterError("operate has nothing to do: give an instruction or context", **where(branch))

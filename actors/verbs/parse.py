@@ -145,7 +145,7 @@ async def select(branch: Any, instruction: str = "", context: Any = None, model:
     quantity = "exactly one" if max_choices == 1 else f"one to {max_choices}"
     guidance = (f"Choose {quantity} of these choices: {compact_json(names)}. Reply with only a JSON object "
                 '{"selected": [<choice spelt exactly as offered>, ...], "reason": "<why>"}.')
-    seen, recorded = user_turn(instruction, context, guidance=guidance)
+    seen, recorded = user_turn(instruction, context, guidance=guidance, names=bound.result_names)
     conversation = system_messages(system) + history + [seen]
     exchange = await converse(bound, conversation, recorded=[recorded] if recorded else [], verb="select",
                               response_format=selection, parse_retries=1, failure=SelectionError)

@@ -77,7 +77,7 @@ async def act(branch: Any, instruction: str = "", context: Any = None, model: st
             raise VerbParameterError("act needs tools=[...] for the model to call, or actions=[...]",
                                      **where(branch))
         history = model_history(await branch.messages())
-        seen, _ = user_turn(instruction, context)
+        seen, _ = user_turn(instruction, context, names=bound.result_names)
         conversation = system_messages(system) + history + ([seen] if seen else [])
         response = await bound.complete(conversation, tools=[item.schema for item in tool_set.values()])
         if not response.tool_calls:
@@ -95,10 +95,11 @@ async def act(branch: Any, instruction: str = "", context: Any = None, model: st
 
 def _usage(usage: Usage) -> dict[str, int]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens, "cache_read_tokens": usage.cache_read_tokens,
+            "cache_creation_tokens": usage.cache_creation_tokens}
 
 
-async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  # noqa: N802 (ADR-0023 name)
+async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  # ADR-0023's name
                       model: str | None = None, *, tools: Any = None, max_rounds: int = 4,
                       system: str | None = None, **options: Any) -> AsyncIterator[dict[str, Any]]:
     """Reason and act in rounds, yielding each round as soon as it completes.
@@ -116,7 +117,8 @@ async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  
     schemas = [item.schema for item in tool_set.values()] or None
     bound = BoundModel(branch, model, options, "ReAct")
     history = model_history(await branch.messages())
-    seen, recorded = user_turn(instruction, context, guidance=_REACT_GUIDANCE if tool_set else None)
+    seen, recorded = user_turn(instruction, context, guidance=_REACT_GUIDANCE if tool_set else None,
+                               names=bound.result_names)
     conversation = system_messages(system) + history + ([seen] if seen else [])
     if not history and seen is None:
         raise VerbParameterError("ReAct has nothing to do: give an instruction or context", **where(branch))
@@ -145,7 +147,7 @@ async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  
                "usage": _usage(response.usage)}
 
 
-async def ReAct(branch: Any, instruction: str = "", context: Any = None,  # noqa: N802 (ADR-0023 name)
+async def ReAct(branch: Any, instruction: str = "", context: Any = None,  # ADR-0023's name
                 model: str | None = None, *, tools: Any = None, max_rounds: int = 4,
                 system: str | None = None, **options: Any) -> dict[str, Any]:
     """Run the bounded reason/act loop of ``ReActStream`` to the end and summarise it.
@@ -159,7 +161,7 @@ async def ReAct(branch: Any, instruction: str = "", context: Any = None,  # noqa
                                                  max_rounds=max_rounds, system=system, **options)]
     last = rounds[-1]
     usage = {"calls": len(rounds)}
-    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens", "cache_read_tokens", "cache_creation_tokens"):
         usage[key] = sum(item["usage"][key] for item in rounds)
     return {"answer": last["thought"], "rounds": rounds,
             "stopped": "answered" if last["final"] else "max_rounds", "usage": usage}

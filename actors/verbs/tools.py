@@ -144,7 +144,8 @@ class Tool:
         sharing the worker actor's event loop.
         """
         args, kwargs = self.validate(arguments)
-        if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(getattr(self.fn, "__call__", None)):
+        # A callable object's async __call__ is a coroutine function too (callable() cannot tell).
+        if inspect.iscoroutinefunction(self.fn) or inspect.iscoroutinefunction(type(self.fn).__call__):
             return await self.fn(*args, **kwargs)
         result = await asyncio.to_thread(self.fn, *args, **kwargs)
         if inspect.isawaitable(result):
@@ -194,7 +195,7 @@ async def run_tool_call(tools: Mapping[str, Tool], name: str, arguments: Any) ->
         entry["output"] = await selected.invoke(arguments)
     except ValidationError as exc:
         entry["error"] = f"invalid arguments for {name}: {format_validation_error(exc)}"
-    except Exception as exc:  # the tool's own failure is the model's observation, by contract
+    except Exception as exc:  # noqa: BLE001 - the tool's own failure is the model's observation, by contract
         entry["error"] = f"{type(exc).__name__}: {exc}"
     return entry
 

@@ -19,41 +19,47 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import sys
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Query
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from opgraph.kernel import OpGraphError
-
-from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, LaneCapabilityError, check_control
-from .runner import compile_source, registry_source, run_workflow
-from .spec import WorkflowDefinitionError, problem
-from .store import (
-    RunNotFoundError,
-    RunRecord,
-    WorkflowNameConflictError,
-    WorkflowNotFoundError,
-    WorkflowStore,
-    WorkflowStoreError,
-    WorkflowVersion,
+from .body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
+from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, check_control
+from .problems import (
+    ErrorBody,
+    RunStateConflictError,
+    RuntimeUnavailableError,
+    errors,
+    install_error_handlers,
+    links,
+    run_links,
 )
+from .runner import compile_source, registry_source, run_workflow
+from .store import RunNotFoundError, RunRecord, WorkflowStore, WorkflowVersion, WorkflowVersionNotFoundError
 
 __all__ = [
-    "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "RunStateConflictError", "RunTasks", "RunWorkflowRequest",
-    "RuntimeUnavailableError", "UpdateWorkflowRequest", "create_app", "serve",
+    "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "ErrorBody", "RunStateConflictError", "RunTasks",
+    "RunWorkflowRequest", "RuntimeUnavailableError", "UpdateWorkflowRequest", "create_app", "serve",
 ]
 
 # How long a cancel request waits for the executor to settle the run before it also
 # cancels the driving task (which cancels on the executor again, from Session.flow).
 CANCEL_GRACE_SECONDS = 5.0
 SHUTDOWN_GRACE_SECONDS = 10.0
+# The largest integer a request may carry (versions, seq numbers): every JSON client holds
+# it exactly (2**53 - 1), where the store's own limit (2**63 - 1) is past a double's precision.
+MAX_REQUEST_INTEGER = 2**53 - 1
 _CAPABILITIES = FIXED_WORKFLOW_CAPABILITIES.as_metadata()  # what every run of this lane publishes
 
 
@@ -62,42 +68,46 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A runnable two-node definition on the built-in simulated provider: the documented example
+# of a request body, which also lets a client (or a fuzzer) reach runs from the document alone.
+EXAMPLE_SPEC: dict[str, Any] = {
+    "version": 1,
+    "nodes": [{"id": "in", "kind": "input", "pos": {"x": 0, "y": 0}},
+              {"id": "draft", "kind": "chat", "pos": {"x": 1, "y": 0},
+               "config": {"prompt": "Draft a short note about the topic.", "model": "sim/fast"}}],
+    "edges": [{"id": "e1", "from": "in", "to": "draft"}],
+    "inputs": ["topic"],
+    "outputs": ["draft"],
+}
+
+
 class CreateWorkflowRequest(_Body):
-    name: str
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"name": "drafts", "description": "one chat node", "spec": EXAMPLE_SPEC}]})
+
+    name: str = Field(min_length=1)
     description: str | None = None
     spec: dict[str, Any] | None
 
 
 class UpdateWorkflowRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"spec": EXAMPLE_SPEC, "description": "v2"}]})
+
     spec: dict[str, Any] | None
     description: str | None = None
 
 
 class RunWorkflowRequest(_Body):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"inputs": {"topic": "actors"}}]})
+
     inputs: dict[str, Any] | None = None
     base_dir: str | None = None
-    model: str | None = None
-    version: int | None = Field(default=None, ge=1)
+    model: str | None = Field(default=None, pattern=r"^[^/]+/.+$", description="provider/model for every chat node")
+    version: int | None = Field(default=None, ge=1, le=MAX_REQUEST_INTEGER)
 
 
 class MessageRequest(_Body):
     text: str = ""  # accepted so the request is well formed; the lane rejects it anyway
-
-
-class RunStateConflictError(OpGraphError):
-    """The request conflicts with the run's state (terminal, still running, or owned by
-    another process); ``status`` says which. Poll the run, or start a new one."""
-
-    def __init__(self, message: str, run_id: str, status: str) -> None:
-        super().__init__(message)
-        self.run_id, self.status = run_id, status
-
-    def __reduce__(self):
-        return (type(self), (self.message, self.run_id, self.status))
-
-
-class RuntimeUnavailableError(OpGraphError):
-    """The Session (Ray and the runtime actors) could not be started; no run was created."""
 
 
 # -- this server's runs -----------------------------------------------------------------
@@ -137,8 +147,14 @@ class RunTasks:
         # The runner records runtime errors itself; anything escaping it (a store error,
         # say) has no caller left, so it becomes the run's recorded failure.
         kind = type(exc).__name__
+        error = {"run": {"error": f"{kind}: {exc}", "type": kind}}
+        written = self._store.writer.submit(self._record_failure, run_id, error)  # off the event loop
+        written.add_done_callback(lambda done: done.exception() and _say(
+            f"run {run_id} failed with {kind}: {exc}, and recording that failed too: {done.exception()}"))
+
+    def _record_failure(self, run_id: str, error: dict[str, Any]) -> None:
         with contextlib.suppress(RunNotFoundError):  # it ended before writing its row
-            self._store.finish_run(run_id, "failed", error={"run": {"error": f"{kind}: {exc}", "type": kind}})
+            self._store.finish_run(run_id, "failed", error=error)
 
     async def cancel(self, run_id: str) -> None:
         """Cancel through the executor, falling back to the task; wait for the run to settle."""
@@ -175,31 +191,45 @@ class RunTasks:
 
 
 class _SessionSlot:
-    """One Session for the whole server, created on the first run (it costs seconds)."""
+    """One Session for the whole server, started with the server (it costs seconds), so the
+    first run is admitted as fast as any other; if that start fails, each run retries it."""
 
     def __init__(self, factory: Callable[[], Any]) -> None:
         self._factory = factory
         self._session: Any = None
         self._lock = asyncio.Lock()
 
+    def start(self) -> Any:
+        """Start the Session on this thread: at startup, before any request, when blocking
+        the loop costs nobody. The server keeps its own SIGTERM handling (a graceful
+        shutdown that records in-flight runs cancelled): ray.init in the main thread
+        would replace it with an immediate exit."""
+        if self._session is None:
+            main = threading.current_thread() is threading.main_thread()
+            previous = signal.getsignal(signal.SIGTERM) if main else None
+            try:
+                self._session = self._create()
+            finally:
+                if previous is not None:  # None: a handler not set from Python, which ray.init leaves alone
+                    signal.signal(signal.SIGTERM, previous)
+        return self._session
+
     async def get(self) -> Any:
         async with self._lock:
             if self._session is None:
-                # Session() joins Ray with blocking calls: never on the event loop.
-                try:
-                    self._session = await run_in_threadpool(self._factory)
-                except Exception as exc:  # Ray's own errors, translated once here; the next run retries
-                    raise RuntimeUnavailableError(f"cannot start the runtime: {type(exc).__name__}: {exc}; "
-                                                  "check the Ray address, then retry") from exc
+                # Session() joins Ray with blocking calls: once serving, never on the event loop.
+                self._session = await run_in_threadpool(self._create)
             return self._session
+
+    def _create(self) -> Any:
+        try:
+            return self._factory()
+        except Exception as exc:  # Ray's own errors, translated once here; a run retries
+            raise RuntimeUnavailableError(f"cannot start the runtime: {type(exc).__name__}: {exc}; "
+                                          "check the Ray address, then retry") from exc
 
 
 # -- JSON shapes ------------------------------------------------------------------------
-def _links(run_id: str) -> dict[str, str]:
-    base = f"/api/runs/{run_id}"
-    return {"self": base, "signals": f"{base}/signals", "results": f"{base}/results", "cancel": f"{base}/cancel"}
-
-
 def _version_json(version: WorkflowVersion, *, spec: bool = True) -> dict[str, Any]:
     body = asdict(version)
     body = {"id": body.pop("workflow_id"), "ref": version.ref, **body}
@@ -215,57 +245,46 @@ def _run_json(record: RunRecord) -> dict[str, Any]:
         "lane": record.lane, "lane_capabilities": _CAPABILITIES,
         "provenance": record.provenance, "inputs": record.inputs, "session_id": record.session_id,
         "created_at": record.created_at, "started_at": record.started_at, "finished_at": record.finished_at,
-        "links": _links(record.run_id),
+        "links": run_links(record.run_id),
     }
     if record.terminal:
         body.update(outputs=record.outputs, errors=record.error)
     return body
 
 
-def _message(exc: OpGraphError) -> dict[str, Any]:
-    return {"error": exc.message}
-
-
-def _request_problem(item: dict[str, Any]) -> dict[str, Any]:
-    return problem(f"{'.'.join(str(part) for part in item.get('loc', ()))}: {item.get('msg')}")
-
-
-# Every typed error is one HTTP status and body, here and nowhere else; the most specific
-# class wins. Malformed requests get our problem list, not FastAPI's {"detail": [...]}.
-_ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any]]]] = {
-    WorkflowDefinitionError: (422, lambda exc: {"errors": exc.errors}),
-    RequestValidationError: (422, lambda exc: {"errors": [_request_problem(item) for item in exc.errors()]}),
-    WorkflowNameConflictError: (409, lambda exc: {"error": exc.message, "name": exc.name}),
-    LaneCapabilityError: (409, lambda exc: {"error": exc.message, "request_kind": exc.request_kind,
-                                            "lane": FIXED_WORKFLOW, "lane_capabilities": _CAPABILITIES}),
-    RunStateConflictError: (409, lambda exc: {"error": exc.message, "run_id": exc.run_id,
-                                              "status": exc.status, "links": _links(exc.run_id)}),
-    WorkflowNotFoundError: (404, _message),  # WorkflowVersionNotFoundError too
-    RunNotFoundError: (404, _message),
-    WorkflowStoreError: (503, _message),  # the database failed or is closed
-    RuntimeUnavailableError: (503, _message),
-}
-
-
-async def _error_response(_: Request, exc: Exception) -> JSONResponse:
-    status, body = next(_ERROR_RESPONSES[cls] for cls in type(exc).__mro__ if cls in _ERROR_RESPONSES)
-    return JSONResponse(body(exc), status_code=status)
-
-
 # -- the app ----------------------------------------------------------------------------
+# OpenAPI links: how a client (or a fuzzer's stateful phase) gets from what one answer
+# holds to the next request, so generated clients and tests reach runs, not only 404s.
+_WORKFLOW_LINKS = links(201, "The workflow's first version", {
+    operation: {"name": "$response.body#/name"}
+    for operation in ("get_workflow", "list_versions", "add_version", "start_run", "delete_workflow")})
+_RUN_LINKS = links(202, "The admitted run, with its id and links", {
+    operation: {"run_id": "$response.body#/run_id"}
+    for operation in ("get_run", "run_signals", "run_results", "cancel_run", "message_run", "pause_run",
+                      "resume_run")})
+
+
 def _session_factory(address: str | None = None) -> Callable[[], Any]:
     def start() -> Any:
-        from opgraph.actors import Session  # local: it loads Ray, which definitions never need
+        from opgraph.cluster.connection import open_session  # local: it loads Ray, which definitions never need
 
-        return Session(address)
+        return open_session(address)
 
     return start
 
 
+def _say(text: str) -> None:
+    print(f"opgraph serve: {text}", file=sys.stderr, flush=True)
+
+
 def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | None = None,
-               max_concurrent: int = 5) -> FastAPI:
+               max_concurrent: int = 5, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               start_runtime: bool = True) -> FastAPI:
     """The API over ``store``; runs use one Session from ``session_factory`` (default ``Session()``).
 
+    The Session starts with the app (``start_runtime``), before it takes requests, so
+    admission never waits for Ray; a failed start is reported and retried by each run
+    (503 until it works). Request bodies over ``max_body_bytes`` are refused with 413.
     The caller owns ``store`` and the Session; shutting the app down cancels its
     in-flight runs (each is recorded ``cancelled``) but closes neither.
     """
@@ -277,102 +296,124 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
         # Runs left unfinished by a server (or CLI) process that died are failed now,
         # before anyone asks; reads would settle them too (WorkflowStore._orphaned).
         await asyncio.to_thread(store.reap_orphaned_runs)
+        if start_runtime:
+            _say("starting the runtime (Ray and the opgraph actors)...")
+            started = time.monotonic()
+            try:
+                sessions.start()
+            except RuntimeUnavailableError as exc:
+                _say(f"{exc.message}; serving definitions, and each run will try again")
+            else:
+                _say(f"runtime ready in {time.monotonic() - started:.1f} s")
         yield
         await runs.cancel_all()
 
-    app = FastAPI(title="opgraph fixed workflows", lifespan=lifespan)
+    app = FastAPI(title="opgraph fixed workflows", lifespan=lifespan,
+                  description="Versioned fixed-workflow definitions (ADR-0073) and their runs. Every error "
+                              "answer is an ErrorBody: the first problem's message and the list of problems.")
     app.state.runs = runs
-    for error_type in _ERROR_RESPONSES:
-        app.add_exception_handler(error_type, _error_response)
+    install_error_handlers(app)
+    app.add_middleware(RequestBodyGuard, max_body_bytes=max_body_bytes)
 
     # Definition routes are plain functions: FastAPI runs them in its thread pool, so the
     # synchronous SQLite calls never block the loop that drives the runs.
-    @app.post("/api/workflows", status_code=201)
+    @app.post("/api/workflows", status_code=201, operation_id="create_workflow",
+              responses={**errors(409, 413, 422), **_WORKFLOW_LINKS})
     def create_workflow(body: CreateWorkflowRequest) -> dict[str, Any]:
         return _version_json(store.create_workflow(body.name, body.spec, body.description))
 
-    @app.get("/api/workflows")
+    @app.get("/api/workflows", operation_id="list_workflows", responses=errors())
     def list_workflows() -> dict[str, Any]:
         return {"workflows": [asdict(summary) for summary in store.list_workflows()]}
 
-    @app.get("/api/workflows/{name}")
-    def get_workflow(name: str, version: int | None = Query(default=None, ge=1)) -> dict[str, Any]:
+    @app.get("/api/workflows/{name}", operation_id="get_workflow", responses=errors(404, 422))
+    def get_workflow(name: str,
+                     version: int | None = Query(default=None, ge=1, le=MAX_REQUEST_INTEGER)) -> dict[str, Any]:
         return _version_json(store.resolve(name, version))
 
-    @app.get("/api/workflows/{name}/versions")
+    @app.get("/api/workflows/{name}/versions", operation_id="list_versions", responses=errors(404))
     def list_versions(name: str) -> dict[str, Any]:
         versions = store.versions(name)
         return {"name": versions[0].name, "versions": [_version_json(v, spec=False) for v in versions]}
 
-    @app.put("/api/workflows/{name}")
+    @app.put("/api/workflows/{name}", operation_id="add_version", responses=errors(404, 413, 422))
     def add_version(name: str, body: UpdateWorkflowRequest) -> dict[str, Any]:
         previous = store.resolve(name)
         version = store.add_version(name, body.spec, body.description)
         # An equal hash returns the existing version: versions are immutable and never duplicated.
         return {**_version_json(version), "created": version.version != previous.version}
 
-    @app.delete("/api/workflows/{name}", status_code=204)
+    @app.delete("/api/workflows/{name}", status_code=204, operation_id="delete_workflow", response_class=Response,
+                responses=errors(404))
     def delete_workflow(name: str) -> Response:
         store.delete_workflow(name)
         return Response(status_code=204)
 
-    @app.post("/api/workflows/{name}/runs", status_code=202)
+    @app.post("/api/workflows/{name}/runs", status_code=202, operation_id="start_run",
+              responses={**errors(404, 413, 422), **_RUN_LINKS})
     async def start_run(name: str, body: RunWorkflowRequest | None = None) -> dict[str, Any]:
         body = body or RunWorkflowRequest()
         # Pin and compile before any run row exists: a compile error is a 422 and no run.
-        source = await run_in_threadpool(registry_source, store, name, body.version)
+        try:
+            source = await run_in_threadpool(registry_source, store, name, body.version)
+        except WorkflowVersionNotFoundError as exc:
+            if body.version is None:
+                raise
+            # The workflow (the path's resource) exists; the body asks for a version it lacks.
+            raise RequestValidationError([{"loc": ("body", "version"), "msg": exc.message,
+                                           "type": "value_error"}]) from exc
         compiled = await run_in_threadpool(compile_source, source, inputs=body.inputs,
                                            base_dir=body.base_dir, model=body.model)
         session = await sessions.get()
         run_id, control = str(uuid.uuid4()), {}
-        task = runs.start(run_id, control, run_workflow(
+        admitted = asyncio.get_running_loop().create_future()
+        runs.start(run_id, control, run_workflow(
             session, source, inputs=body.inputs, base_dir=body.base_dir, model=body.model, store=store,
-            run_id=run_id, max_concurrent=max_concurrent, control=control, compiled=compiled))
-        # One turn of the loop lets the task write its run row (the runner does that before
-        # its first await), so a client polling right after the 202 finds the run.
-        await asyncio.sleep(0)
-        try:
-            status = (await run_in_threadpool(store.get_run, run_id)).status
-        except RunNotFoundError:
-            if task.done():
-                task.result()  # it failed before recording the run: raise that, not a 404
-            status = "admitted"
+            run_id=run_id, max_concurrent=max_concurrent, control=control, compiled=compiled,
+            on_admitted=admitted))
+        # The runner resolves ``admitted`` once the run row is written (or fails with what
+        # stopped it first), so a client polling right after the 202 finds the run.
+        status = await admitted
         return {"run_id": run_id, "status": status, "workflow": source.ref, "version": source.version,
                 "content_hash": source.content_hash, "lane": FIXED_WORKFLOW,
-                "lane_capabilities": _CAPABILITIES, "links": _links(run_id)}
+                "lane_capabilities": _CAPABILITIES, "links": run_links(run_id)}
 
-    @app.get("/api/runs")
+    @app.get("/api/runs", operation_id="list_runs", responses=errors(422))
     def list_runs(workflow: str | None = None,
                   status: Literal["admitted", "running", "completed", "failed", "cancelled"] | None = None,
                   limit: int = Query(default=50, ge=1, le=1000)) -> dict[str, Any]:
         return {"runs": [_run_json(run) for run in store.list_runs(workflow=workflow, status=status, limit=limit)]}
 
-    @app.get("/api/runs/{run_id}")
+    @app.get("/api/runs/{run_id}", operation_id="get_run", responses=errors(404))
     def get_run(run_id: str) -> dict[str, Any]:
         return _run_json(store.get_run(run_id))
 
-    @app.get("/api/runs/{run_id}/signals")
-    def run_signals(run_id: str, after: int = Query(default=0, ge=0)) -> dict[str, Any]:
+    @app.get("/api/runs/{run_id}/signals", operation_id="run_signals", responses=errors(404, 422))
+    def run_signals(run_id: str, after: int = Query(default=0, ge=0, le=MAX_REQUEST_INTEGER)) -> dict[str, Any]:
         signals = store.run_signals(run_id, after)
         status = store.get_run(run_id).status  # read after the signals: terminal means none are missing
         return {"run_id": run_id, "status": status, "signals": signals,
                 "next_after": signals[-1]["seq"] if signals else after}
 
-    @app.get("/api/runs/{run_id}/results")
+    @app.get("/api/runs/{run_id}/results", operation_id="run_results", responses=errors(404, 409))
     def run_results(run_id: str) -> dict[str, Any]:
         record = store.get_run(run_id)
         if not record.terminal:
             raise RunStateConflictError(f"run {run_id} is still {record.status}; results exist once it ends "
                                         "(poll the run or its signals)", run_id=run_id, status=record.status)
         nodes: dict[str, str] = {}
-        for signal in store.run_signals(run_id):
-            if signal["spec_node_id"] is not None:
-                nodes[signal["spec_node_id"]] = signal["kind"]  # the last lifecycle state wins
+        for row in store.run_signals(run_id):
+            if row["spec_node_id"] is not None:
+                nodes[row["spec_node_id"]] = row["kind"]  # the last lifecycle state wins
+        # Every settled node's result, recorded as it settled: what a run whose owner died
+        # (recorded failed, without outputs) still has to show.
+        settled = {row["spec_node_id"] or row["node_id"]: {"status": row["status"], "result": row["result"]}
+                   for row in store.run_nodes(run_id)}
         return {"run_id": run_id, "status": record.status, "workflow": record.workflow_name or record.source_ref,
                 "version": record.version, "content_hash": record.content_hash, "outputs": record.outputs or {},
-                "errors": record.error, "nodes": nodes}
+                "errors": record.error, "nodes": nodes, "node_results": settled}
 
-    @app.post("/api/runs/{run_id}/cancel", status_code=202)
+    @app.post("/api/runs/{run_id}/cancel", status_code=202, operation_id="cancel_run", responses=errors(404, 409))
     async def cancel_run(run_id: str) -> dict[str, Any]:
         record = await run_in_threadpool(store.get_run, run_id)
         if record.terminal:
@@ -388,31 +429,39 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
         if record.status in ("completed", "failed"):
             raise RunStateConflictError(f"run {run_id} ended {record.status} before the cancel took effect",
                                         run_id=run_id, status=record.status)
-        return {"run_id": run_id, "status": record.status, "links": _links(run_id)}
+        return {"run_id": run_id, "status": record.status, "links": run_links(run_id)}
 
-    async def reject_control(run_id: str, request_kind: str) -> None:
+    async def reject_control(run_id: str, request_kind: str) -> NoReturn:
         await run_in_threadpool(store.get_run, run_id)  # an unknown run is a 404 first
         check_control(FIXED_WORKFLOW, request_kind)  # raises: nothing is queued anywhere
+        raise AssertionError(f"the {FIXED_WORKFLOW} lane accepted {request_kind!r}, which it has no consumer for")
 
-    @app.post("/api/runs/{run_id}/message")
-    async def message_run(run_id: str, body: MessageRequest | None = None) -> None:
+    # The fixed lane has no consumer for these: they only ever answer 404 or 409, and the
+    # document says so (409 stands where a success status would).
+    refused = {"status_code": 409, "response_model": ErrorBody, "responses": errors(404),
+               "response_description": "Always: the fixed_workflow lane does not support this control"}
+
+    @app.post("/api/runs/{run_id}/message", operation_id="message_run",
+              **{**refused, "responses": errors(404, 413, 422)})
+    async def message_run(run_id: str, body: MessageRequest | None = None) -> ErrorBody:
         await reject_control(run_id, "message")
 
-    @app.post("/api/runs/{run_id}/pause")
-    async def pause_run(run_id: str) -> None:
+    @app.post("/api/runs/{run_id}/pause", operation_id="pause_run", **refused)
+    async def pause_run(run_id: str) -> ErrorBody:
         await reject_control(run_id, "pause")
 
-    @app.post("/api/runs/{run_id}/resume")
-    async def resume_run(run_id: str) -> None:
+    @app.post("/api/runs/{run_id}/resume", operation_id="resume_run", **refused)
+    async def resume_run(run_id: str) -> ErrorBody:
         await reject_control(run_id, "resume")
 
     return app
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = None,
-          address: str | None = None) -> None:
-    """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray joins on the first run."""
+          address: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray starts with the server."""
     import uvicorn
 
     with WorkflowStore(store_path) as store:
-        uvicorn.run(create_app(store, session_factory=_session_factory(address)), host=host, port=port)
+        app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes)
+        uvicorn.run(app, host=host, port=port)

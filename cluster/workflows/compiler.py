@@ -27,6 +27,7 @@ from .spec import (
 )
 
 __all__ = [
+    "CHAT_MODEL_OPTIONS",
     "CHAT_OPERATION",
     "ENGINE_KINDS",
     "ENGINE_OPTION_NAMES",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 CHAT_OPERATION = "chat_and_record"
+# A chat node's config keys passed to its model call: seconds per attempt, and the reply's cap.
+CHAT_MODEL_OPTIONS: tuple[str, ...] = ("timeout", "max_tokens")
 EXECUTABLE_NODE_KINDS: frozenset[str] = frozenset({"input", "chat", "engine"})
 ENGINE_KINDS: tuple[str, ...] = ("research", "review", "coding", "hypothesis", "planning")
 ENGINE_OPTION_NAMES: frozenset[str] = frozenset({"test_cmd", "export_dir"})
@@ -209,6 +212,7 @@ class _Compiler:
         kinds = {node.id: node.kind for node in self.spec.nodes}
         for edge in self.spec.edges:
             self._edge(edge, kinds)
+        self._name_results()
         if not self.graph.is_acyclic():
             self.fail(
                 "the workflow graph has a cycle through "
@@ -216,6 +220,19 @@ class _Compiler:
                 "not in authored edges"
             )
         return self.graph
+
+    def _name_results(self) -> None:
+        """A chat node shows the model its predecessors' results by their authored ids
+        (``result_names``, read by the verbs), never by the graph's uuids."""
+        spec_ids = {node_id: spec_id for spec_id, node_id in self.node_ids.items()}
+        for node_id in spec_ids:
+            operation = self.graph.nodes[node_id]
+            if operation.operation != CHAT_OPERATION:
+                continue
+            names = {predecessor: spec_ids[predecessor] for predecessor in self.graph.predecessors(node_id)
+                     if predecessor in spec_ids}
+            if names:
+                operation.parameters["result_names"] = names
 
     # -- nodes -------------------------------------------------------------------------
     def _node(self, node: WorkflowNode) -> Operation | None:
@@ -244,6 +261,9 @@ class _Compiler:
         model = self._model(node)
         if model is not None:
             parameters["model"] = model
+        for option in CHAT_MODEL_OPTIONS:  # per node; else the provider's (e.g. OPENAI_TIMEOUT)
+            if node.config.get(option) is not None:
+                parameters[option] = node.config[option]
         return create_operation(CHAT_OPERATION, parameters)
 
     def _engine(self, node: WorkflowNode) -> Operation | None:

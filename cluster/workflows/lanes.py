@@ -121,13 +121,6 @@ class LaneCapabilityError(OpGraphError):
         self.lane = lane
         self.request_kind = request_kind
 
-    def __reduce__(self):
-        return (_rebuild_capability_error, (type(self), self.message, self.lane, self.request_kind))
-
-
-def _rebuild_capability_error(cls, message, lane, request_kind):
-    return cls(message, lane=lane, request_kind=request_kind)
-
 
 def check_control(lane: str | LaneCapabilities, request_kind: str) -> None:
     """Return when ``lane`` honours ``request_kind``; otherwise raise ``LaneCapabilityError``.

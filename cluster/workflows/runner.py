@@ -28,6 +28,7 @@ from opgraph.kernel import OpGraphError
 
 from .compiler import CompiledWorkflow, compile_workflow
 from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, RunProvenance, check_control
+from .recording import RunRecorder
 from .spec import WorkflowCompileError, WorkflowValidationError, load_definition, problem, validate_definition
 from .store import WorkflowStore
 
@@ -41,12 +42,6 @@ __all__ = [
     "resolve_source",
     "run_workflow",
 ]
-
-# Lifecycle signals are written in batches so a wide run does not pay one SQLite
-# transaction per node: when a batch fills, every half second while the run goes, and
-# the tail when it ends.
-_SIGNAL_BATCH = 200
-_SIGNAL_FLUSH_SECONDS = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +67,11 @@ def registry_source(store: WorkflowStore, name: str, version: int | None = None)
                           spec=pinned.spec, version=pinned.version, workflow=pinned)
 
 
-def file_source(path: str | Path) -> WorkflowSource:
+def file_source(path: str | Path, *, ref: str | None = None) -> WorkflowSource:
     """Read a definition file once; its validated bytes are what is hashed and compiled.
 
+    The run records ``ref`` as its source (default: the file's resolved path): a Ray job
+    reads a temporary copy of the file and records the path its user gave instead.
     Raises ``WorkflowValidationError`` (a problem list) for unreadable JSON or a spec
     that breaks a storage rule, so a bad file never reaches the runtime.
     """
@@ -88,10 +85,13 @@ def file_source(path: str | Path) -> WorkflowSource:
         spec = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WorkflowValidationError([problem(f"workflow file {str(resolved)!r} is not JSON: {exc}")]) from exc
+    except RecursionError as exc:  # the parser's own depth limit, at about 1,000 levels
+        raise WorkflowValidationError([problem(f"workflow file {str(resolved)!r} nests deeper than JSON is "
+                                               "read here (a definition nests at most 64 levels)")]) from exc
     problems = validate_definition(spec)
     if problems:
         raise WorkflowValidationError(problems)
-    return WorkflowSource(kind="workflow_file", ref=str(resolved),
+    return WorkflowSource(kind="workflow_file", ref=ref or str(resolved),
                           content_hash="sha256:" + hashlib.sha256(raw).hexdigest(), spec=spec)
 
 
@@ -183,47 +183,6 @@ def compile_source(source: WorkflowSource, *, inputs: Mapping[str, Any] | None =
                             name=source.label)
 
 
-class _Recorder:
-    """Buffers lifecycle signals and branch handles; writes them to the store in batches."""
-
-    def __init__(self, store: WorkflowStore | None, run_id: str, compiled: CompiledWorkflow,
-                 on_progress: Callable[[str, str, str, float], Any] | None) -> None:
-        self.store = store
-        self.run_id = run_id
-        self.spec_ids = compiled.spec_ids_by_node_id
-        self.on_progress = on_progress
-        self.pending: list[dict[str, Any]] = []
-        self.branches: list[Any] = []
-
-    def progress(self, op_id: str, name: str, status: str, elapsed: float) -> None:
-        spec_id = self.spec_ids.get(op_id)
-        self.pending.append({"node_id": op_id, "spec_node_id": spec_id, "kind": status,
-                             "elapsed": elapsed, "at": time.time()})
-        if len(self.pending) >= _SIGNAL_BATCH:
-            self.flush()  # the rest goes out with run_workflow's periodic flush
-        if self.on_progress is not None:
-            self.on_progress(spec_id or op_id, name, status, elapsed)
-
-    def branch_created(self, branch: Any) -> None:
-        self.branches.append(branch)
-
-    def flush(self) -> None:
-        if self.pending and self.store is not None:
-            self.store.record_signals(self.run_id, self.pending)
-        self.pending = []
-
-    async def record_branches(self, default_branch: str, messages: Callable[[str], Any]) -> None:
-        if self.store is None:
-            return
-        seen: set[str] = set()
-        for branch_id, node_id in [(default_branch, None)] + [(b.id, b.node_id) for b in self.branches]:
-            if branch_id in seen:
-                continue
-            seen.add(branch_id)
-            self.store.record_branch(self.run_id, branch_id, node_id=self.spec_ids.get(node_id, node_id),
-                                     messages=await messages(branch_id))
-
-
 def _summarise(envelope: Mapping[str, Any], compiled: CompiledWorkflow) -> tuple[dict, dict, dict]:
     spec_ids = compiled.spec_ids_by_node_id
     results = envelope.get("operation_results", {})
@@ -264,6 +223,7 @@ async def run_workflow(
     on_progress: Callable[[str, str, str, float], Any] | None = None,
     control: dict[str, Any] | None = None,
     compiled: CompiledWorkflow | None = None,
+    on_admitted: asyncio.Future | None = None,
 ) -> WorkflowRunResult:
     """Compile ``source``, persist the run, execute it on ``session`` and record the outcome.
 
@@ -271,18 +231,28 @@ async def run_workflow(
     operation makes the run ``failed``; an unexpected runtime error is recorded and the
     run returned as ``failed`` (ADR-0073 D5); task cancellation records ``cancelled`` and
     re-raises. ``on_progress(spec_node_id, name, status, elapsed)`` sees each lifecycle
-    signal; ``control`` (a dict) receives ``"control"``: a ``FixedRunControl``.
+    signal; ``control`` (a dict) receives ``"control"``: a ``FixedRunControl``;
+    ``on_admitted`` (a future) gets the run's status once its row is written, or the
+    error that came first. Every signal and every settled node's result reach the store
+    as the run goes (``RunRecorder``), each store write on the store's writer thread.
     """
-    compiled = compiled or compile_source(source, inputs=inputs, base_dir=base_dir, model=model)
-    run_id = run_id or str(uuid.uuid4())
-    provenance = RunProvenance.fixed_workflow(
-        ref=source.ref, content_hash=source.content_hash, version=source.version, source_kind=source.kind,
-    ).to_payload()
-    if store is not None:
-        store.create_run(run_id, session_id=session.id, provenance=provenance, inputs=dict(inputs or {}),
-                         workflow=source.workflow)
-        store.mark_running(run_id)
-    recorder = _Recorder(store, run_id, compiled, on_progress)
+    try:
+        compiled = compiled or compile_source(source, inputs=inputs, base_dir=base_dir, model=model)
+        run_id = run_id or str(uuid.uuid4())
+        provenance = RunProvenance.fixed_workflow(
+            ref=source.ref, content_hash=source.content_hash, version=source.version, source_kind=source.kind,
+        ).to_payload()
+        recorder = RunRecorder(store, run_id, compiled, on_progress)
+        if store is not None:
+            await recorder.write(store.create_run, run_id, session_id=session.id, provenance=provenance,
+                                 inputs=dict(inputs or {}), workflow=source.workflow)
+            await recorder.write(store.mark_running, run_id)
+    except BaseException as exc:
+        if on_admitted is not None and not on_admitted.done():
+            on_admitted.set_exception(exc)
+        raise
+    if on_admitted is not None and not on_admitted.done():
+        on_admitted.set_result("running" if store is not None else "admitted")
     executor_ref: dict[str, Any] = {}
     if control is not None:
         control["run_id"] = run_id
@@ -290,20 +260,11 @@ async def run_workflow(
 
     async def publish_control() -> None:
         # executor_ref is filled once the executor has admitted the run.
-        while control is not None and "executor" not in executor_ref:
+        while "executor" not in executor_ref:
             await asyncio.sleep(0.01)
-        if control is not None:
-            control["control"] = FixedRunControl(executor_ref["executor"])
+        control["control"] = FixedRunControl(executor_ref["executor"])
 
-    async def flush_periodically() -> None:
-        # Signals reach the store while nodes run, not only when the next one arrives.
-        while True:
-            await asyncio.sleep(_SIGNAL_FLUSH_SECONDS)
-            recorder.flush()
-
-    helpers = [asyncio.ensure_future(flush_periodically())]
-    if control is not None:
-        helpers.append(asyncio.ensure_future(publish_control()))
+    helper = asyncio.ensure_future(publish_control()) if control is not None else None
     status, outputs, errors, statuses = "failed", {}, {}, {}
     default_branch = f"run-{run_id}-default"  # the isolated run's own (the envelope names it too)
     try:
@@ -314,7 +275,7 @@ async def run_workflow(
             envelope = await session.flow(
                 compiled.graph, **compiled.flow_options(), max_concurrent=max_concurrent, run_id=run_id,
                 on_progress=recorder.progress, on_branch_created=recorder.branch_created,
-                executor_ref=executor_ref, isolated=True,
+                on_settled=recorder.settled, executor_ref=executor_ref, isolated=True,
             )
             default_branch = envelope.get("default_branch", default_branch)
             status = _run_status(envelope)
@@ -324,9 +285,10 @@ async def run_workflow(
         except Exception as exc:  # noqa: BLE001 - D5: a runtime error is a failed run, recorded
             errors = {"run": {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}}
         finally:
-            for helper in helpers:
+            if helper is not None:
                 helper.cancel()
         try:
+            await recorder.drain()  # every signal and node result before the branches and the end
             await recorder.record_branches(default_branch, session.messages)
         except Exception as exc:  # noqa: BLE001 - lost branch history must not hide the run's outcome
             errors.setdefault("branches", {"error": f"could not record branch messages: {exc}"})
@@ -334,13 +296,21 @@ async def run_workflow(
             await _release(session, run_id, errors)
     except asyncio.CancelledError:
         # Cancelled while running or while recording branches: the row must still end.
-        _finish(store, recorder, run_id, "cancelled",
-                error={"run": {"error": "the run was cancelled", "type": "CancelledError"}})
+        await asyncio.shield(recorder.drain())
+        if store is not None:
+            await recorder.write(store.finish_run, run_id, "cancelled",
+                                 error={"run": {"error": "the run was cancelled", "type": "CancelledError"}})
         raise
-    _finish(store, recorder, run_id, status, outputs=outputs, error=errors or None)
+    if recorder.failure is not None:
+        failure = recorder.failure
+        errors.setdefault("recording", {"error": f"recording or showing the run's progress failed: "
+                                                 f"{type(failure).__name__}: {failure}"})
+    if store is not None:
+        await recorder.write(store.finish_run, run_id, status, outputs=outputs, error=errors or None)
     return WorkflowRunResult(run_id=run_id, status=status, source=source.label, content_hash=source.content_hash,
                              outputs=outputs, errors=errors, statuses=statuses, provenance=provenance,
                              elapsed=time.perf_counter() - started)
+
 
 
 async def _release(session: Any, run_id: str, errors: dict[str, Any]) -> None:
@@ -349,10 +319,3 @@ async def _release(session: Any, run_id: str, errors: dict[str, Any]) -> None:
         await session.release_run(run_id)
     except Exception as exc:  # noqa: BLE001 - the run's outcome stands; the leak is reported with it
         errors.setdefault("branches", {"error": f"could not release the run's branches: {exc}"})
-
-
-def _finish(store: WorkflowStore | None, recorder: _Recorder, run_id: str, status: str, *,
-            outputs: Any = None, error: Any = None) -> None:
-    recorder.flush()
-    if store is not None:
-        store.finish_run(run_id, status, outputs=outputs, error=error)

@@ -16,6 +16,7 @@ from pathlib import Path
 from opgraph.kernel import OpGraphError
 
 __all__ = [
+    "MAX_VERSION",
     "MIGRATIONS",
     "RUN_STATUSES",
     "RUN_TRANSITIONS",
@@ -33,15 +34,10 @@ __all__ = [
 class WorkflowStoreError(OpGraphError):
     """The store cannot do what was asked: its database failed, or it was closed.
 
-    Subclasses name their fields in ``_fields``; pickling rebuilds them from those.
+    ``_fields`` names a subclass's own fields (the root error pickles them with the rest).
     """
 
     _fields: tuple[str, ...] = ()
-
-    def __reduce__(self):
-        if not self._fields:
-            return super().__reduce__()
-        return (type(self), tuple(getattr(self, field) for field in self._fields))
 
 
 class StoreSchemaError(WorkflowStoreError):
@@ -112,8 +108,14 @@ MIGRATIONS: tuple[Migration, ...] = (
         "ALTER TABLE runs ADD COLUMN owner_pid INTEGER",
         "ALTER TABLE runs ADD COLUMN owner_start TEXT",
     )),
+    Migration(4, "each node's status and result, recorded as the node settles", (
+        """CREATE TABLE run_nodes (
+            run_id TEXT NOT NULL REFERENCES runs(run_id), node_id TEXT NOT NULL, spec_node_id TEXT,
+            status TEXT NOT NULL, result TEXT, settled_at REAL NOT NULL,
+            PRIMARY KEY (run_id, node_id))""",
+    )),
     # Engine runs (ADR-0034): every typed event and notification under the engine run's id.
-    Migration(4, "engine runs and their events", (
+    Migration(5, "engine runs and their events", (
         """CREATE TABLE engine_runs (
             run_id TEXT PRIMARY KEY, engine TEXT NOT NULL,
             status TEXT NOT NULL CHECK (status IN ('running', 'completed', 'degraded', 'failed', 'cancelled')),
@@ -128,6 +130,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
+MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER: no definition version can be higher
 
 RUN_STATUSES: tuple[str, ...] = ("admitted", "running", "completed", "failed", "cancelled")
 TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from opgraph.actors.models import ModelIdentityError, parse_model_id
-from opgraph.kernel import OpGraphError
+from opgraph.kernel import ExpressionCondition, OpGraphError, UnsafeExpressionError
 
 __all__ = [
+    "MAX_DEPTH",
     "MAX_EDGES",
     "MAX_NAME_LENGTH",
     "MAX_NODES",
@@ -38,6 +39,7 @@ __all__ = [
     "WorkflowValidationError",
     "canonical_json",
     "content_hash",
+    "is_unicode_text",
     "load_definition",
     "normalise_name",
     "problem",
@@ -47,6 +49,7 @@ __all__ = [
 
 SPEC_VERSION = 1
 # The caps bound canvas and compiler work; the record gives no measurement behind them.
+MAX_DEPTH = 64  # JSON nesting levels a definition may use
 MAX_NODES = 200
 MAX_EDGES = 400
 MAX_NAME_LENGTH = 120
@@ -91,14 +94,6 @@ class WorkflowDefinitionError(OpGraphError):
     def to_dict(self) -> dict[str, Any]:
         """The first problem, in the record's ``to_dict`` shape."""
         return dict(self.errors[0])
-
-    def __reduce__(self):
-        # The base class pickles message and ids only; the problem list must survive too.
-        return (_rebuild_definition_error, (type(self), self.errors))
-
-
-def _rebuild_definition_error(cls, errors):
-    return cls(errors)
 
 
 class WorkflowValidationError(WorkflowDefinitionError):
@@ -195,6 +190,8 @@ def validate_name(name: Any) -> list[dict[str, Any]]:
     """Problems with a definition name: a string of 1-120 characters once trimmed."""
     if not isinstance(name, str):
         return [problem(f"the workflow name must be a string, got {type(name).__name__}")]
+    if not is_unicode_text(name):
+        return [problem("the workflow name is not valid Unicode text (it holds a lone surrogate)")]
     trimmed = name.strip()
     if not trimmed:
         return [problem("the workflow name is empty; give it 1 to 120 characters")]
@@ -221,7 +218,10 @@ def validate_definition(data: Any) -> list[dict[str, Any]]:
 
     Collects rather than stops at the first problem. ``None`` is valid (a row may be
     saved without a spec); it simply cannot run. Beyond the record's rules, the whole
-    value must be plain JSON (finite numbers, string keys), because it is hashed.
+    value must be plain JSON (finite numbers, string keys, valid Unicode), because it is
+    hashed, and every edge condition must compile under the safe grammar: ideal over
+    retrospective, a condition that could never run is refused when it is stored, not
+    when the definition first runs (ADR-0073 D3 compiles it only then).
     """
     if data is None:
         return []
@@ -251,23 +251,39 @@ def validate_definition(data: Any) -> list[dict[str, Any]]:
 
 
 def _check_plain_json(value: Any, path: str, errors: list[dict[str, Any]], depth: int = 0) -> None:
-    if depth > 64:
-        errors.append(problem(f"{path} nests deeper than 64 levels"))
+    if depth > MAX_DEPTH:
+        errors.append(problem(f"{path} nests deeper than {MAX_DEPTH} levels"))
         return
     if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
                 errors.append(problem(f"{path} has a non-string key {key!r}"))
                 continue
+            if not is_unicode_text(key):
+                errors.append(problem(f"{path} has a key that is not valid Unicode (a lone surrogate)"))
+                continue
             _check_plain_json(item, f"{path}.{key}", errors, depth + 1)
     elif isinstance(value, list):
         for index, item in enumerate(value):
             _check_plain_json(item, f"{path}[{index}]", errors, depth + 1)
+    elif isinstance(value, str):
+        if not is_unicode_text(value):
+            errors.append(problem(f"{path} is not valid Unicode text (it holds a lone surrogate such as "
+                                  "\\ud800); the definition is stored and hashed as UTF-8"))
     elif isinstance(value, float):
         if not math.isfinite(value):
             errors.append(problem(f"{path} is {value!r}; JSON numbers must be finite"))
-    elif not isinstance(value, (str, int, bool, type(None))):
+    elif not isinstance(value, (int, bool, type(None))):
         errors.append(problem(f"{path} is a {type(value).__name__}, which is not a JSON value"))
+
+
+def is_unicode_text(text: str) -> bool:
+    """False for a string UTF-8 cannot encode: JSON's ``"\\ud800"`` escape decodes to a lone surrogate."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _is_number(value: Any) -> bool:
@@ -352,6 +368,14 @@ def _validate_chat_config(config: Mapping[str, Any], node_id: str | None, errors
             parse_model_id(config["model"])
         except ModelIdentityError as exc:
             errors.append(problem(f"config.model: {exc.message}", node_id=node_id))
+    timeout = config.get("timeout")
+    if timeout is not None and (not _is_number(timeout) or not timeout > 0):
+        errors.append(problem(f"config.timeout is seconds one model call may take, above 0; got {timeout!r}",
+                              node_id=node_id))
+    max_tokens = config.get("max_tokens")
+    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+        errors.append(problem(f"config.max_tokens must be a whole number from 1, got {max_tokens!r}",
+                              node_id=node_id))
 
 
 def _validate_edges(edges: Any, node_ids: set[str] | None, errors: list[dict[str, Any]]) -> None:
@@ -370,6 +394,13 @@ def _validate_edges(edges: Any, node_ids: set[str] | None, errors: list[dict[str
             errors.append(
                 problem("an edge condition must be a non-empty string when given", edge_id=edge_id)
             )
+        elif condition is not None and is_unicode_text(condition):
+            # Compiled now, so a condition that could never run is refused when the
+            # definition is added, not when it is first run.
+            try:
+                ExpressionCondition(condition, edge_id=edge_id)
+            except UnsafeExpressionError as exc:
+                errors.append(problem(exc.message, edge_id=edge_id))
         label = edge.get("label")
         if label is not None and not isinstance(label, str):
             errors.append(problem("an edge label must be a string when given", edge_id=edge_id))

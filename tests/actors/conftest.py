@@ -11,12 +11,12 @@ import asyncio
 import sys
 import uuid
 
+import pytest
+import ray
+from ray import cloudpickle
+
 # First: sets the test clusters' Ray options before Ray is imported anywhere.
 from ray_session import _pickle_test_module_by_value, _restore_registrations, session  # noqa: F401
-
-import pytest  # noqa: E402
-import ray  # noqa: E402
-from ray import cloudpickle  # noqa: E402
 
 # pytest imports this file under a name Ray's worker processes cannot import, so the
 # Gauge actor class below must travel by value too.

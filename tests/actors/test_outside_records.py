@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-
 from opgraph.kernel import Graph, create_operation
 
 

@@ -15,9 +15,9 @@ import time
 from typing import Any
 
 import httpx
+import openai_server as srv  # tests/support: a real chat-completions server on loopback
 import pydantic
 import pytest
-import openai_server as srv  # tests/support: a real chat-completions server on loopback
 import ray
 
 from opgraph.actors import models
@@ -29,6 +29,7 @@ from opgraph.actors.models import (
     ProviderError,
     ProviderHTTPError,
     ProviderRateLimited,
+    ProviderRefusal,
     ProviderResponseError,
     ProviderTimeout,
     ProviderUnavailable,
@@ -37,6 +38,7 @@ from opgraph.actors.models import (
     parse_model_id,
 )
 from opgraph.actors.providers import (
+    ENVIRONMENT_SETTINGS,
     AnthropicProvider,
     OpenAICompatibleProvider,
     PermitTable,
@@ -45,14 +47,14 @@ from opgraph.actors.providers import (
     SimulatedProvider,
     builtin_provider,
     clear_builtin_providers,
+    environment_providers,
+    provider_from_environment,
     provider_slot,
     reset_usage_totals,
     retry_after_seconds,
     usage_totals,
 )
 from opgraph.actors.providers.limits import LIMITER_NAME
-
-
 
 USER = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello server"}]
 WEATHER_TOOL = {
@@ -257,8 +259,8 @@ def test_connection_refused_is_unavailable_after_retries():
     assert type(error) is ProviderUnavailable and error.status is None
     assert "after 3 attempts" in str(error) and isinstance(error.__cause__, httpx.ConnectError)
     assert time.monotonic() - started < 5.0
-    assert usage_totals()["openai"] == {"prompt_tokens": 0, "completion_tokens": 0, "calls": 0,
-                                        "retries": 2, "failures": 1}
+    assert usage_totals()["openai"] == {"prompt_tokens": 0, "completion_tokens": 0, "cache_read_tokens": 0,
+                                        "cache_creation_tokens": 0, "calls": 0, "retries": 2, "failures": 1}
 
 
 def test_base_url_without_scheme_is_a_config_error():
@@ -278,7 +280,7 @@ def test_usage_totals_add_up_tokens_calls_and_retries(server):
     assert totals == {
         "prompt_tokens": sum(r.usage.prompt_tokens for r in responses),
         "completion_tokens": sum(r.usage.completion_tokens for r in responses),
-        "calls": 2, "retries": 1, "failures": 0,
+        "cache_read_tokens": 0, "cache_creation_tokens": 0, "calls": 2, "retries": 1, "failures": 0,
     }
 
 
@@ -362,7 +364,7 @@ def test_complete_rejects_a_model_without_provider(server):
 
 
 ERROR_TYPES = [ProviderError, ModelIdentityError, ProviderConfigError, ProviderTimeout, ProviderRateLimited,
-               ProviderUnavailable, ProviderHTTPError, ProviderResponseError]
+               ProviderUnavailable, ProviderHTTPError, ProviderResponseError, ProviderRefusal]
 
 
 @pytest.mark.parametrize("error_type", ERROR_TYPES)
@@ -418,7 +420,8 @@ def test_anthropic_request_and_response_mapping():
     assert sent.url == "https://anthropic.test/v1/messages"
     assert sent.headers["x-api-key"] == "ak-test" and sent.headers["anthropic-version"] == "2023-06-01"
     body = httpx.Response(200, content=sent.content).json()
-    assert body["model"] == "claude-test" and body["max_tokens"] == 300 and body["temperature"] == 0.0
+    assert body["model"] == "claude-test" and body["max_tokens"] == 300
+    assert "temperature" not in body  # the Messages API's request type no longer takes it
     assert body["system"].startswith("be brief") and '"a"' in body["system"]
     assert body["tools"] == [{"name": "lookup", "description": "Look something up.",
                               "input_schema": WEATHER_TOOL["function"]["parameters"]}]
@@ -533,8 +536,8 @@ def test_sim_sleeps_its_latency_and_reports_tokens():
     assert time.monotonic() - started >= 0.1
     assert response.usage == Usage(11, 7) and "hello server" in response.content
     assert response.content == run(provider.complete(ChatRequest("sim/default", USER))).content  # deterministic
-    assert usage_totals()["sim"] == {"prompt_tokens": 22, "completion_tokens": 14, "calls": 2, "retries": 0,
-                                     "failures": 0}
+    assert usage_totals()["sim"] == {"prompt_tokens": 22, "completion_tokens": 14, "cache_read_tokens": 0,
+                                     "cache_creation_tokens": 0, "calls": 2, "retries": 0, "failures": 0}
 
 
 def test_sim_instant_preset_and_estimated_prompt_tokens():
@@ -673,3 +676,121 @@ def test_limiter_caps_a_provider_across_worker_processes(session, gauge):
             break
         time.sleep(0.05)
     assert statistics == {"limit": 2, "in_use": 0, "waiting": 0, "granted": 8}
+
+
+# -- settings, refusals, Anthropic's empty turns and cache tokens (issue 14) ------------------
+
+
+def test_timeout_and_max_tokens_come_from_the_environment_with_documented_defaults(server):
+    """The built-in openai/ provider: 600 s per attempt unless OPENAI_TIMEOUT says otherwise
+    (60 s failed nodes of a slow local model), OPENAI_MAX_TOKENS when a request names none;
+    a request's own timeout and max_tokens win."""
+    default = provider_from_environment("openai", {"OPENAI_BASE_URL": server.base_url})
+    assert default._http.timeout == 600.0 and default.max_tokens is None
+    assert "[600" in ENVIRONMENT_SETTINGS["openai"]["OPENAI_TIMEOUT"]  # documented where it is read
+    configured = provider_from_environment("openai", {"OPENAI_BASE_URL": server.base_url, "OPENAI_TIMEOUT": "0.3",
+                                                      "OPENAI_MAX_TOKENS": "64"})
+    before = len(server.requests)
+    server.script(srv.Slow(1.0), srv.Slow(0.3, srv.Reply("in time")), srv.Reply("capped"))
+
+    async def go() -> tuple[ProviderError, ChatResponse, ChatResponse]:
+        async with configured:
+            try:
+                await configured.complete(ChatRequest("openai/slow", USER))
+            except ProviderTimeout as exc:
+                late = exc
+            patient = await configured.complete(ChatRequest("openai/slow", USER, timeout=5.0, max_tokens=8))
+            capped = await configured.complete(ChatRequest("openai/m", USER))
+            return late, patient, capped
+
+    late, patient, capped = run(go())
+    assert "0.3 s" in late.message and "OPENAI_TIMEOUT" in late.message
+    assert patient.content == "in time" and capped.content == "capped"
+    sent = [request.body for request in server.requests[before:]]
+    assert [body.get("max_tokens") for body in sent] == [64, 8, 64]
+    with pytest.raises(ProviderConfigError, match="OPENAI_TIMEOUT"):
+        provider_from_environment("openai", {"OPENAI_BASE_URL": server.base_url, "OPENAI_TIMEOUT": "soon"})
+    with pytest.raises(ProviderConfigError, match="above 0"):
+        provider_from_environment("openai", {"OPENAI_BASE_URL": server.base_url, "OPENAI_MAX_TOKENS": "0"})
+    anthropic = provider_from_environment("anthropic", {"ANTHROPIC_API_KEY": "k", "ANTHROPIC_MAX_TOKENS": "99",
+                                                        "ANTHROPIC_TIMEOUT": "30"})
+    assert anthropic.max_tokens == 99 and anthropic._http.timeout == 30.0
+
+
+def test_only_the_providers_the_environment_configures_are_built_for_a_session(server):
+    assert environment_providers({}) == {}
+    built = environment_providers({"OPENAI_BASE_URL": server.base_url, "OPENAI_MAX_CONCURRENCY": "1"})
+    assert set(built) == {"openai"} and built["openai"]._http.concurrency == 1
+    # Set but incomplete (no key for api.openai.com): left to the built-in, which reports it on the node.
+    assert environment_providers({"OPENAI_MAX_CONCURRENCY": "1"}) == {}
+
+
+def test_an_openai_refusal_is_a_typed_error_with_its_words(server):
+    server.script(srv.Refusal("I can't help with building that."))
+    error = raised(server.base_url, ChatRequest("openai/gpt-test", USER))
+    assert type(error) is ProviderRefusal
+    assert error.refusal == "I can't help with building that." and "can't help" in error.message
+    copy = pickle.loads(pickle.dumps(error))
+    assert type(copy) is ProviderRefusal and copy.refusal == error.refusal and copy.provider == "openai"
+
+
+def _anthropic(handler) -> AnthropicProvider:
+    return AnthropicProvider("ak-test", "https://anthropic.test", transport=httpx.MockTransport(handler),
+                             backoff=0.01)
+
+
+def test_anthropic_leaves_empty_turns_out_of_the_history_it_sends():
+    """user, assistant "" (an empty reply recorded on the branch), user "  ", user: the empty
+    and blank turns are not sent; the two user turns that remain are one message."""
+    seen: list[bytes] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request.content)
+        return anthropic_reply(request)
+
+    history = [{"role": "user", "content": "first"}, {"role": "assistant", "content": ""},
+               {"role": "user", "content": "  "}, {"role": "assistant", "content": None},
+               {"role": "user", "content": "second"}]
+
+    async def go() -> None:
+        async with _anthropic(handler) as provider:
+            await provider.complete(ChatRequest("anthropic/claude-test", history))
+
+    run(go())
+    body = httpx.Response(200, content=seen[0]).json()
+    assert body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "first"},
+                                                             {"type": "text", "text": "second"}]}]
+
+
+def test_anthropic_cache_tokens_are_counted_and_a_refusal_is_typed():
+    answers = iter([
+        {"content": [{"type": "text", "text": "cached"}], "stop_reason": "end_turn",
+         "usage": {"input_tokens": 5, "output_tokens": 7, "cache_read_input_tokens": 1200,
+                   "cache_creation_input_tokens": 300}},
+        {"content": [{"type": "text", "text": "I won't."}], "stop_reason": "refusal",
+         "usage": {"input_tokens": 5, "output_tokens": 3}},
+    ])
+
+    async def go() -> tuple[ChatResponse, ProviderError]:
+        async with _anthropic(lambda request: httpx.Response(200, json=next(answers))) as provider:
+            response = await provider.complete(ChatRequest("anthropic/claude-test", USER))
+            try:
+                await provider.complete(ChatRequest("anthropic/claude-test", USER))
+            except ProviderRefusal as exc:
+                return response, exc
+        pytest.fail("the refusal was not raised")
+
+    response, refusal = run(go())
+    assert response.usage == Usage(prompt_tokens=1505, completion_tokens=7, cache_read_tokens=1200,
+                                   cache_creation_tokens=300)
+    assert usage_totals()["anthropic"]["cache_read_tokens"] == 1200
+    assert usage_totals()["anthropic"]["prompt_tokens"] == 1505
+    assert refusal.refusal == "I won't."
+
+
+def test_openai_cached_prompt_tokens_are_reported():
+    body = {"choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 2000, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 1536}}}
+    provider = OpenAICompatibleProvider("http://127.0.0.1:1/v1", api_key="k")
+    response = provider.parse_body(body, ChatRequest("openai/m", USER))
+    assert response.usage == Usage(prompt_tokens=2000, completion_tokens=3, cache_read_tokens=1536)

@@ -120,19 +120,30 @@ def test_request_emitted_live_and_returned_is_admitted_once(session, linger):
     assert envelope["dropped_spawns"] == [{"reason": "duplicate", "assignee": None, "emitter_id": emitter}]
 
 
-def test_live_emissions_are_admitted_while_the_emitter_runs_and_travel_together(session):
+def counted_operate(gauge: Any, key: str):
+    """The children's ``operate``: handles the instruction, then tells the Gauge it is done."""
+
+    async def operate_and_count(branch: Any, instruction: str = "", **parameters: Any) -> dict[str, str]:
+        await gauge.enter.remote(key)
+        return {"handled": instruction}
+
+    return operate_and_count
+
+
+def test_live_emissions_are_admitted_while_the_emitter_runs_and_travel_together(session, gauge):
     """emitter => 200 independent children sent by ``branch.emit``: they run before the
-    emitter ends, and reach the executor in a few messages, not one per request."""
+    emitter ends (it waits until all 200 have run), and reach the executor in a few
+    messages, not one per request."""
     width = 200
     order: list[tuple[str, str]] = []
 
     async def emit_many(branch: Any, **parameters: Any) -> int:
         for index in range(width):
             branch.emit(SpawnRequest(instruction=f"live {index}", independent=True))
-        await asyncio.sleep(1.0)  # children are admitted and run while this one waits
+        await gauge.wait_entered.remote("live-many", width)  # every child ran while this one waited
         return width
 
-    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("operate", counted_operate(gauge, "live-many"), record_turn=False)
     session.register_operation("emit_many", emit_many, record_turn=False)
     graph, emitter = single_node("emit_many")
 
@@ -142,24 +153,26 @@ def test_live_emissions_are_admitted_while_the_emitter_runs_and_travel_together(
     children = children_of(envelope, graph)
     assert envelope["spawned_operations"] == width and envelope["dropped_spawns"] == []
     assert {envelope["operation_statuses"][child] for child in children} == {"completed"}
+    # Every child ran (entered the Gauge) before the emitter returned, so each was dispatched
+    # while the emitter still ran: admitted live, not from its outcome.
     emitter_done = order.index((emitter, "completed"))
-    assert all(order.index((child, "completed")) < emitter_done for child in children)
+    assert all(order.index((child, "started")) < emitter_done for child in children)
     # Live requests, dispatches and outcome streams together: far fewer than one per child.
     assert envelope["scheduler_messages"] < width // 4
 
 
-def test_a_request_emitted_from_a_thread_is_sent_at_once_and_admitted_live(session):
+def test_a_request_emitted_from_a_thread_is_sent_at_once_and_admitted_live(session, gauge):
     """emitter => child, where the emitter calls ``branch.emit`` from a worker thread (off its
     event loop): the request cannot wait for the loop's window, so it is sent on its own,
-    and the independent child runs while the emitter still sleeps."""
+    and the independent child runs while the emitter still waits for it."""
     order: list[tuple[str, str]] = []
 
     async def emit_from_thread(branch: Any, **parameters: Any) -> str:
         await asyncio.to_thread(branch.emit, SpawnRequest(instruction="from a thread", independent=True))
-        await asyncio.sleep(1.0)
+        await gauge.wait_entered.remote("from-thread", 1)
         return "emitted"
 
-    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("operate", counted_operate(gauge, "from-thread"), record_turn=False)
     session.register_operation("emit_from_thread", emit_from_thread, record_turn=False)
     graph, emitter = single_node("emit_from_thread")
 
@@ -168,7 +181,7 @@ def test_a_request_emitted_from_a_thread_is_sent_at_once_and_admitted_live(sessi
 
     [child] = children_of(envelope, graph)
     assert envelope["operation_results"][child] == {"handled": "from a thread"}
-    assert order.index((child, "completed")) < order.index((emitter, "completed"))
+    assert order.index((child, "started")) < order.index((emitter, "completed"))
     assert envelope["spawned_operations"] == 1
     assert envelope["dropped_spawns"] == []  # the outcome's redelivered copy is no duplicate
 

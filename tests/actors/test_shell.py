@@ -130,3 +130,19 @@ def test_an_outcome_that_cannot_be_received_fails_its_node_and_the_run_finishes(
     result = run.envelope["operation_results"][node_id]
     assert result["error_type"] == "OutcomeLost" and "would not unpickle" in result["error"]
     assert worker.forgotten == ["run-8"]
+
+
+def test_an_injection_waiting_for_admission_is_failed_not_stranded_when_its_run_fails():
+    """inject is awaiting AdmissionDecided when the scheduler raises: the waiter gets the run's error."""
+
+    async def go():
+        shell = shell_with([])
+        run = _Run("run-9", Failing(KeyError("lost")), RunOptions())
+        waiter = asyncio.get_running_loop().create_future()
+        run.inject_waiters[1] = waiter
+        await shell.feed(run, [PauseRequested()])
+        return run, waiter
+
+    run, waiter = asyncio.run(go())
+    assert run.done.is_set()
+    assert isinstance(waiter.exception(), ExecutionError) and waiter.exception().run_id == "run-9"

@@ -323,3 +323,39 @@ def test_a_dead_executor_is_a_typed_error_within_seconds_and_the_next_flow_compl
     after = run(own.flow(labelled("held_again", f"{key}-after", ["a", "b"])[0]), timeout=WAIT)
     assert after["status"] == "completed"
     assert own.runtime.executor._actor_id != executor._actor_id
+
+
+def test_a_detached_runtime_sets_a_replacement_up_before_it_runs_anything(gauge):
+    """A detached runtime (shared by name): a worker dies mid-run, and the run's queued nodes that
+    land on the replacement run with the run's operations (none 'not registered')."""
+    namespace = f"opgraph-supervision-detached-{uuid.uuid4().hex[:8]}"
+    detached = Session(namespace=namespace, detached=True)
+    try:
+        key = "detached"
+        detached.register_operation("held", held_operation(gauge), record_turn=False)
+        labels = [f"n{i}" for i in range(8)]
+        graph, ids = labelled("held", key, labels)
+        progress = Progress()
+
+        async def scenario():
+            flow = asyncio.create_task(detached.flow(graph, max_concurrent=4, on_progress=progress))
+            await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+            kill(detached.runtime.workers[0], "SIGKILL")
+            await asyncio.to_thread(wait_for_pool, detached, "worker_pool",
+                                    lambda workers: workers["replacements"] >= 1 and workers["alive"] == 2)
+            await gauge.release.remote(key)
+            return await flow
+
+        envelope = run(scenario())
+        kinds = {envelope["operation_results"][node].get("error_type") for node in envelope["failed_operations"]}
+        assert kinds <= {"WorkerDied"}
+        completed = [node for node, status in envelope["operation_statuses"].items() if status == "completed"]
+        assert len(completed) >= 4  # at least the queued half ran, part of it on the replacement
+        assert pool(detached)["worker_names"][0].endswith(".g1")
+    finally:
+        detached.close()
+        for handle in [detached.runtime.executor, *detached.runtime.workers, *detached.runtime.stores]:
+            try:
+                ray.kill(handle)
+            except ValueError:  # already dead
+                continue

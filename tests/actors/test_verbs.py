@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import pickle
+import uuid
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -33,12 +34,13 @@ from opgraph.actors.verbs import (
     communicate,
     interpret,
     json_candidates,
+    name_predecessor_results,
     operate,
     parse,
     select,
     tool,
 )
-from opgraph.kernel import EscalationRequest, SpawnRequest, extract_requests
+from opgraph.kernel import EscalationRequest, OperationGraphBuilder, SpawnRequest, extract_requests
 
 Reply = ChatResponse | str | Callable[[ChatRequest], ChatResponse]
 
@@ -152,6 +154,37 @@ def test_chat_appends_the_turn_and_sends_history_and_context():
     assert sent.messages[2]["content"].endswith("Capital of France?")
 
 
+def test_predecessor_results_are_shown_by_name_without_bookkeeping():
+    """plan (a chat record) and score (unnamed) -> write: the model reads "plan" and the plan's
+    text, never a node id nor the record's model, provider or usage; shared data apart."""
+    plan, score = str(uuid.uuid4()), str(uuid.uuid4())
+    record = {"text": "Part one, then part two.", "model": "sim/fast", "provider": "sim", "finish_reason": "stop",
+              "usage": {"calls": 1, "prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}}
+    context = {f"{plan}_result": record, f"{score}_result": {"score": 3}, "topic": "actors"}
+    for verb in (chat, chat_and_record, operate, communicate):
+        provider = FakeProvider("ok")
+        run(verb(FakeBranch(provider), "Write it.", context=context, result_names={plan: "plan"}))
+        shown = provider.requests[0].messages[-1]["content"]
+        results, shared = shown.split("\n\n")[:2]
+        assert results == ('Results of earlier steps:\n{"plan":"Part one, then part two.","step 2":{"score":3}}'), verb
+        assert shared == 'Shared context:\n{"topic":"actors"}'
+        assert plan not in shown and score not in shown
+        assert not any(word in shown for word in ('"usage"', '"provider"', '"model"', "sim/fast")), shown
+        assert "result_names" not in str(provider.requests[0])  # bookkeeping for the verb, not the model
+
+
+def test_name_predecessor_results_names_only_verb_nodes_by_reference_id():
+    """plan -> draft (chat) and plan -> tally (a user operation, which takes no result_names)."""
+    builder = OperationGraphBuilder()
+    plan = builder.add_operation("chat", node_id="plan", instruction="plan")
+    draft = builder.add_operation("chat", node_id="draft", depends_on=[plan], instruction="draft")
+    tally = builder.add_operation("tally", node_id="tally", depends_on=[plan])
+    graph = name_predecessor_results(builder.get_graph())
+    assert graph.nodes[draft].parameters["result_names"] == {plan: "plan"}
+    assert "result_names" not in graph.nodes[plan].parameters  # no predecessors
+    assert "result_names" not in graph.nodes[tally].parameters
+
+
 def test_chat_uses_the_model_parameter_and_passes_model_options():
     provider = FakeProvider("ok")
     branch = FakeBranch(provider)
@@ -176,7 +209,8 @@ def test_chat_and_record_returns_text_model_and_usage():
     record = run(chat_and_record(branch, "go", model="fake/m"))
     assert record["text"] == "done"
     assert record["model"] == "fake/m"
-    assert record["usage"] == {"calls": 1, "prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
+    assert record["usage"] == {"calls": 1, "prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15,
+                               "cache_read_tokens": 0, "cache_creation_tokens": 0}
     assert [message["role"] for message in branch.history] == ["user", "assistant"]
 
 
@@ -373,7 +407,8 @@ def test_react_answers_when_the_model_stops_calling_tools():
     assert result["rounds"][0]["thought"] == "Let me add."
     assert result["rounds"][0]["actions"] == [{"function": "add", "arguments": {"a": 1, "b": 2}, "output": 3}]
     assert result["rounds"][1]["final"] is True
-    assert result["usage"] == {"calls": 2, "prompt_tokens": 30, "completion_tokens": 7, "total_tokens": 37}
+    assert result["usage"] == {"calls": 2, "prompt_tokens": 30, "completion_tokens": 7, "total_tokens": 37,
+                               "cache_read_tokens": 0, "cache_creation_tokens": 0}
     assert_valid_history(branch.history)
 
 

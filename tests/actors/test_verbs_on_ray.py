@@ -17,8 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
 import openai_server as srv  # tests/support: a real chat-completions server on loopback
+import pytest
 from pydantic import BaseModel
 
 from opgraph.actors.models import ChatRequest, ProviderHTTPError

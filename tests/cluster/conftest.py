@@ -10,6 +10,7 @@ never with `ray stop` (which would also stop the embedded Ray of this pytest pro
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -21,11 +22,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+import pytest
+
 # First: sets the test clusters' Ray options before Ray is imported anywhere.
 from ray_session import _pickle_test_module_by_value, _restore_registrations, session  # noqa: F401
 
-import pytest  # noqa: E402
-from opgraph.cluster.metrics import serve_metrics  # noqa: E402
+from opgraph.cluster.metrics import serve_metrics
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +94,7 @@ class LocalHead:
     gcs_port: int
     dashboard_port: int
     log_path: str
+    token: str  # the head uses token authentication, Ray 2.60's default
 
     @property
     def address(self) -> str:
@@ -101,10 +104,15 @@ class LocalHead:
     def dashboard_url(self) -> str:
         return f"http://127.0.0.1:{self.dashboard_port}"
 
-    def env(self) -> dict[str, str]:
-        """An environment for client subprocesses: no inherited RAY_ADDRESS, no auth token."""
-        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-        env["RAY_AUTH_MODE"] = "disabled"
+    def env(self, *, authenticated: bool = True) -> dict[str, str]:
+        """An environment for client subprocesses: no inherited RAY_ADDRESS, the head's token
+        (``authenticated=False``: no token, as a shell that forgot to export one)."""
+        env = _interpreter_first({k: v for k, v in os.environ.items()
+                                  if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN",
+                                               "RAY_AUTH_TOKEN_PATH")})
+        env["RAY_AUTH_MODE"] = "token" if authenticated else "disabled"
+        if authenticated:
+            env["RAY_AUTH_TOKEN"] = self.token
         return env
 
     def pids(self) -> set[int]:
@@ -170,6 +178,13 @@ class LocalHead:
                 pass
 
 
+def _interpreter_first(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with this interpreter's folder first on PATH: a job's entrypoint says `python`,
+    which must be the interpreter (and opgraph) under test, not another one on the machine."""
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    return env
+
+
 def _listening(host: str, port: int) -> bool:
     try:
         with socket.create_connection((host, port), timeout=1):
@@ -184,7 +199,8 @@ def start_local_head() -> LocalHead:
     log_path = os.path.join(temp_dir, "ray-start.log")
     command = [
         # This interpreter's Ray CLI: a fresh machine may have no `ray` script on PATH.
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats", "--num-cpus=2",
+        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+        "--num-cpus=2",
         "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
         # Every port Ray would otherwise take at a fixed default, so the embedded Ray of
@@ -192,12 +208,14 @@ def start_local_head() -> LocalHead:
         f"--ray-client-server-port={free_port()}", f"--dashboard-agent-listen-port={agent_port}",
         "--min-worker-port=0", "--max-worker-port=0", f"--temp-dir={temp_dir}",
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env["RAY_AUTH_MODE"] = "disabled"
+    token = secrets.token_hex(32)
+    env = _interpreter_first({k: v for k, v in os.environ.items()
+                              if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH")})
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)  # its own token, never ~/.ray/auth_token
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True, cwd=temp_dir)
-    head = LocalHead(process, temp_dir, gcs_port, dashboard_port, log_path)
+    head = LocalHead(process, temp_dir, gcs_port, dashboard_port, log_path, token)
     deadline = time.monotonic() + HEAD_START_DEADLINE
     while True:
         if process.poll() is not None:
@@ -208,7 +226,9 @@ def start_local_head() -> LocalHead:
             # The job server answers once the dashboard's job module is up; a submission
             # is then handed to the node's dashboard agent, which may still be starting
             # (a submission sent before it listens fails with "Server disconnected").
-            with urllib.request.urlopen(f"{head.dashboard_url}/api/jobs/", timeout=2) as reply:
+            request = urllib.request.Request(f"{head.dashboard_url}/api/jobs/",
+                                             headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=2) as reply:
                 if reply.status == 200 and _listening("127.0.0.1", agent_port):
                     return head
         except (urllib.error.URLError, ConnectionError, TimeoutError):
@@ -223,7 +243,8 @@ def start_local_head() -> LocalHead:
 
 @pytest.fixture(scope="session")
 def ray_head():
-    """A real `ray start --head` on 127.0.0.1 free ports, for subprocess clients only.
+    """A real `ray start --head` on 127.0.0.1 free ports, with token authentication (Ray's
+    default), for subprocess clients only: ``ray_head.env()`` carries its token.
 
     Nothing in this pytest process calls ray.init against it: its ray_current_cluster
     file lives in its own temp dir, so the embedded Ray of ``session`` never finds it.

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+
 from opgraph.cluster.client import job_submit_command, ray_cli
 from opgraph.cluster.job import EXIT_USAGE, ProgressLog, fanout_graph
 
@@ -33,7 +34,7 @@ def job_client(head):
         JobSubmissionClient,  # an HTTP client: it never calls ray.init
     )
 
-    return JobSubmissionClient(head.dashboard_url)
+    return JobSubmissionClient(head.dashboard_url, headers={"Authorization": f"Bearer {head.token}"})
 
 
 def wait_for_terminal_status(head, submission_id: str) -> str:
@@ -121,10 +122,13 @@ def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp
 
     submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
     store, results = tmp_path / "runs.db", tmp_path / "result.json"
+    # Relative to the working dir, as a user types it: the job reads Ray's copy of the file
+    # (somewhere under the head's temp dir), and must record the path given here.
+    given = str(example_workflow_path().relative_to(REPOSITORY))
     submitted = subprocess.run(
         opgraph_command("job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPOSITORY),
                         "--submission-id", submission_id, "--",
-                        "workflow", str(example_workflow_path()), "--input", "ticket=login page is slow",
+                        "workflow", given, "--input", "ticket=login page is slow",
                         "--input", "priority=low", "--model", "sim/fast", "--store", str(store),
                         "--results", str(results), "--progress-interval", "0.1"),
         env=ray_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
@@ -141,6 +145,7 @@ def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp
     with WorkflowStore(store) as opened:
         run = opened.get_run(summary["run_id"])
         assert run.status == "completed" and run.content_hash == summary["content_hash"]
+        assert run.source_ref == given and run.provenance["source"]["ref"] == given
 
 
 def test_workflow_job_with_a_bad_definition_exits_with_usage_and_structured_errors(tmp_path):
@@ -184,3 +189,18 @@ def test_progress_log_prints_every_step_and_at_most_every_interval():
 def test_fanout_graph_places_failing_nodes():
     graph = fanout_graph(10, 0.0, fail_every=5)
     assert [node.operation for node in graph.nodes.values()].count("fail") == 2
+
+
+def test_the_last_progress_line_after_a_cancel_counts_nothing_in_flight():
+    """100 started, 4 completed, then a cancel: cancelled nodes send no signal, so the
+    signals alone say "in flight 96"; the last line comes from the run's result."""
+    out = io.StringIO()
+    progress = ProgressLog(100, out=out, interval=1e9, step=1.0, clock=lambda: 0.0)
+    for index in range(100):
+        progress(f"n{index}", "sleep", "started", 0.0)
+    for index in range(4):
+        progress(f"n{index}", "sleep", "completed", 0.1)
+    statuses = {f"n{index}": "completed" if index < 4 else "cancelled" for index in range(100)}
+    progress.close({"status": "cancelled", "operation_statuses": statuses})
+    assert out.getvalue().splitlines()[-1] == \
+        "progress: settled 4/100 (4%), in flight 0, failed 0, cancelled 96, 0.0 s"

@@ -17,16 +17,20 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
 import httpx
+import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from opgraph.actors import BranchStore, Runtime
-from opgraph.cluster.metrics import serve_metrics
+from opgraph.actors.histogram import LatencyHistogram
+from opgraph.cluster.metrics import _executor_families, _worker_families, serve_metrics
 from opgraph.kernel import Graph, SpawnRequest, create_operation
+from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 
 FLOW_TIMEOUT = 60.0
 POLL_DEADLINE = 30.0
@@ -291,3 +295,73 @@ def test_opgraph_metrics_serve_joins_the_running_runtime_and_stops_on_ctrl_c(ses
         if process.poll() is None:
             process.kill()
             process.communicate(timeout=POLL_DEADLINE)
+
+
+def _families(families) -> dict[str, Any]:
+    return {family.name: family for family in families}
+
+
+def test_known_label_values_are_exported_at_zero_before_anything_happens():
+    """A fresh runtime: every settled status, latency status, drop reason and built-in
+    provider already has its series, at 0, so rate() sees the first increase of a run."""
+    executor = _families(_executor_families({}))
+    settled = {sample.labels["status"]: sample.value for sample in executor["opgraph_nodes_settled"].samples
+               if sample.name.endswith("_total")}
+    assert settled == dict.fromkeys(("cancelled", "completed", "failed", "skipped"), 0)
+    dropped = {sample.labels["reason"] for sample in executor["opgraph_spawns_dropped"].samples
+               if sample.name.endswith("_total")}
+    assert dropped == set(DROPPED_SPAWN_REASONS)
+    latency = executor["opgraph_node_latency_seconds"].samples
+    assert {sample.labels["status"] for sample in latency} == {"completed", "failed", "cancelled"}
+    assert all(sample.value == 0 for sample in latency)
+    workers = _families(_worker_families([]))
+    tokens = {(sample.labels["provider"], sample.labels["kind"])
+              for sample in workers["opgraph_provider_tokens"].samples if sample.name.endswith("_total")}
+    assert tokens == {(provider, kind) for provider in ("openai", "anthropic", "sim")
+                      for kind in ("prompt", "completion", "cache_read", "cache_creation")}
+    calls = {sample.labels["provider"] for sample in workers["opgraph_provider_calls"].samples}
+    assert calls == {"openai", "anthropic", "sim"}
+
+
+def _quantile(snapshot: dict[str, Any], q: float) -> float:
+    """Prometheus's histogram_quantile: linear interpolation inside the bucket holding rank q."""
+    buckets = snapshot["buckets"]
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0
+    for bound, count in buckets:
+        if count >= rank:
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (count - lower_count)
+        lower_bound, lower_count = bound, count
+    raise AssertionError("rank beyond the last bucket")
+
+
+@pytest.mark.parametrize("seconds", [0.05, 0.3, 1.0, 1.7, 4.2, 12.0])
+def test_latency_buckets_resolve_model_call_latencies_to_a_quarter(seconds):
+    """Nodes of one latency (plus up to 1% overhead): p50 and p99 read within about a quarter
+    of it, bounds being 26% apart (a 1 s node read 1.75 s with the former (1, 2.5] bucket)."""
+    histogram = LatencyHistogram()
+    for index in range(200):
+        histogram.observe(seconds * (1.0 + index / 20_000))  # up to 1% over
+    for q in (0.5, 0.99):
+        estimate = _quantile(histogram.snapshot(), q)
+        assert abs(estimate - seconds) / seconds <= 0.27, (q, estimate)
+
+
+def test_an_endpoint_lingers_for_one_more_scrape_after_its_run(session):
+    """Scraped once during the run: after it, linger() returns as soon as the next scrape
+    has been answered. Never scraped: nobody is scraping, so it returns at once."""
+    with serve_metrics(session, port=0) as idle:
+        started = time.monotonic()
+        assert idle.linger(30.0) is False and time.monotonic() - started < 1.0
+    with serve_metrics(session, port=0) as served:
+        scrape_now(served.url)
+        outcome: list[bool] = []
+        waiting = threading.Thread(target=lambda: outcome.append(served.linger(POLL_DEADLINE)))
+        waiting.start()
+        final = scrape_now(served.url)  # the scrape the endpoint waited for
+        waiting.join(POLL_DEADLINE)
+        assert outcome == [True] and not waiting.is_alive()
+        assert final.value("opgraph_up", None, component="executor", index="0") == 1
+        started = time.monotonic()
+        assert served.linger(0.3) is False  # scraped before, but nobody comes: bounded
+        assert 0.3 <= time.monotonic() - started < 5.0

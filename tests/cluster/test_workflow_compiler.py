@@ -34,6 +34,7 @@ from opgraph.cluster.workflows import (
     register_engine,
     resolve_node_cwd,
     unregister_engine,
+    validate_definition,
 )
 from opgraph.kernel import (
     DispatchOperation,
@@ -171,10 +172,10 @@ def test_the_compiled_workflow_carries_the_definition_hash():
 
 
 def test_compile_errors_are_collected_not_fail_fast():
-    """input -> a (conditional, rejected); p is parse; a -> b with an unsafe condition"""
+    """input -> a (conditional, rejected); p is parse; b -> input (targets no operation)"""
     data = definition(
         [node("input", "input"), node("a"), node("p", "parse"), node("b")],
-        [edge("e1", "input", "a", "context.go"), edge("e2", "a", "b", "result.__class__")],
+        [edge("e1", "input", "a", "context.go"), edge("e2", "b", "input")],
     )
     located = [(e["node_id"], e["edge_id"]) for e in compile_errors(data)]
     assert located == [("p", None), (None, "e1"), (None, "e2")]
@@ -334,10 +335,16 @@ def test_an_edge_condition_compiles_to_an_expression_condition():
         "not " * 25 + "result",
     ],
 )
-def test_an_unsafe_edge_expression_is_a_compile_error_carrying_the_edge_id(condition):
-    errors = compile_errors(definition([node("a"), node("b")], [edge("e7", "a", "b", condition)]))
+def test_an_unsafe_edge_expression_is_refused_as_stored_carrying_the_edge_id(condition):
+    """a -(condition)-> b: the condition is compiled when the definition is validated, so a
+    condition that could never run is refused before it is stored, not when it first runs."""
+    data = definition([node("a"), node("b")], [edge("e7", "a", "b", condition)])
+    errors = validate_definition(data)
     assert len(errors) == 1 and errors[0]["edge_id"] == "e7" and errors[0]["node_id"] is None
     assert "edge expression" in errors[0]["error"]
+    with pytest.raises(WorkflowValidationError) as caught:
+        compile_workflow(data)
+    assert caught.value.errors == errors
 
 
 def test_labels_become_zero_or_one_element_lists():

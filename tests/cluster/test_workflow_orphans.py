@@ -14,8 +14,7 @@ import textwrap
 
 import pytest
 
-from opgraph.cluster.workflows import RunProvenance, WorkflowStore, migrate
-from opgraph.cluster.workflows import owners
+from opgraph.cluster.workflows import RunProvenance, WorkflowStore, migrate, owners
 from opgraph.cluster.workflows.owners import ProcessIdentity, current_process, owner_is_alive
 
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+
 from opgraph.cluster.cli import main as cli_main
 from opgraph.cluster.workflow_cli import example_workflow_path, parse_inputs
 from opgraph.cluster.workflows import LaneCapabilityError, WorkflowCompileError
@@ -309,8 +310,9 @@ def test_opgraph_serve_answers_over_http_and_stops_on_sigterm(tmp_path):
 def test_progress_display_counts_and_renders_live_on_a_terminal():
     import io
 
-    from opgraph.cluster.workflow_cli import ProgressDisplay
     from rich.console import Console
+
+    from opgraph.cluster.workflow_cli import ProgressDisplay
 
     screen = io.StringIO()
     console = Console(file=screen, force_terminal=True, width=100)

@@ -123,7 +123,7 @@ def _same(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -161,7 +161,7 @@ def test_garbage_bytes_raise_a_codec_error(garbage):
 
 def test_an_edge_with_a_python_condition_cannot_be_encoded_and_the_error_names_the_edge():
     class Plain(EdgeCondition):
-        def apply(self, input):
+        def apply(self, input):  # noqa: A002 - EdgeCondition.apply's name in the record
             return True
 
     graph = Graph()
@@ -178,7 +178,7 @@ def test_a_condition_with_a_registered_wire_form_round_trips():
         def __init__(self, limit):
             self.limit = limit
 
-        def apply(self, input):
+        def apply(self, input):  # noqa: A002 - EdgeCondition.apply's name in the record
             return input["result"]["score"] >= self.limit
 
         def to_wire(self):
@@ -194,7 +194,7 @@ def test_a_condition_with_a_registered_wire_form_round_trips():
 
 def test_an_unknown_condition_kind_is_refused_on_decode():
     class Unregistered(EdgeCondition):
-        def apply(self, input):
+        def apply(self, input):  # noqa: A002 - EdgeCondition.apply's name in the record
             return True
 
         def to_wire(self):

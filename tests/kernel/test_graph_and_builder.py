@@ -169,7 +169,7 @@ def test_an_object_with_apply_that_is_no_edge_condition_is_refused_before_any_wo
     """ADR-0023 D2: invalid condition types fail validation; a duck-typed apply is not enough."""
 
     class LooksLikeOne:
-        def apply(self, input):
+        def apply(self, input):  # noqa: A002 - EdgeCondition.apply's name in the record
             return True
 
     graph, n = graph_of("a", "b")
@@ -180,7 +180,7 @@ def test_an_object_with_apply_that_is_no_edge_condition_is_refused_before_any_wo
 
 def test_an_edge_condition_with_apply_is_accepted():
     class Always(EdgeCondition):
-        def apply(self, input):
+        def apply(self, input):  # noqa: A002 - EdgeCondition.apply's name in the record
             return True
 
     graph, n = graph_of("a", "b")

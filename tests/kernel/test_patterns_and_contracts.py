@@ -45,7 +45,8 @@ def test_duplicate_references_are_kept():
 
 @pytest.mark.parametrize(
     ("ref", "reason"),
-    [("1", "itself"), ("0", "out of range"), ("4", "out of range"), ("two", "not an integer"), ("1.5", "not an integer")],
+    [("1", "itself"), ("0", "out of range"), ("4", "out of range"), ("two", "not an integer"),
+     ("1.5", "not an integer")],
 )
 def test_a_bad_reference_is_dropped_with_a_warning(ref, reason):
     with pytest.warns(DependencyReferenceWarning, match=reason):
@@ -167,7 +168,8 @@ def nest(value, depth: int):
 
 def test_requests_are_found_in_lists_tuples_and_dict_values():
     first, second, third = (SpawnRequest(instruction=str(i)) for i in range(3))
-    found = extract_requests({"a": [first, (second,)], "b": {"deep": third}, first.instruction: "keys are not searched"})
+    found = extract_requests({"a": [first, (second,)], "b": {"deep": third},
+                              first.instruction: "keys are not searched"})
     assert found == [first, second, third]
 
 

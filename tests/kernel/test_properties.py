@@ -33,18 +33,18 @@ from opgraph.kernel import (
     DispatchOperation,
     EdgeCondition,
     EmitSignal,
+    EscalationRequest,
+    EscalationRequested,
     EvaluateConditions,
     FinishRun,
     FlowStarted,
     FlowState,
     Graph,
+    InjectRequested,
     NodeCompleted,
     NodeFailed,
     NodeSkipped,
     Operation,
-    EscalationRequest,
-    EscalationRequested,
-    InjectRequested,
     OperationFinished,
     OperatorMessageReceived,
     PauseRequested,
@@ -240,7 +240,8 @@ def requested_spawn_count(spec: FlowSpec) -> int:
         return 0
     statuses = expected_statuses(spec)
     return sum(
-        len(node.spawns) for node, status in zip(spec.nodes, statuses) if status == "completed" and not node.restored
+        len(node.spawns) for node, status in zip(spec.nodes, statuses, strict=True)
+        if status == "completed" and not node.restored
     )
 
 
@@ -582,7 +583,8 @@ def test_stale_copies_steer_injections_and_escalations_mid_run_keep_every_invari
 NESTED_AND_SCALAR_WRITERS = FlowSpec(
     nodes=(
         NodeSpec(fails=False, writes=(("alpha", "x"),), spawns=(), spawns_via_events=False, aggregation_sources=()),
-        NodeSpec(fails=False, writes=(("alpha", "scalar"),), spawns=(), spawns_via_events=False, aggregation_sources=()),
+        NodeSpec(fails=False, writes=(("alpha", "scalar"),), spawns=(), spawns_via_events=False,
+                 aggregation_sources=()),
         NodeSpec(fails=False, writes=(("alpha", "x"),), spawns=(), spawns_via_events=False, aggregation_sources=()),
     ),
     edges=(),

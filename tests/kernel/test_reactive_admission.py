@@ -199,8 +199,9 @@ def test_a_request_sent_live_and_carried_again_under_its_key_is_a_duplicate(driv
     driver.handle(SpawnRequested(emitter_id=n.a, request=request, dedupe_key=(n.a, 1, 0)))
     attempt = driver.dispatched()[n.a].attempt
     driver._outstanding.pop(n.a)
-    driver.handle(OperationFinished(node_id=n.a, attempt=attempt, response={"requests": [request]}, extracted=True,
-                                    requests=(SpawnRequested(emitter_id=n.a, request=request, dedupe_key=(n.a, 1, 0)),)))
+    driver.handle(OperationFinished(
+        node_id=n.a, attempt=attempt, response={"requests": [request]}, extracted=True,
+        requests=(SpawnRequested(emitter_id=n.a, request=request, dedupe_key=(n.a, 1, 0)),)))
     assert len(spawned_children(driver)) == 1
     assert [d["reason"] for d in driver.state.dropped_spawns] == ["duplicate"]
 
@@ -231,7 +232,7 @@ def test_a_shell_redelivery_of_a_request_is_ignored_silently(drive):
     assert driver.state.dropped_spawns == []
 
 
-def test_equal_but_distinct_request_objects_are_both_admitted(drive):
+def test_equal_but_distinct_request_objects_in_a_list_are_both_admitted(drive):
     driver, n = reactive(drive, "a")
     driver.complete(n.a, [SpawnRequest(instruction="same"), SpawnRequest(instruction="same")])
     assert len(spawned_children(driver)) == 2

@@ -4,8 +4,8 @@ all of them), into the envelope, and back onto the graph's Operation unless turn
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel, field_serializer
 from kernel_graphs import build, nested  # tests/support: shared kernel test graphs
+from pydantic import BaseModel, field_serializer
 
 from opgraph.kernel import Graph, SpawnRequest, create_operation
 

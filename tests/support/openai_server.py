@@ -23,6 +23,7 @@ __all__ = [
     "Malformed",
     "OpenAIChatServer",
     "RecordedRequest",
+    "Refusal",
     "Reply",
     "Slow",
     "Status",
@@ -83,6 +84,13 @@ class Hangup:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """The model declines: ``content`` null and ``refusal`` holding its words, as OpenAI answers."""
+
+    text: str = "I'm sorry, but I can't help with that."
+
+
+@dataclass(frozen=True)
 class RecordedRequest:
     path: str
     headers: dict[str, str]
@@ -95,6 +103,8 @@ BY_MODEL: dict[str, Any] = {
     "tools": ToolCallReply("lookup", {"query": "weather"}),
     "structured": StructuredReply(),
     "malformed": Malformed(),
+    "hold": Slow(3600.0),  # in flight until the server stops (then the connection closes unanswered)
+    "refuses": Refusal(),
 }
 
 
@@ -109,6 +119,8 @@ class OpenAIChatServer:
         self._lock = threading.Lock()
         self._queue: collections.deque[Any] = collections.deque()
         self._requests: list[RecordedRequest] = []
+        self.in_flight = 0  # requests being answered now
+        self.peak_in_flight = 0  # the most answered at once, since the last reset_peak()
         self.stopping = threading.Event()
         self.handler_errors: list[BaseException] = []
         self._httpd = _RecordingHTTPServer(("127.0.0.1", 0), _handler_for(self))
@@ -160,6 +172,15 @@ class OpenAIChatServer:
         with self._lock:
             self._requests.append(request)
 
+    def reset_peak(self) -> None:
+        with self._lock:
+            self.peak_in_flight = self.in_flight
+
+    def _entered(self, delta: int) -> None:
+        with self._lock:
+            self.in_flight += delta
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
 
 class _RecordingHTTPServer(ThreadingHTTPServer):
     """Daemon handler threads; a handler's exception is kept for the test instead of printed."""
@@ -209,11 +230,14 @@ def _handler_for(server: OpenAIChatServer) -> type[BaseHTTPRequestHandler]:
             if self.path != "/v1/chat/completions":
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
                 return
+            server._entered(1)
             try:
                 self._act(server._next(body), body)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 # The client gave up first (a timeout test): note it, there is no one to answer.
                 server.handler_errors.append(exc)
+            finally:
+                server._entered(-1)
 
         def _act(self, behaviour: Any, body: dict[str, Any]) -> None:
             if isinstance(behaviour, Slow):
@@ -240,6 +264,9 @@ def _handler_for(server: OpenAIChatServer) -> type[BaseHTTPRequestHandler]:
                 self._send_raw(behaviour.code, behaviour.body.encode(), "application/json", headers)
             elif isinstance(behaviour, Malformed):
                 self._send_raw(200, behaviour.body.encode(), behaviour.content_type)
+            elif isinstance(behaviour, Refusal):
+                message = {"role": "assistant", "content": None, "refusal": behaviour.text}
+                self._send(200, _completion(body, message, "stop"))
             elif isinstance(behaviour, Hangup):
                 self.close_connection = True
                 self.connection.close()

@@ -14,11 +14,11 @@ import os
 # about it would only add noise to every run.
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
-import pytest  # noqa: E402
-import ray  # noqa: E402
-from ray import cloudpickle  # noqa: E402
+import pytest
+import ray
+from ray import cloudpickle
 
-from opgraph.actors import Session  # noqa: E402
+from opgraph.actors import Session
 
 __all__ = ["_pickle_test_module_by_value", "_restore_registrations", "session"]
 

@@ -1,0 +1,182 @@
+"""Every error answer of the HTTP API: one status and one body shape per typed error, and their OpenAPI.
+
+Owns the mapping from typed errors (and FastAPI's own request errors) to HTTP statuses,
+the one error body every non-2xx answer has (``{"error": first message, "errors": [problem,
+...]}`` plus a few fields per kind), and how each route documents those answers so the
+OpenAPI document says what the server does. It must not decide anything about a request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, Route
+
+from opgraph.kernel import OpGraphError
+
+from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, LaneCapabilityError
+from .spec import WorkflowDefinitionError, problem
+from .store import RunNotFoundError, WorkflowNameConflictError, WorkflowNotFoundError, WorkflowStoreError
+
+__all__ = [
+    "ErrorBody",
+    "Problem",
+    "RunStateConflictError",
+    "RuntimeUnavailableError",
+    "error_body",
+    "errors",
+    "install_error_handlers",
+    "links",
+    "run_links",
+]
+
+_CAPABILITIES = FIXED_WORKFLOW_CAPABILITIES.as_metadata()
+
+
+class RunStateConflictError(OpGraphError):
+    """The request conflicts with the run's state (terminal, still running, or owned by
+    another process); ``status`` says which. Poll the run, or start a new one."""
+
+    def __init__(self, message: str, run_id: str, status: str) -> None:
+        super().__init__(message)
+        self.run_id, self.status = run_id, status
+
+
+class RuntimeUnavailableError(OpGraphError):
+    """The Session (Ray and the runtime actors) could not be started; no run was created."""
+
+
+# -- the documented shapes ------------------------------------------------------------
+class Problem(BaseModel):
+    """One problem: what is wrong, and the definition's node or edge it concerns, if any."""
+
+    error: str
+    node_id: str | None = None
+    edge_id: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer: the first problem's message, every problem, and per-kind fields
+    (``name`` on a name conflict; ``run_id``, ``status`` and ``links`` on a run conflict;
+    ``request_kind``, ``lane`` and ``lane_capabilities`` on a control the lane refuses)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    error: str
+    errors: list[Problem]
+
+
+_DESCRIPTIONS = {
+    400: "The request is malformed",
+    404: "No such workflow, version or run",
+    405: "The path does not take this method",
+    409: "The request conflicts with the workflow's or run's state, or the lane's capabilities",
+    413: "The request body is larger than the server's limit (opgraph serve --max-body-bytes)",
+    422: "The request or the definition it carries is invalid; ``errors`` lists every problem",
+    503: "The store or the runtime is unavailable; retry later",
+}
+
+
+def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The ``responses=`` of a route that may answer ``statuses`` (503 always: the store may fail)."""
+    return {status: {"model": ErrorBody, "description": _DESCRIPTIONS[status]}
+            for status in sorted({*statuses, 503})}
+
+
+def links(status: int, description: str, targets: dict[str, dict[str, str]]) -> dict[int | str, dict[str, Any]]:
+    """A success response that links to ``targets`` ({operation_id: {parameter: runtime expression}})."""
+    return {status: {"description": description,
+                     "links": {operation: {"operationId": operation, "parameters": parameters}
+                               for operation, parameters in targets.items()}}}
+
+
+# -- the bodies ---------------------------------------------------------------------------
+def error_body(message: str, problems: list[dict[str, Any]] | None = None, **fields: Any) -> dict[str, Any]:
+    problems = problems or [problem(message)]
+    return {"error": message, "errors": problems, **fields}
+
+
+def run_links(run_id: str) -> dict[str, str]:
+    base = f"/api/runs/{run_id}"
+    return {"self": base, "signals": f"{base}/signals", "results": f"{base}/results", "cancel": f"{base}/cancel"}
+
+
+def _request_problem(item: dict[str, Any]) -> dict[str, Any]:
+    return problem(f"{'.'.join(str(part) for part in item.get('loc', ()))}: {item.get('msg')}")
+
+
+def _definition(exc: WorkflowDefinitionError) -> dict[str, Any]:
+    return error_body(exc.errors[0]["error"], exc.errors)
+
+
+def _request(exc: RequestValidationError) -> dict[str, Any]:
+    problems = [_request_problem(item) for item in exc.errors()] or [problem("the request is invalid")]
+    return error_body(problems[0]["error"], problems)
+
+
+# Every typed error is one HTTP status and body, here and nowhere else; the most specific
+# class wins. Malformed requests get our problem list, not FastAPI's {"detail": [...]}.
+_ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any]]]] = {
+    WorkflowDefinitionError: (422, _definition),
+    RequestValidationError: (422, _request),
+    WorkflowNameConflictError: (409, lambda exc: error_body(exc.message, name=exc.name)),
+    LaneCapabilityError: (409, lambda exc: error_body(exc.message, request_kind=exc.request_kind,
+                                                      lane=FIXED_WORKFLOW, lane_capabilities=_CAPABILITIES)),
+    RunStateConflictError: (409, lambda exc: error_body(exc.message, run_id=exc.run_id, status=exc.status,
+                                                        links=run_links(exc.run_id))),
+    WorkflowNotFoundError: (404, lambda exc: error_body(exc.message)),  # WorkflowVersionNotFoundError too
+    RunNotFoundError: (404, lambda exc: error_body(exc.message)),
+    WorkflowStoreError: (503, lambda exc: error_body(exc.message)),  # the database failed or is closed
+    RuntimeUnavailableError: (503, lambda exc: error_body(exc.message)),
+}
+
+
+async def _error_response(_: Request, exc: Exception) -> JSONResponse:
+    status, body = next(_ERROR_RESPONSES[cls] for cls in type(exc).__mro__ if cls in _ERROR_RESPONSES)
+    return JSONResponse(body(exc), status_code=status)
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own answers (an unknown path, a method the path does not take) in our shape."""
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        # Starlette names the methods of the first route that matched the path; a path
+        # served by several routes (GET, PUT, DELETE) takes all of theirs.
+        methods = {method for route in request.app.router.routes
+                   if isinstance(route, Route) and route.matches(request.scope)[0] is not Match.NONE
+                   for method in route.methods or ()}
+        headers["allow"] = ", ".join(sorted(methods))
+    return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error as an ErrorBody, and document it so: FastAPI's own ``{detail}``
+    422, which it adds to every route with parameters, is replaced by ErrorBody."""
+    for error_type in _ERROR_RESPONSES:
+        app.add_exception_handler(error_type, _error_response)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = generate()
+            for methods in document.get("paths", {}).values():
+                for operation in methods.values():
+                    invalid = operation.get("responses", {}).get("422")
+                    if invalid is not None and "HTTPValidationError" in str(invalid):
+                        operation["responses"]["422"] = {
+                            "description": _DESCRIPTIONS[422],
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+            schemas = document.get("components", {}).get("schemas", {})
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(unused, None)
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
