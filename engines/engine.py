@@ -252,7 +252,7 @@ class Engine:
             try:
                 await asyncio.to_thread(sink.open_run, run.run_id, engine=self.kind,
                                         inputs=self.describe_input(*args, **kwargs), config=self.config())
-            except Exception as exc:  # noqa: BLE001 - translated at the sink boundary
+            except Exception as exc:  # any sink failure is translated at this boundary, and raised
                 run.status = "failed"
                 raise EventSinkError(f"the run could not be recorded: {type(exc).__name__}: {exc}",
                                      run_id=run.run_id) from exc
@@ -289,7 +289,7 @@ class Engine:
         except asyncio.CancelledError:
             export.cancel()
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             export.cancel()
             log.warning("engine run %s: partial export timed out after %s s", run.run_id,
                         self.partial_export_timeout_s)
@@ -323,7 +323,7 @@ class Engine:
             await asyncio.shield(asyncio.to_thread(
                 sink.close_run, run.run_id, status, result=text, degrade_reason=run.degrade_reason,
                 error=error_data, statistics=run.statistics()))
-        except Exception as exc:  # noqa: BLE001 - translated at the sink boundary
+        except Exception as exc:  # any sink failure is translated at this boundary, and raised
             raise EventSinkError(f"the run's end could not be recorded: {type(exc).__name__}: {exc}",
                                  run_id=run.run_id) from exc
 

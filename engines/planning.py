@@ -25,7 +25,6 @@ from opgraph.kernel import (
     normalise_dependency_ordinals,
     role_node_builder,
 )
-
 from opgraph.kernel.patterns import DependencyReferenceWarning
 
 from .engine import Engine

@@ -10,15 +10,15 @@ import sys
 import uuid
 from typing import Any
 
-# First: sets the test clusters' Ray options before Ray is imported anywhere.
+import engine_scripts
+import pytest
+from ray import cloudpickle
+
+# The shared Session fixture (ray_session also sets the test clusters' Ray options before Ray starts).
 from ray_session import _pickle_test_module_by_value, _restore_registrations, session  # noqa: F401
 
-import engine_scripts  # noqa: E402
-import pytest  # noqa: E402
-from ray import cloudpickle  # noqa: E402
-
-from opgraph.actors.providers import ScriptedProvider  # noqa: E402
-from opgraph.engines import MemorySink  # noqa: E402
+from opgraph.actors.providers import ScriptedProvider
+from opgraph.engines import MemorySink
 
 # Neither module is importable in the workers: their scripts and types travel by value.
 cloudpickle.register_pickle_by_value(engine_scripts)
