@@ -51,7 +51,8 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   ├── WorkflowNotFoundError    no live workflow by that name or id (store.py)
     │   │   └── WorkflowVersionNotFoundError  the workflow exists, the version does not
     │   ├── RunNotFoundError         no run with that id (store.py)
-    │   └── RunConflictError         a run with that id already exists (store.py)
+    │   ├── RunConflictError         a run with that id already exists (store.py)
+    │   └── EngineRunNotFoundError   no engine run with that id (cluster/engine_store.py)
     ├── LaneCapabilityError          a control the lane's capabilities exclude (cluster/workflows/lanes.py)
     ├── ProvenanceError              run provenance that breaks the lane's rules (lanes.py)
     ├── RunStateConflictError        a run control that its state forbids (cluster/workflows/problems.py)
