@@ -5,7 +5,8 @@ terminal, one plain line per event elsewhere), printing a recorded run, and exit
 It must not implement engine semantics: opgraph.engines does.
 
 Exit codes: 0 completed, 1 failed (or an unknown run id), 2 bad input (nothing ran),
-3 degraded (budget, deadline or missing emissions; partial result printed), 130 cancelled.
+3 the runtime could not be started or reached (nothing ran; as for every command),
+4 degraded (budget, deadline or missing emissions; partial result printed), 130 cancelled.
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
+from .connection import EXIT_RUNTIME, RuntimeStartError
+
 __all__ = [
-    "EXIT_CANCELLED", "EXIT_DEGRADED", "EXIT_FAILED", "EXIT_INVALID", "EngineProgress", "add_engine_parser",
-    "add_run_show_parser", "read_review_target", "run_engine", "show_run",
+    "EXIT_CANCELLED", "EXIT_DEGRADED", "EXIT_FAILED", "EXIT_INVALID", "EXIT_RUNTIME", "EngineProgress",
+    "add_engine_parser", "add_run_show_parser", "read_review_target", "run_engine", "show_run",
 ]
 
-EXIT_FAILED, EXIT_INVALID, EXIT_DEGRADED, EXIT_CANCELLED = 1, 2, 3, 130
+EXIT_FAILED, EXIT_INVALID, EXIT_DEGRADED, EXIT_CANCELLED = 1, 2, 4, 130
 MAX_REVIEW_CHARS = 200_000
-_EXIT_HELP = ("Exit status: 0 completed, 1 failed, 2 bad input (nothing ran), 3 degraded (partial result), "
-              "130 cancelled.")
+_EXIT_HELP = ("Exit status: 0 completed, 1 failed, 2 bad input (nothing ran), 3 the runtime could not be "
+              "started or reached (nothing ran), 4 degraded (partial result), 130 cancelled.")
 
 
 def read_review_target(path: str, max_chars: int = MAX_REVIEW_CHARS) -> str:
@@ -171,16 +174,17 @@ def _payload(result: Any, run: Any) -> dict[str, Any]:
 
 
 async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> int:
-    from opgraph.actors import Session
     from opgraph.actors.providers import SimulatedProvider
 
+    from .connection import open_session
     from .engine_store import EngineRunStore
 
     store = EngineRunStore(arguments.store)
     session = None
     try:
-        # The CLI's own Session: the engine uses it as it is, and this run closes it below.
-        session = Session(arguments.address)
+        # The CLI's own Session (the address probed, the environment's providers registered, as
+        # for every command): the engine uses it as it is, and this run closes it below.
+        session = open_session(arguments.address)
         if arguments.sim_items is not None or arguments.sim_malformed_rate is not None:
             session.register_provider("sim", SimulatedProvider(
                 list_items=1 if arguments.sim_items is None else arguments.sim_items,
@@ -242,8 +246,17 @@ def run_engine(arguments: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("cancelled", file=sys.stderr)
         return EXIT_CANCELLED
-    except OpGraphError as exc:
+    except RuntimeStartError as exc:  # nothing ran: no agent, no run record
+        print(f"error: {exc}", file=sys.stderr)
+        if arguments.json:
+            print(json.dumps({"engine": engine.kind, "status": "not_started", "error": exc.message,
+                              "error_type": type(exc).__name__}, indent=2))
+        return EXIT_RUNTIME
+    except OpGraphError as exc:  # before the run began (the store, say): nothing of it is recorded
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        if arguments.json:
+            print(json.dumps({"engine": engine.kind, "status": "failed", "error": exc.message,
+                              "error_type": type(exc).__name__}, indent=2))
         return EXIT_FAILED
 
 

@@ -101,13 +101,29 @@ def test_run_show_lists_an_engine_runs_events(session, tmp_path, capsys):
 
 
 @pytest.mark.ray
-def test_a_degraded_run_exits_3_with_its_partial_result(session, tmp_path, capsys):
+def test_a_degraded_run_exits_4_with_its_partial_result(session, tmp_path, capsys):
     target = tmp_path / "loader.py"
     target.write_text(CODE)
     code = main(["engine", "run", "review", str(target), "--max-agents", "2", "--store", str(tmp_path / "db"),
                  "--plain", "--json"])
     payload = json.loads(capsys.readouterr().out)
-    assert code == 3 and payload["degraded"] and payload["degrade_reason"] == "budget"
+    assert code == 4 and payload["degraded"] and payload["degrade_reason"] == "budget"
+
+
+def test_an_address_that_does_not_answer_exits_3_before_any_run(tmp_path, capsys):
+    """As for every command: the address is probed first; nothing is recorded, no agent made."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        refused = f"127.0.0.1:{probe.getsockname()[1]}"  # closed again: connections are refused
+    code = main(["engine", "run", "planning", "a prompt", "--address", refused, "--json",
+                 "--store", str(tmp_path / "db")])
+    captured = capsys.readouterr()
+    assert code == 3 and f"cannot reach a Ray cluster at {refused}" in captured.err
+    refusal = json.loads(captured.out)
+    assert refusal["status"] == "not_started" and refusal["error_type"] == "ClusterUnreachableError"
+    assert "engine run" not in captured.err  # no run id was ever printed: nothing ran
 
 
 def test_run_show_of_an_unknown_id_exits_1(tmp_path, capsys):
@@ -135,7 +151,7 @@ def test_engine_statistics_count_agents_and_exhaustions_per_engine(session, tmp_
     target = tmp_path / "loader.py"
     target.write_text(CODE)
     assert main(["engine", "run", "review", str(target), "--max-agents", "2", "--store", str(tmp_path / "db"),
-                 "--plain"]) == 3
+                 "--plain"]) == 4
     stats = engine_statistics()["review"]
     assert stats["agents_made"] == before + 2 and stats["budget_exhaustions"].get("agents", 0) >= 1
     with EngineRunStore(tmp_path / "db") as store:
