@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from opgraph.cluster.bench import main, standard_shapes
+from opgraph.cluster.bench.shapes import main, standard_shapes
 
 SHAPE_KEYS = [shape.key for shape in standard_shapes()]
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from opgraph.cluster.connection import EXIT_RUNTIME
-from opgraph.cluster.workflows.store import WorkflowStore
+from opgraph.cluster.store import RunStore
 
 COMMAND_TIMEOUT = 120.0  # seconds any one command may take
 PROMPT_FAILURE = 20.0  # seconds a command may take to say an address does not answer
@@ -94,7 +94,7 @@ def test_ray_that_cannot_start_is_its_own_exit_status_and_no_run(definition, tmp
     env = {**os.environ, "RAY_TMPDIR": str(blocker / "ray")}
     done = opgraph("flow", "run", str(definition), "--store", str(database), "--plain", env=env)
     assert_refused(done, EXIT_RUNTIME, "could not start or join the embedded local Ray")
-    with WorkflowStore(database) as store:
+    with RunStore(database) as store:
         assert store.list_runs() == []  # exit 1 would say "the run failed": there is no run
     documented = " ".join(opgraph("flow", "run", "--help").stdout.split())  # argparse wraps lines
     assert f"{EXIT_RUNTIME} the runtime (Ray) could not be started or reached" in documented

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from opgraph.cluster.client import job_submit_command, ray_cli
-from opgraph.cluster.job import EXIT_USAGE, ProgressLog, fanout_graph
+from opgraph.cluster.cli.client import job_submit_command, ray_cli
+from opgraph.cluster.jobs import EXIT_USAGE, ProgressLog, fanout_graph
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 JOB_DEADLINE = 150.0  # seconds from submission to a terminal status
@@ -117,8 +117,8 @@ def test_failed_run_fails_the_job(ray_head):
 
 def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp_path):
     """`job workflow FILE` on the head: progress in the logs, a summary, the run in the driver's store."""
-    from opgraph.cluster.workflow_cli import example_workflow_path
-    from opgraph.cluster.workflows.store import WorkflowStore
+    from opgraph.cluster.cli.flow import example_workflow_path
+    from opgraph.cluster.store import RunStore
 
     submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
     store, results = tmp_path / "runs.db", tmp_path / "result.json"
@@ -142,7 +142,7 @@ def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp
                                    "check": "completed"}
     assert any(line.startswith("progress: settled 4/4") for line in logs.splitlines()), logs
     assert json.loads(results.read_text())["outputs"]["draft_reply"]["model"] == "sim/fast"
-    with WorkflowStore(store) as opened:
+    with RunStore(store) as opened:
         run = opened.get_run(summary["run_id"])
         assert run.status == "completed" and run.content_hash == summary["content_hash"]
         assert run.source_ref == given and run.provenance["source"]["ref"] == given

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from opgraph.cluster import kernel_bench
+from opgraph.cluster.bench import kernel as kernel_bench
 
 
 @pytest.mark.parametrize("signals", [[], ["--signals"]])

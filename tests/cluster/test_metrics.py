@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from opgraph.actors import BranchStore, Runtime
 from opgraph.actors.histogram import LatencyHistogram
-from opgraph.cluster.metrics import _executor_families, _worker_families, serve_metrics
+from opgraph.cluster.metrics.exporter import _executor_families, _worker_families, serve_metrics
 from opgraph.kernel import Graph, SpawnRequest, create_operation
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 
@@ -248,7 +248,7 @@ def test_a_dead_or_silent_actor_is_reported_down_and_the_scrape_still_answers(se
 
 def test_the_dashboard_queries_only_metrics_the_exporter_exports(metrics_server):
     """opgraph.json (package data) parses; every opgraph_* name in a panel expr is exported."""
-    dashboard_file = importlib.resources.files("opgraph.cluster").joinpath("dashboards/opgraph.json")
+    dashboard_file = importlib.resources.files("opgraph.cluster.metrics").joinpath("dashboards/opgraph.json")
     dashboard = json.loads(dashboard_file.read_text())
     exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
     titles = {panel["title"] for panel in dashboard["panels"]}
@@ -258,7 +258,7 @@ def test_the_dashboard_queries_only_metrics_the_exporter_exports(metrics_server)
     exported = scrape_now(metrics_server.url).exported_names()
     assert referenced, "the dashboard queries no opgraph metric"
     assert referenced <= exported, f"not exported: {sorted(referenced - exported)}"
-    config = importlib.resources.files("opgraph.cluster").joinpath("dashboards/prometheus.yml").read_text()
+    config = importlib.resources.files("opgraph.cluster.metrics").joinpath("dashboards/prometheus.yml").read_text()
     assert "127.0.0.1:9464" in config
 
 

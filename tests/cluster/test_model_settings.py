@@ -18,9 +18,9 @@ import openai_server as srv
 
 from opgraph.actors.providers import OpenAICompatibleProvider, environment_providers
 from opgraph.cluster import example_three_nodes
-from opgraph.cluster.workflows.compiler import compile_workflow
-from opgraph.cluster.workflows.runner import WorkflowSource, run_workflow
-from opgraph.cluster.workflows.spec import content_hash
+from opgraph.cluster.lanes.fixed.compiler import compile_workflow
+from opgraph.cluster.lanes.fixed.runner import WorkflowSource, run_workflow
+from opgraph.cluster.lanes.fixed.spec import content_hash
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 

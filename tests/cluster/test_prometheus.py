@@ -4,7 +4,7 @@
     job: python -m opgraph.cluster.job fanout on the local head, in a namespace of its own
 
 After the job ends (its endpoint lingers for one more scrape), every expression of
-``cluster/dashboards/opgraph.json`` is queried over the job's window, as Grafana would
+``cluster/metrics/dashboards/opgraph.json`` is queried over the job's window, as Grafana would
 with ``$__rate_interval``; each must return data, and the throughput and latency
 panels must show the run: nodes settled per second above 0, p50 near the nodes' 0.4 s.
 The Prometheus binary comes from ``OPGRAPH_PROMETHEUS`` (.ci/run sets it), or is fetched
@@ -30,7 +30,7 @@ import httpx
 import pytest
 from api_server import free_port
 
-DASHBOARD = importlib.resources.files("opgraph.cluster").joinpath("dashboards/opgraph.json")
+DASHBOARD = importlib.resources.files("opgraph.cluster.metrics").joinpath("dashboards/opgraph.json")
 CACHE = Path(os.environ.get("OPGRAPH_TEST_CACHE") or Path(tempfile.gettempdir()) / "opgraph-test-cache")
 SCRAPE_INTERVAL = 2  # seconds; the exporter answers within its own 2 s deadline
 RATE_INTERVAL = f"{4 * SCRAPE_INTERVAL}s"  # Grafana's $__rate_interval: four scrape intervals

@@ -19,7 +19,7 @@ import sys
 import uuid
 
 from opgraph.actors import EventsDropped, RunFinished, UnknownWatcherError
-from opgraph.cluster.job import fanout_graph
+from opgraph.cluster.jobs import fanout_graph
 from opgraph.kernel import FlowEvent
 
 CLIENT_TIMEOUT = 120.0  # seconds any one client process may take

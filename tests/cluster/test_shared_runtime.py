@@ -28,7 +28,7 @@ sys.stdin.readline()  # exit when told
 PROCESS_A = r"""
 import asyncio, json, sys
 from opgraph.actors import Session
-from opgraph.cluster.job import fanout_graph
+from opgraph.cluster.jobs import fanout_graph
 session = Session(address=sys.argv[1])
 def progress(op_id, name, status, elapsed):
     if status == "started":

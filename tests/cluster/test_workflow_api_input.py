@@ -19,8 +19,8 @@ import httpx
 import pytest
 from api_server import serve
 
-from opgraph.cluster.workflows.api import create_app
-from opgraph.cluster.workflows.store import WorkflowStore, WorkflowVersionNotFoundError
+from opgraph.cluster.http import create_app
+from opgraph.cluster.store import RunStore, WorkflowVersionNotFoundError
 
 BODY_LIMIT = 64 * 1024  # this module's server limit, small enough to pass quickly
 SQLITE_LIMIT = 2**63 - 1  # the largest integer SQLite stores
@@ -47,7 +47,7 @@ class NoRuntime:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    with WorkflowStore(tmp_path_factory.mktemp("api-input") / "opgraph.db") as opened:
+    with RunStore(tmp_path_factory.mktemp("api-input") / "opgraph.db") as opened:
         yield opened
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from opgraph.cluster.workflows import (
+from opgraph.cluster.lanes.fixed import (
     CHAT_OPERATION,
     ENGINE_REGISTRY,
     FIXED_WORKFLOW,

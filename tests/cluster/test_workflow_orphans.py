@@ -14,8 +14,9 @@ import textwrap
 
 import pytest
 
-from opgraph.cluster.workflows import RunProvenance, WorkflowStore, migrate, owners
-from opgraph.cluster.workflows.owners import ProcessIdentity, current_process, owner_is_alive
+from opgraph.cluster.lanes.fixed import RunProvenance
+from opgraph.cluster.store import RunStore, migrate, owners
+from opgraph.cluster.store.owners import ProcessIdentity, current_process, owner_is_alive
 
 
 def file_provenance() -> dict:
@@ -27,10 +28,11 @@ def start_and_abandon(path, run_id: str, status: str = "running") -> int:
     """Create a run in a child process that then exits without settling it; return its pid."""
     script = textwrap.dedent(f"""
         import os
-        from opgraph.cluster.workflows import RunProvenance, WorkflowStore
+        from opgraph.cluster.lanes.fixed import RunProvenance
+        from opgraph.cluster.store import RunStore
         provenance = RunProvenance.fixed_workflow(ref="/flows/x.json", content_hash="sha256:" + "a" * 64,
                                                   source_kind="workflow_file").to_payload()
-        store = WorkflowStore({str(path)!r})
+        store = RunStore({str(path)!r})
         store.create_run({run_id!r}, session_id="s", provenance=provenance, inputs={{}}, status={status!r})
         print(os.getpid())
         os._exit(0)  # gone, as after a crash: nothing settles the run
@@ -47,7 +49,7 @@ def path(tmp_path):
 
 def test_reading_a_run_whose_process_died_settles_it_as_failed(path):
     pid = start_and_abandon(path, "orphan")
-    with WorkflowStore(path) as store:
+    with RunStore(path) as store:
         run = store.get_run("orphan")
         assert run.status == "failed"
         assert run.error["error_type"] == "OwnerProcessLost"
@@ -59,7 +61,7 @@ def test_reading_a_run_whose_process_died_settles_it_as_failed(path):
 def test_listing_settles_orphans_and_leaves_this_processes_runs_running(path):
     start_and_abandon(path, "gone-admitted", status="admitted")
     start_and_abandon(path, "gone-running")
-    with WorkflowStore(path) as store:
+    with RunStore(path) as store:
         store.create_run("mine", session_id="s", provenance=file_provenance(), inputs={}, status="running")
         statuses = {run.run_id: run.status for run in store.list_runs()}
         assert statuses == {"gone-admitted": "failed", "gone-running": "failed", "mine": "running"}
@@ -71,13 +73,13 @@ def test_listing_settles_orphans_and_leaves_this_processes_runs_running(path):
 def test_reap_settles_every_orphan_at_once(path):
     start_and_abandon(path, "a")
     start_and_abandon(path, "b")
-    with WorkflowStore(path) as store:
+    with RunStore(path) as store:
         assert sorted(store.reap_orphaned_runs()) == ["a", "b"]
         assert {store.get_run(r).status for r in ("a", "b")} == {"failed"}
 
 
 def test_a_run_owned_on_another_host_or_before_owners_were_recorded_is_left_alone(path):
-    with WorkflowStore(path) as store:
+    with RunStore(path) as store:
         for run_id in ("elsewhere", "legacy"):
             store.create_run(run_id, session_id="s", provenance=file_provenance(), inputs={}, status="running")
     connection = sqlite3.connect(path, isolation_level=None)
@@ -87,7 +89,7 @@ def test_a_run_owned_on_another_host_or_before_owners_were_recorded_is_left_alon
                            " WHERE run_id = 'legacy'")
     finally:
         connection.close()
-    with WorkflowStore(path) as store:
+    with RunStore(path) as store:
         assert store.reap_orphaned_runs() == []
         assert {store.get_run(r).status for r in ("elsewhere", "legacy")} == {"running"}
 
@@ -115,7 +117,7 @@ def test_a_v2_database_gains_owner_columns_and_keeps_its_runs(path):
             " '/f.json', '{}', '{}', 'running', 1.0)")
     finally:
         connection.close()
-    with WorkflowStore(path) as store:
+    with RunStore(path) as store:
         old = store.get_run("old")
         assert (old.status, old.owner_host, old.owner_pid) == ("running", None, None)
 
@@ -123,7 +125,7 @@ def test_a_v2_database_gains_owner_columns_and_keeps_its_runs(path):
 def test_the_http_api_settles_orphans_when_it_starts(path):
     import asyncio
 
-    from opgraph.cluster.workflows.api import create_app
+    from opgraph.cluster.http import create_app
 
     def status_on_disk() -> str:
         # Read past the store, so only the startup sweep can have settled the run.
@@ -133,12 +135,12 @@ def test_the_http_api_settles_orphans_when_it_starts(path):
         finally:
             connection.close()
 
-    async def start_app(store: WorkflowStore) -> str:
+    async def start_app(store: RunStore) -> str:
         app = create_app(store, session_factory=lambda: None)
         async with app.router.lifespan_context(app):
             return status_on_disk()
 
     start_and_abandon(path, "left-behind")
     assert status_on_disk() == "running"
-    with WorkflowStore(path) as store:
+    with RunStore(path) as store:
         assert asyncio.run(start_app(store)) == "failed"

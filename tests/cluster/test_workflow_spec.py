@@ -13,7 +13,7 @@ import pickle
 
 import pytest
 
-from opgraph.cluster.workflows import (
+from opgraph.cluster.lanes.fixed import (
     MAX_EDGES,
     MAX_NODES,
     WorkflowCompileError,

@@ -15,29 +15,31 @@ import threading
 
 import pytest
 
-from opgraph.cluster.workflows import (
+from opgraph.cluster.lanes.fixed import (
+    ProvenanceError,
+    RunProvenance,
+    WorkflowValidationError,
+    canonical_json,
+    content_hash,
+)
+from opgraph.cluster.store import (
     MIGRATIONS,
     RUN_TRANSITIONS,
     SCHEMA_VERSION,
     TERMINAL_RUN_STATUSES,
     Migration,
-    ProvenanceError,
     RunConflictError,
     RunNotFoundError,
-    RunProvenance,
+    RunStore,
     StoreSchemaError,
     WorkflowNameConflictError,
     WorkflowNotFoundError,
-    WorkflowStore,
     WorkflowStoreError,
-    WorkflowValidationError,
     WorkflowVersionNotFoundError,
-    canonical_json,
-    content_hash,
     default_store_path,
     migrate,
 )
-from opgraph.cluster.workflows import schema as schema_module
+from opgraph.cluster.store import schema as schema_module
 from opgraph.kernel import OpGraphError
 
 
@@ -74,7 +76,7 @@ def path(tmp_path):
 
 @pytest.fixture
 def store(path):
-    with WorkflowStore(path, clock=Clock()) as opened:
+    with RunStore(path, clock=Clock()) as opened:
         yield opened
 
 
@@ -251,7 +253,7 @@ def test_a_v1_database_with_data_upgrades_without_loss(path):
         assert connection.execute("SELECT name FROM sqlite_master WHERE name = 'runs'").fetchone() is None
     finally:
         connection.close()
-    with WorkflowStore(path, clock=Clock()) as store:
+    with RunStore(path, clock=Clock()) as store:
         assert store.schema_version() == SCHEMA_VERSION
         legacy = store.resolve("legacy")
         assert (legacy.workflow_id, legacy.spec, legacy.content_hash, legacy.created_at) == (
@@ -260,7 +262,7 @@ def test_a_v1_database_with_data_upgrades_without_loss(path):
         run = store.create_run("r1", session_id="s1", provenance=registry_provenance(legacy), inputs={},
                                workflow=legacy)
         assert run.workflow_id == "0123456789ab"
-    with WorkflowStore(path) as reopened:  # already current: nothing to apply
+    with RunStore(path) as reopened:  # already current: nothing to apply
         assert reopened.schema_version() == SCHEMA_VERSION
         assert [v.version for v in reopened.versions("legacy")] == [1, 2]
 
@@ -285,7 +287,7 @@ def test_a_newer_database_is_refused_with_a_typed_error(path):
     connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
     connection.close()
     with pytest.raises(StoreSchemaError) as caught:
-        WorkflowStore(path)
+        RunStore(path)
     assert (caught.value.found, caught.value.supported) == (SCHEMA_VERSION + 5, SCHEMA_VERSION)
     assert str(path) in str(caught.value)
 
@@ -294,7 +296,7 @@ def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path):
     bogus = tmp_path / "not.db"
     bogus.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(WorkflowStoreError, match="cannot open"):
-        WorkflowStore(bogus)
+        RunStore(bogus)
 
 
 def test_files_use_wal_and_memory_stores_work(store, path):
@@ -303,7 +305,7 @@ def test_files_use_wal_and_memory_stores_work(store, path):
         assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         connection.close()
-    with WorkflowStore(":memory:") as memory:
+    with RunStore(":memory:") as memory:
         assert memory.create_workflow("m", spec()).version == 1
         assert memory.schema_version() == SCHEMA_VERSION
 
@@ -318,14 +320,14 @@ def test_the_default_path_follows_the_environment(tmp_path, monkeypatch):
     target = tmp_path / "nested" / "deeper" / "chosen.db"
     monkeypatch.setenv("OPGRAPH_DB", str(target))
     assert default_store_path() == target
-    with WorkflowStore() as store:  # creates the missing parent folders
+    with RunStore() as store:  # creates the missing parent folders
         assert store.path == str(target)
         store.create_workflow("here", spec())
     assert target.is_file()
 
 
 def test_a_closed_store_says_so(path):
-    store = WorkflowStore(path)
+    store = RunStore(path)
     store.close()
     store.close()  # idempotent
     with pytest.raises(WorkflowStoreError, match="closed"):
@@ -409,7 +411,7 @@ def test_provenance_is_validated_and_must_match_the_pinned_version(store):
         store.create_run("r", session_id="s", provenance=file_provenance(), inputs={}, workflow=pinned)
     with pytest.raises(ProvenanceError, match="flow@1"):
         store.create_run("r", session_id="s", provenance=registry_provenance(pinned), inputs={}, workflow=later)
-    with WorkflowStore(":memory:") as other:  # a version this store never held
+    with RunStore(":memory:") as other:  # a version this store never held
         foreign = other.create_workflow("flow", spec())
     with pytest.raises(WorkflowVersionNotFoundError):
         store.create_run("r", session_id="s", provenance=registry_provenance(foreign), inputs={}, workflow=foreign)

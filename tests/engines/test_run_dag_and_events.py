@@ -12,7 +12,7 @@ import sqlite3
 import pytest
 from engine_scripts import ByAgent, Note, ScriptEngine, kinds
 
-from opgraph.cluster.engine_store import EngineRunStore
+from opgraph.cluster.store import EngineRunStore
 from opgraph.engines import EventSinkError, MemorySink
 from opgraph.kernel import TaskAssignment, build_dag_graph
 

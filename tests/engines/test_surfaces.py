@@ -18,8 +18,8 @@ from opgraph.actors import TurnError
 from opgraph.actors.models import ChatRequest
 from opgraph.actors.providers import SimulatedProvider, example_from_schema
 from opgraph.cluster.cli import main
-from opgraph.cluster.engine_metrics import engine_metric_families
-from opgraph.cluster.engine_store import EngineRunStore
+from opgraph.cluster.metrics import engine_metric_families
+from opgraph.cluster.store import EngineRunStore
 from opgraph.engines import (
     EngineBudgetError,
     EngineError,
@@ -254,7 +254,7 @@ def test_live_progress_on_a_terminal_shows_agents_events_and_budget():
 
     from rich.console import Console
 
-    from opgraph.cluster.engine_cli import EngineProgress
+    from opgraph.cluster.cli.engine import EngineProgress
     from opgraph.engines import ReviewEngine
 
     screen = io.StringIO()

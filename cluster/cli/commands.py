@@ -9,10 +9,10 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 
+from ..http.body import DEFAULT_MAX_BODY_BYTES
 from .client import RUN_EXIT_CODES
-from .engine_cli import add_engine_parser, add_run_show_parser
-from .workflow_cli import add_flow_parser, add_run_arguments, add_workflows_parser, positive_int
-from .workflows.body import DEFAULT_MAX_BODY_BYTES
+from .engine import add_engine_parser, add_run_show_parser
+from .flow import add_flow_parser, add_run_arguments, add_workflows_parser, positive_int
 
 __all__ = ["main"]
 
@@ -29,14 +29,14 @@ def _installed_version() -> str:
 
 def _run_demo(arguments: argparse.Namespace) -> int:
     # Lazy: importing the runtime loads Ray, which --version must not pay for.
-    from opgraph.cluster.demo import main as demo_main
+    from opgraph.cluster.cli.demo import main as demo_main
 
     return demo_main(kernel_only=arguments.kernel, arguments=arguments)
 
 
 def _serve_api(arguments: argparse.Namespace) -> int:
     # Lazy: FastAPI and uvicorn load only for the server.
-    from opgraph.cluster.workflows.api import serve
+    from opgraph.cluster.http import serve
     from opgraph.kernel import OpGraphError
 
     try:
@@ -57,7 +57,7 @@ def _serve_metrics(arguments: argparse.Namespace) -> int:
 
 
 def _submit_job(arguments: argparse.Namespace) -> int:
-    from opgraph.cluster.client import submit_job
+    from opgraph.cluster.cli.client import submit_job
 
     entrypoint = list(arguments.entrypoint)
     if entrypoint[:1] == ["--"]:
@@ -68,7 +68,7 @@ def _submit_job(arguments: argparse.Namespace) -> int:
 
 def _run_action(arguments: argparse.Namespace) -> int:
     # Lazy: attaching imports Ray and the runtime.
-    from opgraph.cluster.client import run_action
+    from opgraph.cluster.cli.client import run_action
 
     return run_action(arguments.action, arguments.run_id, address=arguments.address,
                       namespace=arguments.namespace, text=getattr(arguments, "text", None),
@@ -198,7 +198,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from opgraph.cluster.bench import main as bench_main  # lazy: it starts Ray
+        from opgraph.cluster.bench.shapes import main as bench_main  # lazy: it starts Ray
 
         return bench_main(argv[1:])
     parser = _build_parser()

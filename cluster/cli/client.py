@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .connection import EXIT_RUNTIME, RuntimeStartError
+from ..connection import EXIT_RUNTIME, RuntimeStartError
 
 __all__ = ["RUN_ACTIONS", "RUN_EXIT_CODES", "job_submit_command", "ray_cli", "run_action", "submit_job"]
 
@@ -119,7 +119,7 @@ def run_action(action: str, run_id: str, *, address: str | None = None, namespac
     from opgraph.actors import RunControl, UnknownRunError
     from opgraph.kernel import OpGraphError
 
-    from .connection import probe_cluster
+    from ..connection import probe_cluster
 
     if action not in RUN_ACTIONS:
         raise ValueError(f"unknown run action {action!r}; expected one of {RUN_ACTIONS}")

@@ -31,7 +31,7 @@ import ray
 from opgraph.actors import Session
 from opgraph.kernel import OperationGraphBuilder, SpawnRequest, create_operation
 
-from .runtime_bench import RunNotCompleted, timed_flow
+from .runtime import RunNotCompleted, timed_flow
 
 __all__ = ["Shape", "build_parser", "main", "standard_shapes"]
 

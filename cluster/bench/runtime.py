@@ -4,7 +4,7 @@ Owns the runtime figures: wall time (cluster start excluded), ratio to the ideal
 makespan, scheduler messages per node and peak memory of executor and stores, for a
 10,000-node fan-out at 50 ms and 0 ms, a 1,000-node chain, and 10,000 branch clones.
 
-    python -m opgraph.cluster.runtime_bench [--nodes 10000] [--chain 1000] [--repeat 1]
+    python -m opgraph.cluster.bench.runtime [--nodes 10000] [--chain 1000] [--repeat 1]
 """
 
 from __future__ import annotations

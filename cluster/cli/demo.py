@@ -26,7 +26,7 @@ def main(kernel_only: bool = False, arguments: argparse.Namespace | None = None)
         return kernel_main()
     import ray
 
-    from .workflow_cli import add_run_arguments, example_workflow_path, run_flow
+    from .flow import add_run_arguments, example_workflow_path, run_flow
 
     if arguments is None:
         parser = argparse.ArgumentParser()

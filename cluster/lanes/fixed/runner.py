@@ -26,11 +26,11 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
+from ...store.recorder import RunRecorder
+from ...store.runs import RunStore
+from ..capabilities import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, RunProvenance, check_control
 from .compiler import CompiledWorkflow, compile_workflow
-from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, RunProvenance, check_control
-from .recording import RunRecorder
 from .spec import WorkflowCompileError, WorkflowValidationError, load_definition, problem, validate_definition
-from .store import WorkflowStore
 
 __all__ = [
     "FixedRunControl",
@@ -60,7 +60,7 @@ class WorkflowSource:
         return f"{self.ref}@{self.version}" if self.version is not None else self.ref
 
 
-def registry_source(store: WorkflowStore, name: str, version: int | None = None) -> WorkflowSource:
+def registry_source(store: RunStore, name: str, version: int | None = None) -> WorkflowSource:
     """Pin ``name`` (latest when ``version`` is None) before anything runs."""
     pinned = store.resolve(name, version)
     return WorkflowSource(kind="workflow_def", ref=pinned.name, content_hash=pinned.content_hash,
@@ -95,7 +95,7 @@ def file_source(path: str | Path, *, ref: str | None = None) -> WorkflowSource:
                           content_hash="sha256:" + hashlib.sha256(raw).hexdigest(), spec=spec)
 
 
-def resolve_source(target: str, store: WorkflowStore | None) -> WorkflowSource:
+def resolve_source(target: str, store: RunStore | None) -> WorkflowSource:
     """``target`` is a file path (it exists, or ends in .json), ``name`` or ``name@VERSION``."""
     if target.endswith(".json") or Path(target).expanduser().is_file():
         return file_source(target)
@@ -217,7 +217,7 @@ async def run_workflow(
     inputs: Mapping[str, Any] | None = None,
     base_dir: str | Path | None = None,
     model: str | None = None,
-    store: WorkflowStore | None = None,
+    store: RunStore | None = None,
     run_id: str | None = None,
     max_concurrent: int | None = 5,
     on_progress: Callable[[str, str, str, float], Any] | None = None,
@@ -242,7 +242,7 @@ async def run_workflow(
         provenance = RunProvenance.fixed_workflow(
             ref=source.ref, content_hash=source.content_hash, version=source.version, source_kind=source.kind,
         ).to_payload()
-        recorder = RunRecorder(store, run_id, compiled, on_progress)
+        recorder = RunRecorder(store, run_id, compiled.spec_ids_by_node_id, on_progress)
         if store is not None:
             await recorder.write(store.create_run, run_id, session_id=session.id, provenance=provenance,
                                  inputs=dict(inputs or {}), workflow=source.workflow)

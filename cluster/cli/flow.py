@@ -22,9 +22,9 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from .connection import EXIT_RUNTIME, RuntimeStartError
-from .workflows.lanes import describe_capabilities
-from .workflows.spec import WorkflowDefinitionError
+from ..connection import EXIT_RUNTIME, RuntimeStartError
+from ..lanes.capabilities import describe_capabilities
+from ..lanes.fixed.spec import WorkflowDefinitionError
 
 __all__ = [
     "EXAMPLE_WORKFLOW", "EXIT_CODES", "add_flow_parser", "add_workflows_parser", "parse_inputs", "positive_int",
@@ -40,7 +40,7 @@ _FINAL = {"completed": "done", "failed": "failed", "skipped": "skipped"}
 
 def example_workflow_path() -> Path:
     """The bundled support-triage workflow: five nodes with a conditional fork."""
-    return Path(str(files("opgraph.cluster.workflows") / "examples" / "support-triage.json"))
+    return Path(str(files("opgraph.cluster.lanes.fixed") / "examples" / "support-triage.json"))
 
 
 EXAMPLE_WORKFLOW = "support-triage.json"
@@ -154,14 +154,14 @@ class ProgressDisplay:
 
 
 def _open_store(path: str | None) -> Any:
-    from .workflows.store import WorkflowStore
+    from ..store.runs import RunStore
 
-    return WorkflowStore(path)
+    return RunStore(path)
 
 
 async def _run(arguments: argparse.Namespace, target: str) -> int:
-    from .connection import open_session
-    from .workflows.runner import compile_source, resolve_source, run_workflow
+    from ..connection import open_session
+    from ..lanes.fixed.runner import compile_source, resolve_source, run_workflow
 
     store = _open_store(arguments.store)
     try:
@@ -252,8 +252,8 @@ def _workflows(arguments: argparse.Namespace) -> int:
 
 
 def _add(store: Any, arguments: argparse.Namespace) -> int:
-    from .workflows.runner import file_source
-    from .workflows.store import WorkflowNotFoundError
+    from ..lanes.fixed.runner import file_source
+    from ..store.runs import WorkflowNotFoundError
 
     spec = file_source(arguments.file).spec
     try:
@@ -283,7 +283,7 @@ def _list(store: Any, arguments: argparse.Namespace) -> int:
 
 
 def _show(store: Any, arguments: argparse.Namespace) -> int:
-    from .workflows.runner import parse_ref
+    from ..lanes.fixed.runner import parse_ref
 
     pinned = store.resolve(*parse_ref(arguments.name))
     print(json.dumps({"name": pinned.name, "version": pinned.version, "content_hash": pinned.content_hash,

@@ -5,7 +5,7 @@ file as the workflow store: ``OPGRAPH_DB``, default ``~/.opgraph/opgraph.db``): 
 row with its inputs, configuration, status and statistics, and every typed event and
 notification under the run's id. It never runs an engine.
 
-    WorkflowStoreError (cluster/workflows/schema.py)
+    WorkflowStoreError (cluster/store/schema.py)
     └── EngineRunNotFoundError   no engine run has that id
 """
 
@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from opgraph.engines import EventRecord
+from .owners import ProcessIdentity, current_process, owner_is_alive
+from .schema import WorkflowStoreError, default_store_path, migrate
 
-from .workflows.owners import ProcessIdentity, current_process, owner_is_alive
-from .workflows.schema import WorkflowStoreError, default_store_path, migrate
+if TYPE_CHECKING:  # engines load Ray; the store must open without it (`opgraph run show`)
+    from opgraph.engines import EventRecord
 
 __all__ = ["ENGINE_RUN_STATUSES", "EngineRunNotFoundError", "EngineRunRecord", "EngineRunStore"]
 

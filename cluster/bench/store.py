@@ -8,7 +8,7 @@ the recording's cost, not a model's: chat nodes that share the run's default bra
 would also re-read a history that grows with every node. Prints the medians, their ratio,
 and the store transactions the writer used.
 
-    python -m opgraph.cluster.store_bench --nodes 1000 --repeat 5
+    python -m opgraph.cluster.bench.store --nodes 1000 --repeat 5
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 
 from opgraph.kernel import Graph, create_operation
 
-from .workflows.compiler import CompiledWorkflow
-from .workflows.runner import WorkflowSource, run_workflow
-from .workflows.store import WorkflowStore
+from ..lanes.fixed.compiler import CompiledWorkflow
+from ..lanes.fixed.runner import WorkflowSource, run_workflow
+from ..store.runs import RunStore
 
 __all__ = ["CountingStore", "main", "wide_workflow"]
 
@@ -52,7 +52,7 @@ def wide_workflow(nodes: int) -> CompiledWorkflow:
                             content_hash="sha256:" + "0" * 64, declared_outputs=tuple(ids))
 
 
-class CountingStore(WorkflowStore):
+class CountingStore(RunStore):
     """Counts the progress transactions the writer thread makes."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -67,7 +67,7 @@ class CountingStore(WorkflowStore):
         return super().record_progress(run_id, signals=signals, nodes=nodes)
 
 
-async def _one(session: Any, nodes: int, capacity: int, store: WorkflowStore | None) -> float:
+async def _one(session: Any, nodes: int, capacity: int, store: RunStore | None) -> float:
     compiled = wide_workflow(nodes)
     source = WorkflowSource(kind="workflow_file", ref="store-bench", content_hash=compiled.content_hash, spec=None)
     started = time.perf_counter()
@@ -79,7 +79,7 @@ async def _one(session: Any, nodes: int, capacity: int, store: WorkflowStore | N
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.store_bench", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.bench.store", description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=1000, help="nodes in the fan-out (1000)")
     parser.add_argument("--repeat", type=int, default=5, help="runs of each kind, alternated (5)")
     parser.add_argument("--max-concurrent", type=int, default=100, help="operations in flight (100)")

@@ -22,7 +22,7 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from .connection import EXIT_RUNTIME, RuntimeStartError
+from ..connection import EXIT_RUNTIME, RuntimeStartError
 
 __all__ = [
     "EXIT_CANCELLED", "EXIT_DEGRADED", "EXIT_FAILED", "EXIT_INVALID", "EXIT_RUNTIME", "EngineProgress",
@@ -176,8 +176,8 @@ def _payload(result: Any, run: Any) -> dict[str, Any]:
 async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> int:
     from opgraph.actors.providers import SimulatedProvider
 
-    from .connection import open_session
-    from .engine_store import EngineRunStore
+    from ..connection import open_session
+    from ..store.engine_runs import EngineRunStore
 
     store = EngineRunStore(arguments.store)
     session = None
@@ -320,9 +320,9 @@ def _print_engine_run(record: Any, events: list[dict[str, Any]]) -> None:
 
 def show_run(arguments: argparse.Namespace) -> int:
     """``opgraph run show RUN_ID``: an engine run's events, or a workflow run's record and signals."""
-    from .engine_store import EngineRunStore
-    from .workflows.schema import WorkflowStoreError
-    from .workflows.store import RunNotFoundError, WorkflowStore
+    from ..store.engine_runs import EngineRunStore
+    from ..store.runs import RunNotFoundError, RunStore
+    from ..store.schema import WorkflowStoreError
 
     try:
         with EngineRunStore(arguments.store) as store:
@@ -336,7 +336,7 @@ def show_run(arguments: argparse.Namespace) -> int:
                 else:
                     _print_engine_run(record, events)
                 return 0
-        with WorkflowStore(arguments.store) as workflows:
+        with RunStore(arguments.store) as workflows:
             run = workflows.get_run(arguments.run_id)
             signals = workflows.run_signals(arguments.run_id)
     except RunNotFoundError:

@@ -4,7 +4,7 @@ Owns the kernel figures of issue #2: settlements per second and peak memory for 
 fan-out plus aggregation, a chain, and reactive spawn admissions, each at N and 2N to
 show linear cost. It lives in cluster/ because it reads the clock; the kernel may not.
 
-    python -m opgraph.cluster.kernel_bench [--scale 1.0] [--repeat 3] [--only chain,spawns]
+    python -m opgraph.cluster.bench.kernel [--scale 1.0] [--repeat 3] [--only chain,spawns]
 
 The driver feeds the kernel the way the GraphExecutor does (actors/shell.py). A
 worker streams outcomes back in messages of at most ``OUTCOME_BATCH`` (256, from

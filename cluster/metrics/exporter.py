@@ -24,7 +24,7 @@ from opgraph.actors.histogram import LatencyHistogram
 from opgraph.engines import engine_statistics
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 
-from .engine_metrics import engine_metric_families
+from .engines import engine_metric_families
 
 __all__ = [
     "DEFAULT_LINGER", "DEFAULT_PORT", "KNOWN_PROVIDERS", "LATENCY_STATUSES", "SETTLED_STATUSES", "MetricsServer",
@@ -358,7 +358,7 @@ def find_runtime() -> Runtime | None:
 def serve(address: str | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,
           namespace: str = "opgraph", timeout: float = SCRAPE_TIMEOUT) -> int:
     """``opgraph metrics serve``: join Ray, find (or start) the runtime, serve until Ctrl-C."""
-    from .connection import EXIT_RUNTIME, RuntimeStartError, probe_cluster
+    from ..connection import EXIT_RUNTIME, RuntimeStartError, probe_cluster
 
     try:
         probe_cluster(address)

@@ -1,6 +1,6 @@
 """Chaos: kill opgraph's own actors on purpose on the embedded cluster, and print what happened.
 
-Owns the figures of issue 13 (``python -m opgraph.cluster.chaos``). Each scenario runs
+Owns the figures of issue 13 (``python -m opgraph.cluster.bench.chaos``). Each scenario runs
 on a runtime of its own (a fresh namespace), kills a real process mid-run or while idle
 (``ray.kill``, or SIGKILL of its pid), and reports what the caller saw against the
 target. A ledger actor records which worker started which node, so nodes that failed
@@ -298,7 +298,7 @@ def memory_under_serve(runs: int) -> dict[str, Any]:
     """``opgraph serve`` in its own process; ``runs`` support-triage runs through the HTTP API."""
     from importlib.resources import files
 
-    spec = json.loads(files("opgraph.cluster.workflows").joinpath("examples/support-triage.json").read_text())
+    spec = json.loads(files("opgraph.cluster.lanes.fixed").joinpath("examples/support-triage.json").read_text())
     port = _free_port()
     store = tempfile.NamedTemporaryFile(suffix=".db", delete=False).name
     environment = {**os.environ, "OPGRAPH_DB": store}
@@ -339,7 +339,7 @@ def memory_under_serve(runs: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.chaos", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.bench.chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=["worker", "idle", "store", "executor", "memory", "serve"],
                         help="run only these scenarios (default: all)")
     parser.add_argument("--nodes", type=int, default=2000)

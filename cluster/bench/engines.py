@@ -5,7 +5,7 @@ with the built-in simulated provider giving 5 issues per dimension, and prints m
 of wall time, agents made, turns, and the driver process's CPU seconds per agent turn
 (all threads of this process, Ray's included), with the ratio of the turns' summed
 worker-side time to the wall time (how much the concurrent dimensions and verifiers
-overlap). Run: ``python -m opgraph.cluster.engine_bench [--repeat 5] [--latency 0.05]``.
+overlap). Run: ``python -m opgraph.cluster.bench.engines [--repeat 5] [--latency 0.05]``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def measure(repeat: int = 5, latency: float = 0.05, items: int = 5, warmup: int 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.engine_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.bench.engines", description=__doc__)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--latency", type=float, default=0.05, help="sim/ latency per model call (0.05 s)")

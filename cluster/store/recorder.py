@@ -1,4 +1,4 @@
-"""What a fixed run writes to its store while it goes: its row, each signal, each settled node.
+"""What a lane's run writes to the run store while it goes: each signal, each settled node, its branches.
 
 Owns the run's side of durability: every lifecycle signal and every settled node's
 status and result go to the store's writer thread at the end of the loop pass in which
@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from opgraph.kernel import FlowEvent
 
-from .compiler import CompiledWorkflow
-from .store import WorkflowStore
+from .runs import RunStore
 
 __all__ = ["MAX_BACKLOG", "RunRecorder"]
 
@@ -46,13 +45,13 @@ class RunRecorder:
     runner to report; it never stops the run.
     """
 
-    def __init__(self, store: WorkflowStore | None, run_id: str, compiled: CompiledWorkflow,
+    def __init__(self, store: RunStore | None, run_id: str, labels: Mapping[str, str],
                  on_progress: Callable[[str, str, str, float], Any] | None = None) -> None:
         self.store = store
         # Taken once: asking the store for its writer takes a lock a commit may hold.
         self.writer = store.writer if store is not None else None
         self.run_id = run_id
-        self.spec_ids = compiled.spec_ids_by_node_id
+        self.spec_ids = dict(labels)  # graph node id -> the lane's own name for it (an authored id)
         self.on_progress = on_progress
         self.branches: list[Any] = []
         self.failure: BaseException | None = None

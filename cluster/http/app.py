@@ -34,8 +34,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..lanes.capabilities import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, check_control
+from ..lanes.fixed.runner import compile_source, registry_source, run_workflow
+from ..store.runs import RunNotFoundError, RunRecord, RunStore, WorkflowVersion, WorkflowVersionNotFoundError
 from .body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
-from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, check_control
 from .problems import (
     ErrorBody,
     RunStateConflictError,
@@ -45,8 +47,6 @@ from .problems import (
     links,
     run_links,
 )
-from .runner import compile_source, registry_source, run_workflow
-from .store import RunNotFoundError, RunRecord, WorkflowStore, WorkflowVersion, WorkflowVersionNotFoundError
 
 __all__ = [
     "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "ErrorBody", "RunStateConflictError", "RunTasks",
@@ -125,7 +125,7 @@ class RunTasks:
     is not published yet or the run does not settle within ``CANCEL_GRACE_SECONDS``.
     """
 
-    def __init__(self, store: WorkflowStore) -> None:
+    def __init__(self, store: RunStore) -> None:
         self._store = store
         self._runs: dict[str, _InFlight] = {}
 
@@ -277,7 +277,7 @@ def _say(text: str) -> None:
     print(f"opgraph serve: {text}", file=sys.stderr, flush=True)
 
 
-def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | None = None,
+def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = None,
                max_concurrent: int = 5, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                start_runtime: bool = True) -> FastAPI:
     """The API over ``store``; runs use one Session from ``session_factory`` (default ``Session()``).
@@ -294,7 +294,7 @@ def create_app(store: WorkflowStore, *, session_factory: Callable[[], Any] | Non
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # Runs left unfinished by a server (or CLI) process that died are failed now,
-        # before anyone asks; reads would settle them too (WorkflowStore._orphaned).
+        # before anyone asks; reads would settle them too (RunStore._orphaned).
         await asyncio.to_thread(store.reap_orphaned_runs)
         if start_runtime:
             _say("starting the runtime (Ray and the opgraph actors)...")
@@ -462,6 +462,6 @@ def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = No
     """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray starts with the server."""
     import uvicorn
 
-    with WorkflowStore(store_path) as store:
+    with RunStore(store_path) as store:
         app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes)
         uvicorn.run(app, host=host, port=port)

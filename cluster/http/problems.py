@@ -20,9 +20,9 @@ from starlette.routing import Match, Route
 
 from opgraph.kernel import OpGraphError
 
-from .lanes import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, LaneCapabilityError
-from .spec import WorkflowDefinitionError, problem
-from .store import RunNotFoundError, WorkflowNameConflictError, WorkflowNotFoundError, WorkflowStoreError
+from ..lanes.capabilities import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, LaneCapabilityError
+from ..lanes.fixed.spec import WorkflowDefinitionError, problem
+from ..store.runs import RunNotFoundError, WorkflowNameConflictError, WorkflowNotFoundError, WorkflowStoreError
 
 __all__ = [
     "ErrorBody",

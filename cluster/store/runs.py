@@ -29,7 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .lanes import FIXED_WORKFLOW, ProvenanceError, RunProvenance
+from ..lanes.capabilities import FIXED_WORKFLOW, ProvenanceError, RunProvenance
+from ..lanes.fixed.spec import (
+    WorkflowValidationError,
+    canonical_json,
+    content_hash,
+    problem,
+    validate_definition,
+    validate_name,
+)
 from .owners import ProcessIdentity, current_process, owner_is_alive
 from .schema import (
     MAX_VERSION,
@@ -44,14 +52,6 @@ from .schema import (
     default_store_path,
     migrate,
     sources_of,
-)
-from .spec import (
-    WorkflowValidationError,
-    canonical_json,
-    content_hash,
-    problem,
-    validate_definition,
-    validate_name,
 )
 from .writer import StoreWriter
 
@@ -69,7 +69,7 @@ __all__ = [
     "StoreSchemaError",
     "WorkflowNameConflictError",
     "WorkflowNotFoundError",
-    "WorkflowStore",
+    "RunStore",
     "WorkflowStoreError",
     "WorkflowSummary",
     "WorkflowVersion",
@@ -248,7 +248,7 @@ def _check_status(status: str, allowed: Iterable[str]) -> None:
 
 
 # -- the store -------------------------------------------------------------------------
-class WorkflowStore:
+class RunStore:
     """One SQLite connection, shared by threads under a lock (the HTTP API calls from threads).
 
     Code on an event loop writes through ``writer``, the store's one writer thread, so
@@ -281,7 +281,7 @@ class WorkflowStore:
                 # A commit reaches the operating system before it returns, so a killed
                 # process loses nothing committed; only a power loss may undo the last
                 # commits (never corrupting the file). FULL added an fsync per commit:
-                # 1.46x against 1.10x the bare run time (python -m opgraph.cluster.store_bench).
+                # 1.46x against 1.10x the bare run time (python -m opgraph.cluster.bench.store).
                 self._db.execute("PRAGMA synchronous = NORMAL")
             migrate(self._db, path=self.path)
         except BaseException as exc:
@@ -316,7 +316,7 @@ class WorkflowStore:
                 self._db.close()
                 self._db = None
 
-    def __enter__(self) -> WorkflowStore:
+    def __enter__(self) -> RunStore:
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
