@@ -42,20 +42,21 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   ├── EngineBudgetError (RuntimeError)  a hard bound (agents, deadline, tokens, cost) refused work
     │   ├── PlanError                the planner gave no usable plan, even after one retry
     │   └── EventSinkError           an engine run's events could not be recorded durably
-    ├── WorkflowDefinitionError      a fixed workflow definition is bad (cluster/workflows/spec.py)
-    │   ├── WorkflowValidationError  it breaks the spec; ``.errors`` lists every problem
-    │   └── WorkflowCompileError     it cannot compile to a graph
-    ├── WorkflowStoreError           the run store failed, or is closed (cluster/workflows/schema.py)
+    ├── WorkflowDefinitionError      a workflow definition is bad; ``.errors`` lists them (cluster/store/errors.py)
+    │   ├── WorkflowValidationError  it breaks the rules it is stored under
+    │   └── WorkflowCompileError     it cannot compile to a fixed graph (cluster/lanes/fixed/spec.py)
+    ├── WorkflowStoreError           the run store failed, or is closed (cluster/store/errors.py)
     │   ├── StoreSchemaError         the file's schema is newer than this code knows
-    │   ├── WorkflowNameConflictError  a live workflow already has the name (store.py)
-    │   ├── WorkflowNotFoundError    no live workflow by that name or id (store.py)
+    │   ├── WorkflowNameConflictError  a live workflow already has the name
+    │   ├── WorkflowNotFoundError    no live workflow by that name or id
     │   │   └── WorkflowVersionNotFoundError  the workflow exists, the version does not
-    │   ├── RunNotFoundError         no run with that id (store.py)
-    │   ├── RunConflictError         a run with that id already exists (store.py)
-    │   └── EngineRunNotFoundError   no engine run with that id (cluster/engine_store.py)
-    ├── LaneCapabilityError          a control the lane's capabilities exclude (cluster/workflows/lanes.py)
-    ├── ProvenanceError              run provenance that breaks the lane's rules (lanes.py)
-    ├── RunStateConflictError        a run control that its state forbids (cluster/workflows/problems.py)
+    │   ├── RunNotFoundError         no run with that id
+    │   ├── RunConflictError         a run with that id already exists
+    │   └── EngineRunNotFoundError   no engine run with that id
+    ├── ProvenanceError              provenance breaking the shared shape or its lane's rules (cluster/store/errors.py)
+    ├── LaneCapabilityError          a control the invocation's capabilities exclude (cluster/lanes/capabilities.py)
+    ├── UnknownLaneError             no lane adapter is registered under that kind (cluster/lanes/registry.py)
+    ├── RunStateConflictError        a run control that its state forbids (cluster/http/problems.py)
     ├── RuntimeUnavailableError      the HTTP API has no runtime to run on (problems.py)
     └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
         └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
