@@ -296,9 +296,9 @@ def _http(method: str, url: str, body: Any = None) -> Any:
 
 def memory_under_serve(runs: int) -> dict[str, Any]:
     """``opgraph serve`` in its own process; ``runs`` support-triage runs through the HTTP API."""
-    from importlib.resources import files
+    from opgraph.cluster.lanes import FIXED_WORKFLOW, lane_entry
 
-    spec = json.loads(files("opgraph.cluster.lanes.fixed").joinpath("examples/support-triage.json").read_text())
+    spec = json.loads(lane_entry(FIXED_WORKFLOW).examples["support-triage"].read_text())
     port = _free_port()
     store = tempfile.NamedTemporaryFile(suffix=".db", delete=False).name
     environment = {**os.environ, "OPGRAPH_DB": store}

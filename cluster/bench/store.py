@@ -25,9 +25,8 @@ from typing import Any
 
 from opgraph.kernel import Graph, create_operation
 
-from ..lanes.fixed.compiler import CompiledWorkflow
-from ..lanes.fixed.runner import WorkflowSource, run_workflow
-from ..store.runs import RunStore
+from ..lanes.fixed import CompiledWorkflow, WorkflowSource, run_workflow
+from ..store import RunStore
 
 __all__ = ["CountingStore", "main", "wide_workflow"]
 

@@ -1,7 +1,9 @@
 """A client against a running cluster: `opgraph run ...` on a run found by id, and `opgraph job submit`.
 
 Owns the command-line face of ``RunControl.attach``: one JSON line per answer or event,
-and exit statuses a shell can test. `opgraph job submit` only assembles and runs
+and exit statuses a shell can test. A control is first held against the capability
+matrix the run recorded in the run store (ADR-0068 D3): one its invocation excludes is
+rejected here and never reaches the cluster. `opgraph job submit` only assembles and runs
 `ray job submit`; Ray's job server does the rest. Nothing here starts opgraph actors.
 """
 
@@ -15,17 +17,24 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ..connection import EXIT_RUNTIME, RuntimeStartError
+from ..lanes import LaneCapabilities, LaneCapabilityError, check_capabilities
+from ..store import RunNotFoundError, RunStore, WorkflowStoreError, default_store_path
 
-__all__ = ["RUN_ACTIONS", "RUN_EXIT_CODES", "job_submit_command", "ray_cli", "run_action", "submit_job"]
+__all__ = ["CONTROL_ACTIONS", "RUN_ACTIONS", "RUN_EXIT_CODES", "check_recorded_control", "job_submit_command",
+           "ray_cli", "run_action", "submit_job"]
 
 RUN_ACTIONS = ("status", "pause", "resume", "cancel", "message", "watch")
+# The control request kind (ADR-0068 D3) each action is; reading a run is no control.
+CONTROL_ACTIONS = {"pause": "pause", "resume": "resume", "cancel": "cancel", "message": "message"}
 EXIT_REFUSED = 1  # the run is unknown, already settled, or ended other than "completed"
-RUN_EXIT_CODES = (f"exit status: 0 done; {EXIT_REFUSED} the run is unknown, already finished, or (watch) ended "
-                  f"other than completed; 2 bad arguments; {EXIT_RUNTIME} the cluster could not be reached "
-                  "(nothing answered, or it refused this process's token)")
+RUN_EXIT_CODES = (f"exit status: 0 done; {EXIT_REFUSED} the run is unknown, already finished, its lane's "
+                  "capabilities exclude the control (nothing is sent), or (watch) it ended other than completed; "
+                  f"2 bad arguments; {EXIT_RUNTIME} the cluster could not be reached (nothing answered, or it "
+                  "refused this process's token)")
 
 
 def ray_cli() -> list[str]:
@@ -111,9 +120,41 @@ async def _act(control: Any, action: str, text: str | None, limit: int | None) -
     return 0 if accepted else EXIT_REFUSED
 
 
+def check_recorded_control(run_id: str, action: str, store_path: str | None = None) -> None:
+    """Raise ``LaneCapabilityError`` when the run store records ``run_id`` with a capability
+    matrix that excludes ``action``. A run the store does not hold (a plain ``Session.flow``
+    run, a fan-out job) has no lane matrix, and a store file that does not exist is not made."""
+    request_kind = CONTROL_ACTIONS.get(action)
+    path = Path(store_path).expanduser() if store_path else default_store_path()
+    if request_kind is None or not path.is_file():
+        return
+    with RunStore(path) as store:  # reads only: no definition rules needed
+        try:
+            record = store.get_run(run_id)
+        except RunNotFoundError:
+            return
+    capabilities = LaneCapabilities.from_metadata(record.capabilities or {})
+    check_capabilities(capabilities, request_kind, lane=record.lane, run_id=run_id)
+
+
 def run_action(action: str, run_id: str, *, address: str | None = None, namespace: str = "opgraph",
-               text: str | None = None, limit: int | None = None) -> int:
-    """`opgraph run ACTION RUN_ID`: attach to a run on a running cluster and act on it."""
+               text: str | None = None, limit: int | None = None, store: str | None = None) -> int:
+    """`opgraph run ACTION RUN_ID`: attach to a run on a running cluster and act on it.
+
+    A control the run's recorded capabilities exclude is refused first (exit 1), before
+    Ray is reached: it is never queued anywhere.
+    """
+    if action not in RUN_ACTIONS:
+        raise ValueError(f"unknown run action {action!r}; expected one of {RUN_ACTIONS}")
+    try:
+        check_recorded_control(run_id, action, store)
+    except LaneCapabilityError as exc:
+        print(f"opgraph run {action}: {exc.message}", file=sys.stderr)
+        return EXIT_REFUSED
+    except WorkflowStoreError as exc:
+        print(f"opgraph run {action}: {exc}", file=sys.stderr)
+        return 2
+
     import ray  # local: the CLI's other commands must not pay for Ray
 
     from opgraph.actors import RunControl, UnknownRunError
@@ -121,9 +162,8 @@ def run_action(action: str, run_id: str, *, address: str | None = None, namespac
 
     from ..connection import probe_cluster
 
-    if action not in RUN_ACTIONS:
-        raise ValueError(f"unknown run action {action!r}; expected one of {RUN_ACTIONS}")
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
+    joined_here = not ray.is_initialized()  # a caller's own Ray connection is left as it was
     try:
         # Ray would retry an address that does not answer for minutes (or forever), and
         # report a refused token as "cannot connect": ask the GCS first, for a few seconds.
@@ -146,4 +186,5 @@ def run_action(action: str, run_id: str, *, address: str | None = None, namespac
         print(f"opgraph run {action}: cannot reach a Ray cluster at {address!r}: {exc}", file=sys.stderr)
         return EXIT_RUNTIME
     finally:
-        ray.shutdown()
+        if joined_here:
+            ray.shutdown()

@@ -29,15 +29,16 @@ def _installed_version() -> str:
 
 def _run_demo(arguments: argparse.Namespace) -> int:
     # Lazy: importing the runtime loads Ray, which --version must not pay for.
-    from opgraph.cluster.cli.demo import main as demo_main
+    from .demo import main as demo_main
 
     return demo_main(kernel_only=arguments.kernel, arguments=arguments)
 
 
 def _serve_api(arguments: argparse.Namespace) -> int:
     # Lazy: FastAPI and uvicorn load only for the server.
-    from opgraph.cluster.http import serve
     from opgraph.kernel import OpGraphError
+
+    from ..http import serve
 
     try:
         serve(arguments.host, arguments.port, store_path=arguments.store, address=arguments.address,
@@ -50,14 +51,14 @@ def _serve_api(arguments: argparse.Namespace) -> int:
 
 def _serve_metrics(arguments: argparse.Namespace) -> int:
     # Lazy: the exporter imports Ray and the runtime.
-    from opgraph.cluster.metrics import serve
+    from ..metrics import serve
 
     return serve(arguments.address, arguments.port, arguments.host,
                  namespace=arguments.namespace, timeout=arguments.scrape_timeout)
 
 
 def _submit_job(arguments: argparse.Namespace) -> int:
-    from opgraph.cluster.cli.client import submit_job
+    from .client import submit_job
 
     entrypoint = list(arguments.entrypoint)
     if entrypoint[:1] == ["--"]:
@@ -68,11 +69,11 @@ def _submit_job(arguments: argparse.Namespace) -> int:
 
 def _run_action(arguments: argparse.Namespace) -> int:
     # Lazy: attaching imports Ray and the runtime.
-    from opgraph.cluster.cli.client import run_action
+    from .client import run_action
 
     return run_action(arguments.action, arguments.run_id, address=arguments.address,
                       namespace=arguments.namespace, text=getattr(arguments, "text", None),
-                      limit=getattr(arguments, "limit", None))
+                      limit=getattr(arguments, "limit", None), store=arguments.store)
 
 
 def _print_help_of(parser: argparse.ArgumentParser) -> int:
@@ -190,6 +191,9 @@ def _build_parser() -> argparse.ArgumentParser:
         command.add_argument("--address", default=None,
                              help='Ray address ("auto", "ray://host:port", "host:port"; default: RAY_ADDRESS or auto)')
         command.add_argument("--namespace", default="opgraph", help="Ray namespace of the runtime (opgraph)")
+        command.add_argument("--store", default=None,
+                             help="run store whose record of the run (its lane's capabilities) a control is held "
+                                  "against (default: OPGRAPH_DB or ~/.opgraph/opgraph.db, when it exists)")
         command.set_defaults(handler=_run_action)
     add_run_show_parser(run_commands)
     return parser
@@ -198,7 +202,7 @@ def _build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from opgraph.cluster.bench.shapes import main as bench_main  # lazy: it starts Ray
+        from ..bench.shapes import main as bench_main  # lazy: it starts Ray
 
         return bench_main(argv[1:])
     parser = _build_parser()

@@ -177,7 +177,7 @@ async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> 
     from opgraph.actors.providers import SimulatedProvider
 
     from ..connection import open_session
-    from ..store.engine_runs import EngineRunStore
+    from ..store import EngineRunStore
 
     store = EngineRunStore(arguments.store)
     session = None
@@ -320,9 +320,7 @@ def _print_engine_run(record: Any, events: list[dict[str, Any]]) -> None:
 
 def show_run(arguments: argparse.Namespace) -> int:
     """``opgraph run show RUN_ID``: an engine run's events, or a workflow run's record and signals."""
-    from ..store.engine_runs import EngineRunStore
-    from ..store.runs import RunNotFoundError, RunStore
-    from ..store.schema import WorkflowStoreError
+    from ..store import EngineRunStore, RunNotFoundError, RunStore, WorkflowStoreError
 
     try:
         with EngineRunStore(arguments.store) as store:

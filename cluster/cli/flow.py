@@ -1,8 +1,9 @@
-"""`opgraph flow run` and `opgraph workflows ...`: the fixed lane from a terminal or CI.
+"""`opgraph flow run` and `opgraph workflows ...`: the fixed workflow lane from a terminal or CI.
 
 Owns argument handling, the live progress display (rich on a terminal, one plain line
-per lifecycle signal otherwise), structured error printing and exit codes. It must not
-compile, store or run anything itself: the workflows package does that.
+per lifecycle signal otherwise), structured error printing and exit codes. It reaches
+the lane through the lane registry and the definitions through the run store: it never
+imports a lane's internals, nor compiles, stores or runs anything itself.
 
 Exit codes: 0 completed, 1 failed run, 2 bad definition, arguments, store or unknown name
 (nothing ran), 3 the runtime (Ray) could not be started or reached (nothing ran), 130
@@ -16,19 +17,18 @@ import asyncio
 import json
 import sys
 from collections.abc import Mapping
-from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
 from opgraph.kernel import OpGraphError
 
 from ..connection import EXIT_RUNTIME, RuntimeStartError
-from ..lanes.capabilities import describe_capabilities
-from ..lanes.fixed.spec import WorkflowDefinitionError
+from ..lanes import FIXED_WORKFLOW, RunHooks, describe_capabilities, lane_adapter, lane_entry, open_store, parse_inputs
+from ..store import WorkflowDefinitionError
 
 __all__ = [
-    "EXAMPLE_WORKFLOW", "EXIT_CODES", "add_flow_parser", "add_workflows_parser", "parse_inputs", "positive_int",
-    "run_flow",
+    "EXIT_CODES", "add_flow_parser", "add_workflows_parser", "example_workflow_path", "parse_inputs",
+    "positive_int", "run_flow",
 ]
 
 EXIT_FAILED, EXIT_INVALID, EXIT_CANCELLED = 1, 2, 130
@@ -39,26 +39,8 @@ _FINAL = {"completed": "done", "failed": "failed", "skipped": "skipped"}
 
 
 def example_workflow_path() -> Path:
-    """The bundled support-triage workflow: five nodes with a conditional fork."""
-    return Path(str(files("opgraph.cluster.lanes.fixed") / "examples" / "support-triage.json"))
-
-
-EXAMPLE_WORKFLOW = "support-triage.json"
-
-
-def parse_inputs(pairs: list[str] | None) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs; a value that parses as JSON (5, true, [1]) is that value, else text."""
-    inputs: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, separator, text = pair.partition("=")
-        if not separator or not key.strip():
-            raise OpGraphError(f"--input expects KEY=VALUE, got {pair!r}")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        inputs[key.strip()] = value
-    return inputs
+    """The bundled support-triage workflow: five nodes with a conditional fork (the fixed lane's example)."""
+    return lane_entry(FIXED_WORKFLOW).examples["support-triage"]
 
 
 def positive_int(text: str) -> int:
@@ -153,28 +135,20 @@ class ProgressDisplay:
         return table
 
 
-def _open_store(path: str | None) -> Any:
-    from ..store.runs import RunStore
-
-    return RunStore(path)
-
-
 async def _run(arguments: argparse.Namespace, target: str) -> int:
     from ..connection import open_session
-    from ..lanes.fixed.runner import compile_source, resolve_source, run_workflow
 
-    store = _open_store(arguments.store)
+    store = open_store(arguments.store)
     try:
-        inputs = parse_inputs(arguments.input)
-        source = resolve_source(target, store)
-        compiled = compile_source(source, inputs=inputs, base_dir=arguments.base_dir, model=arguments.model)
+        lane = lane_adapter(FIXED_WORKFLOW, store)
+        invocation = lane.invocation(target, inputs=parse_inputs(arguments.input), base_dir=arguments.base_dir,
+                                     model=arguments.model, max_concurrent=arguments.max_concurrent)
+        prepared = await lane.prepare(invocation)  # pinned and compiled before Ray starts
         session = open_session(arguments.address, default_model=arguments.default_model)
-        spec_ids = [spec_id for spec_id in compiled.node_ids_by_spec_id]
-        print(f"running {source.label} ({source.content_hash[:19]}…) on lane fixed_workflow", file=sys.stderr)
-        with ProgressDisplay(spec_ids, live=None if not arguments.plain else False) as display:
-            result = await run_workflow(session, source, inputs=inputs, base_dir=arguments.base_dir,
-                                        model=arguments.model, store=store, max_concurrent=arguments.max_concurrent,
-                                        on_progress=display, compiled=compiled)
+        content_hash = prepared.invocation.source_content_hash or "no hash"
+        print(f"running {prepared.label} ({content_hash[:19]}…) on lane {prepared.provenance.lane}", file=sys.stderr)
+        with ProgressDisplay(list(prepared.labels.values()), live=None if not arguments.plain else False) as display:
+            result = await lane.execute(prepared, session=session, hooks=RunHooks(on_progress=display))
     finally:
         store.close()
     payload = result.to_dict()
@@ -229,7 +203,8 @@ def add_flow_parser(subcommands: Any) -> None:
         "run", help="run a workflow by name[@version] or from a JSON file",
         description="Compile and run a fixed workflow, pinned to one version and content hash, with live "
                     "progress. Options, the definition and the store are checked before Ray starts.",
-        epilog=f"E{EXIT_CODES[1:]}. Lane fixed_workflow capabilities: {describe_capabilities()}. "
+        epilog=f"E{EXIT_CODES[1:]}. Lane {FIXED_WORKFLOW} capabilities: "
+               f"{describe_capabilities(lane_entry(FIXED_WORKFLOW).capabilities)}. "
                "Controls the lane cannot honour are rejected, never queued.",
     )
     run.add_argument("target", metavar="NAME-OR-FILE", help="registry name, name@VERSION, or a .json file")
@@ -240,7 +215,7 @@ def add_flow_parser(subcommands: Any) -> None:
 # -- workflows ---------------------------------------------------------------------------
 def _workflows(arguments: argparse.Namespace) -> int:
     try:
-        store = _open_store(arguments.store)
+        store = open_store(arguments.store)
     except OpGraphError as exc:  # a directory, a file that is no SQLite store, no permission
         return _refused(exc)
     try:
@@ -252,10 +227,9 @@ def _workflows(arguments: argparse.Namespace) -> int:
 
 
 def _add(store: Any, arguments: argparse.Namespace) -> int:
-    from ..lanes.fixed.runner import file_source
-    from ..store.runs import WorkflowNotFoundError
+    from ..store import WorkflowNotFoundError, read_definition_file
 
-    spec = file_source(arguments.file).spec
+    spec, _, _ = read_definition_file(arguments.file)  # the store checks it under the lane's rules
     try:
         existing = store.resolve(arguments.name)
     except WorkflowNotFoundError:
@@ -283,7 +257,7 @@ def _list(store: Any, arguments: argparse.Namespace) -> int:
 
 
 def _show(store: Any, arguments: argparse.Namespace) -> int:
-    from ..lanes.fixed.runner import parse_ref
+    from ..store import parse_ref
 
     pinned = store.resolve(*parse_ref(arguments.name))
     print(json.dumps({"name": pinned.name, "version": pinned.version, "content_hash": pinned.content_hash,

@@ -1,31 +1,30 @@
-"""The fixed-workflow lane's HTTP API (ADR-0073 D1/D5, ADR-0068 D3): definitions and runs.
+"""The HTTP API's routes (ADR-0073 D1/D5, ADR-0068 D3): workflow definitions, and runs of any lane.
 
-Owns the routes and their JSON shapes, the one mapping from typed errors to HTTP statuses,
-one lazily created Session, and this server's in-flight run tasks (admitted in the
-background, cancelled at shutdown). It must not validate, compile, store or execute a
-definition itself (spec.py, store.py, runner.py do), nor accept a control the lane has no
-consumer for. Choices the records leave open:
+Owns the routes and their JSON shapes, one Session started with the server, and the
+wiring of a run: the lane is resolved through the lane registry, prepared (pinned and
+compiled) before the 202, and executed as one of this server's run tasks (runs.py). It
+must not validate, compile, store or execute a definition itself (the lane and the run
+store do), nor accept a control the run's capabilities exclude. Choices the records leave open:
 
 - A run is admitted, not awaited: the 202 comes once the version is pinned, the graph
   compiled and the run task started (ADR-0073 D5 awaited the whole run behind its 202).
-- ``message``/``pause``/``resume`` are 409 with the LaneCapabilityError message (well
-  formed, but the lane's matrix forbids it); nothing is queued and the run is untouched.
+- ``message``/``pause``/``resume`` are checked against the run's own recorded capability
+  matrix (D3: the invocation's, not the lane's): outside it they are 409 with the
+  LaneCapabilityError message; nothing is queued and the run is untouched.
 - ``/results`` is 409 until the run is terminal; progress is the run and its ``/signals``.
-- A run this server did not start (another process, a restart) cannot be cancelled here:
-  409, because its owner holds the only handle (there is no durable cancel yet).
+- A run this server did not start (another process, a restart) cannot be controlled here:
+  409, because its owner holds the only handle (there is no durable control yet).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
-import sys
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 from fastapi import FastAPI, Query
@@ -34,9 +33,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..lanes.capabilities import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, check_control
-from ..lanes.fixed.runner import compile_source, registry_source, run_workflow
-from ..store.runs import RunNotFoundError, RunRecord, RunStore, WorkflowVersion, WorkflowVersionNotFoundError
+from ..lanes import (
+    FIXED_WORKFLOW,
+    LaneCapabilities,
+    LaneInvocation,
+    RunHooks,
+    check_capabilities,
+    lane_adapter,
+    open_store,
+)
+from ..store import RunRecord, RunStore, WorkflowVersion, WorkflowVersionNotFoundError
 from .body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
 from .problems import (
     ErrorBody,
@@ -47,20 +53,15 @@ from .problems import (
     links,
     run_links,
 )
+from .runs import CANCEL_GRACE_SECONDS, RunTasks, SessionSlot, say
 
 __all__ = [
     "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "ErrorBody", "RunStateConflictError", "RunTasks",
     "RunWorkflowRequest", "RuntimeUnavailableError", "UpdateWorkflowRequest", "create_app", "serve",
 ]
-
-# How long a cancel request waits for the executor to settle the run before it also
-# cancels the driving task (which cancels on the executor again, from Session.flow).
-CANCEL_GRACE_SECONDS = 5.0
-SHUTDOWN_GRACE_SECONDS = 10.0
 # The largest integer a request may carry (versions, seq numbers): every JSON client holds
 # it exactly (2**53 - 1), where the store's own limit (2**63 - 1) is past a double's precision.
 MAX_REQUEST_INTEGER = 2**53 - 1
-_CAPABILITIES = FIXED_WORKFLOW_CAPABILITIES.as_metadata()  # what every run of this lane publishes
 
 
 # -- request bodies (D1 models, with versioning: a PUT appends an immutable version) -------
@@ -110,125 +111,6 @@ class MessageRequest(_Body):
     text: str = ""  # accepted so the request is well formed; the lane rejects it anyway
 
 
-# -- this server's runs -----------------------------------------------------------------
-@dataclass(frozen=True)
-class _InFlight:
-    task: asyncio.Task
-    control: dict[str, Any]  # the runner puts its FixedRunControl at "control" once admitted
-
-
-class RunTasks:
-    """The runs this server started: one asyncio task each, forgotten once it settles.
-
-    Cancelling goes through the run's FixedRunControl (the executor settles the run and
-    the runner records ``cancelled``); the task itself is cancelled only when that handle
-    is not published yet or the run does not settle within ``CANCEL_GRACE_SECONDS``.
-    """
-
-    def __init__(self, store: RunStore) -> None:
-        self._store = store
-        self._runs: dict[str, _InFlight] = {}
-
-    def __contains__(self, run_id: str) -> bool:
-        return run_id in self._runs
-
-    def start(self, run_id: str, control: dict[str, Any], run: Any) -> asyncio.Task:
-        task = asyncio.create_task(run, name=f"workflow-run-{run_id}")
-        self._runs[run_id] = _InFlight(task, control)
-        task.add_done_callback(lambda done: self._settled(run_id, done))
-        return task
-
-    def _settled(self, run_id: str, task: asyncio.Task) -> None:
-        self._runs.pop(run_id, None)
-        # A cancelled task needs nothing here: the runner records "cancelled" at any await
-        # after it wrote the row, and a task cancelled before its first step wrote none.
-        if task.cancelled() or (exc := task.exception()) is None:
-            return
-        # The runner records runtime errors itself; anything escaping it (a store error,
-        # say) has no caller left, so it becomes the run's recorded failure.
-        kind = type(exc).__name__
-        error = {"run": {"error": f"{kind}: {exc}", "type": kind}}
-        written = self._store.writer.submit(self._record_failure, run_id, error)  # off the event loop
-        written.add_done_callback(lambda done: done.exception() and _say(
-            f"run {run_id} failed with {kind}: {exc}, and recording that failed too: {done.exception()}"))
-
-    def _record_failure(self, run_id: str, error: dict[str, Any]) -> None:
-        with contextlib.suppress(RunNotFoundError):  # it ended before writing its row
-            self._store.finish_run(run_id, "failed", error=error)
-
-    async def cancel(self, run_id: str) -> None:
-        """Cancel through the executor, falling back to the task; wait for the run to settle."""
-        run = self._runs.get(run_id)
-        if run is None:
-            return
-        # The runner publishes the handle once the executor admitted the run (milliseconds);
-        # cancelling the task before that could strand a run the executor just started.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CANCEL_GRACE_SECONDS
-        while "control" not in run.control and not run.task.done() and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        control = run.control.get("control")
-        if control is None:
-            run.task.cancel()
-        else:
-            # False means the executor already settled the run: the task is recording its outcome.
-            await control.cancel()
-        done, _ = await asyncio.wait({run.task}, timeout=CANCEL_GRACE_SECONDS)
-        if not done:
-            run.task.cancel()
-            await asyncio.wait({run.task}, timeout=CANCEL_GRACE_SECONDS)
-
-    async def cancel_all(self) -> None:
-        """Shutdown: cancel every in-flight task and wait for each to record ``cancelled``."""
-        tasks = [run.task for run in self._runs.values()]
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE_SECONDS)
-
-    def statistics(self) -> dict[str, int]:
-        return {"in_flight": len(self._runs)}
-
-
-class _SessionSlot:
-    """One Session for the whole server, started with the server (it costs seconds), so the
-    first run is admitted as fast as any other; if that start fails, each run retries it."""
-
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self._factory = factory
-        self._session: Any = None
-        self._lock = asyncio.Lock()
-
-    def start(self) -> Any:
-        """Start the Session on this thread: at startup, before any request, when blocking
-        the loop costs nobody. The server keeps its own SIGTERM handling (a graceful
-        shutdown that records in-flight runs cancelled): ray.init in the main thread
-        would replace it with an immediate exit."""
-        if self._session is None:
-            main = threading.current_thread() is threading.main_thread()
-            previous = signal.getsignal(signal.SIGTERM) if main else None
-            try:
-                self._session = self._create()
-            finally:
-                if previous is not None:  # None: a handler not set from Python, which ray.init leaves alone
-                    signal.signal(signal.SIGTERM, previous)
-        return self._session
-
-    async def get(self) -> Any:
-        async with self._lock:
-            if self._session is None:
-                # Session() joins Ray with blocking calls: once serving, never on the event loop.
-                self._session = await run_in_threadpool(self._create)
-            return self._session
-
-    def _create(self) -> Any:
-        try:
-            return self._factory()
-        except Exception as exc:  # Ray's own errors, translated once here; a run retries
-            raise RuntimeUnavailableError(f"cannot start the runtime: {type(exc).__name__}: {exc}; "
-                                          "check the Ray address, then retry") from exc
-
-
 # -- JSON shapes ------------------------------------------------------------------------
 def _version_json(version: WorkflowVersion, *, spec: bool = True) -> dict[str, Any]:
     body = asdict(version)
@@ -238,11 +120,21 @@ def _version_json(version: WorkflowVersion, *, spec: bool = True) -> dict[str, A
     return body
 
 
+def _capabilities(record: RunRecord) -> LaneCapabilities:
+    """The matrix the run's invocation published (D3); a run that recorded none honours nothing."""
+    return LaneCapabilities.from_metadata(record.capabilities or {})
+
+
+def _check_control(record: RunRecord, request_kind: str) -> None:
+    """``LaneCapabilityError`` (409) unless the run's own matrix includes ``request_kind``."""
+    check_capabilities(_capabilities(record), request_kind, lane=record.lane, run_id=record.run_id)
+
+
 def _run_json(record: RunRecord) -> dict[str, Any]:
     body = {
         "run_id": record.run_id, "status": record.status, "workflow": record.workflow_name or record.source_ref,
         "workflow_id": record.workflow_id, "version": record.version, "content_hash": record.content_hash,
-        "lane": record.lane, "lane_capabilities": _CAPABILITIES,
+        "lane": record.lane, "lane_capabilities": _capabilities(record).as_metadata(),
         "provenance": record.provenance, "inputs": record.inputs, "session_id": record.session_id,
         "created_at": record.created_at, "started_at": record.started_at, "finished_at": record.finished_at,
         "links": run_links(record.run_id),
@@ -273,10 +165,6 @@ def _session_factory(address: str | None = None) -> Callable[[], Any]:
     return start
 
 
-def _say(text: str) -> None:
-    print(f"opgraph serve: {text}", file=sys.stderr, flush=True)
-
-
 def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = None,
                max_concurrent: int = 5, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                start_runtime: bool = True) -> FastAPI:
@@ -289,7 +177,7 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
     in-flight runs (each is recorded ``cancelled``) but closes neither.
     """
     runs = RunTasks(store)
-    sessions = _SessionSlot(session_factory or _session_factory())
+    sessions = SessionSlot(session_factory or _session_factory())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -297,14 +185,14 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         # before anyone asks; reads would settle them too (RunStore._orphaned).
         await asyncio.to_thread(store.reap_orphaned_runs)
         if start_runtime:
-            _say("starting the runtime (Ray and the opgraph actors)...")
+            say("starting the runtime (Ray and the opgraph actors)...")
             started = time.monotonic()
             try:
                 sessions.start()
             except RuntimeUnavailableError as exc:
-                _say(f"{exc.message}; serving definitions, and each run will try again")
+                say(f"{exc.message}; serving definitions, and each run will try again")
             else:
-                _say(f"runtime ready in {time.monotonic() - started:.1f} s")
+                say(f"runtime ready in {time.monotonic() - started:.1f} s")
         yield
         await runs.cancel_all()
 
@@ -353,30 +241,33 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
               responses={**errors(404, 413, 422), **_RUN_LINKS})
     async def start_run(name: str, body: RunWorkflowRequest | None = None) -> dict[str, Any]:
         body = body or RunWorkflowRequest()
-        # Pin and compile before any run row exists: a compile error is a 422 and no run.
+        # A workflow run is the fixed lane's, resolved through the registry; the lane pins
+        # and compiles before any run row exists: a compile error is a 422 and no run.
+        lane = lane_adapter(FIXED_WORKFLOW, store)
+        invocation = LaneInvocation(
+            lane=FIXED_WORKFLOW, source_ref=name, source_kind="workflow_def", source_content_hash=None,
+            inputs=dict(body.inputs or {}), base_dir=None if body.base_dir is None else Path(body.base_dir),
+            source_version=body.version, model=body.model, run_id=str(uuid.uuid4()), max_concurrent=max_concurrent)
         try:
-            source = await run_in_threadpool(registry_source, store, name, body.version)
+            prepared = await lane.prepare(invocation)
         except WorkflowVersionNotFoundError as exc:
             if body.version is None:
                 raise
             # The workflow (the path's resource) exists; the body asks for a version it lacks.
             raise RequestValidationError([{"loc": ("body", "version"), "msg": exc.message,
                                            "type": "value_error"}]) from exc
-        compiled = await run_in_threadpool(compile_source, source, inputs=body.inputs,
-                                           base_dir=body.base_dir, model=body.model)
         session = await sessions.get()
-        run_id, control = str(uuid.uuid4()), {}
+        run_id, control = prepared.run_id, {}
         admitted = asyncio.get_running_loop().create_future()
-        runs.start(run_id, control, run_workflow(
-            session, source, inputs=body.inputs, base_dir=body.base_dir, model=body.model, store=store,
-            run_id=run_id, max_concurrent=max_concurrent, control=control, compiled=compiled,
-            on_admitted=admitted))
-        # The runner resolves ``admitted`` once the run row is written (or fails with what
+        runs.start(run_id, control, lane.execute(prepared, session=session,
+                                                 hooks=RunHooks(control=control, on_admitted=admitted)))
+        # The lane resolves ``admitted`` once the run row is written (or fails with what
         # stopped it first), so a client polling right after the 202 finds the run.
         status = await admitted
+        source = prepared.provenance.source
         return {"run_id": run_id, "status": status, "workflow": source.ref, "version": source.version,
-                "content_hash": source.content_hash, "lane": FIXED_WORKFLOW,
-                "lane_capabilities": _CAPABILITIES, "links": run_links(run_id)}
+                "content_hash": source.content_hash, "lane": prepared.provenance.lane,
+                "lane_capabilities": prepared.capabilities.as_metadata(), "links": run_links(run_id)}
 
     @app.get("/api/runs", operation_id="list_runs", responses=errors(422))
     def list_runs(workflow: str | None = None,
@@ -419,7 +310,7 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         if record.terminal:
             raise RunStateConflictError(f"run {run_id} already ended {record.status}; there is nothing to cancel",
                                         run_id=run_id, status=record.status)
-        check_control(FIXED_WORKFLOW, "cancel")
+        _check_control(record, "cancel")
         if run_id not in runs:
             raise RunStateConflictError(
                 f"run {run_id} is {record.status} but was not started by this server; only the process "
@@ -432,14 +323,20 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         return {"run_id": run_id, "status": record.status, "links": run_links(run_id)}
 
     async def reject_control(run_id: str, request_kind: str) -> NoReturn:
-        await run_in_threadpool(store.get_run, run_id)  # an unknown run is a 404 first
-        check_control(FIXED_WORKFLOW, request_kind)  # raises: nothing is queued anywhere
-        raise AssertionError(f"the {FIXED_WORKFLOW} lane accepted {request_kind!r}, which it has no consumer for")
+        record = await run_in_threadpool(store.get_run, run_id)  # an unknown run is a 404 first
+        # Outside the run's own matrix: LaneCapabilityError (409), and nothing is queued anywhere.
+        _check_control(record, request_kind)
+        # Inside it, only the process driving the run could apply it: this server has no
+        # consumer for live controls, and never queues one it cannot apply.
+        raise RunStateConflictError(
+            f"run {run_id} (lane {record.lane}) allows {request_kind!r}, but this server has no consumer for it; "
+            "send it to the process that runs it (`opgraph run ...`)", run_id=run_id, status=record.status)
 
-    # The fixed lane has no consumer for these: they only ever answer 404 or 409, and the
-    # document says so (409 stands where a success status would).
+    # No lane's run takes these here: they only ever answer 404 or 409, and the document
+    # says so (409 stands where a success status would).
     refused = {"status_code": 409, "response_model": ErrorBody, "responses": errors(404),
-               "response_description": "Always: the fixed_workflow lane does not support this control"}
+               "response_description": "Always: the run's capabilities exclude the control, or this server "
+                                       "has no consumer for it"}
 
     @app.post("/api/runs/{run_id}/message", operation_id="message_run",
               **{**refused, "responses": errors(404, 413, 422)})
@@ -462,6 +359,6 @@ def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = No
     """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray starts with the server."""
     import uvicorn
 
-    with RunStore(store_path) as store:
+    with open_store(store_path) as store:
         app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes)
         uvicorn.run(app, host=host, port=port)

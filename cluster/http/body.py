@@ -12,7 +12,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from ..lanes.fixed.spec import is_unicode_text, problem
+from ..store import is_unicode_text, problem
 
 __all__ = ["BODY_METHODS", "DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "RequestBodyGuard", "body_problems"]
 

@@ -20,9 +20,15 @@ from starlette.routing import Match, Route
 
 from opgraph.kernel import OpGraphError
 
-from ..lanes.capabilities import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, LaneCapabilityError
-from ..lanes.fixed.spec import WorkflowDefinitionError, problem
-from ..store.runs import RunNotFoundError, WorkflowNameConflictError, WorkflowNotFoundError, WorkflowStoreError
+from ..lanes import LaneCapabilityError
+from ..store import (
+    RunNotFoundError,
+    WorkflowDefinitionError,
+    WorkflowNameConflictError,
+    WorkflowNotFoundError,
+    WorkflowStoreError,
+    problem,
+)
 
 __all__ = [
     "ErrorBody",
@@ -35,9 +41,6 @@ __all__ = [
     "links",
     "run_links",
 ]
-
-_CAPABILITIES = FIXED_WORKFLOW_CAPABILITIES.as_metadata()
-
 
 class RunStateConflictError(OpGraphError):
     """The request conflicts with the run's state (terminal, still running, or owned by
@@ -127,7 +130,7 @@ _ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any
     RequestValidationError: (422, _request),
     WorkflowNameConflictError: (409, lambda exc: error_body(exc.message, name=exc.name)),
     LaneCapabilityError: (409, lambda exc: error_body(exc.message, request_kind=exc.request_kind,
-                                                      lane=FIXED_WORKFLOW, lane_capabilities=_CAPABILITIES)),
+                                                      lane=exc.lane, lane_capabilities=exc.capabilities)),
     RunStateConflictError: (409, lambda exc: error_body(exc.message, run_id=exc.run_id, status=exc.status,
                                                         links=run_links(exc.run_id))),
     WorkflowNotFoundError: (404, lambda exc: error_body(exc.message)),  # WorkflowVersionNotFoundError too

@@ -4,7 +4,9 @@
 lane's run (a fixed workflow file) on the cluster the job driver joins.
 """
 
-from .entrypoint import EXIT_RUN_NOT_COMPLETED, EXIT_RUNTIME, EXIT_USAGE, ProgressLog, build_parser, fanout_graph, main
+from .driver import EXIT_RUN_NOT_COMPLETED, EXIT_RUNTIME, EXIT_USAGE, ProgressLog, job_address, job_detached
+from .entrypoint import build_parser, main
+from .fanout import InjectedFailure, fail, fanout_graph
 
-__all__ = ["EXIT_RUNTIME", "EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "build_parser", "fanout_graph",
-           "main"]
+__all__ = ["EXIT_RUNTIME", "EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "InjectedFailure", "ProgressLog", "build_parser",
+           "fail", "fanout_graph", "job_address", "job_detached", "main"]

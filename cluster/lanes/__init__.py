@@ -1,7 +1,100 @@
-"""The lanes (ADR-0068): how a graph is defined, whether a planner may touch it, whether it may grow.
+"""The lanes (ADR-0068): where a graph comes from, whether a planner may touch it, whether it may grow.
 
-Owns the lane adapter protocol and registry, the capability matrix and run provenance;
-each lane's own parts (the fixed workflow lane's spec and compiler) live in its sub-package.
+Owns the lane seam every surface uses: ``LaneInvocation``, ``PreparedLaneRun``, the
+``LaneAdapter`` protocol and the registry keyed by lane kind (``lane_adapter``), the
+capability matrix of an invocation (D3), run provenance (D4), and the shared way a
+prepared run executes, recorded. Each lane's own parts live in its sub-package (the
+fixed workflow lane in ``fixed/``), loaded by the registry: surfaces never import them.
 """
 
-__all__: list[str] = []
+from .base import (
+    FIXED_WORKFLOW,
+    PLANNED_REACTIVE_FLOW,
+    PUBLIC_LANES,
+    REACTIVE_PLAY,
+    LaneAdapter,
+    LaneInvocation,
+    LaneKind,
+    LaneRunResult,
+    PreparedLaneRun,
+    RunHooks,
+    parse_inputs,
+)
+from .capabilities import (
+    CAPABILITY_NAMES,
+    CONTROL_CAPABILITIES,
+    LaneCapabilities,
+    LaneCapabilityError,
+    check_capabilities,
+    describe_capabilities,
+)
+from .execution import LaneRunControl, Presentation, run_prepared
+from .provenance import (
+    SOURCE_KINDS,
+    Admission,
+    PlannerUse,
+    ProvenanceError,
+    ReactiveSettings,
+    RunProvenance,
+    SourceKind,
+    SourceRef,
+)
+from .registry import (
+    BUILTIN_LANES,
+    LANES,
+    LaneEntry,
+    LaneRegistry,
+    UnknownLaneError,
+    check_control,
+    lane_adapter,
+    lane_entry,
+    lane_kinds,
+    open_store,
+    register_lane,
+    unregister_lane,
+    validate_provenance,
+)
+
+__all__ = [
+    "BUILTIN_LANES",
+    "CAPABILITY_NAMES",
+    "CONTROL_CAPABILITIES",
+    "FIXED_WORKFLOW",
+    "LANES",
+    "PLANNED_REACTIVE_FLOW",
+    "PUBLIC_LANES",
+    "REACTIVE_PLAY",
+    "SOURCE_KINDS",
+    "Admission",
+    "LaneAdapter",
+    "LaneCapabilities",
+    "LaneCapabilityError",
+    "LaneEntry",
+    "LaneInvocation",
+    "LaneKind",
+    "LaneRegistry",
+    "LaneRunControl",
+    "LaneRunResult",
+    "PlannerUse",
+    "Presentation",
+    "PreparedLaneRun",
+    "ProvenanceError",
+    "ReactiveSettings",
+    "RunHooks",
+    "RunProvenance",
+    "SourceKind",
+    "SourceRef",
+    "UnknownLaneError",
+    "check_capabilities",
+    "check_control",
+    "describe_capabilities",
+    "lane_adapter",
+    "lane_entry",
+    "lane_kinds",
+    "open_store",
+    "parse_inputs",
+    "register_lane",
+    "run_prepared",
+    "unregister_lane",
+    "validate_provenance",
+]

@@ -3,13 +3,45 @@
 Owns the schema and its migrations, versioned definitions, runs of any lane with their
 provenance, capabilities, lifecycle signals, per-node results and branch messages, engine
 runs and their events, the writer thread, and which process owns a run. It knows nothing
-lane-specific: lanes bring their rules and read their own records back.
+lane-specific: a lane brings its definition rules (``RunStore(validate_definition=...)``)
+and checks its own provenance before it asks for a row.
 """
 
-from .engine_runs import ENGINE_RUN_STATUSES, EngineRunNotFoundError, EngineRunRecord, EngineRunStore
+from .database import StoreDatabase
+from .definitions import (
+    CONTENT_HASH,
+    MAX_NAME_LENGTH,
+    DefinitionRules,
+    Definitions,
+    WorkflowSummary,
+    WorkflowVersion,
+    canonical_json,
+    digest,
+    is_unicode_text,
+    normalise_name,
+    parse_ref,
+    read_definition_file,
+    validate_name,
+)
+from .engine_runs import ENGINE_RUN_STATUSES, EngineRunRecord, EngineRunStore
+from .errors import (
+    EngineRunNotFoundError,
+    ProvenanceError,
+    RunConflictError,
+    RunNotFoundError,
+    StoreSchemaError,
+    WorkflowDefinitionError,
+    WorkflowNameConflictError,
+    WorkflowNotFoundError,
+    WorkflowStoreError,
+    WorkflowValidationError,
+    WorkflowVersionNotFoundError,
+    problem,
+)
 from .owners import ProcessIdentity, current_process, owner_is_alive
 from .recorder import MAX_BACKLOG, RunRecorder
-from .runs import (
+from .runs import REGISTRY_SOURCE, RunRecord, RunStore, provenance_columns
+from .schema import (
     MAX_VERSION,
     MIGRATIONS,
     RUN_STATUSES,
@@ -17,51 +49,58 @@ from .runs import (
     SCHEMA_VERSION,
     TERMINAL_RUN_STATUSES,
     Migration,
-    RunConflictError,
-    RunNotFoundError,
-    RunRecord,
-    RunStore,
-    StoreSchemaError,
-    WorkflowNameConflictError,
-    WorkflowNotFoundError,
-    WorkflowStoreError,
-    WorkflowSummary,
-    WorkflowVersion,
-    WorkflowVersionNotFoundError,
     default_store_path,
     migrate,
 )
 from .writer import StoreWriter
 
 __all__ = [
+    "CONTENT_HASH",
     "ENGINE_RUN_STATUSES",
     "MAX_BACKLOG",
+    "MAX_NAME_LENGTH",
     "MAX_VERSION",
     "MIGRATIONS",
+    "REGISTRY_SOURCE",
     "RUN_STATUSES",
     "RUN_TRANSITIONS",
     "SCHEMA_VERSION",
     "TERMINAL_RUN_STATUSES",
+    "DefinitionRules",
+    "Definitions",
     "EngineRunNotFoundError",
     "EngineRunRecord",
     "EngineRunStore",
     "Migration",
     "ProcessIdentity",
+    "ProvenanceError",
     "RunConflictError",
     "RunNotFoundError",
     "RunRecord",
     "RunRecorder",
     "RunStore",
+    "StoreDatabase",
     "StoreSchemaError",
     "StoreWriter",
+    "WorkflowDefinitionError",
     "WorkflowNameConflictError",
     "WorkflowNotFoundError",
     "WorkflowStoreError",
     "WorkflowSummary",
+    "WorkflowValidationError",
     "WorkflowVersion",
     "WorkflowVersionNotFoundError",
+    "canonical_json",
     "current_process",
     "default_store_path",
+    "digest",
+    "is_unicode_text",
     "migrate",
+    "normalise_name",
     "owner_is_alive",
+    "parse_ref",
+    "problem",
+    "provenance_columns",
+    "read_definition_file",
+    "validate_name",
 ]

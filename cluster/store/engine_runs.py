@@ -1,28 +1,26 @@
 """The durable record of engine runs: the SQLite ``EventSink`` engines write to, and its reads.
 
 Owns the ``engine_runs`` and ``engine_events`` tables (schema migration 5, in the same
-file as the workflow store: ``OPGRAPH_DB``, default ``~/.opgraph/opgraph.db``): a run's
+file as the run store: ``OPGRAPH_DB``, default ``~/.opgraph/opgraph.db``): a run's
 row with its inputs, configuration, status and statistics, and every typed event and
 notification under the run's id. It never runs an engine.
 
-    WorkflowStoreError (cluster/store/schema.py)
-    └── EngineRunNotFoundError   no engine run has that id
+The store's errors (``EngineRunNotFoundError`` among them) are drawn in errors.py.
 """
 
 from __future__ import annotations
 
 import json
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .owners import ProcessIdentity, current_process, owner_is_alive
-from .schema import WorkflowStoreError, default_store_path, migrate
+from .database import StoreDatabase
+from .errors import EngineRunNotFoundError
+from .owners import ProcessIdentity, owner_is_alive
 
 if TYPE_CHECKING:  # engines load Ray; the store must open without it (`opgraph run show`)
     from opgraph.engines import EventRecord
@@ -30,16 +28,6 @@ if TYPE_CHECKING:  # engines load Ray; the store must open without it (`opgraph 
 __all__ = ["ENGINE_RUN_STATUSES", "EngineRunNotFoundError", "EngineRunRecord", "EngineRunStore"]
 
 ENGINE_RUN_STATUSES = ("running", "completed", "degraded", "failed", "cancelled")
-
-
-class EngineRunNotFoundError(WorkflowStoreError):
-    """No engine run has ``run_id``."""
-
-    _fields = ("run_id",)
-
-    def __init__(self, run_id: str) -> None:
-        super().__init__(f"no engine run with id {run_id!r}")
-        self.run_id = run_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,66 +61,14 @@ def _record(row: sqlite3.Row) -> EngineRunRecord:
     return EngineRunRecord(**values)
 
 
-class EngineRunStore:
-    """One SQLite connection shared by threads under a lock; engines call it from worker threads.
+class EngineRunStore(StoreDatabase):
+    """The engines' ``EventSink`` on the run store's file; engines call it from worker threads.
 
     ``path`` is a file, ``":memory:"``, or None for ``default_store_path()``.
     """
 
     def __init__(self, path: str | Path | None = None, *, clock: Callable[[], float] = time.time) -> None:
-        path = default_store_path() if path is None else path
-        self.path = str(path)
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._owner = current_process()
-        if self.path != ":memory:":
-            self.path = str(Path(self.path).expanduser())
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self._db: sqlite3.Connection | None = None
-        try:
-            self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
-            self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA foreign_keys = ON")
-            self._db.execute("PRAGMA busy_timeout = 10000")
-            if self.path != ":memory:":
-                self._db.execute("PRAGMA journal_mode = WAL")
-            migrate(self._db, path=self.path)
-        except BaseException as exc:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-            if isinstance(exc, sqlite3.Error):
-                raise WorkflowStoreError(f"cannot open the store {self.path}: {exc}") from exc
-            raise
-
-    def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-
-    def __enter__(self) -> EngineRunStore:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    @contextmanager
-    def _transaction(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            if self._db is None:
-                raise WorkflowStoreError(f"the store {self.path} is closed")
-            db = self._db
-            try:
-                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
-                try:
-                    yield db
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-                db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                raise WorkflowStoreError(f"the store {self.path} failed: {exc}") from exc
+        super().__init__(path, clock=clock, fsync_every_commit=True)
 
     # -- the EventSink protocol -------------------------------------------------------------
     def open_run(self, run_id: str, *, engine: str, inputs: Mapping[str, Any], config: Mapping[str, Any]) -> None:

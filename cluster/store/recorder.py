@@ -5,7 +5,7 @@ status and result go to the store's writer thread at the end of the loop pass in
 the driver hears of them, one write per pass, so a killed owner loses at most the write
 in progress; the caller's progress display shows a signal only once it is committed; and
 the event loop never waits on SQLite (only when the writer falls ``MAX_BACKLOG`` behind).
-It must not decide a run's status or outcome: the runner does.
+It must not decide a run's status or outcome: the lane does.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""The store's schema: its migrations, run statuses and the base store errors.
+"""The run store's schema: its migrations, run statuses and where the store file lives.
 
 Owns the ordered migration steps (applied by ``PRAGMA user_version``, one transaction
-each), the run status vocabulary and its legal transitions, and where the store file
-lives by default. It must not read or write definitions or runs: store.py does.
+each), the run status vocabulary and its legal transitions, and the default path. It
+must not read or write definitions or runs: definitions.py and runs.py do.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from opgraph.kernel import OpGraphError
+from .errors import StoreSchemaError, WorkflowStoreError
 
 __all__ = [
     "MAX_VERSION",
@@ -23,42 +23,26 @@ __all__ = [
     "SCHEMA_VERSION",
     "TERMINAL_RUN_STATUSES",
     "Migration",
-    "StoreSchemaError",
-    "WorkflowStoreError",
     "default_store_path",
     "migrate",
     "sources_of",
 ]
 
 
-class WorkflowStoreError(OpGraphError):
-    """The store cannot do what was asked: its database failed, or it was closed.
-
-    ``_fields`` names a subclass's own fields (the root error pickles them with the rest).
-    """
-
-    _fields: tuple[str, ...] = ()
-
-
-class StoreSchemaError(WorkflowStoreError):
-    """The database was written by a newer opgraph; upgrade opgraph, or use another file."""
-
-    _fields = ("path", "found", "supported")
-
-    def __init__(self, path: str, found: int, supported: int) -> None:
-        super().__init__(f"the store {path} has schema version {found}, but this opgraph knows only up to "
-                         f"{supported}; upgrade opgraph or use another store (--store / OPGRAPH_DB)")
-        self.path, self.found, self.supported = path, found, supported
-
-
 # -- schema ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Migration:
-    """One schema step; applied once, in its own transaction, then ``user_version = version``."""
+    """One schema step; applied once, in its own transaction, then ``user_version = version``.
+
+    ``rebuilds`` marks a step that rebuilds a table others refer to (SQLite cannot drop
+    a column constraint in place): foreign keys are switched off around it, as SQLite's
+    own procedure for such changes says, and checked before it commits.
+    """
 
     version: int
     description: str
     statements: tuple[str, ...]
+    rebuilds: bool = False
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -128,6 +112,36 @@ MIGRATIONS: tuple[Migration, ...] = (
             kind TEXT NOT NULL CHECK (kind IN ('event', 'notification')), type TEXT NOT NULL,
             agent TEXT, data TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (run_id, seq))""",
     )),
+    # Runs of every lane (ADR-0068): any source kind, a hash only where the lane pinned one
+    # (a prompt has none; new rows' hashes are checked in code, old rows are kept as they
+    # are), the invocation's capability matrix (D3) and recovery data (what its lane needs
+    # to present or resume it elsewhere). Every run before this step was a fixed-workflow
+    # run, whose matrix then was the one written below.
+    Migration(6, "runs of any lane, with their capability matrix and recovery data", (
+        """CREATE TABLE runs_v6 (
+            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, lane TEXT NOT NULL CHECK (length(lane) > 0),
+            workflow_id TEXT, workflow_name TEXT, version INTEGER, content_hash TEXT,
+            source_kind TEXT NOT NULL CHECK (length(source_kind) > 0),
+            source_ref TEXT NOT NULL, provenance TEXT NOT NULL, inputs TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('admitted', 'running', 'completed', 'failed', 'cancelled')),
+            outputs TEXT, error TEXT, created_at REAL NOT NULL, started_at REAL, finished_at REAL,
+            owner_host TEXT, owner_pid INTEGER, owner_start TEXT, capabilities TEXT, recovery TEXT,
+            FOREIGN KEY (workflow_id, version) REFERENCES workflow_versions(workflow_id, version))""",
+        """INSERT INTO runs_v6 (run_id, session_id, lane, workflow_id, workflow_name, version, content_hash,
+            source_kind, source_ref, provenance, inputs, status, outputs, error, created_at, started_at,
+            finished_at, owner_host, owner_pid, owner_start)
+           SELECT run_id, session_id, lane, workflow_id, workflow_name, version, content_hash, source_kind,
+            source_ref, provenance, inputs, status, outputs, error, created_at, started_at, finished_at,
+            owner_host, owner_pid, owner_start FROM runs""",
+        "DROP TABLE runs",
+        "ALTER TABLE runs_v6 RENAME TO runs",
+        "CREATE INDEX runs_created ON runs(created_at)",
+        "CREATE INDEX runs_workflow ON runs(workflow_id)",
+        "CREATE INDEX runs_lane ON runs(lane)",
+        """UPDATE runs SET capabilities = '{"cancel": true, "checkpoint_resume": false, "leased_admission": false,'
+           || ' "live_message": false, "live_pause": false, "planner": false, "reactive_growth": false}'
+           WHERE lane = 'fixed_workflow'""",
+    ), rebuilds=True),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER: no definition version can be higher
@@ -158,17 +172,32 @@ def migrate(connection: sqlite3.Connection, *, target: int = SCHEMA_VERSION, pat
         raise StoreSchemaError(path, current, SCHEMA_VERSION)
     for step in MIGRATIONS:
         if current < step.version <= target:
-            connection.execute("BEGIN IMMEDIATE")
-            try:
-                for statement in step.statements:
-                    connection.execute(statement)
-                connection.execute(f"PRAGMA user_version = {step.version:d}")
-                connection.execute("COMMIT")
-            except BaseException:
-                connection.execute("ROLLBACK")
-                raise
+            _apply(connection, step, path)
             current = step.version
     return current
+
+
+def _apply(connection: sqlite3.Connection, step: Migration, path: str) -> None:
+    # The pragma is a no-op inside a transaction, so it is set before BEGIN and restored after.
+    enforced = connection.execute("PRAGMA foreign_keys").fetchone()[0]
+    if step.rebuilds and enforced:
+        connection.execute("PRAGMA foreign_keys = OFF")
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in step.statements:
+                connection.execute(statement)
+            if step.rebuilds and connection.execute("PRAGMA foreign_key_check").fetchone() is not None:
+                raise WorkflowStoreError(f"migration {step.version} of the store {path} left rows whose "
+                                         "references do not resolve; nothing was changed")
+            connection.execute(f"PRAGMA user_version = {step.version:d}")
+            connection.execute("COMMIT")
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
+    finally:
+        if step.rebuilds and enforced:
+            connection.execute("PRAGMA foreign_keys = ON")
 
 
 def default_store_path() -> Path:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from .schema import WorkflowStoreError
+from .errors import WorkflowStoreError
 
 __all__ = ["ProgressStore", "StoreWriter"]
 
@@ -65,7 +65,7 @@ class StoreWriter:
     def _put(self, item: Any) -> None:
         with self._lock:
             if self._closed:
-                raise WorkflowStoreError("the workflow store is closed; nothing more can be written")
+                raise WorkflowStoreError("the run store is closed; nothing more can be written")
             self._backlog += 1
             self._queue.put(item)
 

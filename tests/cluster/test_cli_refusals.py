@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from opgraph.cluster.connection import EXIT_RUNTIME
-from opgraph.cluster.store import RunStore
+from opgraph.cluster.lanes import open_store
 
 COMMAND_TIMEOUT = 120.0  # seconds any one command may take
 PROMPT_FAILURE = 20.0  # seconds a command may take to say an address does not answer
@@ -70,11 +70,11 @@ def test_a_store_that_is_no_store_is_exit_2_with_a_message_everywhere(definition
     for arguments in (["workflows", "list"], ["workflows", "add", "flow", str(definition)],
                       ["workflows", "show", "flow"], ["flow", "run", str(definition)]):
         done = opgraph(*arguments, "--store", str(store))
-        assert_refused(done, 2, "workflow store", str(store))
+        assert_refused(done, 2, "run store", str(store))
     done = opgraph("workflow", str(definition), "--store", str(store), module="opgraph.cluster.job")
-    assert_refused(done, 2, "workflow store")
+    assert_refused(done, 2, "run store")
     done = opgraph("serve", "--port", "0", "--store", str(store))
-    assert_refused(done, 2, "workflow store")
+    assert_refused(done, 2, "run store")
 
 
 def test_a_workflow_file_nested_10000_deep_is_a_problem_not_a_traceback(tmp_path):
@@ -94,7 +94,7 @@ def test_ray_that_cannot_start_is_its_own_exit_status_and_no_run(definition, tmp
     env = {**os.environ, "RAY_TMPDIR": str(blocker / "ray")}
     done = opgraph("flow", "run", str(definition), "--store", str(database), "--plain", env=env)
     assert_refused(done, EXIT_RUNTIME, "could not start or join the embedded local Ray")
-    with RunStore(database) as store:
+    with open_store(database) as store:
         assert store.list_runs() == []  # exit 1 would say "the run failed": there is no run
     documented = " ".join(opgraph("flow", "run", "--help").stdout.split())  # argparse wraps lines
     assert f"{EXIT_RUNTIME} the runtime (Ray) could not be started or reached" in documented

@@ -118,7 +118,7 @@ def test_failed_run_fails_the_job(ray_head):
 def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp_path):
     """`job workflow FILE` on the head: progress in the logs, a summary, the run in the driver's store."""
     from opgraph.cluster.cli.flow import example_workflow_path
-    from opgraph.cluster.store import RunStore
+    from opgraph.cluster.lanes import open_store
 
     submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
     store, results = tmp_path / "runs.db", tmp_path / "result.json"
@@ -142,7 +142,7 @@ def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp
                                    "check": "completed"}
     assert any(line.startswith("progress: settled 4/4") for line in logs.splitlines()), logs
     assert json.loads(results.read_text())["outputs"]["draft_reply"]["model"] == "sim/fast"
-    with RunStore(store) as opened:
+    with open_store(store) as opened:
         run = opened.get_run(summary["run_id"])
         assert run.status == "completed" and run.content_hash == summary["content_hash"]
         assert run.source_ref == given and run.provenance["source"]["ref"] == given

@@ -18,9 +18,7 @@ import openai_server as srv
 
 from opgraph.actors.providers import OpenAICompatibleProvider, environment_providers
 from opgraph.cluster import example_three_nodes
-from opgraph.cluster.lanes.fixed.compiler import compile_workflow
-from opgraph.cluster.lanes.fixed.runner import WorkflowSource, run_workflow
-from opgraph.cluster.lanes.fixed.spec import content_hash
+from opgraph.cluster.lanes.fixed import WorkflowSource, compile_workflow, content_hash, run_workflow
 
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 

@@ -17,8 +17,8 @@ import pytest
 from api_server import serve
 
 from opgraph.cluster.http import RunStateConflictError, create_app
-from opgraph.cluster.lanes.fixed import RunProvenance
-from opgraph.cluster.store import RunStore
+from opgraph.cluster.lanes import open_store
+from opgraph.cluster.lanes.fixed import FIXED_WORKFLOW_CAPABILITIES, fixed_workflow_provenance
 from opgraph.kernel import OpGraphError
 
 RUN_DEADLINE = 20.0  # seconds for a sim run to end
@@ -41,7 +41,7 @@ def _spec(prompt: str = "Draft", model: str = "sim/fast", extra_nodes=(), extra_
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    with RunStore(tmp_path_factory.mktemp("api") / "opgraph.db") as opened:
+    with open_store(tmp_path_factory.mktemp("api") / "opgraph.db") as opened:
         yield opened
 
 
@@ -259,10 +259,10 @@ def test_cancel_ends_the_run_cancelled_and_a_second_cancel_is_409(client):
 def test_a_run_this_server_did_not_start_cannot_be_cancelled_here(client, store):
     """A row written by another process (say `opgraph flow run`): its owner holds the only handle."""
     pinned = store.resolve(_create(client, "elsewhere", _spec())["name"])
-    provenance = RunProvenance.fixed_workflow(ref=pinned.name, version=pinned.version,
+    provenance = fixed_workflow_provenance(ref=pinned.name, version=pinned.version,
                                               content_hash=pinned.content_hash).to_payload()
     store.create_run("run-from-another-process", session_id="another", provenance=provenance, inputs={},
-                     workflow=pinned, status="running")
+                     workflow=pinned, status="running", capabilities=FIXED_WORKFLOW_CAPABILITIES.as_metadata())
     reply = client.post("/api/runs/run-from-another-process/cancel")
     assert reply.status_code == 409 and "not started by this server" in reply.json()["error"]
     assert store.get_run("run-from-another-process").status == "running"
@@ -323,7 +323,7 @@ def test_unknown_workflows_runs_and_versions_are_404(client):
 
 def test_shutdown_cancels_in_flight_runs(session, tmp_path):
     """A second server: stopping it while a sim/slow run is in flight records ``cancelled``."""
-    with RunStore(tmp_path / "shutdown.db") as store:
+    with open_store(tmp_path / "shutdown.db") as store:
         app = create_app(store, session_factory=lambda: session)
         served = serve(app)
         try:
@@ -346,7 +346,7 @@ def test_the_runtime_starts_with_the_server_so_the_first_admission_is_quick(sess
         time.sleep(SLOW_RUNTIME_START)  # stands in for Ray starting inside Session()
         return session
 
-    with RunStore(tmp_path / "eager.db") as store:
+    with open_store(tmp_path / "eager.db") as store:
         served = serve(create_app(store, session_factory=slow_start))
         try:
             assert len(calls) == 1, "the runtime did not start with the server"
@@ -373,7 +373,7 @@ def test_a_runtime_that_cannot_start_is_503_and_creates_no_run(tmp_path, capfd):
         attempts.append(1)
         raise ConnectionError("no Ray cluster at 10.0.0.1:6379")
 
-    with RunStore(tmp_path / "no-ray.db") as store:
+    with open_store(tmp_path / "no-ray.db") as store:
         served = serve(create_app(store, session_factory=unreachable))
         try:
             assert "cannot start the runtime" in capfd.readouterr().err

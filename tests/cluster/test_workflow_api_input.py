@@ -20,7 +20,8 @@ import pytest
 from api_server import serve
 
 from opgraph.cluster.http import create_app
-from opgraph.cluster.store import RunStore, WorkflowVersionNotFoundError
+from opgraph.cluster.lanes import open_store
+from opgraph.cluster.store import WorkflowVersionNotFoundError
 
 BODY_LIMIT = 64 * 1024  # this module's server limit, small enough to pass quickly
 SQLITE_LIMIT = 2**63 - 1  # the largest integer SQLite stores
@@ -47,7 +48,7 @@ class NoRuntime:
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    with RunStore(tmp_path_factory.mktemp("api-input") / "opgraph.db") as opened:
+    with open_store(tmp_path_factory.mktemp("api-input") / "opgraph.db") as opened:
         yield opened
 
 

@@ -13,6 +13,15 @@ from typing import Any
 
 import pytest
 
+from opgraph.cluster.lanes import (
+    LaneCapabilities,
+    LaneCapabilityError,
+    ProvenanceError,
+    RunProvenance,
+    check_control,
+    describe_capabilities,
+    validate_provenance,
+)
 from opgraph.cluster.lanes.fixed import (
     CHAT_OPERATION,
     ENGINE_REGISTRY,
@@ -20,16 +29,11 @@ from opgraph.cluster.lanes.fixed import (
     FIXED_WORKFLOW_CAPABILITIES,
     CompiledWorkflow,
     EngineDefinition,
-    LaneCapabilities,
-    LaneCapabilityError,
-    ProvenanceError,
-    RunProvenance,
     WorkflowCompileError,
     WorkflowValidationError,
-    check_control,
     compile_workflow,
     content_hash,
-    describe_capabilities,
+    fixed_workflow_provenance,
     load_definition,
     register_engine,
     resolve_node_cwd,
@@ -488,8 +492,8 @@ def test_the_fixed_lane_capability_matrix():
         "leased_admission": False,
         "cancel": True,
     }
-    assert describe_capabilities().startswith("planner: no, reactive growth (spawns): no")
-    assert describe_capabilities().endswith("cancel: yes")
+    assert describe_capabilities(FIXED_WORKFLOW_CAPABILITIES).startswith("planner: no, reactive growth (spawns): no")
+    assert describe_capabilities(FIXED_WORKFLOW_CAPABILITIES).endswith("cancel: yes")
 
 
 def test_the_fixed_lane_honours_cancel():
@@ -522,7 +526,7 @@ def test_lane_and_provenance_errors_pickle_with_their_ids():
 
 
 def test_fixed_workflow_provenance_has_the_adr_shape():
-    provenance = RunProvenance.fixed_workflow(ref="daily-review", version=4, content_hash=HASH)
+    provenance = fixed_workflow_provenance(ref="daily-review", version=4, content_hash=HASH)
     payload = provenance.to_payload()
     assert payload == {
         "lane": "fixed_workflow",
@@ -535,7 +539,7 @@ def test_fixed_workflow_provenance_has_the_adr_shape():
 
 
 def test_file_mode_provenance_needs_a_hash_but_no_version():
-    provenance = RunProvenance.fixed_workflow(ref="flows/review.json", content_hash=HASH, source_kind="workflow_file")
+    provenance = fixed_workflow_provenance(ref="flows/review.json", content_hash=HASH, source_kind="workflow_file")
     assert provenance.source.version is None
 
 
@@ -552,10 +556,10 @@ def test_file_mode_provenance_needs_a_hash_but_no_version():
     ],
 )
 def test_malformed_fixed_provenance_is_rejected(change, message):
-    payload = RunProvenance.fixed_workflow(ref="r", version=1, content_hash=HASH).to_payload()
+    payload = fixed_workflow_provenance(ref="r", version=1, content_hash=HASH).to_payload()
     payload.update(change)
     with pytest.raises(ProvenanceError, match=message):
-        RunProvenance.from_payload(payload)
+        validate_provenance(payload)  # the shared rules, then the fixed lane's, through the registry
 
 
 # -- a compiled example, driven through the kernel ---------------------------------------------

@@ -14,13 +14,14 @@ import textwrap
 
 import pytest
 
-from opgraph.cluster.lanes.fixed import RunProvenance
+from opgraph.cluster.lanes import open_store
+from opgraph.cluster.lanes.fixed import fixed_workflow_provenance
 from opgraph.cluster.store import RunStore, migrate, owners
 from opgraph.cluster.store.owners import ProcessIdentity, current_process, owner_is_alive
 
 
 def file_provenance() -> dict:
-    return RunProvenance.fixed_workflow(ref="/flows/x.json", content_hash="sha256:" + "a" * 64,
+    return fixed_workflow_provenance(ref="/flows/x.json", content_hash="sha256:" + "a" * 64,
                                         source_kind="workflow_file").to_payload()
 
 
@@ -28,11 +29,11 @@ def start_and_abandon(path, run_id: str, status: str = "running") -> int:
     """Create a run in a child process that then exits without settling it; return its pid."""
     script = textwrap.dedent(f"""
         import os
-        from opgraph.cluster.lanes.fixed import RunProvenance
-        from opgraph.cluster.store import RunStore
-        provenance = RunProvenance.fixed_workflow(ref="/flows/x.json", content_hash="sha256:" + "a" * 64,
-                                                  source_kind="workflow_file").to_payload()
-        store = RunStore({str(path)!r})
+        from opgraph.cluster.lanes import open_store
+        from opgraph.cluster.lanes.fixed import fixed_workflow_provenance
+        provenance = fixed_workflow_provenance(ref="/flows/x.json", content_hash="sha256:" + "a" * 64,
+                                               source_kind="workflow_file").to_payload()
+        store = open_store({str(path)!r})
         store.create_run({run_id!r}, session_id="s", provenance=provenance, inputs={{}}, status={status!r})
         print(os.getpid())
         os._exit(0)  # gone, as after a crash: nothing settles the run
@@ -49,7 +50,7 @@ def path(tmp_path):
 
 def test_reading_a_run_whose_process_died_settles_it_as_failed(path):
     pid = start_and_abandon(path, "orphan")
-    with RunStore(path) as store:
+    with open_store(path) as store:
         run = store.get_run("orphan")
         assert run.status == "failed"
         assert run.error["error_type"] == "OwnerProcessLost"
@@ -61,7 +62,7 @@ def test_reading_a_run_whose_process_died_settles_it_as_failed(path):
 def test_listing_settles_orphans_and_leaves_this_processes_runs_running(path):
     start_and_abandon(path, "gone-admitted", status="admitted")
     start_and_abandon(path, "gone-running")
-    with RunStore(path) as store:
+    with open_store(path) as store:
         store.create_run("mine", session_id="s", provenance=file_provenance(), inputs={}, status="running")
         statuses = {run.run_id: run.status for run in store.list_runs()}
         assert statuses == {"gone-admitted": "failed", "gone-running": "failed", "mine": "running"}
@@ -73,13 +74,13 @@ def test_listing_settles_orphans_and_leaves_this_processes_runs_running(path):
 def test_reap_settles_every_orphan_at_once(path):
     start_and_abandon(path, "a")
     start_and_abandon(path, "b")
-    with RunStore(path) as store:
+    with open_store(path) as store:
         assert sorted(store.reap_orphaned_runs()) == ["a", "b"]
         assert {store.get_run(r).status for r in ("a", "b")} == {"failed"}
 
 
 def test_a_run_owned_on_another_host_or_before_owners_were_recorded_is_left_alone(path):
-    with RunStore(path) as store:
+    with open_store(path) as store:
         for run_id in ("elsewhere", "legacy"):
             store.create_run(run_id, session_id="s", provenance=file_provenance(), inputs={}, status="running")
     connection = sqlite3.connect(path, isolation_level=None)
@@ -89,7 +90,7 @@ def test_a_run_owned_on_another_host_or_before_owners_were_recorded_is_left_alon
                            " WHERE run_id = 'legacy'")
     finally:
         connection.close()
-    with RunStore(path) as store:
+    with open_store(path) as store:
         assert store.reap_orphaned_runs() == []
         assert {store.get_run(r).status for r in ("elsewhere", "legacy")} == {"running"}
 
@@ -117,7 +118,7 @@ def test_a_v2_database_gains_owner_columns_and_keeps_its_runs(path):
             " '/f.json', '{}', '{}', 'running', 1.0)")
     finally:
         connection.close()
-    with RunStore(path) as store:
+    with open_store(path) as store:
         old = store.get_run("old")
         assert (old.status, old.owner_host, old.owner_pid) == ("running", None, None)
 
@@ -142,5 +143,5 @@ def test_the_http_api_settles_orphans_when_it_starts(path):
 
     start_and_abandon(path, "left-behind")
     assert status_on_disk() == "running"
-    with RunStore(path) as store:
+    with open_store(path) as store:
         assert asyncio.run(start_app(store)) == "failed"

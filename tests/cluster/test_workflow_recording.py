@@ -22,8 +22,8 @@ from typing import Any
 import openai_server as srv
 
 from opgraph.actors.providers import OpenAICompatibleProvider
-from opgraph.cluster.lanes.fixed.runner import WorkflowSource, run_workflow
-from opgraph.cluster.lanes.fixed.spec import content_hash
+from opgraph.cluster.lanes import open_store
+from opgraph.cluster.lanes.fixed import WorkflowSource, content_hash, run_workflow
 from opgraph.cluster.store import RunStore
 
 DEADLINE = 60.0  # seconds for anything these tests wait on
@@ -104,7 +104,7 @@ def test_settled_nodes_are_in_the_store_while_the_run_is_in_flight(session, tmp_
     recorded, results included, as completed."""
     spec = _spec(["held"], "openai/hold")
     source = WorkflowSource(kind="workflow_file", ref="inline", content_hash=content_hash(spec), spec=spec)
-    with srv.OpenAIChatServer() as server, RunStore(tmp_path / "live.db") as store:
+    with srv.OpenAIChatServer() as server, open_store(tmp_path / "live.db") as store:
         session.register_provider("openai", OpenAICompatibleProvider(base_url=server.base_url, max_retries=0))
 
         async def scenario() -> Any:
@@ -171,7 +171,7 @@ def test_a_killed_owner_loses_nothing_it_had_shown(ray_head, tmp_path):
     assert not any(f"completed {node}" in " ".join(line.split()) for line in output for node in held), \
         "the held chain finished before the kill: nothing was tested"
 
-    with RunStore(database) as store:
+    with open_store(database) as store:
         (run,) = store.list_runs()  # reading it settles the orphan
         assert run.status == "failed" and run.error["error_type"] == "OwnerProcessLost"
         last = {}

@@ -17,15 +17,15 @@ import pytest
 
 from opgraph.cluster.cli import main as cli_main
 from opgraph.cluster.cli.flow import example_workflow_path, parse_inputs
-from opgraph.cluster.lanes.fixed import LaneCapabilityError, WorkflowCompileError
-from opgraph.cluster.lanes.fixed.runner import (
+from opgraph.cluster.lanes import LaneCapabilityError, open_store
+from opgraph.cluster.lanes.fixed import (
+    WorkflowCompileError,
     WorkflowSource,
     file_source,
     registry_source,
     resolve_source,
     run_workflow,
 )
-from opgraph.cluster.store import RunStore
 from opgraph.kernel import OpGraphError
 
 EXAMPLE = json.loads(example_workflow_path().read_text())
@@ -47,7 +47,7 @@ def _spec(prompt: str = "Draft", model: str = "sim/fast", extra_nodes=(), extra_
 
 @pytest.fixture
 def store(tmp_path):
-    with RunStore(tmp_path / "opgraph.db") as opened:
+    with open_store(tmp_path / "opgraph.db") as opened:
         yield opened
 
 
@@ -253,7 +253,7 @@ def test_main_job_runs_the_bundled_workflow_in_a_fresh_process(tmp_path):
     assert payload["status"] == "completed"
     assert payload["statuses"] == {"classify": "completed", "draft_reply": "skipped", "escalate": "completed",
                                    "check": "completed"}
-    with RunStore(tmp_path / "demo.db") as store:
+    with open_store(tmp_path / "demo.db") as store:
         assert store.get_run(payload["run_id"]).status == "completed"
     # A new user's first command starts clean: Ray's token-auth notice is quieted.
     assert "Token authentication" not in done.stderr
@@ -303,7 +303,7 @@ def test_opgraph_serve_answers_over_http_and_stops_on_sigterm(tmp_path):
     # uvicorn shuts down gracefully, then re-raises the signal it caught.
     assert code in (0, -signal.SIGTERM), output
     assert "Finished server process" in output, output
-    with RunStore(tmp_path / "served.db") as store:
+    with open_store(tmp_path / "served.db") as store:
         assert store.resolve("served").version == 1
 
 

@@ -19,13 +19,11 @@ from opgraph.cluster.lanes.fixed import (
     WorkflowCompileError,
     WorkflowDefinitionError,
     WorkflowValidationError,
-    canonical_json,
     content_hash,
     load_definition,
-    normalise_name,
     validate_definition,
-    validate_name,
 )
+from opgraph.cluster.store import canonical_json, normalise_name, validate_name
 from opgraph.kernel import OpGraphError
 
 

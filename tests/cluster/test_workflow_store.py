@@ -15,13 +15,8 @@ import threading
 
 import pytest
 
-from opgraph.cluster.lanes.fixed import (
-    ProvenanceError,
-    RunProvenance,
-    WorkflowValidationError,
-    canonical_json,
-    content_hash,
-)
+from opgraph.cluster.lanes import ProvenanceError, open_store
+from opgraph.cluster.lanes.fixed import WorkflowValidationError, content_hash, fixed_workflow_provenance
 from opgraph.cluster.store import (
     MIGRATIONS,
     RUN_TRANSITIONS,
@@ -30,12 +25,12 @@ from opgraph.cluster.store import (
     Migration,
     RunConflictError,
     RunNotFoundError,
-    RunStore,
     StoreSchemaError,
     WorkflowNameConflictError,
     WorkflowNotFoundError,
     WorkflowStoreError,
     WorkflowVersionNotFoundError,
+    canonical_json,
     default_store_path,
     migrate,
 )
@@ -76,7 +71,7 @@ def path(tmp_path):
 
 @pytest.fixture
 def store(path):
-    with RunStore(path, clock=Clock()) as opened:
+    with open_store(path, clock=Clock()) as opened:
         yield opened
 
 
@@ -86,12 +81,12 @@ def raw(path) -> sqlite3.Connection:
 
 
 def registry_provenance(version) -> dict:
-    return RunProvenance.fixed_workflow(ref=version.name, content_hash=version.content_hash,
+    return fixed_workflow_provenance(ref=version.name, content_hash=version.content_hash,
                                         version=version.version).to_payload()
 
 
 def file_provenance(ref: str = "/flows/x.json") -> dict:
-    return RunProvenance.fixed_workflow(ref=ref, content_hash="sha256:" + "a" * 64,
+    return fixed_workflow_provenance(ref=ref, content_hash="sha256:" + "a" * 64,
                                         source_kind="workflow_file").to_payload()
 
 
@@ -253,7 +248,7 @@ def test_a_v1_database_with_data_upgrades_without_loss(path):
         assert connection.execute("SELECT name FROM sqlite_master WHERE name = 'runs'").fetchone() is None
     finally:
         connection.close()
-    with RunStore(path, clock=Clock()) as store:
+    with open_store(path, clock=Clock()) as store:
         assert store.schema_version() == SCHEMA_VERSION
         legacy = store.resolve("legacy")
         assert (legacy.workflow_id, legacy.spec, legacy.content_hash, legacy.created_at) == (
@@ -262,7 +257,7 @@ def test_a_v1_database_with_data_upgrades_without_loss(path):
         run = store.create_run("r1", session_id="s1", provenance=registry_provenance(legacy), inputs={},
                                workflow=legacy)
         assert run.workflow_id == "0123456789ab"
-    with RunStore(path) as reopened:  # already current: nothing to apply
+    with open_store(path) as reopened:  # already current: nothing to apply
         assert reopened.schema_version() == SCHEMA_VERSION
         assert [v.version for v in reopened.versions("legacy")] == [1, 2]
 
@@ -287,7 +282,7 @@ def test_a_newer_database_is_refused_with_a_typed_error(path):
     connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
     connection.close()
     with pytest.raises(StoreSchemaError) as caught:
-        RunStore(path)
+        open_store(path)
     assert (caught.value.found, caught.value.supported) == (SCHEMA_VERSION + 5, SCHEMA_VERSION)
     assert str(path) in str(caught.value)
 
@@ -296,7 +291,7 @@ def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path):
     bogus = tmp_path / "not.db"
     bogus.write_bytes(b"this is not sqlite" * 100)
     with pytest.raises(WorkflowStoreError, match="cannot open"):
-        RunStore(bogus)
+        open_store(bogus)
 
 
 def test_files_use_wal_and_memory_stores_work(store, path):
@@ -305,7 +300,7 @@ def test_files_use_wal_and_memory_stores_work(store, path):
         assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         connection.close()
-    with RunStore(":memory:") as memory:
+    with open_store(":memory:") as memory:
         assert memory.create_workflow("m", spec()).version == 1
         assert memory.schema_version() == SCHEMA_VERSION
 
@@ -320,14 +315,14 @@ def test_the_default_path_follows_the_environment(tmp_path, monkeypatch):
     target = tmp_path / "nested" / "deeper" / "chosen.db"
     monkeypatch.setenv("OPGRAPH_DB", str(target))
     assert default_store_path() == target
-    with RunStore() as store:  # creates the missing parent folders
+    with open_store() as store:  # creates the missing parent folders
         assert store.path == str(target)
         store.create_workflow("here", spec())
     assert target.is_file()
 
 
 def test_a_closed_store_says_so(path):
-    store = RunStore(path)
+    store = open_store(path)
     store.close()
     store.close()  # idempotent
     with pytest.raises(WorkflowStoreError, match="closed"):
@@ -411,7 +406,7 @@ def test_provenance_is_validated_and_must_match_the_pinned_version(store):
         store.create_run("r", session_id="s", provenance=file_provenance(), inputs={}, workflow=pinned)
     with pytest.raises(ProvenanceError, match="flow@1"):
         store.create_run("r", session_id="s", provenance=registry_provenance(pinned), inputs={}, workflow=later)
-    with RunStore(":memory:") as other:  # a version this store never held
+    with open_store(":memory:") as other:  # a version this store never held
         foreign = other.create_workflow("flow", spec())
     with pytest.raises(WorkflowVersionNotFoundError):
         store.create_run("r", session_id="s", provenance=registry_provenance(foreign), inputs={}, workflow=foreign)

@@ -1,28 +1,15 @@
-"""opgraph.cluster.workflows: the fixed-workflow lane's pure parts (ADR-0073, ADR-0068).
+"""The fixed workflow lane (ADR-0068 D1, ADR-0073): authored definitions, no planner, no growth.
 
-Owns the version-1 definition model and validation, the compiler to a kernel Graph, the
-lane's capability matrix and run provenance, and the SQLite store of versioned definitions
-and runs. It runs nothing itself: the runner, CLI and HTTP API build on these.
+Owns what only this lane has: the version-1 definition model and its rules, the compiler
+to a kernel Graph, source pinning (a registry name at a version, or a file's bytes), the
+lane's capability matrix and provenance rules, and its adapter. ``LANE`` is the entry the
+lane registry loads; surfaces reach the lane only through the registry.
 """
 
-from ..capabilities import (
-    CAPABILITY_NAMES,
-    CONTROL_CAPABILITIES,
-    FIXED_WORKFLOW,
-    FIXED_WORKFLOW_CAPABILITIES,
-    LANE_CAPABILITIES,
-    Admission,
-    LaneCapabilities,
-    LaneCapabilityError,
-    LaneKind,
-    PlannerUse,
-    ProvenanceError,
-    ReactiveSettings,
-    RunProvenance,
-    SourceRef,
-    check_control,
-    describe_capabilities,
-)
+from pathlib import Path
+
+from ..registry import LaneEntry
+from .adapter import FixedWorkflowLane, present, run_workflow
 from .compiler import (
     CHAT_OPERATION,
     ENGINE_KINDS,
@@ -37,9 +24,16 @@ from .compiler import (
     resolve_node_cwd,
     unregister_engine,
 )
+from .contract import (
+    FIXED_SOURCE_KINDS,
+    FIXED_WORKFLOW,
+    FIXED_WORKFLOW_CAPABILITIES,
+    check_fixed_provenance,
+    fixed_workflow_provenance,
+)
+from .sources import WorkflowSource, compile_source, file_source, is_file_target, registry_source, resolve_source
 from .spec import (
     MAX_EDGES,
-    MAX_NAME_LENGTH,
     MAX_NODES,
     REMOVED_NODE_KINDS,
     SPEC_VERSION,
@@ -50,61 +44,57 @@ from .spec import (
     WorkflowEdge,
     WorkflowNode,
     WorkflowValidationError,
-    canonical_json,
     content_hash,
     load_definition,
-    normalise_name,
-    problem,
     validate_definition,
-    validate_name,
 )
 
+EXAMPLES: dict[str, Path] = {"support-triage": Path(__file__).parent / "examples" / "support-triage.json"}
+
+LANE = LaneEntry(kind=FIXED_WORKFLOW, factory=FixedWorkflowLane, capabilities=FIXED_WORKFLOW_CAPABILITIES,
+                 definition_rules=validate_definition, examples=EXAMPLES)
+
 __all__ = [
-    "Admission",
-    "CAPABILITY_NAMES",
     "CHAT_OPERATION",
-    "CONTROL_CAPABILITIES",
-    "CompiledWorkflow",
     "ENGINE_KINDS",
     "ENGINE_OPTION_NAMES",
     "ENGINE_REGISTRY",
+    "EXAMPLES",
     "EXECUTABLE_NODE_KINDS",
-    "EngineDefinition",
     "FIXED_FLOW_OPTIONS",
+    "FIXED_SOURCE_KINDS",
     "FIXED_WORKFLOW",
     "FIXED_WORKFLOW_CAPABILITIES",
-    "LANE_CAPABILITIES",
-    "LaneCapabilities",
-    "LaneCapabilityError",
-    "LaneKind",
+    "LANE",
     "MAX_EDGES",
-    "MAX_NAME_LENGTH",
     "MAX_NODES",
-    "PlannerUse",
-    "ProvenanceError",
     "REMOVED_NODE_KINDS",
-    "ReactiveSettings",
-    "RunProvenance",
     "SPEC_VERSION",
     "STORED_NODE_KINDS",
-    "SourceRef",
+    "CompiledWorkflow",
+    "EngineDefinition",
+    "FixedWorkflowLane",
     "WorkflowCompileError",
     "WorkflowDefinition",
     "WorkflowDefinitionError",
     "WorkflowEdge",
     "WorkflowNode",
+    "WorkflowSource",
     "WorkflowValidationError",
-    "canonical_json",
-    "check_control",
+    "check_fixed_provenance",
+    "compile_source",
     "compile_workflow",
     "content_hash",
-    "describe_capabilities",
+    "file_source",
+    "fixed_workflow_provenance",
+    "is_file_target",
     "load_definition",
-    "normalise_name",
-    "problem",
+    "present",
     "register_engine",
+    "registry_source",
     "resolve_node_cwd",
+    "resolve_source",
+    "run_workflow",
     "unregister_engine",
     "validate_definition",
-    "validate_name",
 ]

@@ -17,7 +17,8 @@ from typing import Any
 from opgraph.actors.models import ModelIdentityError, parse_model_id
 from opgraph.kernel import ExpressionCondition, Graph, Operation, UnsafeExpressionError, create_operation
 
-from ..capabilities import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, LaneCapabilities
+from ..capabilities import LaneCapabilities
+from .contract import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES
 from .spec import (
     WorkflowCompileError,
     WorkflowDefinition,

@@ -1,27 +1,37 @@
 """The version-1 fixed-workflow definition (ADR-0073 D1): its typed model, validation and hash.
 
-Owns the storage rules a definition must pass before it is saved or compiled, one
-structured error per problem, and the canonical ``sha256:`` content hash. It must not
-compile, resolve engines, touch the filesystem or run anything: that is compiler.py.
+Owns the storage rules a definition must pass before it is saved or compiled (the rules
+the run store applies to this lane's definitions), one structured error per problem, and
+the content hash of a valid definition. It must not compile, resolve engines, touch the
+filesystem or run anything: that is compiler.py. The definition errors are the store's
+(``WorkflowDefinitionError``, ``WorkflowValidationError``) plus this lane's own::
 
-    OpGraphError
-    └── WorkflowDefinitionError   carries ``.errors``: [{"error", "node_id", "edge_id"}, ...]
-        ├── WorkflowValidationError   the JSON shape breaks a D1 storage rule (spec.py)
-        └── WorkflowCompileError      a valid shape cannot become a fixed graph (compiler.py)
+    WorkflowDefinitionError (cluster/store/errors.py)
+    └── WorkflowCompileError      a valid shape cannot become a fixed graph (compiler.py)
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from opgraph.actors.models import ModelIdentityError, parse_model_id
-from opgraph.kernel import ExpressionCondition, OpGraphError, UnsafeExpressionError
+from opgraph.kernel import ExpressionCondition, UnsafeExpressionError
+
+from ...store import (
+    MAX_NAME_LENGTH,
+    WorkflowDefinitionError,
+    WorkflowValidationError,
+    canonical_json,
+    digest,
+    is_unicode_text,
+    normalise_name,
+    problem,
+    validate_name,
+)
 
 __all__ = [
     "MAX_DEPTH",
@@ -52,54 +62,11 @@ SPEC_VERSION = 1
 MAX_DEPTH = 64  # JSON nesting levels a definition may use
 MAX_NODES = 200
 MAX_EDGES = 400
-MAX_NAME_LENGTH = 120
 STORED_NODE_KINDS: tuple[str, ...] = ("input", "chat", "parse", "fanout", "engine")
 REMOVED_NODE_KINDS: frozenset[str] = frozenset({"gate"})
 
 
 # -- errors ----------------------------------------------------------------------------
-def problem(error: str, *, node_id: str | None = None, edge_id: str | None = None) -> dict[str, Any]:
-    """One structured problem, the public ``{error, node_id, edge_id}`` shape."""
-    return {"error": error, "node_id": node_id, "edge_id": edge_id}
-
-
-class WorkflowDefinitionError(OpGraphError):
-    """A workflow definition cannot be stored or run; ``.errors`` lists every problem found.
-
-    ``message``, ``node_id`` and ``edge_id`` are those of the first problem, so ``str()``
-    points somewhere useful; callers presenting errors (422 bodies, CLI output) should
-    print ``.errors``. Fix each listed node or edge and submit the definition again.
-    """
-
-    def __init__(
-        self,
-        errors: Sequence[Mapping[str, Any]] | str,
-        *,
-        node_id: str | None = None,
-        edge_id: str | None = None,
-    ) -> None:
-        if isinstance(errors, str):
-            errors = [problem(errors, node_id=node_id, edge_id=edge_id)]
-        self.errors: list[dict[str, Any]] = [
-            problem(str(e["error"]), node_id=e.get("node_id"), edge_id=e.get("edge_id")) for e in errors
-        ]
-        if not self.errors:
-            raise ValueError(f"{type(self).__name__} needs at least one problem")
-        first = self.errors[0]
-        message = first["error"]
-        if len(self.errors) > 1:
-            message = f"{message} (and {len(self.errors) - 1} more problem(s); see .errors)"
-        super().__init__(message, node_id=first["node_id"], edge_id=first["edge_id"])
-
-    def to_dict(self) -> dict[str, Any]:
-        """The first problem, in the record's ``to_dict`` shape."""
-        return dict(self.errors[0])
-
-
-class WorkflowValidationError(WorkflowDefinitionError):
-    """The definition's JSON breaks a version-1 storage rule (ADR-0073 D1)."""
-
-
 class WorkflowCompileError(WorkflowDefinitionError):
     """A stored definition cannot compile to a fixed graph (ADR-0073 D2-D4)."""
 
@@ -135,7 +102,7 @@ class WorkflowDefinition:
 
     @property
     def content_hash(self) -> str:
-        return _hash(self.data)
+        return digest(self.data)
 
     def node(self, node_id: str) -> WorkflowNode:
         for node in self.nodes:
@@ -183,33 +150,6 @@ def load_definition(data: Any) -> WorkflowDefinition:
         inputs=tuple(data.get("inputs", [])),
         outputs=tuple(data.get("outputs", [])),
     )
-
-
-# -- names -----------------------------------------------------------------------------
-def validate_name(name: Any) -> list[dict[str, Any]]:
-    """Problems with a definition name: a string of 1-120 characters once trimmed."""
-    if not isinstance(name, str):
-        return [problem(f"the workflow name must be a string, got {type(name).__name__}")]
-    if not is_unicode_text(name):
-        return [problem("the workflow name is not valid Unicode text (it holds a lone surrogate)")]
-    trimmed = name.strip()
-    if not trimmed:
-        return [problem("the workflow name is empty; give it 1 to 120 characters")]
-    if len(trimmed) > MAX_NAME_LENGTH:
-        return [
-            problem(
-                f"the workflow name is {len(trimmed)} characters long; the limit is {MAX_NAME_LENGTH}"
-            )
-        ]
-    return []
-
-
-def normalise_name(name: Any) -> str:
-    """The trimmed name, or ``WorkflowValidationError``."""
-    errors = validate_name(name)
-    if errors:
-        raise WorkflowValidationError(errors)
-    return name.strip()
 
 
 # -- validation ------------------------------------------------------------------------
@@ -275,15 +215,6 @@ def _check_plain_json(value: Any, path: str, errors: list[dict[str, Any]], depth
             errors.append(problem(f"{path} is {value!r}; JSON numbers must be finite"))
     elif not isinstance(value, (int, bool, type(None))):
         errors.append(problem(f"{path} is a {type(value).__name__}, which is not a JSON value"))
-
-
-def is_unicode_text(text: str) -> bool:
-    """False for a string UTF-8 cannot encode: JSON's ``"\\ud800"`` escape decodes to a lone surrogate."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _is_number(value: Any) -> bool:
@@ -407,17 +338,6 @@ def _validate_edges(edges: Any, node_ids: set[str] | None, errors: list[dict[str
 
 
 # -- hashing ---------------------------------------------------------------------------
-def canonical_json(definition: Any) -> bytes:
-    """Sorted keys, no whitespace, UTF-8: equal definitions give equal bytes."""
-    return json.dumps(
-        definition, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
-
-
-def _hash(data: Any) -> str:
-    return "sha256:" + hashlib.sha256(canonical_json(data)).hexdigest()
-
-
 def content_hash(definition: Any) -> str:
     """``sha256:<hex>`` of the validated definition's canonical JSON.
 
@@ -429,4 +349,4 @@ def content_hash(definition: Any) -> str:
     errors = validate_definition(definition)
     if errors:
         raise WorkflowValidationError(errors)
-    return _hash(definition)
+    return digest(definition)

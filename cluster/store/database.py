@@ -1,0 +1,127 @@
+"""One SQLite connection of the run store: opened and migrated once, shared by threads under a lock.
+
+Owns the connection's settings (WAL, foreign keys, durability), its migration on open,
+one locked transaction at a time with sqlite3 errors translated once, and the store's
+writer thread. It must not know a table: the definitions, runs and engine runs built on
+it do.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from .errors import WorkflowStoreError
+from .owners import current_process
+from .schema import default_store_path, migrate
+from .writer import StoreWriter
+
+__all__ = ["StoreDatabase"]
+
+
+class StoreDatabase:
+    """One SQLite connection, shared by threads under a lock (the HTTP API calls from threads).
+
+    Code on an event loop writes through ``writer``, the store's one writer thread, so
+    the loop never waits for SQLite; reads from a loop go through a thread pool.
+
+    ``path`` is a file (parent folders are created), ``":memory:"``, or None for
+    ``default_store_path()``. ``clock`` stamps every row (tests pass a fake one).
+    ``fsync_every_commit=True`` keeps SQLite's default (``synchronous = FULL``): the
+    engine runs' store, which commits far less often, always had it.
+    """
+
+    def __init__(self, path: str | Path | None = None, *, clock: Callable[[], float] = time.time,
+                 fsync_every_commit: bool = False) -> None:
+        path = default_store_path() if path is None else path
+        self.path = str(path)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._owner = current_process()
+        if self.path != ":memory:":
+            Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            self.path = str(Path(self.path).expanduser())
+        self._db: sqlite3.Connection | None = None
+        self._writer: StoreWriter | None = None
+        self._writer_lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA foreign_keys = ON")
+            self._db.execute("PRAGMA busy_timeout = 10000")
+            if self.path != ":memory:":
+                # WAL lets the CLI read while a long run writes signals.
+                self._db.execute("PRAGMA journal_mode = WAL")
+                if not fsync_every_commit:
+                    # A commit reaches the operating system before it returns, so a killed
+                    # process loses nothing committed; only a power loss may undo the last
+                    # commits (never corrupting the file). FULL added an fsync per commit:
+                    # 1.46x against 1.10x the bare run time (python -m opgraph.cluster.bench.store).
+                    self._db.execute("PRAGMA synchronous = NORMAL")
+            migrate(self._db, path=self.path)
+        except BaseException as exc:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            if isinstance(exc, sqlite3.Error):
+                raise WorkflowStoreError(f"cannot open the run store {self.path}: {exc}") from exc
+            raise
+
+    @property
+    def writer(self) -> StoreWriter:
+        """This store's writer thread, started on first use: how code on an event loop writes."""
+        # Not the connection's lock: the writer thread holds that for whole transactions,
+        # and an event loop asking for the writer must not wait on one.
+        with self._writer_lock:
+            if self._db is None:
+                raise WorkflowStoreError(f"the run store {self.path} is closed")
+            if self._writer is None:
+                self._writer = StoreWriter(self)
+            return self._writer
+
+    def close(self) -> None:
+        """Write what the writer holds, then close the connection; later calls raise
+        ``WorkflowStoreError``. Idempotent."""
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @contextmanager
+    def _transaction(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:
+        """One locked transaction; sqlite3 errors are translated here, once."""
+        with self._lock:
+            if self._db is None:
+                raise WorkflowStoreError(f"the run store {self.path} is closed")
+            db = self._db
+            try:
+                # IMMEDIATE takes the write lock up front, so read-then-write (the next
+                # version number, the next signal seq) cannot race another process.
+                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield db
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+                db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                raise WorkflowStoreError(f"the run store {self.path} failed: {exc}") from exc
+
+    def schema_version(self) -> int:
+        with self._transaction() as db:
+            return db.execute("PRAGMA user_version").fetchone()[0]

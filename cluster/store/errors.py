@@ -1,0 +1,172 @@
+"""The run store's errors, and the one problem shape every refusal of a definition or request uses.
+
+Owns ``problem()`` (``{error, node_id, edge_id}``) and the store's typed errors; what a
+lane finds wrong with its own definitions is raised as ``WorkflowValidationError`` or a
+subclass of ``WorkflowDefinitionError`` it defines (the fixed lane's compile error)::
+
+    OpGraphError
+    ├── WorkflowDefinitionError        a definition cannot be stored or run; ``.errors`` lists every problem
+    │   └── WorkflowValidationError    a definition (or its name) breaks the rules, refused before it is written (422)
+    ├── ProvenanceError                a run's provenance payload breaks the ADR-0068 D4 shape or its lane's rules
+    └── WorkflowStoreError             the database failed, or the store is closed
+        ├── StoreSchemaError           the file's schema is newer than this code knows
+        ├── WorkflowNameConflictError  a live workflow already has the name (409)
+        ├── WorkflowNotFoundError      no live workflow by that name or id (404)
+        │   └── WorkflowVersionNotFoundError   the workflow exists, the version does not
+        ├── RunNotFoundError           no run with that id
+        ├── RunConflictError           a run with that id already exists
+        └── EngineRunNotFoundError     no engine run with that id
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opgraph.kernel import OpGraphError
+
+__all__ = [
+    "EngineRunNotFoundError",
+    "ProvenanceError",
+    "RunConflictError",
+    "RunNotFoundError",
+    "StoreSchemaError",
+    "WorkflowDefinitionError",
+    "WorkflowNameConflictError",
+    "WorkflowNotFoundError",
+    "WorkflowStoreError",
+    "WorkflowValidationError",
+    "WorkflowVersionNotFoundError",
+    "problem",
+]
+
+
+def problem(error: str, *, node_id: str | None = None, edge_id: str | None = None) -> dict[str, Any]:
+    """One structured problem, the public ``{error, node_id, edge_id}`` shape."""
+    return {"error": error, "node_id": node_id, "edge_id": edge_id}
+
+
+# -- definitions ------------------------------------------------------------------------
+class WorkflowDefinitionError(OpGraphError):
+    """A workflow definition cannot be stored or run; ``.errors`` lists every problem found.
+
+    ``message``, ``node_id`` and ``edge_id`` are those of the first problem, so ``str()``
+    points somewhere useful; callers presenting errors (422 bodies, CLI output) should
+    print ``.errors``. Fix each listed node or edge and submit the definition again.
+    """
+
+    def __init__(
+        self,
+        errors: Sequence[Mapping[str, Any]] | str,
+        *,
+        node_id: str | None = None,
+        edge_id: str | None = None,
+    ) -> None:
+        if isinstance(errors, str):
+            errors = [problem(errors, node_id=node_id, edge_id=edge_id)]
+        self.errors: list[dict[str, Any]] = [
+            problem(str(e["error"]), node_id=e.get("node_id"), edge_id=e.get("edge_id")) for e in errors
+        ]
+        if not self.errors:
+            raise ValueError(f"{type(self).__name__} needs at least one problem")
+        first = self.errors[0]
+        message = first["error"]
+        if len(self.errors) > 1:
+            message = f"{message} (and {len(self.errors) - 1} more problem(s); see .errors)"
+        super().__init__(message, node_id=first["node_id"], edge_id=first["edge_id"])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The first problem, in the record's ``to_dict`` shape."""
+        return dict(self.errors[0])
+
+
+class WorkflowValidationError(WorkflowDefinitionError):
+    """The definition's JSON (or its name) breaks a storage rule (ADR-0073 D1), so nothing was written."""
+
+
+class ProvenanceError(OpGraphError):
+    """A provenance payload breaks the ADR-0068 D4 shape or its lane's rules; the message lists what is wrong."""
+
+
+# -- the store --------------------------------------------------------------------------
+class WorkflowStoreError(OpGraphError):
+    """The store cannot do what was asked: its database failed, or it was closed.
+
+    ``_fields`` names a subclass's own fields (the root error pickles them with the rest).
+    """
+
+    _fields: tuple[str, ...] = ()
+
+
+class StoreSchemaError(WorkflowStoreError):
+    """The database was written by a newer opgraph; upgrade opgraph, or use another file."""
+
+    _fields = ("path", "found", "supported")
+
+    def __init__(self, path: str, found: int, supported: int) -> None:
+        super().__init__(f"the store {path} has schema version {found}, but this opgraph knows only up to "
+                         f"{supported}; upgrade opgraph or use another store (--store / OPGRAPH_DB)")
+        self.path, self.found, self.supported = path, found, supported
+
+
+class WorkflowNameConflictError(WorkflowStoreError):
+    """A live workflow already has ``name`` (HTTP 409)."""
+
+    _fields = ("name",)
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"a workflow named {name!r} already exists; add a version to it, delete it, "
+                         "or choose another name")
+        self.name = name
+
+
+class WorkflowNotFoundError(WorkflowStoreError):
+    """No live workflow has ``name`` as its name or id (HTTP 404)."""
+
+    _fields = ("name",)
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no workflow named {name!r} (nor with that id); `opgraph workflows list` shows them")
+        self.name = name
+
+
+class WorkflowVersionNotFoundError(WorkflowNotFoundError):
+    """The workflow exists but has no ``version``; a pinned version never falls back to latest."""
+
+    _fields = ("name", "version")
+
+    def __init__(self, name: str, version: int | None) -> None:
+        which = "versions" if version is None else f"version {version}"
+        WorkflowStoreError.__init__(self, f"workflow {name!r} has no {which}; "
+                                          f"`opgraph workflows versions {name}` lists them")
+        self.name, self.version = name, version
+
+
+class RunNotFoundError(WorkflowStoreError):
+    """No run has ``run_id``."""
+
+    _fields = ("run_id",)
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"no run with id {run_id!r}")
+        self.run_id = run_id
+
+
+class RunConflictError(WorkflowStoreError):
+    """A run with ``run_id`` already exists; run ids are never reused."""
+
+    _fields = ("run_id",)
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"a run with id {run_id!r} already exists; use a fresh run id")
+        self.run_id = run_id
+
+
+class EngineRunNotFoundError(WorkflowStoreError):
+    """No engine run has ``run_id``."""
+
+    _fields = ("run_id",)
+
+    def __init__(self, run_id: str) -> None:
+        super().__init__(f"no engine run with id {run_id!r}")
+        self.run_id = run_id
