@@ -29,9 +29,11 @@ from opgraph.kernel import (
 )
 
 from .branches import BranchStore
+from .durability import RunLogger
 from .errors import RuntimeLostError, UnknownRunError
 from .histogram import LATENCY_BUCKETS, LatencyHistogram
 from .memory import current_rss_mib, peak_rss_mib
+from .persistence import RunLog, Writer
 from .protocol import CallRow, Outcome, RunOptions, RunResources
 from .settings import (
     PROBE_INTERVAL_SECONDS,
@@ -74,10 +76,13 @@ class GraphExecutor:
     """
 
     def __init__(self, names: ActorNames, workers: int = 2, branch_stores: int = 1, detached: bool = False,
-                 namespace: str | None = None, generation: int = 0) -> None:
+                 namespace: str | None = None, generation: int = 0, database: str | None = None) -> None:
         tune_garbage_collector()
         self.names = names
         self.name = names.executor_of(generation)
+        # The runtime's database (None: nothing is durable): the run log and durable branches.
+        self.database = database
+        self.run_log = RunLog(database) if database else None
         self.detached = detached
         self.namespace = namespace
         self.self_handle = ray.get_runtime_context().current_actor
@@ -92,11 +97,15 @@ class GraphExecutor:
         self.worker_pool = ActorPool("operation worker", workers_found, worker_names, start=self._start_worker)
         self.worker_pool.generations = worker_generations
         # Every data-path method lives on the shell: Ray's tracing shim wraps only this class.
-        self.shell = ExecutorShell(self.worker_pool, self.store_pool)
+        logger = RunLogger(self.run_log, Writer("opgraph-run-log"), names.executor) if self.run_log else None
+        self.shell = ExecutorShell(self.worker_pool, self.store_pool, logger)
+        self.recovered: list[str] = []
+        self.recovery_errors: dict[str, str] = {}
         self.next_token = 0
         self.watchers: dict[str, RunWatcher] = {}  # watcher id -> watcher; outlives forget_run
         self.probing = False
         self.probes = 0
+        self._recovery_done = False
 
     # -- the actors it supervises ------------------------------------------------------
     def _adopt_or_start(self, count: int, name_of, start, existing: set[str]) -> tuple[list, list, list]:
@@ -125,7 +134,7 @@ class GraphExecutor:
     def _start_store(self, index: int, generation: int) -> Any:
         return BranchStore.options(name=self.names.store(index, generation), namespace=self.namespace,
                                    get_if_exists=self.detached,
-                                   lifetime=self._lifetime()).remote(index)
+                                   lifetime=self._lifetime()).remote(index, self.database)
 
     def _start_worker(self, index: int, generation: int) -> Any:
         stores = getattr(self, "store_pool", None)
@@ -140,13 +149,52 @@ class GraphExecutor:
         await self.shell.store_replaced(index, handle)
 
     async def start(self) -> dict[str, Any]:
-        """Bind the main loop and start the liveness probe; returns the runtime's actor names.
+        """Bind the main loop, start the liveness probe and recover the runs a predecessor left.
 
-        Called once by whoever starts or finds this executor, so that an idle runtime's
-        deaths are noticed too, not only those met by a call.
+        Called by whoever starts or finds this executor, so that an idle runtime's deaths
+        are noticed too, not only those met by a call. Every run the run log shows live
+        on this runtime's executor (one that died) is rebuilt and goes on here. Returns
+        the runtime's actor names.
         """
         self._bind()
+        if self.run_log is not None and not self._recovery_done:
+            self._recovery_done = True
+            await self._recover_live_runs()
         return await self.pool()
+
+    async def _recover_live_runs(self) -> None:
+        writer = self.shell.logger.writer
+        await writer.run(self.shell.branches.load_locations, self.run_log.database)
+        live = await writer.run(lambda: self.run_log.runs(status="live", executor=self.names.executor))
+        for entry in live:
+            if entry.run_id in self.shell.runs:
+                continue
+            await self.resume_run(entry.run_id)
+
+    async def resume_run(self, run_id: str, overrides: dict[str, Any] | None = None) -> bool:
+        """Rebuild ``run_id`` from the run log and go on with it here (it must not be live elsewhere).
+
+        False, with the reason in ``recovery_errors``, when it cannot be rebuilt (the log
+        holds no such run, or its header no longer unpickles: code that changed since).
+        """
+        self._bind()
+        if self.run_log is None:
+            raise UnknownRunError("this runtime keeps no run log (it is not durable)", run_id=run_id, actor=self.name)
+        if run_id in self.shell.runs:
+            return True
+        logged = await self.shell.logger.writer.run(self.run_log.load, run_id)
+        if logged is None:
+            raise UnknownRunError(f"run {run_id} is not in the run log", run_id=run_id, actor=self.name)
+        try:
+            await self.shell.recover_run(run_id, logged.header, logged.batches, overrides)
+        except Exception as exc:  # noqa: BLE001 - recorded, and the run is marked so in the log
+            reason = f"{type(exc).__name__}: {exc}"
+            self.recovery_errors[run_id] = reason
+            await self.shell.logger.writer.run(self.run_log.finish, run_id, "error", None,
+                                               f"could not be recovered: {reason}")
+            return False
+        self.recovered.append(run_id)
+        return True
 
     def _bind(self) -> None:
         self.shell.bind_loop()
@@ -243,6 +291,18 @@ class GraphExecutor:
 
     async def forget_run(self, run_id: str) -> bool:
         return self.shell.forget_run(run_id)
+
+    async def wait_result(self, run_id: str, timeout: float = 30.0) -> tuple[bool, Any]:
+        """Long-poll for a run's end: (done, envelope-or-error); (False, None) while it goes on."""
+        run = self._run(run_id)
+        if not run.done.is_set():
+            waiter = self.shell.loop.create_future()
+            run.result_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            except TimeoutError:
+                return False, None
+        return True, run.error if run.error is not None else run.envelope
 
     # -- branches (main loop) ----------------------------------------------------------
     async def create_branch(self, branch_id: str, messages: list[Any], scope: str | None = None) -> int:
@@ -414,6 +474,10 @@ class GraphExecutor:
             "store_pool": self.store_pool.statistics(),
             "branches": shell.branches.statistics(),
             "probes": self.probes,
+            "durable": self.run_log is not None,
+            "recovered_runs": list(self.recovered),
+            "recovery_errors": dict(self.recovery_errors),
+            "run_log": self.shell.logger.statistics() if self.shell.logger else None,
             "tell_failures": shell.tell_failures,
             "max_rss_mib": peak_rss_mib(),
             "rss_mib": current_rss_mib(),

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,8 +74,14 @@ def find_executors(namespace: str | None = None) -> list[tuple[str, Any]]:
     return found
 
 
+# An owned runtime's names end in this process's own token: job ids start again at 01000000
+# with every new Ray instance, and an owned executor must never take up (and recover the
+# runs of) another process's runtime that happened to share a job id.
+_PROCESS_TOKEN = uuid.uuid4().hex[:8]
+
+
 def _process_suffix() -> str:
-    return ray.get_runtime_context().get_job_id()
+    return _PROCESS_TOKEN
 
 
 @dataclass
@@ -92,20 +99,24 @@ class Runtime:
     namespace: str | None = None
     detached: bool = False
     sizes: tuple[int, int] = (2, 1)
+    database: str | None = None
     _dead: Any = field(default=None, repr=False)
     executor_name: str = ""
 
     @classmethod
     def get_or_start(cls, *, workers: int = 2, branch_stores: int = 1, detached: bool = False,
-                     namespace: str | None = None) -> Runtime:
-        """This process's runtime of ``namespace``: found, or started. Every Session of the process shares it."""
+                     namespace: str | None = None, database: str | None = None) -> Runtime:
+        """This process's runtime of ``namespace``: found, or started. Every Session of the process shares it.
+
+        ``database`` (a path) makes the runtime durable: its run log and branches live
+        there. Whoever starts the runtime decides; a runtime found keeps its setting."""
         space = namespace or ray.get_runtime_context().namespace
         cached = _RUNTIMES.get((space, detached))
         if cached is not None:
             return cached
         names = ActorNames("" if detached else _process_suffix())
         runtime = cls(executor=None, names=names, namespace=space, detached=detached,
-                      sizes=(workers, branch_stores))
+                      sizes=(workers, branch_stores), database=database)
         runtime.executor = runtime._find_or_start(dead=None)
         runtime.refresh()
         _RUNTIMES[(space, detached)] = runtime
@@ -140,7 +151,7 @@ class Runtime:
             handle = GraphExecutor.options(
                 name=self.names.executor_of(generation), namespace=self.namespace, get_if_exists=True,
                 max_concurrency=EXECUTOR_CONCURRENCY, lifetime="detached" if self.detached else None,
-            ).remote(self.names, workers, stores, self.detached, self.namespace, generation)
+            ).remote(self.names, workers, stores, self.detached, self.namespace, generation, self.database)
             if handle._actor_id in dead_ids:
                 floor = generation + 1
                 continue

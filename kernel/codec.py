@@ -10,6 +10,7 @@ callables do not belong here: they travel the Ray way, by cloudpickle.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -217,11 +218,17 @@ LOG_SCHEMA_VERSION = 1
 _EXT_PICKLED = 9
 
 
-def _log_default(value: Any) -> Any:
-    try:
-        return msgpack.ExtType(_EXT_PICKLED, pickle.dumps(value, protocol=5))
-    except Exception as exc:  # an unpicklable value (it raises anything): the run cannot be made durable
-        raise CodecError(f"cannot record a value of type {type(value).__name__}: {exc}") from exc
+def _log_default(dumps: Any) -> Any:
+    def default(value: Any) -> Any:
+        try:
+            return msgpack.ExtType(_EXT_PICKLED, dumps(value))
+        except Exception as exc:  # an unpicklable value (it raises anything): the run cannot be made durable
+            raise CodecError(f"cannot record a value of type {type(value).__name__}: {exc}") from exc
+
+    return default
+
+
+_PICKLE_DUMPS = functools.partial(pickle.dumps, protocol=5)
 
 
 def _log_ext(code: int, data: bytes) -> Any:
@@ -230,10 +237,14 @@ def _log_ext(code: int, data: bytes) -> Any:
     return pickle.loads(data)
 
 
-def encode_records(batch: Sequence[Sequence[Any]]) -> bytes:
-    """One batch of run-log records, with the log's schema version."""
+def encode_records(batch: Sequence[Sequence[Any]], *, dumps: Any = None) -> bytes:
+    """One batch of run-log records, with the log's schema version.
+
+    ``dumps`` pickles what msgpack cannot hold (default ``pickle.dumps``); the runtime
+    passes cloudpickle's, which also holds classes defined in scripts and tests."""
     try:
-        return msgpack.packb([LOG_SCHEMA_VERSION, batch], default=_log_default, use_bin_type=True)
+        return msgpack.packb([LOG_SCHEMA_VERSION, batch], default=_log_default(dumps or _PICKLE_DUMPS),
+                             use_bin_type=True)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
