@@ -30,7 +30,7 @@ from opgraph.kernel import (
 
 from .branches import BranchStore
 from .durability import RunLogger
-from .errors import RuntimeLostError, UnknownRunError
+from .errors import RuntimeLostError, UnknownRunError, is_actor_death
 from .histogram import LATENCY_BUCKETS, LatencyHistogram
 from .memory import current_rss_mib, peak_rss_mib
 from .persistence import RunLog, Writer
@@ -109,20 +109,32 @@ class GraphExecutor:
 
     # -- the actors it supervises ------------------------------------------------------
     def _adopt_or_start(self, count: int, name_of, start, existing: set[str]) -> tuple[list, list, list]:
-        """A detached runtime adopts the newest generation of each actor a former executor left;
-        an owned one starts past it (what an owned executor left died with it)."""
+        """Adopt the newest generation of each actor there is (the driver started an owned runtime's
+        first ones; a former executor may have left newer ones), else start one.
+
+        An adopted actor may be dead (one a former executor owned died with it): the probe
+        finds out within a second and it is replaced like any other."""
         handles, names, generations = [], [], []
         for index in range(count):
             found = newest_generation(existing, name_of(index))
-            generation = 0 if found is None else found[1] + (0 if self.detached else 1)
+            generation, handle = 0, None
+            if found is not None:
+                generation = found[1]
+                try:
+                    handle = ray.get_actor(found[0], namespace=self.namespace)
+                except ValueError:  # gone since it was listed
+                    generation += 1
             for _ in range(REPLACEMENT_ATTEMPTS):
+                if handle is not None:
+                    break
                 try:
                     handle = start(index, generation)
-                    break
                 except ValueError:  # the name is still held by a dead actor: the next generation's
                     generation += 1
             else:
-                raise RuntimeLostError(f"could not start {name_of(index)}: every name was taken", actor=self.name)
+                if handle is None:
+                    raise RuntimeLostError(f"could not start {name_of(index)}: every name was taken",
+                                           actor=self.name)
             handles.append(handle)
             names.append(name_of(index, generation))
             generations.append(generation)
@@ -157,6 +169,7 @@ class GraphExecutor:
         the runtime's actor names.
         """
         self._bind()
+        await self._introduce_to_workers()
         if self.run_log is not None and not self._recovery_done:
             self._recovery_done = True
             await self._recover_live_runs()
@@ -195,6 +208,20 @@ class GraphExecutor:
             return False
         self.recovered.append(run_id)
         return True
+
+    async def _introduce_to_workers(self) -> None:
+        """Adopted workers learn who fetches their resources and takes their emissions: this executor."""
+        pool = self.worker_pool
+
+        async def introduce(index: int, handle: Any) -> None:
+            try:
+                await handle.set_executor.remote(self.self_handle)
+            except Exception as exc:  # noqa: BLE001 - an adopted worker that is gone: replaced like any dead one
+                if is_actor_death(exc):
+                    pool.mark_dead(index, handle, "found dead when adopted")
+
+        await asyncio.gather(*(introduce(index, handle) for index, handle in enumerate(pool.handles)
+                               if pool.alive[index]))
 
     def _bind(self) -> None:
         self.shell.bind_loop()
@@ -253,6 +280,15 @@ class GraphExecutor:
             if self.worker_pool.alive[index]:
                 self.shell.tell(worker.cancel.remote(key, [node_id]), self.worker_pool, index, worker)
         return True
+
+    async def live_store(self, index: int, dead_name: str) -> tuple[Any, str]:
+        """A worker found store ``dead_name`` dead: the live store of that slot, once it is replaced."""
+        pool = self.store_pool
+        if pool.names[index] == dead_name and pool.alive[index]:
+            pool.check(PROBE_TIMEOUT_SECONDS)  # see for ourselves: the worker may be wrong
+        await pool.settled()  # a replacement is done once what it lost is known (and recreated)
+        chosen, handle = await pool.live(index)
+        return handle, pool.names[chosen]
 
     async def report(self, run_id: str, outcomes: list[Outcome]) -> None:
         """Outcomes pushed by a worker outside a batch stream (kept for external workers)."""

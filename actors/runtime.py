@@ -19,9 +19,19 @@ from typing import Any
 
 import ray
 
+from .branches import BranchStore
 from .errors import RuntimeLostError, is_actor_death, translate
 from .executor import GraphExecutor
-from .settings import DEFAULT_NAMESPACE, EXECUTOR_CONCURRENCY, EXECUTOR_PREFIX, ActorNames, names_in, newest_generation
+from .settings import (
+    DEFAULT_NAMESPACE,
+    EXECUTOR_CONCURRENCY,
+    EXECUTOR_PREFIX,
+    WORKER_CONCURRENCY,
+    ActorNames,
+    names_in,
+    newest_generation,
+)
+from .workers import OperationWorker
 
 __all__ = ["DEFAULT_NAMESPACE", "Runtime", "connect", "find_executors", "joined_with_address"]
 
@@ -100,6 +110,7 @@ class Runtime:
     detached: bool = False
     sizes: tuple[int, int] = (2, 1)
     database: str | None = None
+    _owned: list[Any] = field(default_factory=list, repr=False)  # keeps this process's actors referenced
     _dead: Any = field(default=None, repr=False)
     executor_name: str = ""
 
@@ -117,10 +128,27 @@ class Runtime:
         names = ActorNames("" if detached else _process_suffix())
         runtime = cls(executor=None, names=names, namespace=space, detached=detached,
                       sizes=(workers, branch_stores), database=database)
+        if not detached:
+            runtime._start_owned_pool()
         runtime.executor = runtime._find_or_start(dead=None)
         runtime.refresh()
         _RUNTIMES[(space, detached)] = runtime
         return runtime
+
+    def _start_owned_pool(self) -> None:
+        """An owned runtime's first workers and stores belong to this process, not to the executor:
+        should the executor die, they live on, and its replacement adopts them (with their branches
+        and calls in flight) instead of starting everything again."""
+        workers, stores = self.sizes
+        store_names = [self.names.store(index) for index in range(stores)]
+        self._owned = [BranchStore.options(name=name, namespace=self.namespace).remote(index, self.database)
+                       for index, name in enumerate(store_names)]
+        store_handles = list(self._owned)
+        for index in range(workers):
+            name = self.names.worker(index)
+            self._owned.append(OperationWorker.options(name=name, namespace=self.namespace,
+                                                       max_concurrency=WORKER_CONCURRENCY)
+                               .remote(index, store_handles, store_names, None, name))
 
     def refresh(self) -> None:
         """Read the executor's current worker and store handles."""

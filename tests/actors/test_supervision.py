@@ -264,11 +264,10 @@ def test_work_sent_to_a_dead_worker_before_anyone_noticed_runs_again_and_does_no
 
 # -- a branch store dies ----------------------------------------------------------------------
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
-def test_a_dead_volatile_branch_store_fails_the_nodes_that_touch_it_typed_and_the_session_goes_on(volatile, gauge,
-                                                                                                  how):
-    """reads_branch x3 wait while the store is killed, then read: each fails with
-    BranchStoreLostError; the Session's next run, which records turns, completes; its default
-    branch came back empty and the run says so (lost_branches)."""
+def test_a_dead_volatile_branch_store_is_replaced_empty_and_the_loss_is_reported(volatile, gauge, how):
+    """reads_branch x3 (on a seeded branch) wait while a store that keeps nothing is killed, then
+    read: the calls wait for the replacement and go on, on a branch that came back empty; the run
+    completes and reports the branch lost. The Session's next run records turns normally."""
 
     async def reads_branch(branch, key: str, **parameters):
         await gauge.enter.remote(key)
@@ -277,30 +276,28 @@ def test_a_dead_volatile_branch_store_fails_the_nodes_that_touch_it_typed_and_th
 
     key = f"store-{how}"
     volatile.register_operation("reads_branch", reads_branch, record_turn=False)
+    seeded = volatile.new_branch("seeded", messages=[{"role": "system", "content": "seed"}])
     builder = OperationGraphBuilder("store-death")
     first = [builder.add_operation("reads_branch", depends_on=[], key=key) for _ in range(3)]
 
     async def scenario():
-        flow = asyncio.create_task(volatile.flow(builder.get_graph(), max_concurrent=3))
+        flow = asyncio.create_task(volatile.flow(builder.get_graph(), max_concurrent=3, default_branch=seeded))
         await asyncio.wait_for(gauge.wait_entered.remote(key, 3), WAIT)
         kill(volatile.runtime.stores[0], how)
-        await asyncio.sleep(0)  # the kill is synchronous; the release follows it
         await gauge.release.remote(key)
         return await flow
 
     envelope = run(scenario())
 
-    assert {envelope["operation_statuses"][node] for node in first} == {"failed"}
-    assert {envelope["operation_results"][node]["error_type"] for node in first} == {"BranchStoreLostError"}
-    for node in first:
-        assert "opgraph-branches-" in envelope["operation_results"][node]["error"]
+    assert {envelope["operation_statuses"][node] for node in first} == {"completed"}
+    assert {repr(envelope["operation_results"][node]) for node in first} == {"[]"}  # the seed is gone
+    assert seeded in [entry["branch_id"] for entry in envelope["lost_branches"]]
 
     chain = OperationGraphBuilder("after-store-death")
     head = chain.add_operation("chat", instruction="first")
     chain.add_operation("chat", depends_on=[head], instruction="second")
     after = run(volatile.flow(chain.get_graph()), timeout=WAIT)
     assert after["status"] == "completed", after["operation_results"]
-    assert [entry["branch_id"] for entry in after.get("lost_branches", [])] == [volatile.default_branch]
     messages = run(volatile.messages(volatile.default_branch), timeout=WAIT)
     assert [message["content"] for message in messages if message["role"] == "user"] == ["first"]
 
