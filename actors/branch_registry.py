@@ -148,14 +148,23 @@ class BranchRegistry:
 
     # -- a store died and was replaced ----------------------------------------------------------
     async def store_replaced(self, index: int) -> list[str]:
-        """Every branch that lived on shard ``index`` is lost; each is recreated empty at once on
-        the replacement, so later nodes find their branch (with no history) instead of failing,
-        and stays in ``lost`` until a run that names it has reported the loss."""
-        lost = [branch_id for branch_id, shard in self.location.items() if shard == index]
+        """The branches of shard ``index`` the replacement does not hold are lost.
+
+        A durable store reloads its shard, so none is; otherwise each is recreated empty at
+        once, so later nodes find their branch (with no history) instead of failing, and it
+        stays in ``lost`` until a run that names it has reported the loss.
+        """
+        candidates = [branch_id for branch_id, shard in self.location.items() if shard == index]
+        lost = await self.call(index, "ensure_many", candidates) if candidates else []
         self.lost.update(lost)
-        if lost:
-            await self.call(index, "ensure_many", lost)
         return lost
+
+    def load_locations(self, database: Any) -> int:
+        """Learn where every durable branch lives (a new executor, before recovering runs)."""
+        rows = database.query("SELECT branch_id, shard FROM runtime_branch_heads")
+        for branch_id, shard in rows:
+            self.location.setdefault(branch_id, shard)
+        return len(rows)
 
     def statistics(self) -> dict[str, Any]:
         return {"branches": len(self.location), "scopes": len(self.scopes), "lost": len(self.lost)}

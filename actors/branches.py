@@ -3,13 +3,16 @@
 Owns branch state. ``BranchTable`` is plain Python (testable without Ray); the
 ``BranchStore`` actor holds one table and serves many branches, so 10,000 branches are
 10,000 small records, never 10,000 processes. A clone shares its parent's frozen prefix
-and stores only its own new messages.
+and stores only its own new messages. A durable store journals every change and
+acknowledges a change only once it is written, and a replacement reloads its shard.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import weakref
 import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -20,6 +23,8 @@ from opgraph.kernel import ExecutionError
 
 from .errors import UnknownBranchError
 from .memory import current_rss_mib
+from .persistence import Database, Writer
+from .persistence.branchlog import BranchJournal, ShardRows, load_shard
 
 __all__ = ["BranchStore", "BranchTable", "UnknownBranchError", "shard_for"]
 
@@ -39,13 +44,14 @@ def _size_of(message: Any) -> int:
 class _Record:
     """One branch: a frozen view of a parent record's first ``parent_len`` messages + own."""
 
-    __slots__ = ("parent", "parent_len", "own", "own_bytes")
+    __slots__ = ("parent", "parent_len", "own", "own_bytes", "record_id", "__weakref__")
 
     def __init__(self, parent: _Record | None, parent_len: int, own: list[Any] | None = None) -> None:
         self.parent = parent
         self.parent_len = parent_len
         self.own: list[Any] = own if own is not None else []
         self.own_bytes = sum(_size_of(m) for m in self.own)
+        self.record_id = 0  # durable tables only: the record's row
 
     def __len__(self) -> int:
         return self.parent_len + len(self.own)
@@ -67,11 +73,46 @@ class _Record:
 
 
 class BranchTable:
-    """Branch id -> copy-on-write record. Every operation is O(1) except reading messages."""
+    """Branch id -> copy-on-write record. Every operation is O(1) except reading messages.
 
-    def __init__(self) -> None:
+    With a ``journal`` every change is also noted there, for the store to write: a record
+    made, a head moved, a message appended, and a record forgotten once nothing (no
+    branch, no clone) refers to it any more, which Python's reference counting tells.
+    """
+
+    def __init__(self, journal: BranchJournal | None = None) -> None:
         self._records: dict[str, _Record] = {}
         self.clones = 0
+        self.journal = journal
+
+    @classmethod
+    def loaded(cls, journal: BranchJournal, rows: ShardRows) -> BranchTable:
+        """A durable table holding what ``rows`` (a shard read back) hold."""
+        table = cls(journal)
+        by_id: dict[int, _Record] = {}
+        for record_id, parent_id, parent_len in rows.records:  # parents first: ids grow
+            record = _Record(by_id.get(parent_id), parent_len, rows.messages.get(record_id, []))
+            table._adopt(record, record_id)
+            by_id[record_id] = record
+        for branch_id, record_id in rows.heads.items():
+            if record_id in by_id:
+                table._records[branch_id] = by_id[record_id]
+        return table  # ``by_id`` goes: records no head reaches are forgotten now
+
+    def _adopt(self, record: _Record, record_id: int) -> None:
+        record.record_id = record_id
+        weakref.finalize(record, self.journal.forget, record_id)
+
+    def _new(self, parent: _Record | None, parent_len: int, own: list[Any]) -> _Record:
+        record = _Record(parent, parent_len, own)
+        if self.journal is not None:
+            self._adopt(record, self.journal.new_record(parent.record_id if parent else None, parent_len, own))
+        return record
+
+    def _set(self, branch_id: str, record: _Record) -> None:
+        self._records[branch_id] = record
+        if self.journal is not None:
+            self.journal.head(branch_id, record.record_id)
 
     def _get(self, branch_id: str) -> _Record:
         record = self._records.get(branch_id)
@@ -84,14 +125,14 @@ class BranchTable:
             if exist_ok:
                 return False
             raise ExecutionError("branch already exists", branch_id=branch_id)
-        self._records[branch_id] = _Record(None, 0, list(messages))
+        self._set(branch_id, self._new(None, 0, list(messages)))
         return True
 
     def ensure(self, branch_id: str) -> bool:
         """Create ``branch_id`` empty unless it exists; True when it had to be created."""
         if branch_id in self._records:
             return False
-        self._records[branch_id] = _Record(None, 0, [])
+        self._set(branch_id, self._new(None, 0, []))
         return True
 
     def clone(self, source: str, destination: str) -> None:
@@ -99,7 +140,7 @@ class BranchTable:
         parent = self._get(source)
         if destination in self._records:
             raise ExecutionError("clone destination already exists", branch_id=destination)
-        self._records[destination] = _Record(parent, len(parent))
+        self._set(destination, self._new(parent, len(parent), []))
         self.clones += 1
 
     def replace_history(self, destination: str, source: str) -> bool:
@@ -112,12 +153,15 @@ class BranchTable:
         if parent is None:
             return False
         # A fresh record: clones taken from the old destination keep their frozen view.
-        self._records[destination] = _Record(parent, len(parent))
+        self._set(destination, self._new(parent, len(parent), []))
         return True
 
     def append(self, branch_id: str, messages: Iterable[Any]) -> int:
         record = self._get(branch_id)
+        journal = self.journal
         for message in messages:
+            if journal is not None:
+                journal.message(record.record_id, len(record.own), message)
             record.own.append(message)
             record.own_bytes += _size_of(message)
         return len(record)
@@ -130,7 +174,11 @@ class BranchTable:
 
     def drop(self, branch_id: str) -> bool:
         """Forget a branch. Clones taken from it keep their view (they hold its record)."""
-        return self._records.pop(branch_id, None) is not None
+        if self._records.pop(branch_id, None) is None:
+            return False
+        if self.journal is not None:
+            self.journal.unhead(branch_id)
+        return True
 
     def __contains__(self, branch_id: object) -> bool:
         return branch_id in self._records
@@ -146,24 +194,77 @@ class BranchTable:
 
 @ray.remote
 class BranchStore:
-    """A Ray actor serving one shard of branches; every method is a short, atomic call."""
+    """A Ray actor serving one shard of branches; every method is a short, atomic call.
 
-    def __init__(self, shard: int = 0) -> None:
+    ``database`` (a path) makes the shard durable: it is loaded from there when the store
+    starts (a replacement finds every branch its predecessor acknowledged), and a change
+    is acknowledged only once written (group commit on a writer thread).
+    """
+
+    def __init__(self, shard: int = 0, database: str | None = None) -> None:
         self.shard = shard
-        self.table = BranchTable()
+        self.database = Database(database) if database else None
+        self.writer: Writer | None = None
+        self.written = 0
+        self.commits = 0
+        self._flushing: asyncio.Task | None = None
+        self._waiters: list[asyncio.Future] = []
+        self._error: BaseException | None = None
+        if self.database is None:
+            self.table = BranchTable()
+        else:
+            rows = load_shard(self.database, shard)
+            self.table = BranchTable.loaded(BranchJournal(shard, rows.next_id), rows)
+            self.writer = Writer(f"opgraph-branches-{shard}")
 
-    def create(self, branch_id: str, messages: list[Any] | None = None, exist_ok: bool = False) -> bool:
-        return self.table.create(branch_id, messages or (), exist_ok=exist_ok)
+    async def _durable(self) -> None:
+        """Return once every change made so far is written (nothing to do without a database)."""
+        journal = self.table.journal
+        if journal is None or not journal.ops:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        await waiter
 
-    def clone(self, source: str, destination: str) -> None:
+    async def _flush(self) -> None:
+        journal = self.table.journal
+        try:
+            while journal.ops:
+                ops, waiters = journal.take(), self._waiters
+                self._waiters = []
+                try:
+                    await self.writer.run(journal.write, self.database, ops)
+                except Exception as exc:  # noqa: BLE001 - every waiting change fails, typed
+                    error = ExecutionError(f"branch store {self.shard} could not write: {exc}")
+                    for waiter in waiters:
+                        if not waiter.done():
+                            waiter.set_exception(error)
+                    continue
+                self.written += len(ops)
+                self.commits += 1
+                for waiter in waiters:
+                    if not waiter.done():
+                        waiter.set_result(None)
+        finally:
+            self._flushing = None
+
+    async def create(self, branch_id: str, messages: list[Any] | None = None, exist_ok: bool = False) -> bool:
+        created = self.table.create(branch_id, messages or (), exist_ok=exist_ok)
+        await self._durable()
+        return created
+
+    async def clone(self, source: str, destination: str) -> None:
         self.table.clone(source, destination)
+        await self._durable()
 
-    def clone_many(self, pairs: list[tuple[str, str]]) -> list[str]:
+    async def clone_many(self, pairs: list[tuple[str, str]]) -> list[str]:
         """Clone each (source, destination); returns the sources this store does not hold.
 
         A source can be missing only when it was lost (its store died and this one
-        replaced it): the destination is then created empty, and the caller reports
-        the loss, instead of every later node of the run failing on a missing branch.
+        replaced it without it): the destination is then created empty, and the caller
+        reports the loss, instead of every later node of the run failing on a missing branch.
         """
         missing = []
         table = self.table
@@ -173,39 +274,53 @@ class BranchStore:
             else:
                 missing.append(source)
                 table.ensure(destination)
+        await self._durable()
         return missing
 
-    def ensure_many(self, branch_ids: list[str]) -> list[str]:
+    async def ensure_many(self, branch_ids: list[str]) -> list[str]:
         """Create each branch that does not exist yet, empty; returns those created."""
-        return [branch_id for branch_id in branch_ids if self.table.ensure(branch_id)]
+        created = [branch_id for branch_id in branch_ids if self.table.ensure(branch_id)]
+        await self._durable()
+        return created
 
-    def drop_many(self, branch_ids: list[str]) -> int:
-        return sum(1 for branch_id in branch_ids if self.table.drop(branch_id))
+    async def drop_many(self, branch_ids: list[str]) -> int:
+        dropped = sum(1 for branch_id in branch_ids if self.table.drop(branch_id))
+        await self._durable()
+        return dropped
 
-    def ping(self) -> int:
+    async def ping(self) -> int:
         return self.shard
 
-    def replace_history(self, destination: str, source: str) -> bool:
-        return self.table.replace_history(destination, source)
+    async def replace_history(self, destination: str, source: str) -> bool:
+        replaced = self.table.replace_history(destination, source)
+        await self._durable()
+        return replaced
 
-    def append(self, branch_id: str, messages: list[Any]) -> int:
-        return self.table.append(branch_id, messages)
+    async def append(self, branch_id: str, messages: list[Any]) -> int:
+        length = self.table.append(branch_id, messages)
+        await self._durable()
+        return length
 
-    def messages(self, branch_id: str) -> list[Any]:
+    async def messages(self, branch_id: str) -> list[Any]:
         return self.table.messages(branch_id)
 
-    def has(self, branch_id: str) -> bool:
+    async def has(self, branch_id: str) -> bool:
         return branch_id in self.table
 
-    def drop(self, branch_id: str) -> bool:
-        return self.table.drop(branch_id)
+    async def drop(self, branch_id: str) -> bool:
+        dropped = self.table.drop(branch_id)
+        await self._durable()
+        return dropped
 
-    def statistics(self) -> dict[str, Any]:
+    async def statistics(self) -> dict[str, Any]:
         import resource  # local: only statistics reads process memory
 
         stats = self.table.statistics()
         stats["shard"] = self.shard
         stats["pid"] = os.getpid()
+        stats["durable"] = self.database is not None
+        stats["journal_rows_written"] = self.written
+        stats["journal_commits"] = self.commits
         stats["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         stats["rss_mib"] = current_rss_mib()
         return stats

@@ -14,13 +14,16 @@ from typing import Any
 
 import ray
 
-from opgraph.kernel import FlowEvent, Operation
+from opgraph.kernel import ExecutionError, FlowEvent, Operation, OpGraphError
 
-from .errors import UnknownRunError, translate
+from .errors import RuntimeLostError, UnknownRunError, translate
 from .runtime import connect, find_executors
 from .settings import DEFAULT_NAMESPACE
+from .watchers import UnknownWatcherError
 
-__all__ = ["EventsDropped", "RunControl", "RunFinished"]
+__all__ = ["EventsDropped", "Reconnected", "RunControl", "RunFinished"]
+
+REFIND_SECONDS = 60.0  # how long a control looks for its run on a replacement executor
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,14 @@ class EventsDropped:
     """``RunControl.watch()`` fell behind: ``count`` settled-node events were dropped for it."""
 
     count: int
+
+
+@dataclass(frozen=True)
+class Reconnected:
+    """``RunControl.watch()`` lost the run's executor and found the run again on its replacement
+    (rebuilt from the run log); events settled in between were not seen."""
+
+    executor: str
 
 
 @dataclass(frozen=True)
@@ -50,10 +61,12 @@ class RunControl:
     started it waits on ``flow()``; that client owns the result envelope.
     """
 
-    def __init__(self, executor: Any, run_id: str, executor_name: str | None = None) -> None:
+    def __init__(self, executor: Any, run_id: str, executor_name: str | None = None,
+                 namespace: str | None = DEFAULT_NAMESPACE) -> None:
         self.executor = executor
         self.run_id = run_id
         self.executor_name = executor_name
+        self.namespace = namespace
 
     @classmethod
     def attach(cls, run_id: str, *, address: str | None = "auto",
@@ -65,26 +78,94 @@ class RunControl:
         outside a running event loop, like ``Session()``.
         """
         connect(address, namespace=namespace)
+        found = cls._find(run_id, namespace)
+        if found is None:
+            if _logged(run_id) is not None:  # finished (or orphaned): its end is read from the log
+                return cls(None, run_id, None, namespace)
+            raise UnknownRunError(f"run {run_id} is unknown or already finished (no executor in namespace "
+                                  f"{namespace!r} has it, and the run log does not know it)", run_id=run_id)
+        return cls(found[1], run_id, found[0], namespace)
+
+    @staticmethod
+    def _find(run_id: str, namespace: str | None) -> tuple[str, Any] | None:
+        """The (name, handle) of the live executor of ``namespace`` that has ``run_id``."""
         executors = find_executors(namespace)
-        if not executors:
-            raise UnknownRunError(f"no opgraph executor in namespace {namespace!r}: nothing has run there; "
-                                  f"check --address and --namespace", run_id=run_id)
         asked = [(name, handle, handle.has_run.remote(run_id)) for name, handle in executors]
         for name, handle, ref in asked:
             try:
                 if ray.get(ref):
-                    return cls(handle, run_id, name)
+                    return name, handle
             except ray.exceptions.RayError as exc:  # a dead executor holds no live run: ask the next
                 if not isinstance(exc, ray.exceptions.RayActorError):
                     raise translate(exc, actor=name, run_id=run_id) from None
-        raise UnknownRunError(f"run {run_id} is unknown or already finished "
-                              f"(asked {len(executors)} executor(s) in namespace {namespace!r})", run_id=run_id)
+        return None
 
-    async def _call(self, method: str, *args: Any) -> Any:
+    async def _refind(self) -> bool:
+        """The executor died: find the run again (a replacement rebuilt it from the log)."""
+        deadline = asyncio.get_running_loop().time() + REFIND_SECONDS
+        while asyncio.get_running_loop().time() < deadline:
+            found = await asyncio.to_thread(self._find, self.run_id, self.namespace)
+            if found is not None:
+                self.executor_name, self.executor = found
+                return True
+            await asyncio.sleep(0.25)
+        return False
+
+    async def _call(self, method: str, *args: Any, refind: bool = True) -> Any:
+        if self.executor is None:
+            raise UnknownRunError(f"run {self.run_id} is not live: `result()` reads how it ended",
+                                  run_id=self.run_id)
         try:
             return await getattr(self.executor, method).remote(*args)
         except ray.exceptions.RayError as exc:
-            raise translate(exc, actor=self.executor_name, run_id=self.run_id, doing=method) from None
+            error = translate(exc, actor=self.executor_name, run_id=self.run_id, doing=method)
+        if refind and isinstance(error, RuntimeLostError) and await self._refind():
+            return await self._call(method, *args, refind=False)
+        raise error
+
+    async def result(self, timeout: float | None = None, *, poll: float = 30.0) -> dict[str, Any]:
+        """The run's envelope: waited for while the run is live, else read from the run log.
+
+        Works from any process, also after the process that started the run has exited.
+        Raises the run's own error if it failed as a whole, ``TimeoutError`` past ``timeout``.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while self.executor is not None:
+            wait = poll if deadline is None else max(0.0, min(poll, deadline - loop.time()))
+            try:
+                done, outcome = await self._call("wait_result", self.run_id, wait)
+            except UnknownRunError:
+                break  # finished and forgotten meanwhile: the log has its end
+            if done:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                return outcome
+            if deadline is not None and loop.time() >= deadline:
+                raise TimeoutError(f"run {self.run_id} did not finish within {timeout} s")
+        entry = await asyncio.to_thread(_logged, self.run_id)
+        if entry is None:
+            raise UnknownRunError(f"run {self.run_id} is not in the run log", run_id=self.run_id)
+        status, envelope, error = entry
+        if envelope is not None:
+            return envelope
+        if status == "live":
+            raise UnknownRunError(f"run {self.run_id} is live in the run log but no executor has it: its "
+                                  f"owner died; continue it with `opgraph run resume {self.run_id}`",
+                                  run_id=self.run_id)
+        raise ExecutionError(f"run {self.run_id} ended {status}: {error}", run_id=self.run_id)
+
+    @staticmethod
+    async def resume_from_log(run_id: str, session: Any, **drain: Any) -> dict[str, Any]:
+        """Continue an orphaned run (its owner and executor are gone) from the run log, on
+        ``session``'s runtime, and return its envelope. Settled nodes are not run again;
+        attempts that were in flight run again as new attempts. ``drain`` takes flow()'s
+        ``on_progress``, ``on_signal`` and ``on_branch_created``.
+        """
+        if await asyncio.to_thread(RunControl._find, run_id, session.runtime.namespace) is not None:
+            raise OpGraphError(f"run {run_id} is live on an executor: attach to it instead of resuming it",
+                               run_id=run_id)
+        return await session.follow_recovered(run_id, **drain)
 
     async def pause(self) -> bool:
         return await self._call("pause", self.run_id)
@@ -120,7 +201,16 @@ class RunControl:
         finished = False
         try:
             while True:
-                items, dropped, summary = await self._call("next_watch_events", watcher_id, 2048, poll_timeout)
+                executor = self.executor
+                try:
+                    items, dropped, summary = await self._call("next_watch_events", watcher_id, 2048, poll_timeout)
+                except UnknownWatcherError:
+                    if self.executor is executor:
+                        raise
+                    # The executor was replaced: the run goes on there; watch it afresh, and say so once.
+                    watcher_id = await self._call("watch", self.run_id, buffer)
+                    yield Reconnected(self.executor_name or "")
+                    continue
                 if dropped:
                     yield EventsDropped(dropped)
                 for event in items:
@@ -132,3 +222,16 @@ class RunControl:
         finally:
             if not finished:
                 await asyncio.shield(self._call("unwatch", watcher_id))
+
+
+def _logged(run_id: str) -> tuple[str, dict[str, Any] | None, str | None] | None:
+    """(status, envelope, error) of ``run_id`` in this process's run log (``OPGRAPH_DB``), or None."""
+    from .persistence import RunLog, database_path  # local: only a finished run's reader needs the log
+
+    if not database_path().exists():
+        return None
+    log = RunLog(database_path())
+    entry = log.entry(run_id)
+    if entry is None:
+        return None
+    return entry.status, log.envelope(run_id), entry.error

@@ -29,9 +29,11 @@ from opgraph.kernel import (
 )
 
 from .branches import BranchStore
-from .errors import RuntimeLostError, UnknownRunError
+from .durability import RunLogger
+from .errors import RuntimeLostError, UnknownRunError, is_actor_death
 from .histogram import LATENCY_BUCKETS, LatencyHistogram
 from .memory import current_rss_mib, peak_rss_mib
+from .persistence import RunLog, Writer
 from .protocol import CallRow, Outcome, RunOptions, RunResources
 from .settings import (
     PROBE_INTERVAL_SECONDS,
@@ -74,10 +76,13 @@ class GraphExecutor:
     """
 
     def __init__(self, names: ActorNames, workers: int = 2, branch_stores: int = 1, detached: bool = False,
-                 namespace: str | None = None, generation: int = 0) -> None:
+                 namespace: str | None = None, generation: int = 0, database: str | None = None) -> None:
         tune_garbage_collector()
         self.names = names
         self.name = names.executor_of(generation)
+        # The runtime's database (None: nothing is durable): the run log and durable branches.
+        self.database = database
+        self.run_log = RunLog(database) if database else None
         self.detached = detached
         self.namespace = namespace
         self.self_handle = ray.get_runtime_context().current_actor
@@ -92,28 +97,44 @@ class GraphExecutor:
         self.worker_pool = ActorPool("operation worker", workers_found, worker_names, start=self._start_worker)
         self.worker_pool.generations = worker_generations
         # Every data-path method lives on the shell: Ray's tracing shim wraps only this class.
-        self.shell = ExecutorShell(self.worker_pool, self.store_pool)
+        logger = RunLogger(self.run_log, Writer("opgraph-run-log"), names.executor) if self.run_log else None
+        self.shell = ExecutorShell(self.worker_pool, self.store_pool, logger)
+        self.recovered: list[str] = []
+        self.recovery_errors: dict[str, str] = {}
         self.next_token = 0
         self.watchers: dict[str, RunWatcher] = {}  # watcher id -> watcher; outlives forget_run
         self.probing = False
         self.probes = 0
+        self._recovery_done = False
 
     # -- the actors it supervises ------------------------------------------------------
     def _adopt_or_start(self, count: int, name_of, start, existing: set[str]) -> tuple[list, list, list]:
-        """A detached runtime adopts the newest generation of each actor a former executor left;
-        an owned one starts past it (what an owned executor left died with it)."""
+        """Adopt the newest generation of each actor there is (the driver started an owned runtime's
+        first ones; a former executor may have left newer ones), else start one.
+
+        An adopted actor may be dead (one a former executor owned died with it): the probe
+        finds out within a second and it is replaced like any other."""
         handles, names, generations = [], [], []
         for index in range(count):
             found = newest_generation(existing, name_of(index))
-            generation = 0 if found is None else found[1] + (0 if self.detached else 1)
+            generation, handle = 0, None
+            if found is not None:
+                generation = found[1]
+                try:
+                    handle = ray.get_actor(found[0], namespace=self.namespace)
+                except ValueError:  # gone since it was listed
+                    generation += 1
             for _ in range(REPLACEMENT_ATTEMPTS):
+                if handle is not None:
+                    break
                 try:
                     handle = start(index, generation)
-                    break
                 except ValueError:  # the name is still held by a dead actor: the next generation's
                     generation += 1
             else:
-                raise RuntimeLostError(f"could not start {name_of(index)}: every name was taken", actor=self.name)
+                if handle is None:
+                    raise RuntimeLostError(f"could not start {name_of(index)}: every name was taken",
+                                           actor=self.name)
             handles.append(handle)
             names.append(name_of(index, generation))
             generations.append(generation)
@@ -125,7 +146,7 @@ class GraphExecutor:
     def _start_store(self, index: int, generation: int) -> Any:
         return BranchStore.options(name=self.names.store(index, generation), namespace=self.namespace,
                                    get_if_exists=self.detached,
-                                   lifetime=self._lifetime()).remote(index)
+                                   lifetime=self._lifetime()).remote(index, self.database)
 
     def _start_worker(self, index: int, generation: int) -> Any:
         stores = getattr(self, "store_pool", None)
@@ -140,13 +161,67 @@ class GraphExecutor:
         await self.shell.store_replaced(index, handle)
 
     async def start(self) -> dict[str, Any]:
-        """Bind the main loop and start the liveness probe; returns the runtime's actor names.
+        """Bind the main loop, start the liveness probe and recover the runs a predecessor left.
 
-        Called once by whoever starts or finds this executor, so that an idle runtime's
-        deaths are noticed too, not only those met by a call.
+        Called by whoever starts or finds this executor, so that an idle runtime's deaths
+        are noticed too, not only those met by a call. Every run the run log shows live
+        on this runtime's executor (one that died) is rebuilt and goes on here. Returns
+        the runtime's actor names.
         """
         self._bind()
+        await self._introduce_to_workers()
+        if self.run_log is not None and not self._recovery_done:
+            self._recovery_done = True
+            await self._recover_live_runs()
         return await self.pool()
+
+    async def _recover_live_runs(self) -> None:
+        writer = self.shell.logger.writer
+        await writer.run(self.shell.branches.load_locations, self.run_log.database)
+        live = await writer.run(lambda: self.run_log.runs(status="live", executor=self.names.executor))
+        for entry in live:
+            if entry.run_id in self.shell.runs:
+                continue
+            await self.resume_run(entry.run_id)
+
+    async def resume_run(self, run_id: str, overrides: dict[str, Any] | None = None) -> bool:
+        """Rebuild ``run_id`` from the run log and go on with it here (it must not be live elsewhere).
+
+        False, with the reason in ``recovery_errors``, when it cannot be rebuilt (the log
+        holds no such run, or its header no longer unpickles: code that changed since).
+        """
+        self._bind()
+        if self.run_log is None:
+            raise UnknownRunError("this runtime keeps no run log (it is not durable)", run_id=run_id, actor=self.name)
+        if run_id in self.shell.runs:
+            return True
+        logged = await self.shell.logger.writer.run(self.run_log.load, run_id)
+        if logged is None:
+            raise UnknownRunError(f"run {run_id} is not in the run log", run_id=run_id, actor=self.name)
+        try:
+            await self.shell.recover_run(run_id, logged.header, logged.batches, overrides)
+        except Exception as exc:  # noqa: BLE001 - recorded, and the run is marked so in the log
+            reason = f"{type(exc).__name__}: {exc}"
+            self.recovery_errors[run_id] = reason
+            await self.shell.logger.writer.run(self.run_log.finish, run_id, "error", None,
+                                               f"could not be recovered: {reason}")
+            return False
+        self.recovered.append(run_id)
+        return True
+
+    async def _introduce_to_workers(self) -> None:
+        """Adopted workers learn who fetches their resources and takes their emissions: this executor."""
+        pool = self.worker_pool
+
+        async def introduce(index: int, handle: Any) -> None:
+            try:
+                await handle.set_executor.remote(self.self_handle)
+            except Exception as exc:  # noqa: BLE001 - an adopted worker that is gone: replaced like any dead one
+                if is_actor_death(exc):
+                    pool.mark_dead(index, handle, "found dead when adopted")
+
+        await asyncio.gather(*(introduce(index, handle) for index, handle in enumerate(pool.handles)
+                               if pool.alive[index]))
 
     def _bind(self) -> None:
         self.shell.bind_loop()
@@ -206,6 +281,15 @@ class GraphExecutor:
                 self.shell.tell(worker.cancel.remote(key, [node_id]), self.worker_pool, index, worker)
         return True
 
+    async def live_store(self, index: int, dead_name: str) -> tuple[Any, str]:
+        """A worker found store ``dead_name`` dead: the live store of that slot, once it is replaced."""
+        pool = self.store_pool
+        if pool.names[index] == dead_name and pool.alive[index]:
+            pool.check(PROBE_TIMEOUT_SECONDS)  # see for ourselves: the worker may be wrong
+        await pool.settled()  # a replacement is done once what it lost is known (and recreated)
+        chosen, handle = await pool.live(index)
+        return handle, pool.names[chosen]
+
     async def report(self, run_id: str, outcomes: list[Outcome]) -> None:
         """Outcomes pushed by a worker outside a batch stream (kept for external workers)."""
         await self.shell.report(run_id, outcomes)
@@ -243,6 +327,18 @@ class GraphExecutor:
 
     async def forget_run(self, run_id: str) -> bool:
         return self.shell.forget_run(run_id)
+
+    async def wait_result(self, run_id: str, timeout: float = 30.0) -> tuple[bool, Any]:
+        """Long-poll for a run's end: (done, envelope-or-error); (False, None) while it goes on."""
+        run = self._run(run_id)
+        if not run.done.is_set():
+            waiter = self.shell.loop.create_future()
+            run.result_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(asyncio.shield(waiter), timeout)
+            except TimeoutError:
+                return False, None
+        return True, run.error if run.error is not None else run.envelope
 
     # -- branches (main loop) ----------------------------------------------------------
     async def create_branch(self, branch_id: str, messages: list[Any], scope: str | None = None) -> int:
@@ -414,6 +510,10 @@ class GraphExecutor:
             "store_pool": self.store_pool.statistics(),
             "branches": shell.branches.statistics(),
             "probes": self.probes,
+            "durable": self.run_log is not None,
+            "recovered_runs": list(self.recovered),
+            "recovery_errors": dict(self.recovery_errors),
+            "run_log": self.shell.logger.statistics() if self.shell.logger else None,
             "tell_failures": shell.tell_failures,
             "max_rss_mib": peak_rss_mib(),
             "rss_mib": current_rss_mib(),

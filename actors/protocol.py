@@ -114,7 +114,9 @@ class RunOptions:
     shard) are branches the run may name; the executor recreates any it finds lost.
     ``branch_scope`` owns the branches the run creates (``scope_parent`` owns that
     scope in turn); with ``isolated`` the run also gets a default branch of its own,
-    in its scope, so nothing of another run reaches it.
+    in its scope, so nothing of another run reaches it. A ``durable`` run is logged as
+    it goes and outlives its executor; a ``detached`` run has no driver draining it
+    (``Session.submit``): its executor forgets it once its end is durable.
     """
 
     context: dict[str, Any] | None = None
@@ -138,3 +140,5 @@ class RunOptions:
     scope_parent: str | None = None
     isolated: bool = False
     cancel_grace: float = 5.0
+    durable: bool = False
+    detached: bool = False

@@ -13,14 +13,25 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
+from .branches import BranchStore
 from .errors import RuntimeLostError, is_actor_death, translate
 from .executor import GraphExecutor
-from .settings import DEFAULT_NAMESPACE, EXECUTOR_CONCURRENCY, EXECUTOR_PREFIX, ActorNames, names_in, newest_generation
+from .settings import (
+    DEFAULT_NAMESPACE,
+    EXECUTOR_CONCURRENCY,
+    EXECUTOR_PREFIX,
+    WORKER_CONCURRENCY,
+    ActorNames,
+    names_in,
+    newest_generation,
+)
+from .workers import OperationWorker
 
 __all__ = ["DEFAULT_NAMESPACE", "Runtime", "connect", "find_executors", "joined_with_address"]
 
@@ -73,8 +84,14 @@ def find_executors(namespace: str | None = None) -> list[tuple[str, Any]]:
     return found
 
 
+# An owned runtime's names end in this process's own token: job ids start again at 01000000
+# with every new Ray instance, and an owned executor must never take up (and recover the
+# runs of) another process's runtime that happened to share a job id.
+_PROCESS_TOKEN = uuid.uuid4().hex[:8]
+
+
 def _process_suffix() -> str:
-    return ray.get_runtime_context().get_job_id()
+    return _PROCESS_TOKEN
 
 
 @dataclass
@@ -92,24 +109,46 @@ class Runtime:
     namespace: str | None = None
     detached: bool = False
     sizes: tuple[int, int] = (2, 1)
+    database: str | None = None
+    _owned: list[Any] = field(default_factory=list, repr=False)  # keeps this process's actors referenced
     _dead: Any = field(default=None, repr=False)
     executor_name: str = ""
 
     @classmethod
     def get_or_start(cls, *, workers: int = 2, branch_stores: int = 1, detached: bool = False,
-                     namespace: str | None = None) -> Runtime:
-        """This process's runtime of ``namespace``: found, or started. Every Session of the process shares it."""
+                     namespace: str | None = None, database: str | None = None) -> Runtime:
+        """This process's runtime of ``namespace``: found, or started. Every Session of the process shares it.
+
+        ``database`` (a path) makes the runtime durable: its run log and branches live
+        there. Whoever starts the runtime decides; a runtime found keeps its setting."""
         space = namespace or ray.get_runtime_context().namespace
         cached = _RUNTIMES.get((space, detached))
         if cached is not None:
             return cached
         names = ActorNames("" if detached else _process_suffix())
         runtime = cls(executor=None, names=names, namespace=space, detached=detached,
-                      sizes=(workers, branch_stores))
+                      sizes=(workers, branch_stores), database=database)
+        if not detached:
+            runtime._start_owned_pool()
         runtime.executor = runtime._find_or_start(dead=None)
         runtime.refresh()
         _RUNTIMES[(space, detached)] = runtime
         return runtime
+
+    def _start_owned_pool(self) -> None:
+        """An owned runtime's first workers and stores belong to this process, not to the executor:
+        should the executor die, they live on, and its replacement adopts them (with their branches
+        and calls in flight) instead of starting everything again."""
+        workers, stores = self.sizes
+        store_names = [self.names.store(index) for index in range(stores)]
+        self._owned = [BranchStore.options(name=name, namespace=self.namespace).remote(index, self.database)
+                       for index, name in enumerate(store_names)]
+        store_handles = list(self._owned)
+        for index in range(workers):
+            name = self.names.worker(index)
+            self._owned.append(OperationWorker.options(name=name, namespace=self.namespace,
+                                                       max_concurrency=WORKER_CONCURRENCY)
+                               .remote(index, store_handles, store_names, None, name))
 
     def refresh(self) -> None:
         """Read the executor's current worker and store handles."""
@@ -140,7 +179,7 @@ class Runtime:
             handle = GraphExecutor.options(
                 name=self.names.executor_of(generation), namespace=self.namespace, get_if_exists=True,
                 max_concurrency=EXECUTOR_CONCURRENCY, lifetime="detached" if self.detached else None,
-            ).remote(self.names, workers, stores, self.detached, self.namespace, generation)
+            ).remote(self.names, workers, stores, self.detached, self.namespace, generation, self.database)
             if handle._actor_id in dead_ids:
                 floor = generation + 1
                 continue

@@ -17,16 +17,39 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from opgraph.kernel import NODE_PROGRESS_KINDS, FlowEvent, Graph, OperationError, OpGraphError, RetryPolicy
+from opgraph.kernel import (
+    NODE_PROGRESS_KINDS,
+    ExecutionError,
+    FlowEvent,
+    Graph,
+    OperationError,
+    OpGraphError,
+    RetryPolicy,
+)
 
 from .control import EventsDropped, RunControl, RunFinished
-from .errors import RuntimeLostError, TurnError
+from .errors import RuntimeLostError, TurnError, UnknownRunError
 from .models import ModelProvider, parse_model_id
+from .persistence import database_path
 from .protocol import RegisteredOperation, RunOptions, RunResources, TurnResult
 from .runtime import Runtime, connect, joined_with_address
 from .settings import DEFAULT_NAMESPACE, cancel_grace_seconds, default_max_concurrency
 
 __all__ = ["BranchView", "EventsDropped", "RunControl", "RunFinished", "RuntimeLostError", "Session", "flow_stream"]
+
+
+MAX_RECOVERIES = 3  # executor replacements one flow() follows its run through
+
+
+class _Following:
+    """Which executor a driver is following its run on (it changes when one dies)."""
+
+    def __init__(self, executor: Any, run_id: str, durable: bool) -> None:
+        self.executor = executor
+        self.run_id = run_id
+        self.durable = durable
+        self.recoveries = 0
+        self.control: RunControl | None = None
 
 
 class BranchView:
@@ -65,11 +88,18 @@ class Session:
     drops them from the stores. ``cancel_grace`` bounds how long cancelled operations
     may keep running before they are reported cancelled (default ``OPGRAPH_CANCEL_GRACE``,
     5 s).
+
+    ``durable`` (default on; ``OPGRAPH_DURABLE=0`` turns it off) keeps the runtime's run
+    log and branches in the database at ``OPGRAPH_DB`` (SQLite, ``~/.opgraph/opgraph.db``
+    by default), so a run outlives its executor and its branch stores: a replacement
+    rebuilds it from the log and this Session's ``flow()`` keeps waiting for it. Whoever
+    starts a runtime decides whether it is durable.
     """
 
     def __init__(self, address: str | None = None, *, workers: int = 2, branch_stores: int = 1,
                  namespace: str = DEFAULT_NAMESPACE, detached: bool | None = None,
-                 default_model: str | None = None, cancel_grace: float | None = None) -> None:
+                 default_model: str | None = None, cancel_grace: float | None = None,
+                 durable: bool | None = None) -> None:
         if default_model is not None:
             parse_model_id(default_model)  # fail fast on "gpt-4" instead of "openai/gpt-4"
         if cancel_grace is not None and (isinstance(cancel_grace, bool) or not isinstance(cancel_grace, (int, float))
@@ -83,8 +113,11 @@ class Session:
             detached = address is not None or joined_with_address()
         self.id = str(uuid.uuid4())
         self.scope = f"session-{self.id}"
+        if durable is None:
+            durable = os.environ.get("OPGRAPH_DURABLE", "1").strip().lower() not in ("0", "false", "off", "no")
         self.runtime = Runtime.get_or_start(workers=workers, branch_stores=branch_stores, detached=detached,
-                                            namespace=namespace)
+                                            namespace=namespace,
+                                            database=str(database_path()) if durable else None)
         self.branches: dict[str, str] = {}
         self._locations: dict[str, int] = {}
         from .verbs import VERB_OPERATIONS  # local: verbs pull in the tool machinery
@@ -255,7 +288,8 @@ class Session:
     # -- flow -------------------------------------------------------------------------
     def _options(self, *, run_id: str, context, max_concurrent, parallel, reactive, max_spawn, spawn_type,
                  node_builder, default_branch, spawn_branch_setup, reducers, want_signals,
-                 want_events, stream_buffer, isolated: bool = False) -> RunOptions:
+                 want_events, stream_buffer, isolated: bool = False, durable: bool = True,
+                 detached: bool = False) -> RunOptions:
         self._check_open()
         if max_concurrent is None:
             max_concurrent = default_max_concurrency()
@@ -283,6 +317,8 @@ class Session:
             scope_parent=self.scope if isolated else None,
             isolated=isolated,
             cancel_grace=self.cancel_grace,
+            durable=bool(durable and self.runtime.database),
+            detached=detached,
         )
 
     async def _start(self, run_id: str, graph: Graph, options: RunOptions) -> Any:
@@ -328,6 +364,7 @@ class Session:
         on_signal: Callable[[Any], Any] | None = None,
         isolated: bool = False,
         on_settled: Callable[[FlowEvent], Awaitable[Any]] | None = None,
+        durable: bool = True,
     ) -> dict[str, Any]:
         """Run ``graph`` on the executor and return the result envelope (ADR-0033 D1).
 
@@ -348,6 +385,10 @@ class Session:
 
         ``on_settled`` (async) is awaited with each settled node's ``FlowEvent``, result
         included, as the run goes: how a run store records outputs before the run ends.
+
+        On a durable runtime every run is logged as it goes (``durable=False`` turns that
+        off for this run): should the executor die, its replacement rebuilds the run from
+        the log, and ``flow()`` keeps waiting and returns the whole envelope.
         """
         del alcall_params
         run_id = run_id or str(uuid.uuid4())
@@ -356,24 +397,74 @@ class Session:
             max_spawn=max_spawn, spawn_type=spawn_type, node_builder=node_builder,
             default_branch=default_branch, spawn_branch_setup=spawn_branch_setup, reducers=reducers,
             want_signals=bool(on_progress or verbose or on_branch_created or on_signal),
-            want_events=on_settled is not None, stream_buffer=1 << 30, isolated=isolated,
+            want_events=on_settled is not None, stream_buffer=1 << 30, isolated=isolated, durable=durable,
         )
         executor = await self._start(run_id, graph, options)
+        following = _Following(executor, run_id, options.durable)
         if executor_ref is not None:
-            executor_ref["executor"] = RunControl(executor, run_id, self.runtime.executor_name)
+            following.control = RunControl(executor, run_id, self.runtime.executor_name, self.runtime.namespace)
+            executor_ref["executor"] = following.control
             executor_ref["run_id"] = run_id
         try:
-            envelope = await self._drain(executor, run_id, graph, on_progress, on_branch_created, verbose,
+            envelope = await self._drain(following, graph, on_progress, on_branch_created, verbose,
                                          on_event=on_settled, on_signal=on_signal)
         except BaseException:
             # Stop the run's remaining work, then re-raise; a dead executor has nothing to stop.
             with contextlib.suppress(OpGraphError):
-                await asyncio.shield(self._executor_call(executor, "cancel", run_id))
+                await asyncio.shield(self._executor_call(following.executor, "cancel", run_id))
             raise
         finally:
             with contextlib.suppress(OpGraphError):
-                await asyncio.shield(self._executor_call(executor, "forget_run", run_id))
+                await asyncio.shield(self._executor_call(following.executor, "forget_run", run_id))
         return envelope
+
+    async def submit(self, graph: Graph, *, run_id: str | None = None, context: dict[str, Any] | None = None,
+                     parallel: bool = True, max_concurrent: int | None = 5, reactive: bool = False,
+                     spawn_type: type | None = None, node_builder: Any = None, max_spawn: int = 50,
+                     reducers: dict[str, Callable[[Any, Any], Any]] | None = None, default_branch: Any = None,
+                     isolated: bool = True) -> str:
+        """Admit ``graph`` as a detached run and return its id once it is admitted and durable.
+
+        Nobody needs to wait on it: the run goes on after this process exits (on a runtime
+        joined through an address, which no process owns), and its envelope is read later,
+        from any process, with ``RunControl.attach(run_id).result()`` or ``opgraph run
+        result``. Needs a durable runtime. Isolated by default: a detached run's branches
+        are its own, released with it.
+        """
+        if not self.runtime.database:
+            raise OperationError("submit needs a durable runtime (Session(durable=True), the default)")
+        run_id = run_id or str(uuid.uuid4())
+        options = self._options(
+            run_id=run_id, context=context, max_concurrent=max_concurrent, parallel=parallel, reactive=reactive,
+            max_spawn=max_spawn, spawn_type=spawn_type, node_builder=node_builder, default_branch=default_branch,
+            spawn_branch_setup=None, reducers=reducers, want_signals=False, want_events=False,
+            stream_buffer=1 << 30, isolated=isolated, durable=True, detached=True,
+        )
+        if isolated:  # owned by the run alone: a Session closing must not drop a run that outlives it
+            options.scope_parent = None
+        await self._start(run_id, graph, options)
+        return run_id
+
+    async def follow_recovered(self, run_id: str, *, on_progress: Callable[[str, str, str, float], Any] | None = None,
+                               on_signal: Callable[[Any], Any] | None = None,
+                               on_branch_created: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+        """Have this Session's executor rebuild ``run_id`` from the run log, and drain it to its envelope.
+
+        For a run whose owner died (``RunControl.resume_from_log``); the run's graph is the
+        one in its log, so nothing is mirrored onto a caller's graph objects."""
+        executor = await self.runtime.live_executor()
+        overrides = {"detached": False, "want_signals": bool(on_progress or on_signal or on_branch_created)}
+        if not await self._executor_call(executor, "resume_run", run_id, overrides):
+            reasons = (await self.runtime.call("statistics"))["recovery_errors"]
+            raise ExecutionError(f"run {run_id} could not be rebuilt from the run log: "
+                                 f"{reasons.get(run_id, 'unknown reason')}", run_id=run_id)
+        following = _Following(executor, run_id, True)
+        try:
+            return await self._drain(following, Graph("resumed"), on_progress, on_branch_created, False,
+                                     on_signal=on_signal)
+        finally:
+            with contextlib.suppress(OpGraphError):
+                await asyncio.shield(self._executor_call(following.executor, "forget_run", run_id))
 
     async def release_run(self, run_id: str) -> int:
         """Drop the branches of a finished ``isolated`` run (once recorded); returns how many."""
@@ -393,11 +484,32 @@ class Session:
                 raise
             raise error from None
 
-    async def _drain(self, executor: Any, run_id: str, graph: Graph, on_progress, on_branch_created, verbose,
+    async def _next_events(self, following: _Following) -> tuple[list, bool, Any]:
+        """One long poll of the run's executor. Should it die with a durable run, its replacement
+        (started here, or by another client) rebuilds the run from the log: keep following it there."""
+        while True:
+            try:
+                return await self._executor_call(following.executor, "next_events", following.run_id)
+            except RuntimeLostError:
+                if not following.durable or following.recoveries >= MAX_RECOVERIES:
+                    raise
+                following.recoveries += 1
+                following.executor = await self.runtime.replace_executor(following.executor)
+                if following.control is not None:
+                    following.control.executor = following.executor
+                    following.control.executor_name = self.runtime.executor_name
+            except UnknownRunError:
+                if not following.recoveries:
+                    raise
+                raise RuntimeLostError("the executor died and its replacement could not recover the run "
+                                       "from the run log", run_id=following.run_id,
+                                       actor=self.runtime.executor_name) from None
+
+    async def _drain(self, following: _Following, graph: Graph, on_progress, on_branch_created, verbose,
                      on_event: Callable[[FlowEvent], Any] | None = None,
                      on_signal: Callable[[Any], Any] | None = None) -> dict[str, Any]:
         while True:
-            items, done, result = await self._executor_call(executor, "next_events", run_id)
+            items, done, result = await self._next_events(following)
             for kind, item in items:
                 if kind == "signal":
                     progress = NODE_PROGRESS_KINDS.get(item.kind)
@@ -435,7 +547,7 @@ class Session:
 
     def run_control(self, run_id: str) -> RunControl:
         """Control of a run on this session's executor, by id (started here or elsewhere)."""
-        return RunControl(self.runtime.executor, run_id, self.runtime.executor_name)
+        return RunControl(self.runtime.executor, run_id, self.runtime.executor_name, self.runtime.namespace)
 
     def run(self, graph: Graph, **kwargs: Any) -> dict[str, Any]:
         """Synchronous ``flow`` for scripts (not from inside a running event loop)."""
@@ -471,11 +583,11 @@ async def flow_stream(
         default_branch=branch, spawn_branch_setup=None, reducers=None,
         want_signals=verbose, want_events=True, stream_buffer=max(1, buffer),
     )
-    executor = await session._start(run_id, graph, options)
+    following = _Following(await session._start(run_id, graph, options), run_id, options.durable)
     finished = False
     try:
         while True:
-            items, done, result = await session._executor_call(executor, "next_events", run_id)
+            items, done, result = await session._next_events(following)
             for kind, item in items:
                 if kind == "event":
                     yield item
@@ -489,10 +601,10 @@ async def flow_stream(
     finally:
         if not finished:
             # Early close: cancel what remains and wait until the run has settled.
-            await session._executor_call(executor, "cancel", run_id)
+            await session._executor_call(following.executor, "cancel", run_id)
             while True:
-                _, done, _ = await session._executor_call(executor, "next_events", run_id)
+                _, done, _ = await session._next_events(following)
                 if done:
                     break
         with contextlib.suppress(OpGraphError):
-            await session._executor_call(executor, "forget_run", run_id)
+            await session._executor_call(following.executor, "forget_run", run_id)

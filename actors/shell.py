@@ -16,8 +16,11 @@ import time
 from collections import deque
 from typing import Any
 
+from ray import cloudpickle
+
 from opgraph.kernel import (
     AdmissionDecided,
+    AppendRecords,
     CancelGraceExpired,
     CancelOperation,
     CloneBranch,
@@ -45,6 +48,7 @@ from opgraph.kernel import (
 from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
 from .branch_registry import BranchRegistry
+from .durability import RunLogger, encode_header
 from .errors import call_failure, is_actor_death
 from .histogram import LatencyHistogram
 from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources
@@ -90,10 +94,37 @@ class _Run:
         self.harvested_drops = 0
         self.harvested_settled: dict[str, int] = {}
         self.watchers: list[RunWatcher] = []
+        # The durable run log (durability.py): batches appended and made durable, what
+        # waits for them, and who waits for the run's end (detached runs have no driver).
+        self.log_seq = 0
+        self.flushed_seq = 0
+        self.gate_seq = 0
+        self.gated: deque[tuple[int, str, Any]] = deque()
+        self.durable_waiters: list[asyncio.Future] = []
+        self.log_error: BaseException | None = None
+        self.result_waiters: list[asyncio.Future] = []
 
     def post(self, kind: str, item: Any) -> None:
+        """Hand ``item`` to the driver (or, ``kind`` "watch", to the watchers); held back until the
+        batch that decided it is durable."""
+        if self.gate_seq > self.flushed_seq:
+            self.gated.append((self.gate_seq, kind, item))
+            return
+        self._deliver(kind, item)
+
+    def _deliver(self, kind: str, item: Any) -> None:
+        if kind == "watch":
+            for watcher in self.watchers:
+                watcher.push(item)
+            return
         self.outbox.append((kind, item))
         self.wakeup.set()
+
+    def release_gated(self) -> None:
+        gated = self.gated
+        while gated and gated[0][0] <= self.flushed_seq:
+            _, kind, item = gated.popleft()
+            self._deliver(kind, item)
 
     def final_summary(self) -> dict[str, Any]:
         if self.error is not None:
@@ -127,8 +158,9 @@ def _finished_event(row: OutcomeRow) -> OperationFinished:
 class ExecutorShell:
     """What a GraphExecutor contains: its runs, its supervised workers and stores, and counters."""
 
-    def __init__(self, workers: ActorPool, stores: ActorPool) -> None:
+    def __init__(self, workers: ActorPool, stores: ActorPool, logger: RunLogger | None = None) -> None:
         self.workers = workers
+        self.logger = logger
         self.branches = BranchRegistry(stores)
         self.runs: dict[str, _Run] = {}
         # Operations, providers and settings by key (a run id, or a Session's turn key),
@@ -140,7 +172,7 @@ class ExecutorShell:
         self.told: set[asyncio.Task] = set()
         self.tell_failures = 0
         self.totals = {"runs": 0, "dispatched": 0, "settled": 0, "spawned": 0, "messages": 0, "undelivered": 0,
-                       "turns": 0}
+                       "turns": 0, "recovered": 0}
         # Executor-wide, monotonic across forget_run: what metrics export as counters.
         self.settled_by_status: dict[str, int] = {}
         self.dropped_spawns_by_reason: dict[str, int] = {}
@@ -160,30 +192,40 @@ class ExecutorShell:
             own = f"run-{run_id}-default"
             options.default_branch_id = own
             options.clone_source_branch_id = own
-        state = FlowState(
-            graph,
-            run_id=run_id,
-            context=options.context,
-            max_concurrent=options.max_concurrent,
-            parallel=options.parallel,
-            reactive=options.reactive,
-            max_spawn=options.max_spawn,
-            node_builder=options.node_builder,
-            spawn_type=options.spawn_type,
-            default_branch_id=options.default_branch_id,
-            clone_source_branch_id=options.clone_source_branch_id,
-            known_branches=set(options.known_branches),
-            reducers=options.reducers,
-            retry_policies=options.retry_policies,
-            write_back=False,  # this graph is the executor's copy; the driver mirrors the envelope
-            progress_signals=options.want_signals,  # queued/started/spawned reach only signal subscribers
-        )
+        options.durable = bool(options.durable and self.logger is not None)
+        header = encode_header(graph, options, time.time()) if options.durable else b""
+        state = FlowState(graph, **_flow_options(run_id, options))
         run = _Run(run_id, state, options)
-        instructions = state.handle(FlowStarted(now=time.time()))  # raises OperationError on a bad graph
+        instructions = state.handle(FlowStarted(now=run.started))  # raises OperationError on a bad graph
+        if options.durable:  # admitted and durable before anyone hears of it
+            await self.logger.begin(run, header)
+        await self._admit(run, instructions)
+
+    async def recover_run(self, run_id: str, header: bytes, batches: list,
+                          overrides: dict[str, Any] | None = None) -> None:
+        """Continue a durable run from its log: rebuilt, then every attempt in flight sent again.
+
+        ``overrides`` change how the run is followed from now on (``want_signals``,
+        ``detached``: a run resumed by a new driver is drained by it)."""
+        self.bind_loop()
+        graph, options, started = cloudpickle.loads(header)
+        for name, value in (overrides or {}).items():
+            setattr(options, name, value)
+        state = FlowState.rebuild(graph, batches, started_at=started, **_flow_options(run_id, options))
+        run = _Run(run_id, state, options)
+        run.started = started
+        await self.logger.begin(run, header)
+        if options.isolated:  # its own default branch: back with the other durable branches, or recreated
+            options.known_branches = {**options.known_branches, options.default_branch_id: 0}
+        self.totals["recovered"] += 1
+        await self._admit(run, state.recover(time.time()))
+
+    async def _admit(self, run: _Run, instructions: list[Any]) -> None:
+        run_id, options, state = run.run_id, run.options, run.state
         registry = self.branches
         if options.branch_scope is not None:
             registry.adopt(options.branch_scope, (), parent=options.scope_parent)
-        if options.isolated:
+        if options.isolated and options.default_branch_id not in options.known_branches:
             await registry.create(options.default_branch_id, [], options.branch_scope)
         lost = await registry.ensure(dict(options.known_branches))
         run.lost_branches.extend({"branch_id": branch_id, "reason": "its branch store died; recreated empty"}
@@ -316,8 +358,24 @@ class ExecutorShell:
         run.error = exc
         run.done.set()
         run.wakeup.set()
+        run.gated.clear()
         run.finish_watchers()
         self._fail_waiters(run, exc)
+        self._answer_results(run)
+        if run.options.durable and self.logger is not None:
+            self.tell_failure_recorded(run, exc)
+
+    def tell_failure_recorded(self, run: _Run, exc: BaseException) -> None:
+        """Record that the run ended with an error, so the log does not keep it live."""
+        self._spawn_task(run, self.logger.writer.run(self.logger.log.finish, run.run_id, "error", None,
+                                                    f"{type(exc).__name__}: {exc}"))
+
+    @staticmethod
+    def _answer_results(run: _Run) -> None:
+        waiters, run.result_waiters = run.result_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(run.error if run.error is not None else run.envelope)
 
     @staticmethod
     def _fail_waiters(run: _Run, exc: BaseException | None) -> None:
@@ -340,6 +398,8 @@ class ExecutorShell:
         registry = self.branches
         options = run.options
         default_shard = registry.shard_of(options.default_branch_id)
+        if instructions and type(instructions[0]) is AppendRecords:
+            run.gate_seq = self.logger.append(run, instructions[0].records)
         for instruction in instructions:
             kind = type(instruction)
             if kind is DispatchOperation:
@@ -395,6 +455,22 @@ class ExecutorShell:
                 self.loop.call_later(window, self._spawn_task, run, self._flush(run))
 
     def _finish(self, run: _Run, envelope: dict[str, Any]) -> None:
+        if run.options.durable:
+            # The envelope is an acknowledgement like any other: durable first.
+            self._spawn_task(run, self._finish_durably(run, envelope))
+            return
+        self._settle(run, envelope)
+
+    async def _finish_durably(self, run: _Run, envelope: dict[str, Any]) -> None:
+        try:
+            await self.logger.finish(run, envelope["status"], envelope)
+        except Exception as exc:  # noqa: BLE001 - a run whose end cannot be made durable ends with that error
+            self._fail_run(run, ExecutionError(f"the run could not be made durable: {type(exc).__name__}: {exc}",
+                                               run_id=run.run_id))
+            return
+        self._settle(run, envelope)
+
+    def _settle(self, run: _Run, envelope: dict[str, Any]) -> None:
         run.envelope = envelope
         envelope["run_id"] = run.run_id
         envelope["scheduler_messages"] = run.messages
@@ -411,7 +487,10 @@ class ExecutorShell:
         run.wakeup.set()
         run.finish_watchers()
         self._fail_waiters(run, None)
+        self._answer_results(run)
         self.release_resources(run.run_id)
+        if run.options.detached:  # nobody drains it: done once its end is durable and told
+            self.forget_run(run.run_id)
 
     def _cancel_in_flight(self, run: _Run, cancels: list[CancelOperation]) -> None:
         """Ask the workers to cancel; give the operations ``cancel_grace`` seconds to stop."""
@@ -435,6 +514,13 @@ class ExecutorShell:
         dispatches, run.pending_dispatch = run.pending_dispatch, []
         if dispatches:
             await self._await_branch_work(run)
+            if run.options.durable and run.flushed_seq < run.log_seq:
+                try:  # what decided these dispatches must outlive this process before they go out
+                    await self.logger.durable(run, run.log_seq)
+                except Exception as exc:  # noqa: BLE001 - the run cannot go on durably: it ends, typed
+                    self._fail_run(run, ExecutionError(f"the run log could not be written: {exc}",
+                                                       run_id=run.run_id))
+                    return
             self._dispatch(run, dispatches)
 
     async def _await_branch_work(self, run: _Run) -> None:
@@ -479,8 +565,8 @@ class ExecutorShell:
                 event = FlowEvent(node_id, node.metadata.get("reference_id") or node.operation,
                                   _TERMINAL_SIGNALS[kind], run.state.results.get(node_id),
                                   bool(node.metadata.get("spawned")))
-                for watcher in run.watchers:
-                    watcher.push(event)
+                if run.watchers:
+                    run.post("watch", event)
                 if run.options.want_events:
                     run.post("event", event)
                     run.undelivered_events += 1
@@ -654,3 +740,17 @@ class _SetupBranch:
     def append(self, *messages: Any) -> None:
         self._pending.append(self._registry.call(self._shard, "append", self.id, list(messages),
                                                  run_id=self._run_id, branch_id=self.id))
+
+
+def _flow_options(run_id: str, options: RunOptions) -> dict[str, Any]:
+    """The FlowState options of a run, from what its Session decided."""
+    return {
+        "run_id": run_id, "context": options.context, "max_concurrent": options.max_concurrent,
+        "parallel": options.parallel, "reactive": options.reactive, "max_spawn": options.max_spawn,
+        "node_builder": options.node_builder, "spawn_type": options.spawn_type,
+        "default_branch_id": options.default_branch_id, "clone_source_branch_id": options.clone_source_branch_id,
+        "known_branches": set(options.known_branches), "reducers": options.reducers,
+        "retry_policies": options.retry_policies, "durable": options.durable,
+        "write_back": False,  # this graph is the executor's copy; the driver mirrors the envelope
+        "progress_signals": options.want_signals,  # queued/started/spawned reach only signal subscribers
+    }

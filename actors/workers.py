@@ -102,16 +102,28 @@ class RemoteBranch:
         return await self._call("append", self.id, list(messages))
 
     async def _call(self, method: str, *args: Any) -> Any:
-        """A store call, with Ray's errors translated at this boundary."""
+        """A store call, with Ray's errors translated at this boundary.
+
+        Should the store be dead, the call waits for its replacement (the executor starts
+        it) and is made once more there: a durable store comes back with every branch, so
+        the operation never notices; a volatile one comes back without, and that is a
+        typed failure of this node."""
         store, name = self._worker.store(self._store_index)
-        try:
-            return await getattr(store, method).remote(*args)
-        except Exception as exc:  # translated: a dead store is a typed, per-node failure
-            error = translate(exc, actor=name, run_id=self.run_id, node_id=self.node_id, branch_id=self.id,
-                              doing=f"{method} on the branch")
-            if error is exc:
-                raise
-            raise error from None
+        for attempt in (1, 2):
+            try:
+                return await getattr(store, method).remote(*args)
+            except Exception as exc:  # translated: a dead store is a typed, per-node failure
+                error = translate(exc, actor=name, run_id=self.run_id, node_id=self.node_id, branch_id=self.id,
+                                  doing=f"{method} on the branch")
+                if attempt == 1 and isinstance(error, BranchStoreLostError):
+                    replacement = await self._worker.replacement_store(self._store_index, name)
+                    if replacement is not None:
+                        store, name = replacement
+                        continue
+                if error is exc:
+                    raise
+                raise error from None
+        raise AssertionError("unreachable: the loop returns or raises")
 
     def emit(self, request: SpawnRequest | EscalationRequest) -> None:
         kind = "escalation" if isinstance(request, EscalationRequest) else "spawn"
@@ -225,6 +237,10 @@ class OperationWorker:
         self.loop = asyncio.get_running_loop()
         return self.index
 
+    async def set_executor(self, executor: Any) -> None:
+        """The executor that supervises this worker now (one that adopted it, after its predecessor died)."""
+        self.executor = executor
+
     # -- what the executor tells it ----------------------------------------------------
     async def set_store(self, index: int, store: Any, name: str) -> None:
         """A branch store was replaced: later calls use the new one."""
@@ -259,6 +275,20 @@ class OperationWorker:
             early.discard(call[0])
             task.cancel()
         return task
+
+    async def replacement_store(self, index: int, dead_name: str) -> tuple[Any, str] | None:
+        """The store that replaced ``dead_name`` (waited for), or None when none can be had."""
+        current = self.store(index)
+        if current[1] != dead_name:  # already told of the replacement
+            return current
+        if self.executor is None:
+            return None
+        try:
+            handle, name = await self.executor.live_store.remote(index, dead_name)
+        except Exception:  # noqa: BLE001 - no replacement to be had: the caller's own typed error stands
+            return None
+        await self.set_store(index, handle, name)
+        return handle, name
 
     def store(self, index: int) -> tuple[Any, str]:
         if index >= len(self.stores) or self.stores[index] is None:

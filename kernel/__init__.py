@@ -6,7 +6,16 @@ no ray, asyncio, anyio, HTTP or metrics library and performs no I/O.
 """
 
 from .builder import ExpansionStrategy, OperationGraphBuilder
-from .codec import CODEC_SCHEMA_VERSION, decode, encode, register_condition, register_model
+from .codec import (
+    CODEC_SCHEMA_VERSION,
+    LOG_SCHEMA_VERSION,
+    decode,
+    decode_records,
+    encode,
+    encode_records,
+    register_condition,
+    register_model,
+)
 from .context import SharedContext, render_operator_messages, to_mapping
 from .contracts import (
     SPAWN_ALLOWED_OPERATIONS,
@@ -33,6 +42,7 @@ from .errors import (
 )
 from .events import (
     AdmissionDecided,
+    AppendRecords,
     CancelGraceExpired,
     CancelOperation,
     CancelRequested,
@@ -51,6 +61,7 @@ from .events import (
     OperatorMessageReceived,
     PauseRequested,
     ReplaceHistory,
+    Restored,
     ResumeRequested,
     SpawnRequested,
 )
@@ -85,6 +96,7 @@ from .signals import (
 
 __all__ = [
     "AdmissionDecided",
+    "AppendRecords",
     "BRANCH_OPERATIONS",
     "CODEC_SCHEMA_VERSION",
     "CancelGraceExpired",
@@ -133,7 +145,9 @@ __all__ = [
     "OperatorMessageReceived",
     "PauseRequested",
     "RETRYABLE_KINDS",
+    "LOG_SCHEMA_VERSION",
     "ReplaceHistory",
+    "Restored",
     "ResumeRequested",
     "RetryPolicy",
     "RoutingError",
@@ -151,8 +165,10 @@ __all__ = [
     "build_fanout_graph",
     "create_operation",
     "decode",
+    "decode_records",
     "default_node_builder",
     "encode",
+    "encode_records",
     "extract_requests",
     "normalise_dependency_ordinals",
     "register_condition",

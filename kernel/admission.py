@@ -7,6 +7,7 @@ A mixin of FlowState: it keeps no state of its own and is reached only through `
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from pydantic import BaseModel
@@ -21,6 +22,7 @@ from .states import TERMINAL
 __all__ = ["BUILDER_ERROR_CHARS", "SPAWN_INSTRUCTION_CHARS", "ReactiveAdmission"]
 
 BUILDER_ERROR_CHARS = 500
+_ESCALATION_IDS = uuid.UUID("5f0c3a5e-8c1d-4d0e-9a57-0b2f6e1d7c41")  # namespace of escalation children's ids
 SPAWN_INSTRUCTION_CHARS = 512
 
 
@@ -67,6 +69,7 @@ class ReactiveAdmission:
         emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
         if emitter is not None:
             self.escalated_operations.append(emitter.id)
+            self._record("escalated", emitter.id)
         child_id = None
         if _attribute(request, "route") == "higher_tier" and emitter is not None:
             parameters = dict(emitter.parameters)
@@ -76,7 +79,11 @@ class ReactiveAdmission:
                 f"[ESCALATION] The previous attempt escalated this task to a higher tier. "
                 f"Reason: {_attribute(request, 'reason') or ''}\n\n{original}"
             )
-            child = Operation(operation=emitter.operation, parameters=parameters)
+            # A deterministic id: the same escalation admitted again (a rebuilt run) is the same node.
+            count = self._escalations.get(emitter.id, 0) + 1
+            self._escalations[emitter.id] = count
+            child = Operation(id=str(uuid.uuid5(_ESCALATION_IDS, f"{self.run_id}/{emitter.id}/{count}")),
+                              operation=emitter.operation, parameters=parameters)
             child.metadata["escalated_from"] = emitter.id
             if self._accept(child, None, emitter.id, None, True):
                 child_id = child.id
@@ -122,12 +129,14 @@ class ReactiveAdmission:
         if key in self._seen_requests:
             return True
         self._seen_requests.add(key)
+        self._record("seen", key)
         return False
 
     def _drop(self, reason: str, assignee: Any, emitter_id: str | None, **extra: Any) -> None:
         entry = {"reason": reason, "assignee": assignee, "emitter_id": emitter_id}
         entry.update(extra)
         self.dropped_spawns.append(entry)
+        self._record("dropped", entry)
 
     def _accept(self, child: Operation, after: str | None, emitter_id: str | None, assignee: Any,
                 independent: bool) -> bool:
@@ -161,6 +170,7 @@ class ReactiveAdmission:
             deps = [after]
         else:
             deps = []
+        self._record("admitted", self.now, child, after, emitter_id, assignee, independent)
         self.spawn_count += 1
         self.spawned_ids.append(child_id)
         metadata["spawned"] = True

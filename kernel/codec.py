@@ -10,7 +10,9 @@ callables do not belong here: they travel the Ray way, by cloudpickle.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+import pickle
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -20,7 +22,16 @@ from . import contracts, signals
 from .errors import CodecError
 from .graph import Edge, Graph, Operation
 
-__all__ = ["CODEC_SCHEMA_VERSION", "decode", "encode", "register_condition", "register_model"]
+__all__ = [
+    "CODEC_SCHEMA_VERSION",
+    "LOG_SCHEMA_VERSION",
+    "decode",
+    "decode_records",
+    "encode",
+    "encode_records",
+    "register_condition",
+    "register_model",
+]
 
 CODEC_SCHEMA_VERSION = 2
 
@@ -194,3 +205,60 @@ def decode(data: bytes) -> Any:
             f"payload schema version {envelope['v']} is not supported (expected {CODEC_SCHEMA_VERSION})"
         )
     return envelope["body"]
+
+
+# -- the durable run log -------------------------------------------------------------------
+# One batch of run-log records (runlog.py) per message. Records and their plain values
+# pack natively, in C: that is the whole per-node cost a durable run pays here. A value
+# msgpack cannot hold (an operation's pydantic result, a restored Operation, any object)
+# travels pickled in its own extension type, so it comes back as it was. The log is the
+# runtime's own data, read only by the runtime. (A tuple inside a plain result, which
+# msgpack holds as an array, reads back as a list.)
+LOG_SCHEMA_VERSION = 1
+_EXT_PICKLED = 9
+
+
+def _log_default(dumps: Any) -> Any:
+    def default(value: Any) -> Any:
+        try:
+            return msgpack.ExtType(_EXT_PICKLED, dumps(value))
+        except Exception as exc:  # an unpicklable value (it raises anything): the run cannot be made durable
+            raise CodecError(f"cannot record a value of type {type(value).__name__}: {exc}") from exc
+
+    return default
+
+
+_PICKLE_DUMPS = functools.partial(pickle.dumps, protocol=5)
+
+
+def _log_ext(code: int, data: bytes) -> Any:
+    if code != _EXT_PICKLED:
+        raise CodecError(f"unknown run-log extension type {code}")
+    return pickle.loads(data)
+
+
+def encode_records(batch: Sequence[Sequence[Any]], *, dumps: Any = None) -> bytes:
+    """One batch of run-log records, with the log's schema version.
+
+    ``dumps`` pickles what msgpack cannot hold (default ``pickle.dumps``); the runtime
+    passes cloudpickle's, which also holds classes defined in scripts and tests."""
+    try:
+        return msgpack.packb([LOG_SCHEMA_VERSION, batch], default=_log_default(dumps or _PICKLE_DUMPS),
+                             use_bin_type=True)
+    except CodecError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise CodecError(f"cannot encode run-log records: {exc}") from exc
+
+
+def decode_records(data: bytes) -> list[list[Any]]:
+    """The records ``encode_records`` wrote; another schema version is refused."""
+    try:
+        version, batch = msgpack.unpackb(data, ext_hook=_log_ext, raw=False, strict_map_key=False)
+    except CodecError:
+        raise
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+        raise CodecError(f"cannot decode run-log records: {exc}") from exc
+    if version != LOG_SCHEMA_VERSION:
+        raise CodecError(f"run-log schema version {version} is not supported (expected {LOG_SCHEMA_VERSION})")
+    return batch

@@ -23,6 +23,7 @@ new_record = tuple.__new__
 
 __all__ = [
     "AdmissionDecided",
+    "AppendRecords",
     "CancelGraceExpired",
     "CancelOperation",
     "CancelRequested",
@@ -43,6 +44,7 @@ __all__ = [
     "OperatorMessageReceived",
     "PauseRequested",
     "ReplaceHistory",
+    "Restored",
     "ResumeRequested",
     "SpawnRequested",
 ]
@@ -129,6 +131,18 @@ class InjectRequested(NamedTuple):
     after: str | None = None
     independent: bool = False
     token: Any = None
+
+
+class Restored(NamedTuple):
+    """A decision replayed from the durable run log (``FlowState.rebuild``): never sent by a shell.
+
+    ``record`` is one admission-ledger record (``seen``, ``admitted``, ``dropped``,
+    ``escalated``): what a node builder or an escalation decided the first time is
+    applied again as it was, never decided anew.
+    """
+
+    now: float = 0.0
+    record: tuple = ()
 
 
 class PauseRequested(NamedTuple):
@@ -257,6 +271,17 @@ class AdmissionDecided(NamedTuple):
     reason: str | None = None
 
 
+class AppendRecords(NamedTuple):
+    """Durable runs only: the records of one ``handle()`` call, to append to the run log.
+
+    Always the first instruction of its batch. The shell makes them durable before it
+    acknowledges any outcome of the batch to anyone, and before it dispatches anything
+    the batch decided, so that after a crash nothing is run twice under one attempt.
+    """
+
+    records: tuple
+
+
 class FinishRun(NamedTuple):
     """The run settled; ``envelope`` is its result envelope."""
 
@@ -277,10 +302,11 @@ Event = (
     | CancelRequested
     | CancelGraceExpired
     | DispatchUndelivered
+    | Restored
 )
 Instruction = (
     CloneBranch | ReplaceHistory | DispatchOperation | CancelOperation | EvaluateConditions | EmitSignal
-    | AdmissionDecided | FinishRun
+    | AdmissionDecided | FinishRun | AppendRecords
 )
 
 

@@ -37,6 +37,7 @@ from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION
 from .graph import Graph, Operation, condition_is_async, validate_condition
 from .invariants import InvariantChecks
 from .registration import NodeRegistration
+from .runlog import DurableRecords
 from .states import (
     _ALLOWED_FROM,
     _PUBLIC_STATUS,
@@ -58,7 +59,8 @@ __all__ = ["DEFAULT_MAX_CONCURRENCY", "FlowState", "TRANSITIONS"]
 
 DEFAULT_MAX_CONCURRENCY = 10_000
 
-class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompletion, InvariantChecks):
+class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompletion, DurableRecords,
+                InvariantChecks):
     """All state of one run; change it only through ``handle(*events)``.
 
     Cost per settlement is O(degree): dependents are found through the reverse
@@ -85,6 +87,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         progress_signals: bool = True,
         clone_source_branch_id: str | None = None,
         retry_policies: Mapping[str, RetryPolicy] | None = None,
+        durable: bool = False,
     ) -> None:
         """``write_back`` records each node's final status, response and error on its
         Operation when the run finishes (``_write_back``); a shell whose graph is a copy
@@ -100,7 +103,10 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         ``default_branch_id`` is the flow's default branch: roots without a branch of
         their own run on it. ``clone_source_branch_id`` is the session's default branch,
         which dependent and inheriting nodes are cloned from (ADR-0023 D3); it defaults
-        to the flow's. ``retry_policies`` maps an operation name to its RetryPolicy."""
+        to the flow's. ``retry_policies`` maps an operation name to its RetryPolicy.
+
+        ``durable`` runs record what changes them, one ``AppendRecords`` instruction per
+        ``handle()`` (runlog.py); ``FlowState.rebuild`` restores such a run from them."""
         if not isinstance(graph, Graph):
             raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
         graph.check_references()
@@ -174,9 +180,13 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.dropped_spawns: list[dict[str, Any]] = []
         self._seen_requests: set[Any] = set()
         self._children: dict[str, int] = {}
+        self._escalations: dict[str, int] = {}  # higher-tier children per emitter, for their ids
         self._injected = 0
         self.counters = {"events": 0, "dispatched": 0, "settled": 0, "stale_results": 0, "redispatched": 0}
         self._out: list[ev.Instruction] = []
+        self.durable = durable
+        self._replaying = False
+        self._pending_records: list[tuple] = []
 
     # -- the one mutator --------------------------------------------------------
     def handle(self, *events: ev.Event) -> list[ev.Instruction]:
@@ -201,6 +211,10 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         if not self.running and self.open_nodes <= 0:  # what _maybe_finish checks first, inline
             self._maybe_finish()
         self._out = []
+        if self._pending_records:
+            # First, so the shell makes the batch durable before it acts on anything it decided.
+            out.insert(0, ev.AppendRecords(tuple(self._pending_records)))
+            self._pending_records = []
         return out
 
     # -- queries ----------------------------------------------------------------
@@ -333,6 +347,9 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             if current is not None:  # an id this run never had gets no story of its own
                 self._recorded_story(node_id).append((current, current, "stale result dropped", event.attempt))
             return
+        if self.durable:
+            self._record("finished", event.now, node_id, event.attempt, status, response, event.error,
+                         event.error_type)
         del running[node_id]
         plain = type(response) in PLAIN_TYPES  # carries no context update and no request objects
         if status == COMPLETED:
@@ -379,6 +396,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         if in_flight is None or in_flight[0] != event.attempt:
             self.counters["stale_results"] += 1
             return
+        self._record("undelivered", event.now, node_id, event.attempt, event.reason)
         del self.running[node_id]
         if self.cancelling:
             self._cancel_node(node_id, "cancelled before it started")
@@ -399,6 +417,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         """Operations that ignored cancellation past the grace period settle ``cancelled``."""
         if not self.cancelling:
             return
+        self._record("grace", event.now)
         for node_id in list(self.running):
             del self.running[node_id]
             reason = f"{CANCEL_GRACE_EXPIRED}: the operation ignored cancellation past the grace period"
@@ -409,6 +428,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         node_id = event.node_id
         if self.state.get(node_id) != EVALUATING:
             return
+        self._record("conditions", event.now, node_id, event.results, event.error)
         if event.error is not None:
             self._settle_failed(node_id, f"edge condition raised: {event.error}", EDGE_CONDITION_ERROR, from_gate=True)
         elif any(passed for _, passed in event.results):
@@ -417,6 +437,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             self._skip(node_id)
 
     def _on_pause(self, event: ev.PauseRequested) -> None:
+        self._record("pause", event.now)
         if not self.paused:
             self.paused = True
             self._pause_announced.clear()
@@ -424,6 +445,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 self._announce_pause(node_id)
 
     def _on_resume(self, event: ev.ResumeRequested) -> None:
+        self._record("resume", event.now)
         self.paused = False
         self._pause_announced.clear()
 
@@ -431,6 +453,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.held = event.held
 
     def _on_operator_message(self, event: ev.OperatorMessageReceived) -> None:
+        self._record("message", event.now, event.text, event.ts)
         queue = self.shared.data.get(OPERATOR_MESSAGES_KEY)
         if not isinstance(queue, list):
             queue = self.shared.data[OPERATOR_MESSAGES_KEY] = []
@@ -440,6 +463,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     def _on_cancel(self, event: ev.CancelRequested) -> None:
         if self.cancelling or self.finished:
             return
+        self._record("cancel", event.now, event.reason)
         self.cancelling = True
         self._cancel_reason = event.reason
         self._cancel_open_nodes()
@@ -547,8 +571,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 return
         if deferred:
             try:
-                inputs = tuple((edge.id, to_mapping(self.results.get(edge.head))) for edge in deferred)
-                request = ev.EvaluateConditions(node_id, inputs, self.shared.snapshot())
+                request = self._evaluation_request(node_id, deferred)
             except Exception as exc:  # noqa: BLE001 - a head's result that will not convert: as if the condition raised
                 self._settle_failed(
                     node_id,
@@ -564,6 +587,16 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             self._skip(node_id, f"no incoming path passed: dependency {blocked_by} was restored as failed")
         else:
             self._skip(node_id)
+
+    def _evaluation_request(self, node_id: str, deferred: list[Any] | None = None) -> ev.EvaluateConditions:
+        """Ask the shell to evaluate the node's async conditions: its live async edges by default."""
+        if deferred is None:
+            edges, state = self.graph.edges, self.state
+            deferred = [edge for edge in (edges[edge_id] for edge_id in self.graph._in[node_id])
+                        if state[edge.head] != SKIPPED and edge.head not in self.restored_failed
+                        and edge.condition is not None and condition_is_async(edge.condition)]
+        inputs = tuple((edge.id, to_mapping(self.results.get(edge.head))) for edge in deferred)
+        return ev.EvaluateConditions(node_id, inputs, self.shared.snapshot())
 
     def _condition_input(self, head: str) -> dict[str, Any]:
         return {"result": to_mapping(self.results.get(head)), "context": self.shared.data}
@@ -662,4 +695,5 @@ _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
     ev.CancelRequested: FlowState._on_cancel,
     ev.CancelGraceExpired: FlowState._on_cancel_grace,
     ev.DispatchUndelivered: FlowState._on_undelivered,
+    ev.Restored: FlowState._on_restored,
 }

@@ -28,9 +28,12 @@ import ray
 from opgraph.actors import RuntimeLostError, Session
 from opgraph.kernel import Graph, OperationGraphBuilder, create_operation
 
+from . import chaos_durable
+
 __all__ = ["main"]
 
 SCENARIO_TIMEOUT = 300.0
+SCENARIOS = ["worker", "idle", "store", "executor", "memory", "serve", "recovery", "branches", "owner", "submit"]
 
 
 @ray.remote
@@ -158,7 +161,7 @@ async def worker_idle() -> dict[str, Any]:
 
 # -- 3: the branch store killed mid-run ---------------------------------------------------------------
 async def store_mid_run(chains: int, length: int) -> dict[str, Any]:
-    session = _own_session("store")
+    session = _own_session("store", durable=False)  # issue 13's case: a store that keeps nothing
     try:
         builder = OperationGraphBuilder("chains")
         for chain in range(chains):
@@ -187,7 +190,7 @@ async def store_mid_run(chains: int, length: int) -> dict[str, Any]:
 
 # -- 4: the executor killed mid-run ---------------------------------------------------------------------
 async def executor_mid_run() -> dict[str, Any]:
-    session = _own_session("executor")
+    session = _own_session("executor", durable=False)  # issue 13's case: nothing to recover from
     try:
         flow = asyncio.create_task(session.flow(_fan_out("sleep", 200, seconds=0.5), max_concurrent=50))
         await asyncio.sleep(1.0)
@@ -340,13 +343,14 @@ def memory_under_serve(runs: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.bench.chaos", description=__doc__.splitlines()[0])
-    parser.add_argument("--only", nargs="*", choices=["worker", "idle", "store", "executor", "memory", "serve"],
-                        help="run only these scenarios (default: all)")
+    parser.add_argument("--only", nargs="*", choices=SCENARIOS, help="run only these scenarios (default: all)")
     parser.add_argument("--nodes", type=int, default=2000)
     parser.add_argument("--dependents", type=int, default=20_000)
     arguments = parser.parse_args(argv)
-    chosen = set(arguments.only or ["worker", "idle", "store", "executor", "memory", "serve"])
-    Session()  # the embedded cluster, started once for every scenario
+    chosen = set(arguments.only or SCENARIOS)
+    # Processes this one starts join its embedded Ray (the submit scenario): no token to hand over.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    main_session = Session()  # the embedded cluster, started once for every scenario
     report: dict[str, Any] = {}
 
     async def scenarios() -> None:
@@ -362,10 +366,22 @@ def main(argv: list[str] | None = None) -> int:
         if "memory" in chosen:
             report[f"5a {5} runs of 1 + {arguments.dependents:,} dependents, one Session each"] = \
                 await memory_over_sessions(5, arguments.dependents)
+        if "recovery" in chosen:
+            report["15.1 durable: executor killed at 30% of 10,000 x 200 ms at 1000"] = \
+                await chaos_durable.executor_recovery()
+        if "branches" in chosen:
+            report["15.2 durable: branch store killed mid-run of 60 chains x 5 chat on sim/"] = \
+                await chaos_durable.branch_store_messages()
+        if "owner" in chosen:
+            report["15.3 durable: owner SIGKILLed mid-run of 1,000 nodes, then resumed from the log"] = \
+                await chaos_durable.owner_resume(main_session)
 
     asyncio.run(asyncio.wait_for(scenarios(), SCENARIO_TIMEOUT * 5))
     if "serve" in chosen:
         report["5b 5 fixed-workflow runs through opgraph serve"] = memory_under_serve(5)
+    if "submit" in chosen:
+        report["15.4 durable: submit() from a process that exits, result() from another"] = \
+            chaos_durable.submit_and_read()
     for name, figures in report.items():
         print(f"== {name}")
         print(json.dumps(figures, indent=2, default=str))

@@ -156,7 +156,9 @@ class OpgraphRunner:
 
     name = "opgraph"
 
-    def __init__(self, session: Session, timeout: float) -> None:
+    def __init__(self, session: Session, timeout: float, *, name: str = "opgraph", durable: bool = True) -> None:
+        self.name = name
+        self.durable = durable
         self.session = session
         self.timeout = timeout
         session.register_operation(SLEEP, opgraph_sleep, record_turn=False)
@@ -169,6 +171,7 @@ class OpgraphRunner:
     async def run(self, shape: Shape) -> float:
         graph = build_graph(shape, OperationGraphBuilder())
         options = flow_options(shape, create_operation)
+        options["durable"] = self.durable
         elapsed, envelope = await asyncio.wait_for(
             timed_flow(self.session, graph, shape.capacity, **options), self.timeout)
         settled = len(envelope["operation_statuses"])
@@ -324,6 +327,9 @@ def machine() -> dict[str, Any]:
 
 async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, ray_start: float) -> int:
     runners: list[Any] = [OpgraphRunner(session, args.timeout)]
+    if args.compare == "durability":  # the same runtime, each run logged or not: the cost of durability
+        runners = [OpgraphRunner(session, args.timeout, name="durable"),
+                   OpgraphRunner(session, args.timeout, name="volatile", durable=False)]
     if args.compare == "lionagi":
         runners.append(LionagiRunner(args.compare_timeout))
     names = [runner.name for runner in runners]
@@ -353,7 +359,7 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
                                for shape, outcomes in zip(shapes, results, strict=True)]}
         with open(args.json, "w") as handle:
             json.dump(document, handle, indent=2)
-    return 0 if all(outcomes["opgraph"].status == "ok" for outcomes in results) else 1
+    return 0 if all(outcomes[names[0]].status == "ok" for outcomes in results) else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -367,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, default=10_000,
                         help="fan-out width; the chain and the spawns are a tenth of it (default 10000)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per shape, median reported (default 3)")
-    parser.add_argument("--compare", choices=["lionagi"], default=None,
-                        help=f"also run every shape on lionagi, in this process ({INSTALL_HINT})")
+    parser.add_argument("--compare", choices=["lionagi", "durability"], default=None,
+                        help=f"also run every shape on lionagi, in this process ({INSTALL_HINT}); or "
+                             f"'durability': every shape with its run logged and without, side by side")
     parser.add_argument("--compare-timeout", type=float, default=120.0,
                         help="seconds one run of a shape may take on the compared library (default 120)")
     parser.add_argument("--timeout", type=float, default=600.0,

@@ -1,7 +1,7 @@
 """Prometheus metric families for engines, from ``engine_statistics()``-shaped snapshots.
 
 Owns the translation of engine counters (agents made, budget exhaustions, missing
-emissions, judge outcomes, runs) into metric families, for ``cluster/metrics.py`` to
+emissions, judge outcomes, runs) into metric families, for ``cluster/metrics/exporter.py`` to
 yield. Snapshots come from this process (``opgraph.engines.engine_statistics()``) or,
 for an exporter in another process, from the store (``EngineRunStore.statistics()``).
 """

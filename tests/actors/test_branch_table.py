@@ -145,3 +145,38 @@ def test_unknown_branch_error_pickles_with_its_branch_id():
     assert isinstance(copy, OpGraphError)
     assert copy.branch_id == "b-1"
     assert str(copy) == str(error)
+
+
+# -- durable tables: a journal written and read back --------------------------------------------------
+def test_a_journalled_table_reloads_exactly_what_it_held_and_forgets_what_nothing_sees(tmp_path):
+    """root(m1, m2) -> clone c (+c1), then c takes root's history, root gains m3 and is dropped:
+    reloaded, c still sees m1, m2; root is gone; c's first record, seen by nothing, left no rows."""
+    from opgraph.actors.persistence import Database
+    from opgraph.actors.persistence.branchlog import BranchJournal, load_shard
+
+    database = Database(tmp_path / "branches.db")
+    journal = BranchJournal(0)
+    table = BranchTable(journal)
+    table.create("root", ["m1", "m2"])
+    table.clone("root", "c")
+    table.append("c", ["c1"])
+    table.replace_history("c", "root")
+    table.append("root", ["m3"])
+    table.drop("root")
+    journal.write(database, journal.take())
+
+    rows = load_shard(database, 0)
+    reloaded = BranchTable.loaded(BranchJournal(0, rows.next_id), rows)
+    assert reloaded.messages("c") == ["m1", "m2"]
+    assert "root" not in reloaded
+    assert [record_id for record_id, _, _ in rows.records] == [1, 3]  # record 2 (c's first) was forgotten
+    reloaded.append("c", ["after reload"])
+    reloaded.journal.write(database, reloaded.journal.take())
+    assert BranchTable.loaded(BranchJournal(0), load_shard(database, 0)).messages("c") == ["m1", "m2", "after reload"]
+
+
+def test_a_table_without_a_journal_keeps_nothing_and_costs_no_record_ids():
+    table = table_with()
+    table.clone("root", "copy")
+    assert table.journal is None
+    assert table.messages("copy") == ["m1", "m2"]

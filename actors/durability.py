@@ -1,0 +1,109 @@
+"""The executor's side of the durable run log: append, flush, and hold back what must wait for it.
+
+Owns when a run's record batches reach the database and what waits for them. Batches
+of every run are flushed together, in one transaction on the writer thread, as soon as
+the loop is free (a flush under way gathers the next one: group commit, no fixed
+window). Until its batch is durable, nothing a batch decided is acknowledged to anyone
+(driver signals, watcher events, the envelope) or dispatched, so a crash can lose only
+decisions nobody acted on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from ray import cloudpickle
+
+from .persistence import RunLog, Writer
+from .persistence.codec import encode
+
+if TYPE_CHECKING:
+    from .shell import _Run
+
+__all__ = ["RunLogger", "encode_header"]
+
+
+def encode_header(graph: Any, options: Any, started: float) -> bytes:
+    """A run's header: the graph as submitted and its options, pickled the Ray way (they hold callables)."""
+    return cloudpickle.dumps((graph, options, started))
+
+
+class RunLogger:
+    """Appends run-log batches and releases what waited for them; one per executor."""
+
+    def __init__(self, log: RunLog, writer: Writer, executor: str) -> None:
+        self.log = log
+        self.writer = writer
+        self.executor = executor
+        self._pending: list[tuple[_Run, int, tuple]] = []
+        self._flushing: asyncio.Task | None = None
+        self.batches = 0
+        self.flushes = 0
+        self.bytes = 0
+
+    async def begin(self, run: _Run, header: bytes) -> None:
+        """Admit the run durably: its header is written before anyone hears of the run."""
+        await self.writer.run(self.log.begin, run.run_id, self.executor, header, run.started)
+        run.flushed_seq = run.log_seq = await self.writer.run(self.log.last_seq, run.run_id)
+
+    def append(self, run: _Run, records: tuple) -> int:
+        run.log_seq += 1
+        self._pending.append((run, run.log_seq, records))
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        return run.log_seq
+
+    async def durable(self, run: _Run, seq: int) -> None:
+        """Return once every batch of ``run`` up to ``seq`` is in the database."""
+        while run.flushed_seq < seq:
+            if run.log_error is not None:
+                raise run.log_error
+            waiter = asyncio.get_running_loop().create_future()
+            run.durable_waiters.append(waiter)
+            await waiter
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                pending, self._pending = self._pending, []
+                try:
+                    await self.writer.run(self._write, pending)
+                except Exception as exc:  # noqa: BLE001 - the runs lose durability: they end, typed
+                    for run, _, _ in pending:
+                        run.log_error = exc
+                        _wake(run)
+                    continue
+                self.flushes += 1
+                for run, seq, _ in pending:
+                    if seq > run.flushed_seq:
+                        run.flushed_seq = seq
+                released = {id(run): run for run, _, _ in pending}
+                for run in released.values():
+                    run.release_gated()
+                    _wake(run)
+        finally:
+            self._flushing = None
+
+    def _write(self, pending: list[tuple[_Run, int, tuple]]) -> None:
+        """On the writer thread: encode every batch, then one transaction for all of them."""
+        rows = [(run.run_id, seq, encode(records)) for run, seq, records in pending]
+        self.batches += len(rows)
+        self.bytes += sum(len(row[2]) for row in rows)
+        self.log.append(rows)
+
+    async def finish(self, run: _Run, status: str, envelope: dict[str, Any] | None, error: str | None = None) -> None:
+        await self.durable(run, run.log_seq)
+        await self.writer.run(self.log.finish, run.run_id, status, envelope, error)
+
+    def statistics(self) -> dict[str, Any]:
+        return {"batches": self.batches, "flushes": self.flushes, "bytes": self.bytes, "pending": len(self._pending),
+                "at": time.time()}
+
+
+def _wake(run: _Run) -> None:
+    waiters, run.durable_waiters = run.durable_waiters, []
+    for waiter in waiters:
+        if not waiter.done():
+            waiter.set_result(None)

@@ -1,0 +1,121 @@
+"""The durable run log: each run's header and its batches of records, and how the run ended.
+
+Owns the rows of the runtime's run tables. A header (the submitted graph and the run's
+options, pickled the Ray way because they hold user callables) is written when the run
+is admitted; record batches (kernel/runlog.py, through the kernel's run-log codec) as
+they are decided; the envelope when the run ends. Nothing here interprets a record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .codec import decode, encode
+from .database import Database, database_path
+
+__all__ = ["LIVE", "LoggedRun", "RunLog", "RunLogEntry"]
+
+LIVE = "live"
+
+
+@dataclass(frozen=True)
+class RunLogEntry:
+    """One logged run: ``status`` is live, completed, failed, cancelled or error."""
+
+    run_id: str
+    executor: str
+    status: str
+    started: float
+    finished: float | None
+    error: str | None
+
+
+@dataclass
+class LoggedRun:
+    """Everything the log holds of one run: what a rebuild needs."""
+
+    entry: RunLogEntry
+    header: bytes
+    batches: list[list[Any]]
+    envelope: dict[str, Any] | None
+
+
+def encode_envelope(envelope: dict[str, Any]) -> bytes:
+    return encode([[envelope]])
+
+
+def decode_envelope(data: bytes) -> dict[str, Any]:
+    return decode(data)[0][0]
+
+
+class RunLog:
+    """The run log in the runtime database at ``path`` (default ``OPGRAPH_DB``)."""
+
+    def __init__(self, path: Any = None, *, database: Database | None = None) -> None:
+        self.database = database or Database(path or database_path())
+
+    # -- writing -------------------------------------------------------------------------
+    def begin(self, run_id: str, executor: str, header: bytes, started: float) -> None:
+        """Admit ``run_id``: its header, live on ``executor``. A run resumed from its log keeps
+        its records and is live again (on whichever executor now owns it)."""
+        self.database.transaction([(
+            "INSERT INTO runtime_runs (run_id, executor, status, started, header) VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT(run_id) DO UPDATE SET executor = excluded.executor, status = excluded.status, "
+            "finished = NULL, envelope = NULL, error = NULL",
+            (run_id, executor, LIVE, started, header))])
+
+    def append(self, rows: list[tuple[str, int, bytes]]) -> None:
+        """Record batches ``(run_id, seq, encoded batch)`` of any runs, in one transaction."""
+        if rows:
+            self.database.transaction([("INSERT OR REPLACE INTO runtime_run_records (run_id, seq, batch) "
+                                        "VALUES (?, ?, ?)", rows)])
+
+    def finish(self, run_id: str, status: str, envelope: dict[str, Any] | None = None,
+               error: str | None = None) -> None:
+        blob = encode_envelope(envelope) if envelope is not None else None
+        self.database.transaction([("UPDATE runtime_runs SET status = ?, finished = ?, envelope = ?, error = ? "
+                                    "WHERE run_id = ?", (status, time.time(), blob, error, run_id))])
+
+    def forget(self, run_id: str) -> None:
+        """Remove a run's records, keeping how it ended (a finished run needs no replay)."""
+        self.database.transaction([("DELETE FROM runtime_run_records WHERE run_id = ?", (run_id,))])
+
+    # -- reading -------------------------------------------------------------------------
+    def entry(self, run_id: str) -> RunLogEntry | None:
+        rows = self.database.query("SELECT run_id, executor, status, started, finished, error FROM runtime_runs "
+                                   "WHERE run_id = ?", (run_id,))
+        return RunLogEntry(*rows[0]) if rows else None
+
+    def runs(self, *, status: str | None = None, executor: str | None = None) -> list[RunLogEntry]:
+        sql = "SELECT run_id, executor, status, started, finished, error FROM runtime_runs"
+        clauses, parameters = [], []
+        if status is not None:
+            clauses.append("status = ?")
+            parameters.append(status)
+        if executor is not None:
+            clauses.append("executor = ?")
+            parameters.append(executor)
+        if clauses:
+            sql += " WHERE " + " AND ".join(clauses)
+        return [RunLogEntry(*row) for row in self.database.query(sql + " ORDER BY started", tuple(parameters))]
+
+    def load(self, run_id: str) -> LoggedRun | None:
+        rows = self.database.query("SELECT run_id, executor, status, started, finished, error, header, envelope "
+                                   "FROM runtime_runs WHERE run_id = ?", (run_id,))
+        if not rows:
+            return None
+        *fields, header, envelope = rows[0]
+        batches = [decode(blob) for (blob,) in self.database.query(
+            "SELECT batch FROM runtime_run_records WHERE run_id = ? ORDER BY seq", (run_id,))]
+        return LoggedRun(RunLogEntry(*fields), header, batches,
+                         decode_envelope(envelope) if envelope is not None else None)
+
+    def envelope(self, run_id: str) -> dict[str, Any] | None:
+        rows = self.database.query("SELECT envelope FROM runtime_runs WHERE run_id = ?", (run_id,))
+        return decode_envelope(rows[0][0]) if rows and rows[0][0] is not None else None
+
+    def last_seq(self, run_id: str) -> int:
+        rows = self.database.query("SELECT MAX(seq) FROM runtime_run_records WHERE run_id = ?", (run_id,))
+        return rows[0][0] or 0

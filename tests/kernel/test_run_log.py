@@ -1,0 +1,285 @@
+"""The durable run log: a state rebuilt from any prefix of a run's records finishes as the run did.
+
+Hypothesis draws DAGs (conditions sync and async, failures, shared-context writes with a
+reducer, spawns returned and sent as events, higher-tier escalations, restored nodes) and
+completion orders. The original run records its batches; then, for a cut anywhere in
+them, a FlowState rebuilt from the batches before the cut (through the codec, as the
+executor stores them), recovered and driven to the end in another order, must produce
+the same envelope. Node builders here are deterministic, as a child's identity must be
+for the comparison; the rebuild itself never calls them for a restored child.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opgraph.kernel import (
+    AppendRecords,
+    ConditionsEvaluated,
+    DispatchOperation,
+    EdgeCondition,
+    EscalationRequest,
+    EvaluateConditions,
+    FinishRun,
+    FlowStarted,
+    FlowState,
+    Graph,
+    OperationError,
+    OperationFinished,
+    Restored,
+    SpawnRequest,
+    SpawnRequested,
+    create_operation,
+    decode_records,
+    encode_records,
+)
+
+STEP_LIMIT = 5_000
+
+
+class Holds(EdgeCondition):
+    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002 - the record's name
+        return True
+
+
+class Refuses(EdgeCondition):
+    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return False
+
+
+class AsyncHolds(EdgeCondition):
+    verdict = True
+
+    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return True
+
+
+class AsyncRefuses(EdgeCondition):
+    verdict = False
+
+    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return False
+
+
+CONDITIONS = {"none": None, "true": Holds, "false": Refuses, "async_true": AsyncHolds, "async_false": AsyncRefuses}
+
+
+@dataclass(frozen=True)
+class Node:
+    fails: bool
+    writes: str | None  # a shared key it writes
+    spawns: int
+    spawns_as_events: bool
+    escalates: bool
+    restored: str | None
+
+
+@dataclass(frozen=True)
+class Spec:
+    nodes: tuple[Node, ...]
+    edges: tuple[tuple[int, int, str], ...]
+    capacity: int
+
+
+@st.composite
+def specs(draw) -> Spec:
+    count = draw(st.integers(1, 12))
+    nodes = tuple(Node(fails=draw(st.booleans()) and draw(st.booleans()),
+                       writes=draw(st.sampled_from([None, "alpha", "beta"])),
+                       spawns=draw(st.integers(0, 2)), spawns_as_events=draw(st.booleans()),
+                       escalates=draw(st.integers(0, 5)) == 0,
+                       restored=draw(st.sampled_from([None, None, None, None, "completed", "failed"])))
+                  for _ in range(count))
+    edges = []
+    for tail in range(1, count):
+        for head in draw(st.sets(st.integers(0, tail - 1), max_size=2)):
+            edges.append((head, tail, draw(st.sampled_from(sorted(CONDITIONS)))))
+    return Spec(nodes, tuple(edges), draw(st.integers(1, 4)))
+
+
+def node_id(index: int) -> str:
+    return f"node-{index}"
+
+
+def build(spec: Spec) -> Graph:
+    graph = Graph("logged")
+    for index, node in enumerate(spec.nodes):
+        operation = create_operation("chat", {"instruction": f"do {index}"})
+        operation.id = node_id(index)
+        if node.restored:
+            operation.status = node.restored
+            operation.response = {"result": f"restored {index}"} if node.restored == "completed" else None
+        graph.add_node(operation)
+    for head, tail, condition in spec.edges:
+        factory = CONDITIONS[condition]
+        graph.add_edge(node_id(head), node_id(tail), condition=factory() if factory else None)
+    return graph
+
+
+def deterministic_builder(request: SpawnRequest, emitter: Any) -> Any:
+    child = create_operation("chat", {"instruction": request.instruction})
+    child.id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{getattr(emitter, 'id', None)}/{request.instruction}"))
+    return child
+
+
+def collect(old: Any, new: Any) -> Any:
+    return sorted([*(old if isinstance(old, list) else [old]), new], key=repr)
+
+
+def options() -> dict[str, Any]:
+    return {"run_id": "logged", "reactive": True, "max_spawn": 1000, "node_builder": deterministic_builder,
+            "reducers": {"beta": collect}, "durable": True}
+
+
+def outcome(spec: Spec, dispatch: DispatchOperation, now: float) -> OperationFinished:
+    """The scripted outcome of a dispatch: the same for a node whatever its attempt."""
+    if not dispatch.node_id.startswith("node-"):
+        instruction = dispatch.parameters["instruction"]
+        return OperationFinished(now=now, node_id=dispatch.node_id, attempt=dispatch.attempt,
+                                 response={"result": f"child did {instruction}"})
+    index = int(dispatch.node_id.removeprefix("node-"))
+    node = spec.nodes[index]
+    if node.fails:
+        return OperationFinished(now=now, node_id=dispatch.node_id, attempt=dispatch.attempt, status="failed",
+                                 error=f"node {index} failed", error_type="Scripted")
+    response: dict[str, Any] = {"result": f"result {index}"}
+    if node.writes:
+        response["context"] = {node.writes: index}
+    requests = [SpawnRequest(instruction=f"child {n} of {index}", independent=n % 2 == 1) for n in range(node.spawns)]
+    events: tuple = ()
+    if node.spawns_as_events:
+        events = tuple(SpawnRequested(now=now, emitter_id=dispatch.node_id, request=request,
+                                      dedupe_key=(dispatch.node_id, n)) for n, request in enumerate(requests))
+    else:
+        response["spawn"] = requests
+    if node.escalates:
+        response["escalate"] = EscalationRequest(reason=f"node {index} is stuck")
+    return OperationFinished(now=now, node_id=dispatch.node_id, attempt=dispatch.attempt, response=response,
+                             requests=events)
+
+
+@dataclass
+class Driven:
+    envelope: dict[str, Any]
+    batches: list[tuple]
+
+
+def drive(state: FlowState, spec: Spec, first: list[Any], choose: Callable[[int], int], start: int = 0) -> Driven:
+    """Answer dispatches and condition requests, 1-2 per handle(), until FinishRun."""
+    in_flight: dict[str, DispatchOperation] = {}
+    evaluations: dict[str, EvaluateConditions] = {}
+    batches: list[tuple] = []
+    envelope: dict[str, Any] | None = None
+    instructions = first
+    for step in range(start + 1, start + STEP_LIMIT):
+        for instruction in instructions:
+            if isinstance(instruction, AppendRecords):
+                batches.append(instruction.records)
+            elif isinstance(instruction, DispatchOperation):
+                in_flight[instruction.node_id] = instruction
+            elif isinstance(instruction, EvaluateConditions):
+                evaluations[instruction.node_id] = instruction
+            elif isinstance(instruction, FinishRun):
+                envelope = instruction.envelope
+        state.validate()
+        if envelope is not None:
+            return Driven(envelope, batches)
+        outstanding = [("d", key) for key in in_flight] + [("c", key) for key in evaluations]
+        assert outstanding, "stalled"
+        events = []
+        for _ in range(1 + choose(2)):
+            kind, key = outstanding.pop(choose(len(outstanding)))
+            if kind == "d":
+                events.append(outcome(spec, in_flight.pop(key), float(step)))
+            else:
+                request = evaluations.pop(key)
+                results = tuple((edge_id, state.graph.edges[edge_id].condition.verdict) for edge_id, _ in request.edges)
+                events.append(ConditionsEvaluated(now=float(step), node_id=key, results=results))
+            if not outstanding:
+                break
+        instructions = state.handle(*events)
+    raise AssertionError("no FinishRun")
+
+
+def comparable(envelope: dict[str, Any]) -> dict[str, Any]:
+    shown = dict(envelope)
+    for key in ("completed_operations", "skipped_operations", "failed_operations", "cancelled_operations",
+                "escalated_operations"):
+        shown[key] = sorted(shown.get(key, []))
+    shown["dropped_spawns"] = sorted(map(repr, shown.get("dropped_spawns", [])))
+    shown["context_collisions"] = sorted(map(repr, shown.get("context_collisions", [])))
+    return shown
+
+
+def stored(batches: list[tuple]) -> list[list]:
+    """The batches as the executor keeps them: through the run-log codec."""
+    return [decode_records(encode_records(batch)) for batch in batches]
+
+
+@settings(max_examples=200, deadline=None)
+@given(spec=specs(), seed=st.integers(0, 2**32), cut=st.floats(0.0, 1.0), resume_seed=st.integers(0, 2**32))
+def test_a_state_rebuilt_from_any_prefix_of_the_log_finishes_with_the_same_envelope(spec, seed, cut, resume_seed):
+    original_state = FlowState(build(spec), **options())
+    original = drive(original_state, spec, original_state.handle(FlowStarted(now=0.0)), random.Random(seed).randrange)
+
+    prefix = original.batches[: int(cut * len(original.batches))]
+    rebuilt = FlowState.rebuild(build(spec), stored(prefix), started_at=0.0, **options())
+    rebuilt.validate()
+    resumed = drive(rebuilt, spec, rebuilt.recover(now=1e6), random.Random(resume_seed).randrange, start=10**6)
+
+    assert comparable(resumed.envelope) == comparable(original.envelope)
+
+
+@settings(max_examples=100, deadline=None)
+@given(spec=specs(), seed=st.integers(0, 2**32))
+def test_a_run_rebuilt_from_its_whole_log_is_finished_and_needs_nothing_more(spec, seed):
+    state = FlowState(build(spec), **options())
+    original = drive(state, spec, state.handle(FlowStarted(now=0.0)), random.Random(seed).randrange)
+    rebuilt = FlowState.rebuild(build(spec), stored(original.batches), **options())
+    assert rebuilt.finished and not rebuilt.running
+    assert comparable(rebuilt.envelope()) == comparable(original.envelope)
+
+
+def test_a_rebuild_never_calls_the_node_builder_for_a_restored_child():
+    """a spawns one child; the log is replayed with a builder that refuses everything: the child is back."""
+    spec = Spec((Node(False, None, 1, False, False, None),), (), 1)
+    state = FlowState(build(spec), **options())
+    original = drive(state, spec, state.handle(FlowStarted(now=0.0)), random.Random(0).randrange)
+
+    def refuses(request, emitter):
+        raise AssertionError("the builder was called during a rebuild")
+
+    rebuilt = FlowState.rebuild(build(spec), stored(original.batches), **{**options(), "node_builder": refuses})
+    assert rebuilt.spawned_ids == state.spawned_ids and rebuilt.finished
+
+
+def test_a_durable_run_records_one_batch_first_in_each_handle_and_none_when_not_durable():
+    spec = Spec((Node(False, "alpha", 0, False, False, None),), (), 1)
+    state = FlowState(build(spec), **options())
+    started = state.handle(FlowStarted(now=0.0))
+    assert not any(isinstance(instruction, AppendRecords) for instruction in started)  # nothing changed yet
+    (dispatch,) = [i for i in started if isinstance(i, DispatchOperation)]
+    finished = state.handle(outcome(spec, dispatch, 1.0))
+    assert isinstance(finished[0], AppendRecords)
+    assert [record[0] for record in finished[0].records] == ["finished"]
+    quiet = FlowState(build(spec), **{**options(), "durable": False})
+    (dispatch,) = [i for i in quiet.handle(FlowStarted(now=0.0)) if isinstance(i, DispatchOperation)]
+    assert not any(isinstance(i, AppendRecords) for i in quiet.handle(outcome(spec, dispatch, 1.0)))
+
+
+def test_a_restored_event_from_anywhere_but_a_rebuild_is_refused():
+    state = FlowState(build(Spec((Node(False, None, 0, False, False, None),), (), 1)), **options())
+    state.handle(FlowStarted(now=0.0))
+    try:
+        state.handle(Restored(record=("seen", "k")))
+    except OperationError as refused:
+        assert "run log" in refused.message
+    else:
+        raise AssertionError("a Restored event was applied to a live run")
