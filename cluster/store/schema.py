@@ -34,15 +34,16 @@ __all__ = [
 class Migration:
     """One schema step; applied once, in its own transaction, then ``user_version = version``.
 
-    ``rebuilds`` marks a step that rebuilds a table others refer to (SQLite cannot drop
-    a column constraint in place): foreign keys are switched off around it, as SQLite's
-    own procedure for such changes says, and checked before it commits.
+    ``rebuilds`` names the tables of a step that rebuilds a table others refer to (SQLite
+    cannot drop a column constraint in place): foreign keys are switched off around it, as
+    SQLite's own procedure for such changes says, and those tables' references are
+    checked before it commits (only theirs: the file holds other components' tables).
     """
 
     version: int
     description: str
     statements: tuple[str, ...]
-    rebuilds: bool = False
+    rebuilds: tuple[str, ...] = ()
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -141,7 +142,7 @@ MIGRATIONS: tuple[Migration, ...] = (
         """UPDATE runs SET capabilities = '{"cancel": true, "checkpoint_resume": false, "leased_admission": false,'
            || ' "live_message": false, "live_pause": false, "planner": false, "reactive_growth": false}'
            WHERE lane = 'fixed_workflow'""",
-    ), rebuilds=True),
+    ), rebuilds=("runs", "run_signals", "run_branches", "run_nodes")),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER: no definition version can be higher
@@ -187,7 +188,8 @@ def _apply(connection: sqlite3.Connection, step: Migration, path: str) -> None:
         try:
             for statement in step.statements:
                 connection.execute(statement)
-            if step.rebuilds and connection.execute("PRAGMA foreign_key_check").fetchone() is not None:
+            if step.rebuilds and any(connection.execute(f"PRAGMA foreign_key_check({table})").fetchone()
+                                     for table in step.rebuilds):
                 raise WorkflowStoreError(f"migration {step.version} of the store {path} left rows whose "
                                          "references do not resolve; nothing was changed")
             connection.execute(f"PRAGMA user_version = {step.version:d}")
