@@ -1,7 +1,7 @@
 """A bounded latency histogram whose snapshot is already in Prometheus's shape.
 
 Owns the bucket bounds shared by node latency (executor) and model-call latency
-(providers). Plain Python: the metrics library is imported only by cluster/metrics.py.
+(providers). Plain Python: the metrics library is imported only by cluster/metrics/.
 
 The bounds are 26% apart from 50 ms to 20 s, where model calls and tool calls fall, so
 a quantile interpolated inside one bucket is off by about a quarter at most (a 1 s node

@@ -44,7 +44,7 @@ def tune_garbage_collector() -> None:
 
     A run allocates several small objects per settlement; with the default threshold
     the collector repeatedly scans a heap holding the whole graph. Measured with
-    ``python -m opgraph.cluster.kernel_bench``: about a third of scheduler time.
+    ``python -m opgraph.cluster.bench.kernel``: about a third of scheduler time.
     """
     _, second, third = gc.get_threshold()
     gc.set_threshold(50_000, second, third)
