@@ -37,6 +37,7 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     ├── StateTransitionError         an illegal scheduler transition (a kernel bug)
     ├── InvariantViolation           ``FlowState.validate()`` found broken invariants
     ├── CodecError                   a value cannot be encoded or decoded on the wire
+    ├── DatabaseError                the runtime's database cannot be opened or written (actors/persistence/)
     ├── EngineError                  an engine run could not do what was asked; ``run_id`` (engines/errors.py)
     │   ├── EngineInputError (ValueError)     bad engine input, refused before any agent is made
     │   ├── EngineBudgetError (RuntimeError)  a hard bound (agents, deadline, tokens, cost) refused work
