@@ -53,10 +53,12 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   │   └── WorkflowVersionNotFoundError  the workflow exists, the version does not
     │   ├── RunNotFoundError         no run with that id
     │   ├── RunConflictError         a run with that id already exists
+    │   ├── RunNotResumableError     only a run whose owner process died can be resumed
     │   └── EngineRunNotFoundError   no engine run with that id
     ├── ProvenanceError              provenance breaking the shared shape or its lane's rules (cluster/store/errors.py)
     ├── LaneCapabilityError          a control the invocation's capabilities exclude (cluster/lanes/capabilities.py)
     ├── UnknownLaneError             no lane adapter is registered under that kind (cluster/lanes/registry.py)
+    ├── PinnedSourceChangedError     a replay found the run's pinned source changed (cluster/lanes/provenance.py)
     ├── RunStateConflictError        a run control that its state forbids (cluster/http/problems.py)
     ├── RuntimeUnavailableError      the HTTP API has no runtime to run on (problems.py)
     └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
