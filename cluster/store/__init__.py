@@ -29,6 +29,7 @@ from .errors import (
     ProvenanceError,
     RunConflictError,
     RunNotFoundError,
+    RunNotResumableError,
     StoreSchemaError,
     WorkflowDefinitionError,
     WorkflowNameConflictError,
@@ -40,7 +41,7 @@ from .errors import (
 )
 from .owners import ProcessIdentity, current_process, owner_is_alive
 from .recorder import MAX_BACKLOG, RunRecorder
-from .runs import REGISTRY_SOURCE, RunRecord, RunStore, provenance_columns
+from .runs import OWNER_PROCESS_LOST, REGISTRY_SOURCE, RunRecord, RunStore, provenance_columns
 from .schema import (
     MAX_VERSION,
     MIGRATIONS,
@@ -61,6 +62,7 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "MAX_VERSION",
     "MIGRATIONS",
+    "OWNER_PROCESS_LOST",
     "REGISTRY_SOURCE",
     "RUN_STATUSES",
     "RUN_TRANSITIONS",
@@ -76,6 +78,7 @@ __all__ = [
     "ProvenanceError",
     "RunConflictError",
     "RunNotFoundError",
+    "RunNotResumableError",
     "RunRecord",
     "RunRecorder",
     "RunStore",

@@ -15,6 +15,7 @@ subclass of ``WorkflowDefinitionError`` it defines (the fixed lane's compile err
         │   └── WorkflowVersionNotFoundError   the workflow exists, the version does not
         ├── RunNotFoundError           no run with that id
         ├── RunConflictError           a run with that id already exists
+        ├── RunNotResumableError       the run is not recorded as orphaned, so it cannot be resumed
         └── EngineRunNotFoundError     no engine run with that id
 """
 
@@ -30,6 +31,7 @@ __all__ = [
     "ProvenanceError",
     "RunConflictError",
     "RunNotFoundError",
+    "RunNotResumableError",
     "StoreSchemaError",
     "WorkflowDefinitionError",
     "WorkflowNameConflictError",
@@ -160,6 +162,21 @@ class RunConflictError(WorkflowStoreError):
     def __init__(self, run_id: str) -> None:
         super().__init__(f"a run with id {run_id!r} already exists; use a fresh run id")
         self.run_id = run_id
+
+
+class RunNotResumableError(WorkflowStoreError):
+    """Only a run recorded as orphaned (its owner process died) can be resumed; ``status`` is what it is.
+
+    A run that finished keeps its end; a run still owned by a live process is its owner's;
+    a detached run goes on on its cluster (``opgraph run result`` reads it).
+    """
+
+    _fields = ("run_id", "status")
+
+    def __init__(self, run_id: str, status: str) -> None:
+        super().__init__(f"run {run_id} is {status}, not orphaned: only a run whose owner process died "
+                         "can be resumed from the run log")
+        self.run_id, self.status = run_id, status
 
 
 class EngineRunNotFoundError(WorkflowStoreError):

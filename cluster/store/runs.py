@@ -16,15 +16,24 @@ from dataclasses import dataclass
 from typing import Any
 
 from .definitions import CONTENT_HASH, Definitions, WorkflowVersion
-from .errors import ProvenanceError, RunConflictError, RunNotFoundError, WorkflowVersionNotFoundError
+from .errors import (
+    ProvenanceError,
+    RunConflictError,
+    RunNotFoundError,
+    RunNotResumableError,
+    WorkflowVersionNotFoundError,
+)
 from .owners import ProcessIdentity, owner_is_alive
 from .schema import RUN_STATUSES, TERMINAL_RUN_STATUSES, sources_of
 
-__all__ = ["REGISTRY_SOURCE", "RunRecord", "RunStore", "provenance_columns"]
+__all__ = ["OWNER_PROCESS_LOST", "REGISTRY_SOURCE", "RunRecord", "RunStore", "provenance_columns"]
 
 # The one source kind the store itself resolves: a definition in its own registry, pinned
 # to a version (every other kind, a file, a prompt, a playbook, is the lane's to resolve).
 REGISTRY_SOURCE = "workflow_def"
+# The error type of a run the store settled because its owner process died: an inference,
+# not the run's outcome, so it is the one ended run that may be reopened (``reopen_run``).
+OWNER_PROCESS_LOST = "OwnerProcessLost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +70,12 @@ class RunRecord:
     @property
     def terminal(self) -> bool:
         return self.status in TERMINAL_RUN_STATUSES
+
+    @property
+    def orphaned(self) -> bool:
+        """Recorded failed because its owner process died (and so resumable from the run log)."""
+        return self.status == "failed" and isinstance(self.error, dict) and \
+            self.error.get("error_type") == OWNER_PROCESS_LOST
 
 
 def _encode(value: Any) -> str:
@@ -204,6 +219,26 @@ class RunStore(Definitions):
             return self._transition(db, run_id, status, "outputs = ?, error = ?, finished_at = ?",
                                     (_encode(outputs), _encode(error), self._clock()))
 
+    def reopen_run(self, run_id: str, *, session_id: str | None = None) -> RunRecord:
+        """An orphaned run goes back to ``running``, owned by this process, to be continued from the run log.
+
+        Orphaned means recorded failed with ``OwnerProcessLost`` (a run whose dead owner
+        was not yet noticed is settled so first): the store's inference that its process
+        died, not the run's outcome, so it is the one way out of an ended status. Any other
+        run raises ``RunNotResumableError``.
+        """
+        self.get_run(run_id)  # settles the run first if its owner died unnoticed (or raises RunNotFoundError)
+        with self._transaction(write=True) as db:
+            changed = db.execute(
+                "UPDATE runs SET status = 'running', outputs = NULL, error = NULL, finished_at = NULL,"
+                " owner_host = ?, owner_pid = ?, owner_start = ?, session_id = COALESCE(?, session_id)"
+                " WHERE run_id = ? AND status = 'failed' AND json_extract(error, '$.error_type') = ?",
+                (self._owner.host, self._owner.pid, self._owner.start, session_id, run_id,
+                 OWNER_PROCESS_LOST)).rowcount
+            if not changed:
+                raise RunNotResumableError(run_id, self._get_run(db, run_id).status)
+            return self._get_run(db, run_id)
+
     def get_run(self, run_id: str) -> RunRecord:
         return self._read_runs(lambda db: [self._get_run(db, run_id)])[0]
 
@@ -239,7 +274,7 @@ class RunStore(Definitions):
 
     def _settle_orphan(self, record: RunRecord) -> bool:
         error = {"error": f"the process that ran it (pid {record.owner_pid} on {record.owner_host}) "
-                          "exited before the run settled", "error_type": "OwnerProcessLost"}
+                          "exited before the run settled", "error_type": OWNER_PROCESS_LOST}
         return self.finish_run(record.run_id, "failed", error=error)
 
     def list_runs(self, *, workflow: str | None = None, status: str | None = None, lane: str | None = None,
