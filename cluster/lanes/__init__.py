@@ -3,7 +3,8 @@
 Owns the lane seam every surface uses: ``LaneInvocation``, ``PreparedLaneRun``, the
 ``LaneAdapter`` protocol and the registry keyed by lane kind (``lane_adapter``), the
 capability matrix of an invocation (D3), run provenance (D4), and the shared way a
-prepared run executes, recorded. Each lane's own parts live in its sub-package (the
+prepared run executes, recorded, and the ways it is submitted detached, settled from the
+run log and resumed. Each lane's own parts live in its sub-package (the
 fixed workflow lane in ``fixed/``), loaded by the registry: surfaces never import them.
 """
 
@@ -28,16 +29,25 @@ from .capabilities import (
     check_capabilities,
     describe_capabilities,
 )
-from .execution import LaneRunControl, Presentation, run_prepared
+from .execution import LaneRunControl, Presentation, logged_capabilities, recorded_recovery, run_prepared
 from .provenance import (
     SOURCE_KINDS,
     Admission,
+    PinnedSourceChangedError,
     PlannerUse,
     ProvenanceError,
     ReactiveSettings,
     RunProvenance,
     SourceKind,
     SourceRef,
+)
+from .recovery import (
+    follow_submitted,
+    logged_end,
+    resume_recorded,
+    settle_from_log,
+    settle_recorded,
+    submit_prepared,
 )
 from .registry import (
     BUILTIN_LANES,
@@ -75,6 +85,7 @@ __all__ = [
     "LaneRegistry",
     "LaneRunControl",
     "LaneRunResult",
+    "PinnedSourceChangedError",
     "PlannerUse",
     "Presentation",
     "PreparedLaneRun",
@@ -88,13 +99,21 @@ __all__ = [
     "check_capabilities",
     "check_control",
     "describe_capabilities",
+    "follow_submitted",
     "lane_adapter",
     "lane_entry",
     "lane_kinds",
+    "logged_capabilities",
+    "logged_end",
     "open_store",
     "parse_inputs",
+    "recorded_recovery",
     "register_lane",
+    "resume_recorded",
     "run_prepared",
+    "settle_from_log",
+    "settle_recorded",
+    "submit_prepared",
     "unregister_lane",
     "validate_provenance",
 ]

@@ -53,7 +53,8 @@ class LaneInvocation:
     ``source_version`` pins a registry source to a version (None: the latest, pinned by
     ``prepare``). ``model`` is a ``provider/model`` for every model node, ``run_id`` the
     id to record the run under (None: ``prepare`` makes one), ``max_concurrent`` the
-    flow's capacity.
+    flow's capacity, ``durable`` whether the run is kept in the run log (and so whether it
+    can be resumed: a lane's ``checkpoint_resume`` follows it).
     """
 
     lane: LaneKind
@@ -68,6 +69,7 @@ class LaneInvocation:
     model: str | None = None
     run_id: str | None = None
     max_concurrent: int | None = 5
+    durable: bool = True
 
 
 @dataclass(frozen=True)
@@ -148,8 +150,13 @@ class LaneAdapter(Protocol):
     ``prepare``
     resolves, pins, validates and compiles, failing before any run exists;
     ``execute`` records and runs the prepared graph through ``Session.flow`` and never
-    schedules anything itself. ``check_provenance`` raises ``ProvenanceError`` for a
-    payload that breaks this lane's rules (D4).
+    schedules anything itself; ``submit`` records it and admits it as a detached run
+    (``Session.submit``), returning its id. ``present(envelope, recovery)`` is how a
+    finished run's envelope reads in this lane (status, outputs, errors and statuses by the
+    lane's labels), from the ``recovery`` the run recorded, in any process.
+    ``check_provenance`` raises ``ProvenanceError`` for a payload that breaks this lane's
+    rules (D4); ``check_replay(record)`` raises ``PinnedSourceChangedError`` when a recorded
+    run's pinned source no longer hashes as it did, before a checkpoint resume.
     """
 
     lane: str
@@ -164,6 +171,12 @@ class LaneAdapter(Protocol):
 
     async def execute(self, prepared: PreparedLaneRun, *, session: Any,
                       hooks: RunHooks | None = None) -> LaneRunResult: ...
+
+    async def submit(self, prepared: PreparedLaneRun, *, session: Any) -> str: ...
+
+    def present(self, envelope: Mapping[str, Any], recovery: Mapping[str, Any]) -> Any: ...
+
+    def check_replay(self, record: Any) -> None: ...
 
 
 def parse_inputs(pairs: list[str] | None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ anything: the graph runs through ``Session.flow`` (D2).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,10 +20,22 @@ from ..store import RunRecorder, RunStore
 from .base import LaneRunResult, PreparedLaneRun, RunHooks
 from .capabilities import LaneCapabilities, check_capabilities
 
-__all__ = ["LaneRunControl", "Presentation", "run_prepared"]
+__all__ = ["LaneRunControl", "Presentation", "logged_capabilities", "recorded_recovery", "run_prepared"]
 
 # status, outputs, errors and statuses of a finished run, by the lane's labels
 Presentation = tuple[str, dict[str, Any], dict[str, Any], dict[str, str]]
+
+
+def recorded_recovery(prepared: PreparedLaneRun) -> dict[str, Any]:
+    """What a run records for other processes: the lane's recovery data and its labels (graph id -> name)."""
+    return {**prepared.recovery, "labels": dict(prepared.labels)}
+
+
+def logged_capabilities(prepared: PreparedLaneRun, session: Any) -> LaneCapabilities:
+    """The invocation's matrix as it will hold: a run the runtime does not log cannot be resumed."""
+    if prepared.capabilities.checkpoint_resume and not (prepared.invocation.durable and session.runtime.database):
+        return dataclasses.replace(prepared.capabilities, checkpoint_resume=False)
+    return prepared.capabilities
 
 
 class LaneRunControl:
@@ -84,12 +97,13 @@ async def run_prepared(
     hooks = hooks or RunHooks()
     run_id, invocation = prepared.run_id, prepared.invocation
     provenance = prepared.provenance.to_payload()
+    capabilities = logged_capabilities(prepared, session)
     try:
         recorder = RunRecorder(store, run_id, prepared.labels, hooks.on_progress)
         if store is not None:
             await recorder.write(store.create_run, run_id, session_id=session.id, provenance=provenance,
                                  inputs=dict(invocation.inputs), workflow=prepared.workflow,
-                                 capabilities=prepared.capabilities.as_metadata(), recovery=prepared.recovery)
+                                 capabilities=capabilities.as_metadata(), recovery=recorded_recovery(prepared))
             await recorder.write(store.mark_running, run_id)
     except BaseException as exc:
         if hooks.on_admitted is not None and not hooks.on_admitted.done():
@@ -107,7 +121,7 @@ async def run_prepared(
         # executor_ref is filled once the executor has admitted the run.
         while "executor" not in executor_ref:
             await asyncio.sleep(0.01)
-        control["control"] = LaneRunControl(executor_ref["executor"], prepared.capabilities,
+        control["control"] = LaneRunControl(executor_ref["executor"], capabilities,
                                             lane=prepared.provenance.lane, run_id=run_id)
 
     helper = asyncio.ensure_future(publish_control()) if control is not None else None
@@ -120,7 +134,8 @@ async def run_prepared(
             # (opgraph serve, a detached cluster runtime) stays flat run after run.
             envelope = await session.flow(
                 prepared.graph, context=dict(prepared.context), **prepared.flow_options,
-                max_concurrent=invocation.max_concurrent, run_id=run_id, on_progress=recorder.progress,
+                max_concurrent=invocation.max_concurrent, run_id=run_id, durable=invocation.durable,
+                on_progress=recorder.progress,
                 on_branch_created=recorder.branch_created, on_settled=recorder.settled,
                 executor_ref=executor_ref, isolated=True,
             )
@@ -154,7 +169,7 @@ async def run_prepared(
     if store is not None:
         await recorder.write(store.finish_run, run_id, status, outputs=outputs, error=errors or None)
     return LaneRunResult(run_id=run_id, lane=prepared.provenance.lane, status=status, source=prepared.label,
-                         content_hash=invocation.source_content_hash, capabilities=prepared.capabilities,
+                         content_hash=invocation.source_content_hash, capabilities=capabilities,
                          outputs=outputs, errors=errors, statuses=statuses, provenance=provenance,
                          elapsed=time.perf_counter() - started, envelope=envelope)
 

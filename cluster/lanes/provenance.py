@@ -1,9 +1,13 @@
 """Run provenance (ADR-0068 D4): what exact definition produced a run's graph, for every lane.
 
 Owns the payload's typed model and its shape rules shared by every lane (a pinned hash
-is ``sha256:`` and 64 hex digits, a version starts at 1). A lane's own rules (the fixed
-lane's required hash, no planner) are its adapter's ``check_provenance``; the registry
-applies both (``validate_provenance``). It must not run, store or queue anything.
+is ``sha256:`` and 64 hex digits, a version starts at 1), and the error a replay raises when
+the pinned source no longer hashes as it did. A lane's own rules (the fixed lane's required
+hash, no planner) are its adapter's ``check_provenance``; the registry applies both
+(``validate_provenance``). It must not run, store or queue anything.
+
+    OpGraphError
+    └── PinnedSourceChangedError   a replay found the run's pinned source changed; nothing ran
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from opgraph.kernel import OpGraphError
+
 from ..store import CONTENT_HASH, ProvenanceError
 
 __all__ = [
     "SOURCE_KINDS",
     "Admission",
+    "PinnedSourceChangedError",
     "PlannerUse",
     "ProvenanceError",
     "ReactiveSettings",
@@ -30,6 +37,19 @@ __all__ = [
 # (no version; the hash is of the validated bytes that were compiled).
 SourceKind = Literal["playbook", "prompt", "flow_spec", "checkpoint", "workflow_def", "workflow_file"]
 SOURCE_KINDS: tuple[str, ...] = SourceKind.__args__
+
+
+class PinnedSourceChangedError(OpGraphError):
+    """A replay (checkpoint resume) found the run's pinned source hashing otherwise than the run
+    recorded: the recorded provenance would no longer say what produced the graph, so nothing ran.
+    ``ref``, ``expected`` and ``found`` say which source and both hashes. Restore the source, or
+    start a new run of the current one."""
+
+    def __init__(self, run_id: str, ref: str, expected: str | None, found: str | None) -> None:
+        super().__init__(f"run {run_id}'s source {ref!r} changed since the run pinned it (pinned {expected}, now "
+                         f"{found}); it is not replayed: restore that source, or start a new run",
+                         run_id=run_id)
+        self.ref, self.expected, self.found = ref, expected, found
 
 
 class _Frozen(BaseModel):

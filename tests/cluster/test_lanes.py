@@ -45,8 +45,10 @@ from opgraph.cluster.lanes import (
     lane_entry,
     lane_kinds,
     open_store,
+    recorded_recovery,
     register_lane,
     run_prepared,
+    submit_prepared,
     unregister_lane,
     validate_provenance,
 )
@@ -100,13 +102,21 @@ class EchoLane:
                                capabilities=self.capabilities(invocation), labels=labels, label=invocation.source_ref)
 
     async def execute(self, prepared: PreparedLaneRun, *, session: Any, hooks: RunHooks | None = None) -> Any:
-        def present(envelope: Mapping[str, Any]) -> Any:
-            labels = prepared.labels
-            outputs = {labels[node]: result for node, result in envelope["operation_results"].items()}
-            statuses = {labels[node]: status for node, status in envelope["operation_statuses"].items()}
-            return envelope["status"], outputs, {}, statuses
+        recovery = {"labels": dict(prepared.labels)}
+        return await run_prepared(prepared, session=session, store=self.store, hooks=hooks,
+                                  present=lambda envelope: self.present(envelope, recovery))
 
-        return await run_prepared(prepared, session=session, store=self.store, present=present, hooks=hooks)
+    async def submit(self, prepared: PreparedLaneRun, *, session: Any) -> str:
+        return await submit_prepared(prepared, session=session, store=self.store)
+
+    def present(self, envelope: Mapping[str, Any], recovery: Mapping[str, Any]) -> Any:
+        labels = recovery["labels"]
+        outputs = {labels[node]: result for node, result in envelope["operation_results"].items()}
+        statuses = {labels[node]: status for node, status in envelope["operation_statuses"].items()}
+        return envelope["status"], outputs, {}, statuses
+
+    def check_replay(self, record: Any) -> None:
+        """A prompt is its own source: nothing can have changed."""
 
 
 ECHO_ENTRY = LaneEntry(kind=ECHO, factory=EchoLane, capabilities=EchoLane().capabilities())
@@ -131,7 +141,7 @@ def echo_record(store: RunStore, run_id: str, *, reactive_mode: str = "off", sta
     invocation = adapter.invocation("hello", reactive_mode=reactive_mode, run_id=run_id)
     prepared = asyncio.run(adapter.prepare(invocation))
     return store.create_run(run_id, session_id="s", provenance=prepared.provenance.to_payload(), inputs={},
-                            capabilities=prepared.capabilities.as_metadata(), recovery=prepared.recovery,
+                            capabilities=prepared.capabilities.as_metadata(), recovery=recorded_recovery(prepared),
                             status=status)
 
 
@@ -238,7 +248,7 @@ def test_the_store_records_a_run_of_another_lane(echo_lane, store):
     assert (record.lane, record.source_kind, record.source_ref, record.content_hash) == (ECHO, "prompt", "hello", None)
     assert (record.workflow_id, record.version) == (None, None)
     assert record.capabilities["reactive_growth"] is True and record.capabilities["live_message"] is False
-    assert record.recovery == {"labels": record.recovery["labels"]} and len(record.recovery["labels"]) == 3
+    assert set(record.recovery) == {"labels"} and sorted(record.recovery["labels"].values()) == ["a", "b", "root"]
     store.record_progress("echo-1", signals=[{"node_id": "n", "spec_node_id": "root", "kind": "completed"}],
                           nodes=[{"node_id": "n", "spec_node_id": "root", "status": "completed", "result": "HI"}])
     assert store.finish_run("echo-1", "completed", outputs={"root": "HI"})
@@ -312,7 +322,8 @@ def test_the_fixed_lane_persists_its_provenance_and_capabilities(session, store)
         "admission": {"task_id": None, "lease_attempt": None},
     }
     assert record.capabilities == adapter.capabilities().as_metadata() == result.to_dict()["lane_capabilities"]
-    assert set(record.recovery["node_ids"]) == {"draft"} and record.recovery["workflow_id"] == pinned.workflow_id
+    assert set(record.recovery["labels"].values()) == {"draft"} and record.recovery["workflow_id"] == pinned.workflow_id
+    assert record.recovery["declared_outputs"] == ["draft"]
 
 
 @pytest.mark.ray
@@ -369,7 +380,7 @@ def _fixed_run_fields(store: RunStore) -> dict[str, Any]:
     pinned = store.create_workflow(f"cli-{uuid.uuid4().hex[:6]}", SPEC)
     prepared = adapter.prepare_now(adapter.invocation(pinned.name))
     return {"provenance": prepared.provenance.to_payload(), "workflow": prepared.workflow,
-            "capabilities": prepared.capabilities.as_metadata(), "recovery": prepared.recovery}
+            "capabilities": prepared.capabilities.as_metadata(), "recovery": recorded_recovery(prepared)}
 
 
 def test_the_http_api_answers_each_control_from_the_runs_own_capabilities(echo_lane, store):

@@ -488,7 +488,7 @@ def test_the_fixed_lane_capability_matrix():
         "reactive_growth": False,
         "live_pause": False,
         "live_message": False,
-        "checkpoint_resume": False,
+        "checkpoint_resume": True,  # a logged run is replayed from its pinned source and hash
         "leased_admission": False,
         "cancel": True,
     }
@@ -500,7 +500,7 @@ def test_the_fixed_lane_honours_cancel():
     check_control(FIXED_WORKFLOW, "cancel")
 
 
-@pytest.mark.parametrize("request_kind", ["message", "checkpoint_resume", "pause", "resume", "spawn", "replan"])
+@pytest.mark.parametrize("request_kind", ["message", "pause", "resume", "spawn", "replan"])
 def test_the_fixed_lane_rejects_controls_it_cannot_honour(request_kind):
     with pytest.raises(LaneCapabilityError, match="rejected and not queued") as caught:
         check_control(FIXED_WORKFLOW, request_kind)

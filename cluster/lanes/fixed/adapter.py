@@ -2,25 +2,28 @@
 
 Owns turning an invocation into a pinned, compiled run (a registry name pinned to a
 version and hash, or a file's validated bytes; compile-before-persist), presenting an
-envelope as the lane's outputs by authored node id, and ``run_workflow`` for callers
-holding a resolved source. It must not grow the topology: a fixed run never installs a
-spawn type or node builder, whatever the definition says, and never calls a planner.
+envelope as the lane's outputs by authored node id, the source/hash check before a
+checkpoint resume replays a run, and ``run_workflow`` for callers holding a resolved
+source. It must not grow the topology: a fixed run never installs a spawn type or node
+builder, whatever the definition says, and never calls a planner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ...store import RunStore, parse_ref
+from ...store import RunRecord, RunStore, parse_ref, read_definition_file
 from ..base import LaneInvocation, LaneRunResult, PreparedLaneRun, RunHooks
 from ..capabilities import LaneCapabilities
 from ..execution import Presentation, run_prepared
-from ..provenance import RunProvenance
+from ..provenance import PinnedSourceChangedError, RunProvenance
+from ..recovery import submit_prepared
 from .compiler import FIXED_FLOW_OPTIONS, CompiledWorkflow
 from .contract import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, check_fixed_provenance, fixed_workflow_provenance
 from .sources import WorkflowSource, compile_source, file_source, is_file_target, registry_source
@@ -38,7 +41,9 @@ class FixedWorkflowLane:
         self.store = store
 
     def capabilities(self, invocation: LaneInvocation | None = None) -> LaneCapabilities:
-        """Every fixed invocation has the same matrix: cancel, and nothing else (ADR-0068 D3)."""
+        """Cancel, and checkpoint resume when the invocation is durable (ADR-0068 D3); nothing else."""
+        if invocation is not None and not invocation.durable:
+            return dataclasses.replace(FIXED_WORKFLOW_CAPABILITIES, checkpoint_resume=False)
         return FIXED_WORKFLOW_CAPABILITIES
 
     def check_provenance(self, provenance: RunProvenance) -> None:
@@ -46,7 +51,8 @@ class FixedWorkflowLane:
 
     def invocation(self, target: str, *, inputs: Mapping[str, Any] | None = None,
                    base_dir: str | Path | None = None, model: str | None = None, run_id: str | None = None,
-                   max_concurrent: int | None = 5, source_ref: str | None = None) -> LaneInvocation:
+                   max_concurrent: int | None = 5, source_ref: str | None = None,
+                   durable: bool = True) -> LaneInvocation:
         """The invocation for a command line's ``NAME[@VERSION]`` or file ``target``.
 
         A file is recorded by its resolved path, or by ``source_ref`` (a job records the
@@ -58,7 +64,8 @@ class FixedWorkflowLane:
             kind, (ref, version) = "workflow_def", parse_ref(target)
         return LaneInvocation(lane=FIXED_WORKFLOW, source_ref=ref, source_kind=kind, source_content_hash=None,
                               inputs=dict(inputs or {}), base_dir=None if base_dir is None else Path(base_dir),
-                              source_version=version, model=model, run_id=run_id, max_concurrent=max_concurrent)
+                              source_version=version, model=model, run_id=run_id, max_concurrent=max_concurrent,
+                              durable=durable)
 
     async def prepare(self, invocation: LaneInvocation) -> PreparedLaneRun:
         """Pin the source and compile it, off the event loop; every failure comes before a run exists."""
@@ -89,8 +96,8 @@ class FixedWorkflowLane:
                                      source_version=source.version, run_id=invocation.run_id or str(uuid.uuid4()))
         provenance = fixed_workflow_provenance(ref=source.ref, content_hash=source.content_hash,
                                                version=source.version, source_kind=source.kind)
-        recovery = {"node_ids": dict(compiled.node_ids_by_spec_id),
-                    "declared_outputs": list(compiled.declared_outputs),
+        # With the labels every run records, what any process needs to present the run.
+        recovery = {"declared_outputs": list(compiled.declared_outputs),
                     "workflow_id": source.workflow.workflow_id if source.workflow is not None else None}
         return PreparedLaneRun(
             graph=compiled.graph, context=dict(compiled.context), invocation=pinned, recovery=recovery,
@@ -101,19 +108,44 @@ class FixedWorkflowLane:
     async def execute(self, prepared: PreparedLaneRun, *, session: Any,
                       hooks: RunHooks | None = None) -> LaneRunResult:
         """Record and run ``prepared`` through ``Session.flow``; its outputs by authored node id."""
-        recovery = prepared.recovery
+        labels, declared = dict(prepared.labels), list(prepared.recovery["declared_outputs"])
         return await run_prepared(prepared, session=session, store=self.store, hooks=hooks,
-                                  present=lambda envelope: present(envelope, recovery["node_ids"],
-                                                                   recovery["declared_outputs"]))
+                                  present=lambda envelope: present(envelope, labels, declared))
+
+    async def submit(self, prepared: PreparedLaneRun, *, session: Any) -> str:
+        """Record ``prepared`` and admit it detached (``Session.submit``); ``opgraph run result`` reads its end."""
+        return await submit_prepared(prepared, session=session, store=self.store)
+
+    def present(self, envelope: Mapping[str, Any], recovery: Mapping[str, Any]) -> Presentation:
+        """A recorded run's envelope by authored node id, from the recovery it recorded."""
+        return present(envelope, recovery.get("labels", {}), list(recovery.get("declared_outputs", [])))
+
+    def check_replay(self, record: RunRecord) -> None:
+        """Raise ``PinnedSourceChangedError`` unless the run's pinned source still hashes as recorded.
+
+        A registry version is read back by its workflow id (deleted workflows too); a file is
+        read again from the path the run recorded, and its bytes hashed as when it ran.
+        """
+        if record.source_kind == "workflow_def":
+            if self.store is None:
+                raise WorkflowValidationError([problem(f"run {record.run_id} pinned a registry version, and no "
+                                                       "store was given to read it back")])
+            found = self.store.resolve(record.workflow_id, record.version, include_deleted=True).content_hash
+        else:
+            _, raw, _ = read_definition_file(record.source_ref)
+            found = "sha256:" + hashlib.sha256(raw).hexdigest()
+        if found != record.content_hash:
+            raise PinnedSourceChangedError(record.run_id, record.source_ref, record.content_hash, found)
 
 
-def present(envelope: Mapping[str, Any], node_ids: Mapping[str, str], declared_outputs: list[str]) -> Presentation:
+def present(envelope: Mapping[str, Any], labels: Mapping[str, str], declared_outputs: list[str]) -> Presentation:
     """A fixed run's status and its outputs, errors and statuses by authored node id.
 
-    ``node_ids`` maps authored ids to graph ids (the run's ``recovery``), so any process
+    ``labels`` maps graph ids to authored ids (what every run records), so any process
     holding the envelope and the run record can present it.
     """
-    spec_ids = {node_id: spec_id for spec_id, node_id in node_ids.items()}
+    spec_ids = dict(labels)
+    node_ids = {spec_id: node_id for node_id, spec_id in spec_ids.items()}
     results = envelope.get("operation_results", {})
     operation_statuses = envelope.get("operation_statuses", {})
     statuses = {spec_ids.get(node_id, node_id): status for node_id, status in operation_statuses.items()}

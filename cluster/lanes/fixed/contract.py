@@ -1,8 +1,9 @@
 """The fixed workflow lane's contract (ADR-0068 D1, D3, D4): its name, capability matrix and provenance rules.
 
 Owns what every fixed run publishes and persists: no planner, authored topology only, no
-live controls, direct admission, cancel; and a provenance payload whose source is a pinned
-workflow definition or file, with its hash. It must not run, store or queue anything.
+live controls, direct admission, cancel, and checkpoint resume by source/hash replay when
+the run is logged; and a provenance payload whose source is a pinned workflow definition
+or file, with its hash. It must not run, store or queue anything.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ __all__ = [
 
 FIXED_SOURCE_KINDS: tuple[str, ...] = ("workflow_def", "workflow_file")
 
-# Fixed runs: no planner, authored topology only, no live controls or checkpoints, direct
-# (not leased) admission; cancellation is the one control with a consumer.
+# Fixed runs: no planner, authored topology only, no live controls, direct (not leased)
+# admission; cancellation has a consumer, and a run kept in the run log can be resumed
+# by replaying its pinned source and hash (ADR-0068 D3's "fixed source/hash replay").
 FIXED_WORKFLOW_CAPABILITIES = LaneCapabilities(
     planner=False,
     reactive_growth=False,
     live_pause=False,
     live_message=False,
-    checkpoint_resume=False,
+    checkpoint_resume=True,
     leased_admission=False,
     cancel=True,
 )
