@@ -168,12 +168,13 @@ def start_runtime(start: Callable[[], T], address: str | None, *, timeout: float
                                 address=address) from exc
 
 
-def open_session(address: str | None = None, *, namespace: str = "opgraph", detached: bool = False,
+def open_session(address: str | None = None, *, namespace: str = "opgraph", detached: bool | None = False,
                  default_model: str | None = None, timeout: float = CONNECT_TIMEOUT) -> Any:
     """The Session every command uses: ``address`` probed first, Ray's failures typed
     (``start_runtime``), and the model providers this process's environment configures
     registered on it, so ``OPENAI_MAX_CONCURRENCY``, ``OPENAI_TIMEOUT`` and the rest hold
-    in the workers wherever they run (``opgraph.actors.providers.ENVIRONMENT_SETTINGS``)."""
+    in the workers wherever they run (``opgraph.actors.providers.ENVIRONMENT_SETTINGS``).
+    ``detached=None`` leaves it to the Session: detached when it joins through an address."""
     from opgraph.actors import Session  # local: --help and usage errors must not load Ray
     from opgraph.actors.providers import environment_providers
 

@@ -44,8 +44,12 @@ def ray_cli() -> list[str]:
 
 def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
                        no_wait: bool = False, submission_id: str | None = None,
-                       python: str = "python") -> list[str]:
-    """The `ray job submit` command line that runs ``python -m opgraph.cluster.job ENTRYPOINT...``."""
+                       python: str = "python", detach: bool = False) -> list[str]:
+    """The `ray job submit` command line that runs ``python -m opgraph.cluster.job ENTRYPOINT...``.
+
+    ``detach`` adds the job's own ``--detach``: the job ends once its run is admitted and
+    durable, and the run goes on on the cluster (``opgraph run result RUN_ID`` reads its end).
+    """
     command = [*ray_cli(), "job", "submit"]
     if address:
         command += ["--address", address]
@@ -54,18 +58,18 @@ def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None,
         command += ["--submission-id", submission_id]
     if no_wait:
         command.append("--no-wait")
-    return command + ["--", python, "-m", "opgraph.cluster.job", *entrypoint]
+    return command + ["--", python, "-m", "opgraph.cluster.job", *entrypoint, *(["--detach"] if detach else [])]
 
 
 def submit_job(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
-               no_wait: bool = False, submission_id: str | None = None) -> int:
+               no_wait: bool = False, submission_id: str | None = None, detach: bool = False) -> int:
     """Run `ray job submit` and return its exit status (non-zero when the job FAILED)."""
     if not entrypoint:
         print("opgraph job submit: give the job's arguments after '--', e.g. "
               "opgraph job submit -- fanout --nodes 1000", file=sys.stderr)
         return 2
     command = job_submit_command(entrypoint, address=address, working_dir=working_dir, no_wait=no_wait,
-                                 submission_id=submission_id)
+                                 submission_id=submission_id, detach=detach)
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
     try:
         return subprocess.run(command, check=False).returncode

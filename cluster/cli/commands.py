@@ -13,6 +13,7 @@ from ..http.body import DEFAULT_MAX_BODY_BYTES
 from .client import RUN_EXIT_CODES
 from .engine import add_engine_parser, add_run_show_parser
 from .flow import add_flow_parser, add_run_arguments, add_workflows_parser, positive_int
+from .results import add_result_parsers
 
 __all__ = ["main"]
 
@@ -64,7 +65,7 @@ def _submit_job(arguments: argparse.Namespace) -> int:
     if entrypoint[:1] == ["--"]:
         entrypoint = entrypoint[1:]
     return submit_job(entrypoint, address=arguments.address, working_dir=arguments.working_dir,
-                      no_wait=arguments.no_wait, submission_id=arguments.submission_id)
+                      no_wait=arguments.no_wait, submission_id=arguments.submission_id, detach=arguments.detach)
 
 
 def _run_action(arguments: argparse.Namespace) -> int:
@@ -161,6 +162,9 @@ def _build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--working-dir", default=".", help="directory uploaded with the job (.)")
     submit.add_argument("--submission-id", default=None, help="job id to use instead of a generated one")
     submit.add_argument("--no-wait", action="store_true", help="return once submitted instead of tailing logs")
+    submit.add_argument("--detach", action="store_true",
+                        help="the job admits its run detached and ends: the run goes on on the cluster, and "
+                             "`opgraph run result RUN_ID` reads its end (the job's own --detach)")
     submit.add_argument("entrypoint", nargs=argparse.REMAINDER, metavar="-- ARGS",
                         help="arguments of python -m opgraph.cluster.job, e.g. -- fanout --nodes 1000")
     submit.set_defaults(handler=_submit_job)
@@ -175,7 +179,6 @@ def _build_parser() -> argparse.ArgumentParser:
     for action, help_text in [
         ("status", "print the run's counters as JSON"),
         ("pause", "stop new dispatches; in-flight operations finish"),
-        ("resume", "dispatch again after pause"),
         ("cancel", "cancel what has not settled; the owning client gets status 'cancelled'"),
         ("message", "send an operator message, rendered into the next dispatched instructions"),
         ("watch", "stream settled nodes as JSON lines until the run ends"),
@@ -196,6 +199,7 @@ def _build_parser() -> argparse.ArgumentParser:
                                   "against (default: OPGRAPH_DB or ~/.opgraph/opgraph.db, when it exists)")
         command.set_defaults(handler=_run_action)
     add_run_show_parser(run_commands)
+    add_result_parsers(run_commands)
     return parser
 
 

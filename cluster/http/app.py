@@ -38,9 +38,12 @@ from ..lanes import (
     LaneCapabilities,
     LaneInvocation,
     RunHooks,
+    UnknownLaneError,
     check_capabilities,
+    follow_submitted,
     lane_adapter,
     open_store,
+    settle_from_log,
 )
 from ..store import RunRecord, RunStore, WorkflowVersion, WorkflowVersionNotFoundError
 from .body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
@@ -160,21 +163,29 @@ def _session_factory(address: str | None = None) -> Callable[[], Any]:
     def start() -> Any:
         from opgraph.cluster.connection import open_session  # local: it loads Ray, which definitions never need
 
-        return open_session(address)
+        # Through an address the runtime is detached (shared by name): the runs this server
+        # submits go on without it, and another server or `opgraph run result` reads their end.
+        return open_session(address, detached=None)
 
     return start
 
 
 def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = None,
                max_concurrent: int = 5, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               start_runtime: bool = True) -> FastAPI:
+               start_runtime: bool = True, submit_runs: bool | None = None) -> FastAPI:
     """The API over ``store``; runs use one Session from ``session_factory`` (default ``Session()``).
 
     The Session starts with the app (``start_runtime``), before it takes requests, so
     admission never waits for Ray; a failed start is reported and retried by each run
     (503 until it works). Request bodies over ``max_body_bytes`` are refused with 413.
-    The caller owns ``store`` and the Session; shutting the app down cancels its
-    in-flight runs (each is recorded ``cancelled``) but closes neither.
+
+    ``submit_runs`` (default: when the runtime is detached, joined through an address)
+    admits each run with ``Session.submit``: the run goes on if this server exits, this
+    server follows it (each settled node and signal recorded as it comes), and a server
+    that did not follow it settles its row from the run log when it is read. Otherwise a
+    run is driven through ``Session.flow`` by this server, with every lifecycle signal.
+    The caller owns ``store`` and the Session; shutting the app down stops following (a
+    run it drives through ``flow`` is cancelled and recorded ``cancelled``) but closes neither.
     """
     runs = RunTasks(store)
     sessions = SessionSlot(session_factory or _session_factory())
@@ -259,8 +270,11 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         session = await sessions.get()
         run_id, control = prepared.run_id, {}
         admitted = asyncio.get_running_loop().create_future()
-        runs.start(run_id, control, lane.execute(prepared, session=session,
-                                                 hooks=RunHooks(control=control, on_admitted=admitted)))
+        if session.runtime.detached if submit_runs is None else submit_runs:
+            runs.start(run_id, control, _submitted(lane, prepared, session, control, admitted))
+        else:
+            runs.start(run_id, control, lane.execute(prepared, session=session,
+                                                     hooks=RunHooks(control=control, on_admitted=admitted)))
         # The lane resolves ``admitted`` once the run row is written (or fails with what
         # stopped it first), so a client polling right after the 202 finds the run.
         status = await admitted
@@ -268,6 +282,31 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         return {"run_id": run_id, "status": status, "workflow": source.ref, "version": source.version,
                 "content_hash": source.content_hash, "lane": prepared.provenance.lane,
                 "lane_capabilities": prepared.capabilities.as_metadata(), "links": run_links(run_id)}
+
+    async def _submitted(lane: Any, prepared: Any, session: Any, control: dict[str, Any],
+                         admitted: asyncio.Future) -> Any:
+        """Admit ``prepared`` detached, then follow it to its end from this server."""
+        try:
+            await lane.submit(prepared, session=session)
+        except BaseException as exc:
+            if not admitted.done():
+                admitted.set_exception(exc)
+            raise
+        admitted.set_result("running")
+        record = await run_in_threadpool(store.get_run, prepared.run_id)
+        return await follow_submitted(lane, record, store=store, hooks=RunHooks(control=control),
+                                      namespace=session.runtime.namespace)
+
+    def _read(run_id: str) -> RunRecord:
+        """The run's row; a detached run nobody followed is settled from the run log once it ended there."""
+        record = store.get_run(run_id)
+        if record.terminal or record.owner_pid is not None or run_id in runs:
+            return record
+        try:
+            adapter = lane_adapter(record.lane, store)
+        except UnknownLaneError:  # a lane this server does not have: its row stays as recorded
+            return record
+        return settle_from_log(store, record, adapter)
 
     @app.get("/api/runs", operation_id="list_runs", responses=errors(422))
     def list_runs(workflow: str | None = None,
@@ -277,18 +316,18 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
 
     @app.get("/api/runs/{run_id}", operation_id="get_run", responses=errors(404))
     def get_run(run_id: str) -> dict[str, Any]:
-        return _run_json(store.get_run(run_id))
+        return _run_json(_read(run_id))
 
     @app.get("/api/runs/{run_id}/signals", operation_id="run_signals", responses=errors(404, 422))
     def run_signals(run_id: str, after: int = Query(default=0, ge=0, le=MAX_REQUEST_INTEGER)) -> dict[str, Any]:
         signals = store.run_signals(run_id, after)
-        status = store.get_run(run_id).status  # read after the signals: terminal means none are missing
+        status = _read(run_id).status  # read after the signals: terminal means none are missing
         return {"run_id": run_id, "status": status, "signals": signals,
                 "next_after": signals[-1]["seq"] if signals else after}
 
     @app.get("/api/runs/{run_id}/results", operation_id="run_results", responses=errors(404, 409))
     def run_results(run_id: str) -> dict[str, Any]:
-        record = store.get_run(run_id)
+        record = _read(run_id)
         if not record.terminal:
             raise RunStateConflictError(f"run {run_id} is still {record.status}; results exist once it ends "
                                         "(poll the run or its signals)", run_id=run_id, status=record.status)

@@ -17,7 +17,8 @@ from typing import Any, TextIO
 
 from ..connection import EXIT_RUNTIME
 
-__all__ = ["EXIT_RUNTIME", "EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "job_address", "job_detached"]
+__all__ = ["EXIT_RUNTIME", "EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "detach_problem", "job_address",
+           "job_detached"]
 
 EXIT_RUN_NOT_COMPLETED = 1  # the run failed or was cancelled: the job is marked FAILED
 EXIT_USAGE = 2  # bad arguments or store, or a workflow definition that does not validate or compile
@@ -102,3 +103,15 @@ def job_address(arguments: argparse.Namespace) -> str | None:
 def job_detached(arguments: argparse.Namespace, address: str | None) -> bool:
     """The driver's actors outlive it when asked, or by default whenever it joined an address."""
     return arguments.detached if arguments.detached is not None else address is not None
+
+
+def detach_problem(arguments: argparse.Namespace, address: str | None) -> str | None:
+    """Why ``--detach`` cannot hold here (a run that outlives the job needs a runtime that does), or None."""
+    if not arguments.detach:
+        return None
+    if address is None:
+        return ("--detach needs a runtime that outlives this job: run it under `ray job submit`, or give "
+                "--address (an embedded Ray ends with the job, and its run with it)")
+    if arguments.detached is False:
+        return "--detach needs the detached actors that --no-detached turns off"
+    return None

@@ -84,6 +84,10 @@ def _add_runtime_arguments(mode: argparse.ArgumentParser, *, run_id_default: str
     mode.add_argument("--detached", action=argparse.BooleanOptionalAction, default=None,
                       help="keep the opgraph actors alive after this job, shared by later jobs and "
                            "clients (default: yes with --address or RAY_ADDRESS, else no)")
+    mode.add_argument("--detach", action="store_true",
+                      help="admit the run detached and end the job once it is admitted and durable: the run goes "
+                           "on on the cluster, and `opgraph run result RUN_ID` reads its end (needs --address or "
+                           "RAY_ADDRESS)")
     mode.add_argument("--run-id", default=None,
                       help="name of the run, for `opgraph run ... RUN_ID` from another client "
                            f"(default: {run_id_default}, printed at start)")

@@ -11,13 +11,14 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 import uuid
 from typing import Any
 
 from opgraph.kernel import Graph, create_operation
 
-from .driver import EXIT_RUN_NOT_COMPLETED, ProgressLog, job_address, job_detached
+from .driver import EXIT_RUN_NOT_COMPLETED, EXIT_USAGE, ProgressLog, detach_problem, job_address, job_detached
 
 __all__ = ["InjectedFailure", "fail", "fanout_graph", "run_fanout_job"]
 
@@ -85,9 +86,36 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
         ray.shutdown()
 
 
+async def _submit_fanout(arguments: argparse.Namespace, address: str) -> str:
+    """Admit the fan-out detached (``Session.submit``); its id once it is durable."""
+    import ray  # local, as in _run_fanout
+
+    from ..connection import open_session
+
+    session = open_session(address, namespace=arguments.namespace, detached=True)
+    try:
+        graph = fanout_graph(arguments.nodes, arguments.latency, fail_every=arguments.fail_every)
+        return await session.submit(graph, run_id=arguments.run_id or f"fanout-{uuid.uuid4()}",
+                                    max_concurrent=arguments.max_concurrent)
+    finally:
+        await session.aclose()  # the run's branches are its own: closing the Session leaves them
+        ray.shutdown()
+
+
 def run_fanout_job(arguments: argparse.Namespace) -> int:
     from opgraph.actors import envelope_summary
 
+    address = job_address(arguments)
+    problem = detach_problem(arguments, address)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if arguments.detach:
+        run_id = asyncio.run(_submit_fanout(arguments, address))
+        print(f"run_id: {run_id}", flush=True)
+        print(json.dumps({"run_id": run_id, "status": "submitted", "nodes": arguments.nodes}, sort_keys=True),
+              flush=True)
+        return 0
     envelope, elapsed = asyncio.run(_run_fanout(arguments))
     summary = envelope_summary(envelope)
     summary["elapsed_seconds"] = round(elapsed, 3)

@@ -20,13 +20,14 @@ from opgraph.kernel import OpGraphError
 from ..connection import RuntimeStartError
 from ..lanes import FIXED_WORKFLOW, LaneRunResult, RunHooks, lane_adapter, open_store, parse_inputs
 from ..store import WorkflowDefinitionError
-from .driver import EXIT_RUN_NOT_COMPLETED, EXIT_USAGE, ProgressLog, job_address, job_detached
+from .driver import EXIT_RUN_NOT_COMPLETED, EXIT_USAGE, ProgressLog, detach_problem, job_address, job_detached
 
 __all__ = ["run_workflow_job"]
 
 
-async def _run_workflow(arguments: argparse.Namespace) -> LaneRunResult:
-    """Run a workflow file on the fixed lane; the run is recorded in the driver's SQLite store."""
+async def _run_workflow(arguments: argparse.Namespace) -> LaneRunResult | str:
+    """Run a workflow file on the fixed lane, recorded in the driver's SQLite store (``--detach``:
+    admit it detached and return its id)."""
     import ray  # local: `--help` and usage errors must not pay for Ray
 
     from ..connection import open_session
@@ -44,6 +45,8 @@ async def _run_workflow(arguments: argparse.Namespace) -> LaneRunResult:
         session = open_session(address, namespace=arguments.namespace, detached=job_detached(arguments, address))
         try:
             print(f"run_id: {prepared.run_id}", flush=True)
+            if arguments.detach:
+                return await lane.submit(prepared, session=session)
             print(f"starting {prepared.label} ({prepared.invocation.source_content_hash}) with "
                   f"{len(prepared.graph.nodes)} operations on {address or 'ray.init() default'}; "
                   f"store {store.path}", flush=True)
@@ -56,6 +59,10 @@ async def _run_workflow(arguments: argparse.Namespace) -> LaneRunResult:
 
 
 def run_workflow_job(arguments: argparse.Namespace) -> int:
+    problem = detach_problem(arguments, job_address(arguments))
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     try:
         result = asyncio.run(_run_workflow(arguments))
     except WorkflowDefinitionError as exc:
@@ -66,6 +73,10 @@ def run_workflow_job(arguments: argparse.Namespace) -> int:
     except OpGraphError as exc:  # the store, the inputs: nothing ran
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    if isinstance(result, str):  # admitted detached: the job ends, the run goes on
+        print(json.dumps({"run_id": result, "status": "submitted", "lane": FIXED_WORKFLOW, "source": arguments.file},
+                         sort_keys=True), flush=True)
+        return 0
     payload: dict[str, Any] = result.to_dict()
     summary = {key: payload[key] for key in ("run_id", "status", "source", "content_hash", "statuses", "elapsed")}
     summary["failed"] = sorted(payload["errors"])
