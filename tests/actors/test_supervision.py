@@ -30,7 +30,8 @@ def run(coroutine: Any, timeout: float = FLOW_TIMEOUT) -> Any:
 
 
 def _kill_runtime(session: Session) -> None:
-    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores]:
+    spare = [session.runtime.standby] if session.runtime.standby is not None else []
+    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores, *spare]:
         try:
             ray.kill(handle)
         except ValueError:  # already dead
@@ -404,7 +405,13 @@ def test_a_durable_run_outlives_its_executor_and_flow_returns_the_whole_envelope
     attempts = {node: envelope["operation_results"][node]["idempotency_key"][2] for node in held.values()}
     assert sorted(attempts.values()) == [1, 1, 1, 1, 2, 2, 2, 2]
     assert own.runtime.executor._actor_id != executor._actor_id
-    assert statistics(own)["recovered_runs"] == [envelope["run_id"]]
+    replacement = statistics(own)
+    assert replacement["recovered_runs"] == [envelope["run_id"]]
+    # The spare that stood by took over (no process started after the kill), and a new one stands by.
+    timeline = replacement["timeline"]
+    assert "promoted" in timeline and timeline["created"] < timeline["promoted"]
+    assert replacement["name"].endswith(".g1") and not replacement["standby"]
+    assert ray.get(own.runtime.standby.is_standby.remote()) is True
 
 
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
