@@ -11,10 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from .backends import upsert
 from .codec import decode, encode
 from .database import Database
 
 __all__ = ["BranchJournal", "ShardRows", "load_shard"]
+
+# Upserts both SQLite and PostgreSQL speak (backends.py).
+_RECORD = upsert("runtime_branch_records", ("shard", "record_id", "parent_id", "parent_len"), ("shard", "record_id"))
+_MESSAGE = upsert("runtime_branch_messages", ("shard", "record_id", "seq", "message"), ("shard", "record_id", "seq"))
+_HEAD = upsert("runtime_branch_heads", ("branch_id", "shard", "record_id"), ("branch_id",))
 
 
 class BranchJournal:
@@ -56,14 +62,11 @@ class BranchJournal:
         for op in ops:
             kind = op[0]
             if kind == "record":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_records (shard, record_id, parent_id, "
-                                   "parent_len) VALUES (?, ?, ?, ?)", (shard, op[1], op[2], op[3])))
+                statements.append((_RECORD, (shard, op[1], op[2], op[3])))
             elif kind == "message":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_messages (shard, record_id, seq, message) "
-                                   "VALUES (?, ?, ?, ?)", (shard, op[1], op[2], encode([[op[3]]]))))
+                statements.append((_MESSAGE, (shard, op[1], op[2], encode([[op[3]]]))))
             elif kind == "head":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_heads (branch_id, shard, record_id) "
-                                   "VALUES (?, ?, ?)", (op[1], shard, op[2])))
+                statements.append((_HEAD, (op[1], shard, op[2])))
             elif kind == "unhead":
                 statements.append(("DELETE FROM runtime_branch_heads WHERE branch_id = ? AND shard = ?",
                                    (op[1], shard)))
