@@ -263,6 +263,13 @@ class PostgresConnection(Connection):
     def close(self) -> None:
         self.connection.close()
 
+    def __del__(self) -> None:
+        # Readers (a CLI's run-log lookup) drop their connection without closing it, as they
+        # may a sqlite3 one; closed here, psycopg has nothing to warn about.
+        connection = self.__dict__.get("connection")
+        if connection is not None and not connection.closed:
+            connection.close()
+
     @property
     def in_transaction(self) -> bool:
         return self.connection.info.transaction_status != self._idle

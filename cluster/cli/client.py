@@ -17,12 +17,11 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from ..connection import EXIT_RUNTIME, RuntimeStartError
 from ..lanes import LaneCapabilities, LaneCapabilityError, check_capabilities
-from ..store import RunNotFoundError, RunStore, WorkflowStoreError, default_store_path
+from ..store import RunNotFoundError, RunStore, WorkflowStoreError, store_exists, store_location
 
 __all__ = ["CONTROL_ACTIONS", "RUN_ACTIONS", "RUN_EXIT_CODES", "check_recorded_control", "job_submit_command",
            "ray_cli", "run_action", "submit_job"]
@@ -129,8 +128,8 @@ def check_recorded_control(run_id: str, action: str, store_path: str | None = No
     matrix that excludes ``action``. A run the store does not hold (a plain ``Session.flow``
     run, a fan-out job) has no lane matrix, and a store file that does not exist is not made."""
     request_kind = CONTROL_ACTIONS.get(action)
-    path = Path(store_path).expanduser() if store_path else default_store_path()
-    if request_kind is None or not path.is_file():
+    path = store_location(store_path)
+    if request_kind is None or not store_exists(path):
         return
     with RunStore(path) as store:  # reads only: no definition rules needed
         try:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from opgraph.actors.persistence.backends import Connection, SqliteConnection, location
+from opgraph.actors.persistence.backends import Connection, SqliteConnection, is_postgres, location
 
 from .errors import StoreSchemaError, WorkflowStoreError
 
@@ -28,6 +28,8 @@ __all__ = [
     "Migration",
     "default_store_path",
     "migrate",
+    "store_exists",
+    "store_location",
     "sources_of",
 ]
 
@@ -309,3 +311,13 @@ def default_store_path() -> Path | str:
     if os.environ.get("OPGRAPH_HOME"):
         return Path(os.environ["OPGRAPH_HOME"]).expanduser() / "opgraph.db"
     return Path.home() / ".opgraph" / "opgraph.db"
+
+
+def store_location(store: str | os.PathLike[str] | None = None) -> Path | str:
+    """A ``--store`` option as given (a path with ``~`` expanded, or a PostgreSQL URL), else the default."""
+    return default_store_path() if not store else location(store)
+
+
+def store_exists(target: Path | str) -> bool:
+    """Whether a store may hold something at ``target``: a SQLite file that exists, or any PostgreSQL URL."""
+    return is_postgres(target) or Path(target).is_file()
