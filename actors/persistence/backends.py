@@ -108,6 +108,20 @@ class Connection:
         """A schema statement written in SQLite's type names, as this dialect needs it."""
         return statement
 
+    def run_transaction(self, statements: Sequence[tuple[str, Any]], *, write: bool = True) -> None:
+        """``(sql, parameters)`` in one transaction, a list of rows as ``executemany``; rolled back on error."""
+        try:
+            self.begin(write=write)
+            for sql, parameters in statements:
+                if parameters and isinstance(parameters, list):
+                    self.executemany(sql, parameters)
+                else:
+                    self.execute(sql, parameters)
+            self.commit()
+        except BaseException:
+            self.rollback()
+            raise
+
     def begin(self, *, write: bool = False) -> None: ...
     def commit(self) -> None: ...
     def rollback(self) -> None: ...
@@ -247,6 +261,27 @@ class PostgresConnection(Connection):
 
     def ddl(self, statement: str) -> str:
         return postgres_ddl(statement)
+
+    def run_transaction(self, statements: Sequence[tuple[str, Any]], *, write: bool = True) -> None:
+        # One pipeline: BEGIN, the statements and COMMIT leave in one round trip, not one each
+        # (a run-log flush is a small transaction, so round trips are most of its cost).
+        connection = self.connection
+        try:
+            with connection.pipeline(), connection.cursor() as cursor:
+                cursor.execute("BEGIN")
+                if write:
+                    cursor.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
+                for sql, parameters in statements:
+                    if parameters and isinstance(parameters, list):
+                        cursor.executemany(postgres_sql(sql), parameters)
+                    elif parameters:
+                        cursor.execute(postgres_sql(sql), tuple(parameters))
+                    else:
+                        cursor.execute(sql)
+                cursor.execute("COMMIT")
+        except BaseException:
+            self.rollback()
+            raise
 
     def begin(self, *, write: bool = False) -> None:
         self.connection.execute("BEGIN")

@@ -128,19 +128,15 @@ class Database:
             raise
 
     def transaction(self, statements: list[tuple[str, tuple]]) -> None:
-        """Run ``(sql, parameters)`` statements in one transaction (``executemany`` for lists of rows)."""
+        """Run ``(sql, parameters)`` statements in one transaction (``executemany`` for lists of rows).
+
+        SQLite takes its write lock up front; PostgreSQL needs none here (the runtime's
+        writes never read first), and sends the whole transaction in one round trip."""
         with self.lock:
             connection = self.connection
             try:
-                connection.begin(write=not self.postgres)
-                for sql, parameters in statements:
-                    if parameters and isinstance(parameters, list):
-                        connection.executemany(sql, parameters)
-                    else:
-                        connection.execute(sql, parameters)
-                connection.commit()
+                connection.run_transaction(statements, write=not self.postgres)
             except connection.errors as exc:
-                connection.rollback()
                 raise DatabaseError(f"a write to {describe(self.path)} failed: {exc}") from exc
 
     def query(self, sql: str, parameters: tuple = ()) -> list[tuple]:

@@ -59,6 +59,19 @@ def test_branches_reload_from_either_backend_with_clones_and_dropped_records(dat
     assert load_shard(database, 4).records == []  # another shard's rows are its own
 
 
+def test_a_failed_write_is_a_typed_error_and_writes_nothing_and_the_database_goes_on(database_target):
+    log = RunLog(database_target)
+    log.begin("r1", "executor-0", b"h", 1.0)
+    with pytest.raises(DatabaseError, match="a write to"):
+        log.database.transaction([
+            ("INSERT INTO runtime_run_records (run_id, seq, batch) VALUES (?, ?, ?)", ("r1", 1, _batch("kept?"))),
+            ("INSERT INTO no_such_table (x) VALUES (?)", (1,)),
+        ])
+    assert log.last_seq("r1") == 0  # the whole transaction was rolled back
+    log.append([("r1", 1, _batch("after"))])
+    assert log.load("r1").batches[0][0][0] == "after"
+
+
 def test_two_processes_opening_one_new_database_both_succeed(database_target):
     """Two runtime processes create the tables of one new database at the same time."""
     context = multiprocessing.get_context("spawn")

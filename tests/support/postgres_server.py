@@ -57,7 +57,8 @@ class PostgresServer:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
     @classmethod
-    def start(cls) -> PostgresServer:
+    def start(cls, *, durable: bool = False) -> PostgresServer:
+        """``durable=False`` (the tests) turns fsync off; ``True`` keeps PostgreSQL's defaults (benchmarks)."""
         binaries = postgres_binaries()
         if binaries is None:
             raise RuntimeError("PostgreSQL's server binaries are missing: apt-get install -y postgresql")
@@ -72,7 +73,9 @@ class PostgresServer:
                         "-E", "UTF8", "--locale=C")
             # Durability is the server's business, not these tests': fsync off makes it quick.
             options = (f"-c listen_addresses=127.0.0.1 -c port={server.port} -c unix_socket_directories={folder} "
-                       "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+                       "-c max_connections=200")
+            if not durable:
+                options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
             server._run("pg_ctl", "-D", server.data, "-l", os.path.join(folder, "server.log"), "-o", options,
                         "-w", "-t", str(int(START_DEADLINE)), "start")
         except BaseException:
