@@ -43,16 +43,25 @@ def ray_cli() -> list[str]:
 
 def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
                        no_wait: bool = False, submission_id: str | None = None,
-                       python: str = "python", detach: bool = False) -> list[str]:
+                       python: str = "python", detach: bool = False, runtime_env: dict[str, Any] | None = None,
+                       ship: bool = True) -> list[str]:
     """The `ray job submit` command line that runs ``python -m opgraph.cluster.job ENTRYPOINT...``.
 
-    ``detach`` adds the job's own ``--detach``: the job ends once its run is admitted and
-    durable, and the run goes on on the cluster (``opgraph run result RUN_ID`` reads its end).
+    ``ship`` (the default) takes this process's opgraph to the cluster in the job's runtime
+    environment (``py_modules``, merged into ``runtime_env``), so nodes need only Ray and
+    opgraph's dependencies. ``detach`` adds the job's own ``--detach``: the job ends once its
+    run is admitted and durable, and the run goes on on the cluster (``opgraph run result
+    RUN_ID`` reads its end).
     """
+    from ..jobs.shipping import opgraph_runtime_env
+
     command = [*ray_cli(), "job", "submit"]
     if address:
         command += ["--address", address]
     command += ["--working-dir", working_dir]
+    environment = opgraph_runtime_env(runtime_env) if ship else runtime_env
+    if environment:
+        command += ["--runtime-env-json", json.dumps(environment, sort_keys=True)]
     if submission_id:
         command += ["--submission-id", submission_id]
     if no_wait:
@@ -61,14 +70,15 @@ def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None,
 
 
 def submit_job(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
-               no_wait: bool = False, submission_id: str | None = None, detach: bool = False) -> int:
+               no_wait: bool = False, submission_id: str | None = None, detach: bool = False,
+               runtime_env: dict[str, Any] | None = None, ship: bool = True) -> int:
     """Run `ray job submit` and return its exit status (non-zero when the job FAILED)."""
     if not entrypoint:
         print("opgraph job submit: give the job's arguments after '--', e.g. "
               "opgraph job submit -- fanout --nodes 1000", file=sys.stderr)
         return 2
     command = job_submit_command(entrypoint, address=address, working_dir=working_dir, no_wait=no_wait,
-                                 submission_id=submission_id, detach=detach)
+                                 submission_id=submission_id, detach=detach, runtime_env=runtime_env, ship=ship)
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
     try:
         return subprocess.run(command, check=False).returncode
