@@ -146,7 +146,8 @@ class GraphExecutor:
     def _start_store(self, index: int, generation: int) -> Any:
         return BranchStore.options(name=self.names.store(index, generation), namespace=self.namespace,
                                    get_if_exists=self.detached,
-                                   lifetime=self._lifetime()).remote(index, self.database)
+                                   lifetime=self._lifetime()).remote(
+                                       index, self.database, self.names.owner(self.namespace))
 
     def _start_worker(self, index: int, generation: int) -> Any:
         stores = getattr(self, "store_pool", None)
@@ -177,7 +178,8 @@ class GraphExecutor:
 
     async def _recover_live_runs(self) -> None:
         writer = self.shell.logger.writer
-        await writer.run(self.shell.branches.load_locations, self.run_log.database)
+        await writer.run(self.shell.branches.load_locations, self.run_log.database,
+                         self.names.owner(self.namespace))
         live = await writer.run(lambda: self.run_log.runs(status="live", executor=self.names.executor))
         for entry in live:
             if entry.run_id in self.shell.runs:

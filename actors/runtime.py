@@ -141,7 +141,8 @@ class Runtime:
         and calls in flight) instead of starting everything again."""
         workers, stores = self.sizes
         store_names = [self.names.store(index) for index in range(stores)]
-        self._owned = [BranchStore.options(name=name, namespace=self.namespace).remote(index, self.database)
+        owner = self.names.owner(self.namespace)
+        self._owned = [BranchStore.options(name=name, namespace=self.namespace).remote(index, self.database, owner)
                        for index, name in enumerate(store_names)]
         store_handles = list(self._owned)
         for index in range(workers):

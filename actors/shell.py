@@ -217,6 +217,15 @@ class ExecutorShell:
         await self.logger.begin(run, header)
         if options.isolated:  # its own default branch: back with the other durable branches, or recreated
             options.known_branches = {**options.known_branches, options.default_branch_id: 0}
+        # The run's branches as its log names them: held here, or adopted from the runtime
+        # that ran it before (an orphan resumed elsewhere); its own go under its scope again.
+        own = {branch_id for branch_id in state.branch.values() if branch_id}
+        if options.isolated:
+            own.add(options.default_branch_id)
+        if options.branch_scope is not None:
+            self.branches.adopt(options.branch_scope, (), parent=options.scope_parent)
+        await self.branches.take_over([*options.known_branches, *own, state.clone_source_branch_id],
+                                      options.branch_scope, own)
         self.totals["recovered"] += 1
         await self._admit(run, state.recover(time.time()))
 

@@ -18,7 +18,25 @@ from .backends import Connection, describe, driver_errors, is_postgres, location
 
 __all__ = ["RUNTIME_SCHEMA_VERSION", "Database", "DatabaseError", "database_exists", "database_path"]
 
-RUNTIME_SCHEMA_VERSION = 1
+RUNTIME_SCHEMA_VERSION = 2
+
+# Version 2 keys branch rows by their owner (the runtime whose store wrote them: see
+# ``BranchStore``), so runtimes sharing one file never collide on record ids. Version 1's
+# rows move to the owner "" (nobody's): any runtime may adopt a branch found there.
+_BRANCH_TABLES_V1_TO_V2 = """
+ALTER TABLE runtime_branch_records RENAME TO runtime_branch_records_v1;
+ALTER TABLE runtime_branch_heads RENAME TO runtime_branch_heads_v1;
+ALTER TABLE runtime_branch_messages RENAME TO runtime_branch_messages_v1;
+DROP INDEX IF EXISTS runtime_branch_heads_shard;
+"""
+_BRANCH_ROWS_V1_TO_V2 = """
+INSERT INTO runtime_branch_records SELECT '', shard, record_id, parent_id, parent_len FROM runtime_branch_records_v1;
+INSERT INTO runtime_branch_heads SELECT '', branch_id, shard, record_id FROM runtime_branch_heads_v1;
+INSERT INTO runtime_branch_messages SELECT '', shard, record_id, seq, message FROM runtime_branch_messages_v1;
+DROP TABLE runtime_branch_records_v1;
+DROP TABLE runtime_branch_heads_v1;
+DROP TABLE runtime_branch_messages_v1;
+"""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS opgraph_runtime_schema (version INTEGER NOT NULL);
@@ -40,26 +58,35 @@ CREATE TABLE IF NOT EXISTS runtime_run_records (
     PRIMARY KEY (run_id, seq)
 );
 CREATE TABLE IF NOT EXISTS runtime_branch_records (
+    owner TEXT NOT NULL,
     shard INTEGER NOT NULL,
     record_id INTEGER NOT NULL,
     parent_id INTEGER,
     parent_len INTEGER NOT NULL,
-    PRIMARY KEY (shard, record_id)
+    PRIMARY KEY (owner, shard, record_id)
 );
 CREATE TABLE IF NOT EXISTS runtime_branch_heads (
-    branch_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    branch_id TEXT NOT NULL,
     shard INTEGER NOT NULL,
-    record_id INTEGER NOT NULL
+    record_id INTEGER NOT NULL,
+    PRIMARY KEY (owner, branch_id)
 );
-CREATE INDEX IF NOT EXISTS runtime_branch_heads_shard ON runtime_branch_heads (shard);
+CREATE INDEX IF NOT EXISTS runtime_branch_heads_shard ON runtime_branch_heads (owner, shard);
+CREATE INDEX IF NOT EXISTS runtime_branch_heads_branch ON runtime_branch_heads (branch_id);
 CREATE TABLE IF NOT EXISTS runtime_branch_messages (
+    owner TEXT NOT NULL,
     shard INTEGER NOT NULL,
     record_id INTEGER NOT NULL,
     seq INTEGER NOT NULL,
     message BLOB NOT NULL,
-    PRIMARY KEY (shard, record_id, seq)
+    PRIMARY KEY (owner, shard, record_id, seq)
 );
 """
+# The newest head of a branch is the one written last: SQLite numbers rows as they are
+# inserted (its implicit rowid, which ``read_branch`` orders by); PostgreSQL has no such
+# number, so its heads table carries one of that name.
+_POSTGRES_ROWID = "ALTER TABLE runtime_branch_heads ADD COLUMN IF NOT EXISTS rowid BIGINT GENERATED ALWAYS AS IDENTITY"
 
 
 class DatabaseError(OpGraphError):
@@ -110,18 +137,28 @@ class Database:
 
     def _migrate(self) -> None:
         connection = self.connection
-        # One transaction under the write lock: two processes opening a fresh database at
-        # once must not both create the tables (PostgreSQL would refuse the second).
+        # One transaction under the write lock: processes opening the database at once
+        # migrate it once (PostgreSQL would also refuse a second CREATE of the same table).
         connection.begin(write=True)
         try:
-            connection.executescript(_SCHEMA)
+            connection.execute(connection.ddl("CREATE TABLE IF NOT EXISTS opgraph_runtime_schema "
+                                              "(version INTEGER NOT NULL)"))
             found = connection.execute("SELECT version FROM opgraph_runtime_schema").fetchone()
+            if found is not None and found[0] > RUNTIME_SCHEMA_VERSION:
+                raise DatabaseError(f"the runtime tables of {describe(self.path)} have schema version {found[0]}; "
+                                    f"this opgraph knows up to {RUNTIME_SCHEMA_VERSION}: upgrade opgraph")
+            if found is not None and found[0] == 1:
+                connection.executescript(_BRANCH_TABLES_V1_TO_V2)
+            connection.executescript(_SCHEMA)
+            if self.postgres:
+                connection.execute(_POSTGRES_ROWID)
+            if found is not None and found[0] == 1:
+                connection.executescript(_BRANCH_ROWS_V1_TO_V2)
             if found is None:
                 connection.execute("INSERT INTO opgraph_runtime_schema (version) VALUES (?)",
                                    (RUNTIME_SCHEMA_VERSION,))
-            elif found[0] > RUNTIME_SCHEMA_VERSION:
-                raise DatabaseError(f"the runtime tables of {describe(self.path)} have schema version {found[0]}; "
-                                    f"this opgraph knows up to {RUNTIME_SCHEMA_VERSION}: upgrade opgraph")
+            elif found[0] < RUNTIME_SCHEMA_VERSION:
+                connection.execute("UPDATE opgraph_runtime_schema SET version = ?", (RUNTIME_SCHEMA_VERSION,))
             connection.commit()
         except BaseException:
             connection.rollback()
