@@ -14,7 +14,7 @@ import pytest
 from opgraph.actors import BranchTable
 from opgraph.actors.persistence import Database, RunLog
 from opgraph.actors.persistence.backends import describe, is_postgres, location, postgres_sql, upsert
-from opgraph.actors.persistence.branchlog import BranchJournal, load_shard
+from opgraph.actors.persistence.branchlog import BranchJournal, load_shard, read_branch, release_branch
 from opgraph.actors.persistence.database import DatabaseError
 
 
@@ -57,6 +57,28 @@ def test_branches_reload_from_either_backend_with_clones_and_dropped_records(dat
     reloaded = BranchTable.loaded(BranchJournal(3), load_shard(database, 3))
     assert reloaded.messages("c") == ["m1", "c1"] and "root" not in reloaded
     assert load_shard(database, 4).records == []  # another shard's rows are its own
+
+
+def test_another_owners_branch_is_adopted_from_its_newest_head_and_released(database_target):
+    """Owners a and b both hold branch x (b wrote later); then a writes x again: a's is the newest.
+    Adopted by c, a lets go; a, left with no branch, loses its rows."""
+    database = Database(database_target)
+    tables = {}
+    for owner, words in (("a", ["a1"]), ("b", ["b1", "b2"])):
+        journal = BranchJournal(0, owner=owner)
+        tables[owner] = BranchTable(journal)
+        tables[owner].create("x", words)
+        journal.write(database, journal.take())
+    assert read_branch(database, "x", besides="c") == ("b", ["b1", "b2"])
+    tables["a"].append("x", ["a2"])
+    tables["a"].replace_history("x", "x")  # re-points a's head: written again, now the newest
+    tables["a"].journal.write(database, tables["a"].journal.take())
+    owner, messages = read_branch(database, "x", besides="c")
+    assert owner == "a" and messages[:2] == ["a1", "a2"]
+    assert read_branch(database, "x", besides="a")[0] == "b"
+    release_branch(database, "a", "x")
+    assert load_shard(database, 0, owner="a").records == []  # a held nothing else: its rows went
+    assert load_shard(database, 0, owner="b").heads == {"x": 1}
 
 
 def test_a_failed_write_is_a_typed_error_and_writes_nothing_and_the_database_goes_on(database_target):
