@@ -131,7 +131,8 @@ def _build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1)")
     api.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     api.add_argument("--store", default=None,
-                     help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
+                     help="store: a SQLite path or a postgresql:// URL "
+                     "(default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
     api.add_argument("--address", default=None,
                      help="Ray address (default: an embedded local Ray); the runtime starts with the server, "
                           "before it takes requests")
