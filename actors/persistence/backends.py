@@ -9,6 +9,7 @@ writers. Everything else is written once, in SQL both accept. No Ray, no event l
 
 from __future__ import annotations
 
+import abc
 import functools
 import os
 import re
@@ -83,7 +84,7 @@ class Row(tuple):
         return list(self._index)
 
 
-class Connection:
+class Connection(abc.ABC):
     """One connection in autocommit mode; transactions are explicit (``begin``, ``commit``, ``rollback``).
 
     SQL is written with ``?`` placeholders and SQLite's type names; each backend
@@ -95,8 +96,13 @@ class Connection:
     errors: type[BaseException]
     target: str
 
-    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> Any: ...
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None: ...
+    @abc.abstractmethod
+    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> Any:
+        """Run one statement; the driver's cursor, for ``fetchone``/``fetchall``/``rowcount``."""
+
+    @abc.abstractmethod
+    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
+        """Run one statement once per row."""
 
     def executescript(self, script: str) -> None:
         """Schema statements separated by ``;``, one by one, inside the caller's transaction
@@ -122,26 +128,40 @@ class Connection:
             self.rollback()
             raise
 
-    def begin(self, *, write: bool = False) -> None: ...
+    @abc.abstractmethod
+    def begin(self, *, write: bool = False) -> None:
+        """Open a transaction; ``write`` excludes other writers from its start to its end."""
+
+    @abc.abstractmethod
     def commit(self) -> None: ...
-    def rollback(self) -> None: ...
+
+    @abc.abstractmethod
+    def rollback(self) -> None:
+        """Roll back the open transaction, if there is one."""
+
+    @abc.abstractmethod
     def close(self) -> None: ...
 
     @property
+    @abc.abstractmethod
     def in_transaction(self) -> bool: ...
 
     # -- schema versions ------------------------------------------------------------------
-    def user_version(self) -> int: ...
+    @abc.abstractmethod
+    def user_version(self) -> int:
+        """The schema version of the store's tables (0: none yet)."""
+
+    @abc.abstractmethod
     def set_user_version(self, version: int) -> None: ...
 
     # -- SQL fragments -------------------------------------------------------------------
+    @abc.abstractmethod
     def json_text(self, column: str, *path: str) -> str:
         """An expression: the JSON text in ``column`` at ``path``, as text (NULL when absent)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def json_number(self, column: str, *path: str) -> str:
         """An expression: the JSON text in ``column`` at ``path``, as a number (NULL when absent)."""
-        raise NotImplementedError
 
 
 class SqliteConnection(Connection):
@@ -153,8 +173,11 @@ class SqliteConnection(Connection):
     def __init__(self, connection: sqlite3.Connection, target: str = "?") -> None:
         self.connection = connection
         self.target = target
-        # The driver's own methods, bound once: this backend adds no cost per statement.
+        # The driver's own method, bound once: this backend adds no cost per statement.
         self.execute = connection.execute
+
+    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> Any:  # replaced per instance, above
+        return self.connection.execute(sql, parameters)
 
     @classmethod
     def open(cls, path: str, *, timeout: float, named_rows: bool) -> SqliteConnection:

@@ -3,8 +3,10 @@
 ``PostgresServer.start()`` makes a cluster with ``initdb`` in a temp dir and runs it with
 ``pg_ctl`` on a free 127.0.0.1 port (and a unix socket in the same dir). PostgreSQL
 refuses to run as root, so under root (CI) the server runs as the ``postgres`` user, through
-``runuser``. ``database()`` hands each test a fresh, empty database; ``stop()`` stops the
-server (``pg_ctl stop -m immediate``) and removes the folder.
+``runuser``. ``database()`` hands each test a fresh, empty schema of one test database, as
+a URL whose ``search_path`` names it (a schema takes milliseconds; ``CREATE DATABASE``
+took 0.2 to 2.5 s here); ``stop()`` stops the server (``pg_ctl stop -m immediate``) and
+removes the folder.
 """
 
 from __future__ import annotations
@@ -92,14 +94,17 @@ class PostgresServer:
             raise RuntimeError(f"{program} failed ({finished.returncode}): {finished.stdout}\n{finished.stderr}")
 
     def database(self) -> str:
-        """The URL of a new, empty database on this server."""
+        """The URL of a new, empty schema in the test database: opgraph sees an empty database."""
         import psycopg
 
+        if not self.names:
+            with psycopg.connect(self.url(), autocommit=True) as connection:
+                connection.execute("CREATE DATABASE opgraph_tests")
         name = "t_" + secrets.token_hex(6)
-        with psycopg.connect(self.url(), autocommit=True) as connection:
-            connection.execute(f"CREATE DATABASE {name}")
+        with psycopg.connect(self.url("opgraph_tests"), autocommit=True) as connection:
+            connection.execute(f"CREATE SCHEMA {name}")
         self.names.add(name)
-        return self.url(name)
+        return self.url("opgraph_tests") + f"?options=-csearch_path%3D{name}"
 
     def stop(self) -> None:
         if os.path.exists(os.path.join(self.data, "postmaster.pid")):
