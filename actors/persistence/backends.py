@@ -264,15 +264,32 @@ class PostgresConnection(Connection):
     def __init__(self, url: str, *, timeout: float, named_rows: bool, version_table: str) -> None:
         import psycopg  # local: only a PostgreSQL store needs the driver
 
+        self._psycopg = psycopg
         self.errors = psycopg.Error
         self.target = url
         self._version_table = version_table
         self._idle = psycopg.pq.TransactionStatus.IDLE
-        self.connection = psycopg.connect(url, autocommit=True, connect_timeout=max(1, int(timeout)))
-        if named_rows:
-            self.connection.row_factory = _named_rows
+        self._timeout = max(1, int(timeout))
+        self._named_rows = named_rows
+        self._transaction_open = False
+        self.connection = self._connect()
+
+    def _connect(self) -> Any:
+        connection = self._psycopg.connect(self.target, autocommit=True, connect_timeout=self._timeout)
+        if self._named_rows:
+            connection.row_factory = _named_rows
+        return connection
+
+    def _reconnect_if_lost(self) -> None:
+        # A server restart or a dropped link breaks the connection: the statement that met it
+        # failed (its caller got a typed error); the next one, outside any transaction, starts
+        # on a new connection, so a long-lived executor or store does not fail forever.
+        if self.connection.broken:
+            self.connection = self._connect()
 
     def execute(self, sql: str, parameters: Sequence[Any] = ()) -> Any:
+        if not self._transaction_open:
+            self._reconnect_if_lost()
         if not parameters:  # psycopg reads placeholders (and ``%%``) only when there are parameters
             return self.connection.execute(sql)
         return self.connection.execute(postgres_sql(sql), tuple(parameters))
@@ -288,6 +305,7 @@ class PostgresConnection(Connection):
     def run_transaction(self, statements: Sequence[tuple[str, Any]], *, write: bool = True) -> None:
         # One pipeline: BEGIN, the statements and COMMIT leave in one round trip, not one each
         # (a run-log flush is a small transaction, so round trips are most of its cost).
+        self._reconnect_if_lost()
         connection = self.connection
         try:
             with connection.pipeline(), connection.cursor() as cursor:
@@ -307,15 +325,19 @@ class PostgresConnection(Connection):
             raise
 
     def begin(self, *, write: bool = False) -> None:
+        self._reconnect_if_lost()
         self.connection.execute("BEGIN")
+        self._transaction_open = True
         if write:
             self.connection.execute("SELECT pg_advisory_xact_lock(%s)", (_WRITE_LOCK,))
 
     def commit(self) -> None:
+        self._transaction_open = False
         self.connection.execute("COMMIT")
 
     def rollback(self) -> None:
-        if self.in_transaction:
+        self._transaction_open = False
+        if not self.connection.broken and self.in_transaction:
             self.connection.execute("ROLLBACK")
 
     def close(self) -> None:

@@ -94,6 +94,34 @@ def test_a_failed_write_is_a_typed_error_and_writes_nothing_and_the_database_goe
     assert log.load("r1").batches[0][0][0] == "after"
 
 
+def test_a_lost_postgresql_connection_fails_one_write_and_the_next_reconnects(postgres_server):
+    """The server ends the runtime's and the store's sessions (as a restart would): each side's
+    next call fails with its typed error, and the one after works on a new connection."""
+    import psycopg
+
+    from opgraph.cluster.lanes import open_store
+    from opgraph.cluster.store import WorkflowStoreError
+
+    url = postgres_server.database() + "&application_name=opgraph-lost-connection"  # only these are ended
+    log, store = RunLog(url), open_store(url)
+    log.begin("r1", "executor-0", b"h", 1.0)
+    store.create_workflow("kept", {"version": 1, "nodes": [{"id": "in", "kind": "input", "pos": {"x": 0, "y": 0}}],
+                                   "edges": []})
+    with psycopg.connect(url, autocommit=True) as admin:
+        ended = admin.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                              "WHERE application_name = 'opgraph-lost-connection' AND pid <> pg_backend_pid()"
+                              ).fetchone()[0]
+    assert ended == 2
+    with pytest.raises(DatabaseError):
+        log.append([("r1", 1, _batch("lost"))])
+    with pytest.raises(WorkflowStoreError):
+        store.list_workflows()
+    log.append([("r1", 1, _batch("after"))])
+    assert log.load("r1").batches[0][0][0] == "after"
+    assert [summary.name for summary in store.list_workflows()] == ["kept"]
+    store.close()
+
+
 def test_two_processes_opening_one_new_database_both_succeed(database_target):
     """Two runtime processes create the tables of one new database at the same time."""
     context = multiprocessing.get_context("spawn")
