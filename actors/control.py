@@ -226,9 +226,9 @@ class RunControl:
 
 def _logged(run_id: str) -> tuple[str, dict[str, Any] | None, str | None] | None:
     """(status, envelope, error) of ``run_id`` in this process's run log (``OPGRAPH_DB``), or None."""
-    from .persistence import RunLog, database_path  # local: only a finished run's reader needs the log
+    from .persistence import RunLog, database_exists, database_path  # local: only a finished run's reader needs it
 
-    if not database_path().exists():
+    if not database_exists(database_path()):
         return None
     log = RunLog(database_path())
     entry = log.entry(run_id)

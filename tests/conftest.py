@@ -19,3 +19,26 @@ if "OPGRAPH_DB" not in os.environ:
 
 def pytest_configure(config):
     """Nothing else to configure."""
+
+
+# -- a real PostgreSQL server, for the store's tests on both backends ----------------------
+import pytest  # noqa: E402 - after the environment above is set
+
+
+@pytest.fixture(scope="session")
+def postgres_server():
+    """A PostgreSQL server of this test session (Debian's binaries, a temp dir, a free port),
+    started on first use and stopped at the session's end."""
+    from postgres_server import PostgresServer
+
+    server = PostgresServer.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_target(request, tmp_path):
+    """Where a test's store lives, once per backend: a new SQLite file, or a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return tmp_path / "opgraph.db"
+    return request.getfixturevalue("postgres_server").database()

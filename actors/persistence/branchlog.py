@@ -18,10 +18,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from .backends import upsert
 from .codec import decode, encode
 from .database import Database
 
 __all__ = ["BranchJournal", "ShardRows", "load_shard", "read_branch", "release_branch"]
+
+# Upserts both SQLite and PostgreSQL speak (backends.py). A head is deleted and inserted
+# again, never updated in place: a head's row number says when it was last written, which
+# is how ``read_branch`` tells the newest of several owners' heads.
+_RECORD = upsert("runtime_branch_records", ("owner", "shard", "record_id", "parent_id", "parent_len"),
+                 ("owner", "shard", "record_id"))
+_MESSAGE = upsert("runtime_branch_messages", ("owner", "shard", "record_id", "seq", "message"),
+                  ("owner", "shard", "record_id", "seq"))
+_UNHEAD = "DELETE FROM runtime_branch_heads WHERE owner = ? AND branch_id = ?"
+_HEAD = "INSERT INTO runtime_branch_heads (owner, branch_id, shard, record_id) VALUES (?, ?, ?, ?)"
 
 
 class BranchJournal:
@@ -64,18 +75,14 @@ class BranchJournal:
         for op in ops:
             kind = op[0]
             if kind == "record":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_records (owner, shard, record_id, "
-                                   "parent_id, parent_len) VALUES (?, ?, ?, ?, ?)",
-                                   (owner, shard, op[1], op[2], op[3])))
+                statements.append((_RECORD, (owner, shard, op[1], op[2], op[3])))
             elif kind == "message":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_messages (owner, shard, record_id, seq, "
-                                   "message) VALUES (?, ?, ?, ?, ?)", (owner, shard, op[1], op[2], encode([[op[3]]]))))
+                statements.append((_MESSAGE, (owner, shard, op[1], op[2], encode([[op[3]]]))))
             elif kind == "head":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_heads (owner, branch_id, shard, record_id) "
-                                   "VALUES (?, ?, ?, ?)", (owner, op[1], shard, op[2])))
+                statements.append((_UNHEAD, (owner, op[1])))
+                statements.append((_HEAD, (owner, op[1], shard, op[2])))
             elif kind == "unhead":
-                statements.append(("DELETE FROM runtime_branch_heads WHERE owner = ? AND branch_id = ?",
-                                   (owner, op[1])))
+                statements.append((_UNHEAD, (owner, op[1])))
             elif kind == "forget":
                 statements.append(("DELETE FROM runtime_branch_messages WHERE owner = ? AND shard = ? "
                                    "AND record_id = ?", (owner, shard, op[1])))

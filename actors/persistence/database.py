@@ -1,20 +1,22 @@
-"""The runtime's database: one SQLite file shared by processes, and the runtime's own tables.
+"""The runtime's database: one SQLite file or PostgreSQL database shared by processes, and its tables.
 
-Owns opening the file the way every runtime process must (WAL, a busy timeout, commits
-that survive a killed process), and the runtime's tables and their schema version,
-kept apart from the run store's (cluster/) in the same file. No Ray, no event loop.
+Owns opening the database the way every runtime process must (SQLite: WAL, a busy timeout,
+commits that survive a killed process; PostgreSQL: a URL in ``OPGRAPH_DB``), and the
+runtime's tables and their schema version, kept apart from the run store's (cluster/) in
+the same database. No Ray, no event loop; the dialects differ only in backends.py.
 """
 
 from __future__ import annotations
 
 import os
-import sqlite3
 import threading
 from pathlib import Path
 
 from opgraph.kernel import OpGraphError
 
-__all__ = ["RUNTIME_SCHEMA_VERSION", "Database", "DatabaseError", "database_path"]
+from .backends import Connection, describe, driver_errors, is_postgres, location, open_connection
+
+__all__ = ["RUNTIME_SCHEMA_VERSION", "Database", "DatabaseError", "database_exists", "database_path"]
 
 RUNTIME_SCHEMA_VERSION = 2
 
@@ -81,93 +83,107 @@ CREATE TABLE IF NOT EXISTS runtime_branch_messages (
     PRIMARY KEY (owner, shard, record_id, seq)
 );
 """
+# The newest head of a branch is the one written last: SQLite numbers rows as they are
+# inserted (its implicit rowid, which ``read_branch`` orders by); PostgreSQL has no such
+# number, so its heads table carries one of that name.
+_POSTGRES_ROWID = "ALTER TABLE runtime_branch_heads ADD COLUMN IF NOT EXISTS rowid BIGINT GENERATED ALWAYS AS IDENTITY"
 
 
 class DatabaseError(OpGraphError):
     """The runtime's database cannot be opened or written (``path`` says which)."""
 
 
-def database_path() -> Path:
-    """``$OPGRAPH_DB``, else ``$OPGRAPH_HOME/opgraph.db``, else ``~/.opgraph/opgraph.db``."""
+def database_path() -> Path | str:
+    """``$OPGRAPH_DB`` (a path, or a ``postgresql://`` URL kept as it is), else
+    ``$OPGRAPH_HOME/opgraph.db``, else ``~/.opgraph/opgraph.db``."""
     if os.environ.get("OPGRAPH_DB"):
-        return Path(os.environ["OPGRAPH_DB"]).expanduser()
+        return location(os.environ["OPGRAPH_DB"])
     if os.environ.get("OPGRAPH_HOME"):
         return Path(os.environ["OPGRAPH_HOME"]).expanduser() / "opgraph.db"
     return Path.home() / ".opgraph" / "opgraph.db"
 
 
-class Database:
-    """One connection to the runtime's tables in ``path``, used from one thread at a time.
+def database_exists(target: Path | str) -> bool:
+    """Whether there may be something to read at ``target``: a SQLite file exists; a URL always may."""
+    return is_postgres(target) or Path(target).is_file()
 
-    Commits survive a killed process (WAL with ``synchronous=NORMAL``: only a power cut
-    could undo the last ones). Every write is one transaction (``transaction()``).
+
+class Database:
+    """One connection to the runtime's tables at ``path`` (a file or a URL), used from one thread at a time.
+
+    SQLite commits survive a killed process (WAL with ``synchronous=NORMAL``: only a power
+    cut could undo the last ones); PostgreSQL commits are the server's. Every write is one
+    transaction (``transaction()``).
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self.path = str(Path(path).expanduser())
+        target = location(path)
+        self.path = str(target)
+        self.postgres = is_postgres(self.path)
+        self.connection: Connection | None = None
         try:
-            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            self.connection = sqlite3.connect(self.path, timeout=30.0, isolation_level=None, check_same_thread=False)
-            self.connection.execute("PRAGMA busy_timeout = 30000")
-            self.connection.execute("PRAGMA journal_mode = WAL")
-            self.connection.execute("PRAGMA synchronous = NORMAL")
+            if not self.postgres:
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            self.connection = open_connection(self.path, timeout=30.0)
+            if not self.postgres:
+                self.connection.execute("PRAGMA journal_mode = WAL")
+                self.connection.execute("PRAGMA synchronous = NORMAL")
             self._migrate()
-        except (sqlite3.Error, OSError) as exc:
-            raise DatabaseError(f"cannot open the runtime database {self.path}: {exc}") from exc
+        except (*driver_errors(), OSError) as exc:
+            if self.connection is not None:
+                self.connection.close()
+            raise DatabaseError(f"cannot open the runtime database {describe(self.path)}: {exc}") from exc
         self.lock = threading.Lock()
 
     def _migrate(self) -> None:
         connection = self.connection
-        connection.execute("CREATE TABLE IF NOT EXISTS opgraph_runtime_schema (version INTEGER NOT NULL)")
-        connection.execute("BEGIN IMMEDIATE")  # processes opening the file at once migrate it once
+        # One transaction under the write lock: processes opening the database at once
+        # migrate it once (PostgreSQL would also refuse a second CREATE of the same table).
+        connection.begin(write=True)
         try:
+            connection.execute(connection.ddl("CREATE TABLE IF NOT EXISTS opgraph_runtime_schema "
+                                              "(version INTEGER NOT NULL)"))
             found = connection.execute("SELECT version FROM opgraph_runtime_schema").fetchone()
             if found is not None and found[0] > RUNTIME_SCHEMA_VERSION:
-                raise DatabaseError(f"the runtime tables of {self.path} have schema version {found[0]}; this "
-                                    f"opgraph knows up to {RUNTIME_SCHEMA_VERSION}: upgrade opgraph")
+                raise DatabaseError(f"the runtime tables of {describe(self.path)} have schema version {found[0]}; "
+                                    f"this opgraph knows up to {RUNTIME_SCHEMA_VERSION}: upgrade opgraph")
             if found is not None and found[0] == 1:
-                for statement in _BRANCH_TABLES_V1_TO_V2.split(";"):
-                    if statement.strip():
-                        connection.execute(statement)
-            for statement in _SCHEMA.split(";"):
-                if statement.strip():
-                    connection.execute(statement)
+                connection.executescript(_BRANCH_TABLES_V1_TO_V2)
+            connection.executescript(_SCHEMA)
+            if self.postgres:
+                connection.execute(_POSTGRES_ROWID)
             if found is not None and found[0] == 1:
-                for statement in _BRANCH_ROWS_V1_TO_V2.split(";"):
-                    if statement.strip():
-                        connection.execute(statement)
+                connection.executescript(_BRANCH_ROWS_V1_TO_V2)
             if found is None:
-                connection.execute("INSERT INTO opgraph_runtime_schema (version) VALUES (?)", (RUNTIME_SCHEMA_VERSION,))
+                connection.execute("INSERT INTO opgraph_runtime_schema (version) VALUES (?)",
+                                   (RUNTIME_SCHEMA_VERSION,))
             elif found[0] < RUNTIME_SCHEMA_VERSION:
                 connection.execute("UPDATE opgraph_runtime_schema SET version = ?", (RUNTIME_SCHEMA_VERSION,))
-            connection.execute("COMMIT")
+            connection.commit()
         except BaseException:
-            connection.execute("ROLLBACK")
+            connection.rollback()
             raise
 
     def transaction(self, statements: list[tuple[str, tuple]]) -> None:
-        """Run ``(sql, parameters)`` statements in one transaction (``executemany`` for lists of rows)."""
+        """Run ``(sql, parameters)`` statements in one transaction (``executemany`` for lists of rows).
+
+        SQLite takes its write lock up front; PostgreSQL needs none here (the runtime's
+        writes never read first), and sends the whole transaction in one round trip."""
         with self.lock:
-            cursor = self.connection.cursor()
+            connection = self.connection
             try:
-                cursor.execute("BEGIN IMMEDIATE")
-                for sql, parameters in statements:
-                    if parameters and isinstance(parameters, list):
-                        cursor.executemany(sql, parameters)
-                    else:
-                        cursor.execute(sql, parameters)
-                cursor.execute("COMMIT")
-            except sqlite3.Error as exc:
-                if self.connection.in_transaction:
-                    cursor.execute("ROLLBACK")
-                raise DatabaseError(f"a write to {self.path} failed: {exc}") from exc
+                connection.run_transaction(statements, write=not self.postgres)
+            except connection.errors as exc:
+                raise DatabaseError(f"a write to {describe(self.path)} failed: {exc}") from exc
 
     def query(self, sql: str, parameters: tuple = ()) -> list[tuple]:
         with self.lock:
             try:
-                return self.connection.execute(sql, parameters).fetchall()
-            except sqlite3.Error as exc:
-                raise DatabaseError(f"a read of {self.path} failed: {exc}") from exc
+                return [tuple(row) for row in self.connection.execute(sql, parameters).fetchall()]
+            except self.connection.errors as exc:
+                if self.postgres:
+                    self.connection.rollback()
+                raise DatabaseError(f"a read of {describe(self.path)} failed: {exc}") from exc
 
     def close(self) -> None:
         with self.lock:

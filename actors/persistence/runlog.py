@@ -12,12 +12,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .backends import upsert
 from .codec import decode, encode
 from .database import Database, database_path
 
 __all__ = ["LIVE", "LoggedRun", "RunLog", "RunLogEntry"]
 
 LIVE = "live"
+_APPEND = upsert("runtime_run_records", ("run_id", "seq", "batch"), ("run_id", "seq"))
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,7 @@ class RunLog:
     def append(self, rows: list[tuple[str, int, bytes]]) -> None:
         """Record batches ``(run_id, seq, encoded batch)`` of any runs, in one transaction."""
         if rows:
-            self.database.transaction([("INSERT OR REPLACE INTO runtime_run_records (run_id, seq, batch) "
-                                        "VALUES (?, ?, ?)", rows)])
+            self.database.transaction([(_APPEND, rows)])
 
     def finish(self, run_id: str, status: str, envelope: dict[str, Any] | None = None,
                error: str | None = None) -> None:

@@ -17,12 +17,11 @@ import shutil
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from ..connection import EXIT_RUNTIME, RuntimeStartError
 from ..lanes import LaneCapabilities, LaneCapabilityError, check_capabilities
-from ..store import RunNotFoundError, RunStore, WorkflowStoreError, default_store_path
+from ..store import RunNotFoundError, RunStore, WorkflowStoreError, store_exists, store_location
 
 __all__ = ["CONTROL_ACTIONS", "RUN_ACTIONS", "RUN_EXIT_CODES", "check_recorded_control", "job_submit_command",
            "ray_cli", "run_action", "submit_job"]
@@ -44,16 +43,25 @@ def ray_cli() -> list[str]:
 
 def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
                        no_wait: bool = False, submission_id: str | None = None,
-                       python: str = "python", detach: bool = False) -> list[str]:
+                       python: str = "python", detach: bool = False, runtime_env: dict[str, Any] | None = None,
+                       ship: bool = True) -> list[str]:
     """The `ray job submit` command line that runs ``python -m opgraph.cluster.job ENTRYPOINT...``.
 
-    ``detach`` adds the job's own ``--detach``: the job ends once its run is admitted and
-    durable, and the run goes on on the cluster (``opgraph run result RUN_ID`` reads its end).
+    ``ship`` (the default) takes this process's opgraph to the cluster in the job's runtime
+    environment (``py_modules``, merged into ``runtime_env``), so nodes need only Ray and
+    opgraph's dependencies. ``detach`` adds the job's own ``--detach``: the job ends once its
+    run is admitted and durable, and the run goes on on the cluster (``opgraph run result
+    RUN_ID`` reads its end).
     """
+    from ..jobs.shipping import opgraph_runtime_env
+
     command = [*ray_cli(), "job", "submit"]
     if address:
         command += ["--address", address]
     command += ["--working-dir", working_dir]
+    environment = opgraph_runtime_env(runtime_env) if ship else runtime_env
+    if environment:
+        command += ["--runtime-env-json", json.dumps(environment, sort_keys=True)]
     if submission_id:
         command += ["--submission-id", submission_id]
     if no_wait:
@@ -62,14 +70,15 @@ def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None,
 
 
 def submit_job(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
-               no_wait: bool = False, submission_id: str | None = None, detach: bool = False) -> int:
+               no_wait: bool = False, submission_id: str | None = None, detach: bool = False,
+               runtime_env: dict[str, Any] | None = None, ship: bool = True) -> int:
     """Run `ray job submit` and return its exit status (non-zero when the job FAILED)."""
     if not entrypoint:
         print("opgraph job submit: give the job's arguments after '--', e.g. "
               "opgraph job submit -- fanout --nodes 1000", file=sys.stderr)
         return 2
     command = job_submit_command(entrypoint, address=address, working_dir=working_dir, no_wait=no_wait,
-                                 submission_id=submission_id, detach=detach)
+                                 submission_id=submission_id, detach=detach, runtime_env=runtime_env, ship=ship)
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
     try:
         return subprocess.run(command, check=False).returncode
@@ -129,8 +138,8 @@ def check_recorded_control(run_id: str, action: str, store_path: str | None = No
     matrix that excludes ``action``. A run the store does not hold (a plain ``Session.flow``
     run, a fan-out job) has no lane matrix, and a store file that does not exist is not made."""
     request_kind = CONTROL_ACTIONS.get(action)
-    path = Path(store_path).expanduser() if store_path else default_store_path()
-    if request_kind is None or not path.is_file():
+    path = store_location(store_path)
+    if request_kind is None or not store_exists(path):
         return
     with RunStore(path) as store:  # reads only: no definition rules needed
         try:

@@ -5,6 +5,7 @@ and does not start Ray."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -64,8 +65,21 @@ def _submit_job(arguments: argparse.Namespace) -> int:
     entrypoint = list(arguments.entrypoint)
     if entrypoint[:1] == ["--"]:
         entrypoint = entrypoint[1:]
+    try:
+        runtime_env = json.loads(arguments.runtime_env_json) if arguments.runtime_env_json else None
+    except json.JSONDecodeError as exc:
+        print(f"opgraph job submit: --runtime-env-json is not JSON: {exc}", file=sys.stderr)
+        return 2
     return submit_job(entrypoint, address=arguments.address, working_dir=arguments.working_dir,
-                      no_wait=arguments.no_wait, submission_id=arguments.submission_id, detach=arguments.detach)
+                      no_wait=arguments.no_wait, submission_id=arguments.submission_id, detach=arguments.detach,
+                      runtime_env=runtime_env, ship=arguments.ship)
+
+
+def _job_runtime_env(arguments: argparse.Namespace) -> int:
+    from ..jobs.shipping import opgraph_runtime_env
+
+    print(json.dumps(opgraph_runtime_env(), sort_keys=True))
+    return 0
 
 
 def _run_action(arguments: argparse.Namespace) -> int:
@@ -117,7 +131,8 @@ def _build_parser() -> argparse.ArgumentParser:
     api.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1)")
     api.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     api.add_argument("--store", default=None,
-                     help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
+                     help="store: a SQLite path or a postgresql:// URL "
+                     "(default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
     api.add_argument("--address", default=None,
                      help="Ray address (default: an embedded local Ray); the runtime starts with the server, "
                           "before it takes requests")
@@ -152,9 +167,10 @@ def _build_parser() -> argparse.ArgumentParser:
     job_commands = job.add_subparsers(dest="job_command", metavar="ACTION")
     submit = job_commands.add_parser(
         "submit",
-        help="ray job submit --working-dir . -- python -m opgraph.cluster.job ARGS...",
-        description="A thin wrapper: runs `ray job submit` with the job entrypoint and passes its "
-                    "exit status through (non-zero when the job fails).",
+        help="ray job submit --working-dir . -- python -m opgraph.cluster.job ARGS..., shipping opgraph",
+        description="A thin wrapper: runs `ray job submit` with the job entrypoint, and opgraph in the job's "
+                    "runtime environment (py_modules), and passes its exit status through (non-zero when the "
+                    "job fails).",
     )
     submit.add_argument("--address", default=None,
                         help="the cluster's job server, e.g. http://127.0.0.1:8265 "
@@ -165,9 +181,21 @@ def _build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--detach", action="store_true",
                         help="the job admits its run detached and ends: the run goes on on the cluster, and "
                              "`opgraph run result RUN_ID` reads its end (the job's own --detach)")
+    submit.add_argument("--runtime-env-json", default=None, metavar="JSON",
+                        help="Ray runtime environment of the job; opgraph is added to its py_modules")
+    submit.add_argument("--ship", action=argparse.BooleanOptionalAction, default=True,
+                        help="take this opgraph to the cluster in the job's runtime environment (py_modules), so "
+                             "its nodes need only Ray and opgraph's dependencies (default: yes)")
     submit.add_argument("entrypoint", nargs=argparse.REMAINDER, metavar="-- ARGS",
                         help="arguments of python -m opgraph.cluster.job, e.g. -- fanout --nodes 1000")
     submit.set_defaults(handler=_submit_job)
+    runtime_env = job_commands.add_parser(
+        "runtime-env",
+        help="print the runtime environment JSON that ships this opgraph (for ray job submit --runtime-env-json)",
+        description="Stages this opgraph's code once (under ~/.cache/opgraph/runtime-env) and prints "
+                    '{"py_modules": [FOLDER]}: `ray job submit --runtime-env-json "$(opgraph job runtime-env)" '
+                    "--working-dir . -- python -m opgraph.cluster.job ...` then runs on nodes without opgraph.")
+    runtime_env.set_defaults(handler=_job_runtime_env)
 
     run = subcommands.add_parser(
         "run", help="find a live run by id on a running cluster and control it",

@@ -291,7 +291,8 @@ def add_engine_parser(subcommands: Any) -> None:
                      help="sim/ provider: share of structured replies that come back malformed (0)")
     run.add_argument("--sim-seed", type=int, default=None, help="sim/ provider: seed for malformed replies")
     run.add_argument("--store", default=None,
-                     help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
+                     help="store: a SQLite path or a postgresql:// URL "
+                     "(default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
     run.add_argument("--address", default=None, help="Ray address (default: embedded local Ray)")
     run.add_argument("--json", action="store_true", help="print the result and run statistics as JSON")
     run.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
@@ -355,7 +356,8 @@ def add_run_show_parser(run_commands: Any) -> None:
     show = run_commands.add_parser("show", help="print a recorded run from the store: an engine run's events, "
                                                 "or a workflow run's record and signals")
     show.add_argument("run_id", metavar="RUN_ID")
-    show.add_argument("--store", default=None, help="SQLite store path (default: OPGRAPH_DB or ~/.opgraph)")
+    show.add_argument("--store", default=None, help="store: a SQLite path or a postgresql:// URL "
+                        "(default: OPGRAPH_DB or ~/.opgraph)")
     show.add_argument("--limit", type=int, default=None, metavar="N", help="print at most N events")
     show.add_argument("--json", action="store_true", help="print the run and its events as JSON")
     show.set_defaults(handler=show_run)

@@ -186,8 +186,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "sim/default, the built-in simulated provider)")
     parser.add_argument("--max-concurrent", type=positive_int, default=5, help="operations in flight at once (5)")
     parser.add_argument("--store", default=None,
-                        help="SQLite store path (default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or "
-                             "~/.opgraph/opgraph.db)")
+                        help="store: a SQLite path or a postgresql:// URL (default: OPGRAPH_DB, "
+                             "$OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
     parser.add_argument("--address", default=None,
                         help="Ray address host:port, auto or ray://host:port (default: an embedded local Ray); "
                              "a cluster with token authentication needs RAY_AUTH_MODE=token")
@@ -306,5 +306,6 @@ def add_workflows_parser(subcommands: Any) -> None:
             command.add_argument("--description", default=None)
         if action == "list":
             command.add_argument("--json", action="store_true")
-        command.add_argument("--store", default=None, help="SQLite store path (default: OPGRAPH_DB or ~/.opgraph)")
+        command.add_argument("--store", default=None, help="store: a SQLite path or a postgresql:// URL "
+                        "(default: OPGRAPH_DB or ~/.opgraph)")
         command.set_defaults(handler=_workflows)

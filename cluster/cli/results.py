@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from opgraph.kernel import OpGraphError
@@ -36,7 +35,7 @@ from ..lanes import (
     resume_recorded,
     settle_recorded,
 )
-from ..store import RunNotFoundError, RunNotResumableError, RunRecord, WorkflowStoreError, default_store_path
+from ..store import RunNotFoundError, RunNotResumableError, RunRecord, WorkflowStoreError, store_exists, store_location
 
 __all__ = ["EXIT_FAILED", "RESULT_EXIT_CODES", "add_result_parsers", "run_result", "run_resume"]
 
@@ -52,8 +51,8 @@ def _emit(payload: dict[str, Any]) -> None:
 
 def _recorded(store_path: str | None, run_id: str) -> tuple[Any, RunRecord | None]:
     """The run store and the lane run it records under ``run_id`` (None: no lane ran it, or no store file)."""
-    path = Path(store_path).expanduser() if store_path else default_store_path()
-    if not path.is_file():
+    path = store_location(store_path)
+    if not store_exists(path):
         return None, None
     store = open_store(path)
     try:
@@ -123,9 +122,9 @@ def run_result(arguments: argparse.Namespace) -> int:
 
 def _logged_live(run_id: str) -> bool:
     """Whether the run log keeps ``run_id`` as live: running somewhere, paused, or orphaned."""
-    from opgraph.actors.persistence import RunLog, database_path
+    from opgraph.actors.persistence import RunLog, database_exists, database_path
 
-    if not database_path().is_file():
+    if not database_exists(database_path()):
         return False
     entry = RunLog(database_path()).entry(run_id)
     return entry is not None and entry.status == "live"

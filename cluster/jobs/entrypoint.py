@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     workflow.add_argument("--base-dir", default=None, help="containment root for coding-engine cwd")
     workflow.add_argument("--max-concurrent", type=_positive(int), default=5, help="operations in flight (5)")
     workflow.add_argument("--store", default=None,
-                          help="SQLite store on the driver (default: OPGRAPH_DB or ~/.opgraph/opgraph.db)")
+                          help="the store the driver records in: a SQLite path or a postgresql:// URL "
+                               "(default: OPGRAPH_DB or ~/.opgraph/opgraph.db)")
     workflow.add_argument("--results", default=None, metavar="PATH",
                           help="write the full run result (outputs, errors, provenance) as JSON to PATH")
     _add_runtime_arguments(workflow, run_id_default="workflow-<uuid>")

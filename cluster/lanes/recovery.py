@@ -90,9 +90,9 @@ def _source(record: RunRecord) -> str:
 def logged_end(run_id: str) -> tuple[str, dict[str, Any] | None, str | None] | None:
     """(status, envelope, error) of a run the run log (``OPGRAPH_DB``) records as ended; None while it is
     live or when the log does not know it. Reads the file only: no Ray is joined."""
-    from opgraph.actors.persistence import RunLog, database_path  # local: loads the runtime's modules
+    from opgraph.actors.persistence import RunLog, database_exists, database_path  # local: the runtime's modules
 
-    if not database_path().is_file():
+    if not database_exists(database_path()):
         return None
     log = RunLog(database_path())
     entry = log.entry(run_id)

@@ -1,4 +1,4 @@
-"""The run store: SQLite by default (``OPGRAPH_DB``), one file for every lane and engine.
+"""The run store: SQLite by default, or PostgreSQL (``OPGRAPH_DB``), one database for every lane and engine.
 
 Owns the schema and its migrations, versioned definitions, runs of any lane with their
 provenance, capabilities, lifecycle signals, per-node results and branch messages, engine
@@ -52,6 +52,8 @@ from .schema import (
     Migration,
     default_store_path,
     migrate,
+    store_exists,
+    store_location,
 )
 from .writer import StoreWriter
 
@@ -105,5 +107,7 @@ __all__ = [
     "problem",
     "provenance_columns",
     "read_definition_file",
+    "store_exists",
+    "store_location",
     "validate_name",
 ]

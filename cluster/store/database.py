@@ -1,20 +1,22 @@
-"""One SQLite connection of the run store: opened and migrated once, shared by threads under a lock.
+"""One connection of the run store (SQLite or PostgreSQL): opened and migrated once, shared by threads.
 
-Owns the connection's settings (WAL, foreign keys, durability), its migration on open,
-one locked transaction at a time with sqlite3 errors translated once, and the store's
-writer thread. It must not know a table: the definitions, runs and engine runs built on
-it do.
+Owns the connection's settings (SQLite: WAL, foreign keys, durability), its migration on
+open, one locked transaction at a time with the driver's errors translated once, and the
+store's writer thread. It must not know a table: the definitions, runs and engine runs
+built on it do. What differs between the two databases is in the backend seam
+(``opgraph.actors.persistence.backends``), not here.
 """
 
 from __future__ import annotations
 
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from opgraph.actors.persistence.backends import Connection, describe, driver_errors, is_postgres, open_connection
 
 from .errors import WorkflowStoreError
 from .owners import current_process
@@ -25,13 +27,14 @@ __all__ = ["StoreDatabase"]
 
 
 class StoreDatabase:
-    """One SQLite connection, shared by threads under a lock (the HTTP API calls from threads).
+    """One connection, shared by threads under a lock (the HTTP API calls from threads).
 
     Code on an event loop writes through ``writer``, the store's one writer thread, so
-    the loop never waits for SQLite; reads from a loop go through a thread pool.
+    the loop never waits for the database; reads from a loop go through a thread pool.
 
-    ``path`` is a file (parent folders are created), ``":memory:"``, or None for
-    ``default_store_path()``. ``clock`` stamps every row (tests pass a fake one).
+    ``path`` is a file (parent folders are created), ``":memory:"``, a ``postgresql://``
+    URL (a database shared by machines), or None for ``default_store_path()``. ``clock``
+    stamps every row (tests pass a fake one).
     ``fsync_every_commit=True`` keeps SQLite's default (``synchronous = FULL``): the
     engine runs' store, which commits far less often, always had it.
     """
@@ -43,18 +46,18 @@ class StoreDatabase:
         self._clock = clock
         self._lock = threading.Lock()
         self._owner = current_process()
-        if self.path != ":memory:":
+        postgres = is_postgres(self.path)
+        if self.path != ":memory:" and not postgres:
             Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
             self.path = str(Path(self.path).expanduser())
-        self._db: sqlite3.Connection | None = None
+        self._db: Connection | None = None
         self._writer: StoreWriter | None = None
         self._writer_lock = threading.Lock()
         try:
-            self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
-            self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA foreign_keys = ON")
-            self._db.execute("PRAGMA busy_timeout = 10000")
-            if self.path != ":memory:":
+            self._db = open_connection(self.path, timeout=10.0, named_rows=True)
+            if not postgres:
+                self._db.execute("PRAGMA foreign_keys = ON")
+            if self.path != ":memory:" and not postgres:
                 # WAL lets the CLI read while a long run writes signals.
                 self._db.execute("PRAGMA journal_mode = WAL")
                 if not fsync_every_commit:
@@ -63,14 +66,19 @@ class StoreDatabase:
                     # commits (never corrupting the file). FULL added an fsync per commit:
                     # 1.46x against 1.10x the bare run time (python -m opgraph.cluster.bench.store).
                     self._db.execute("PRAGMA synchronous = NORMAL")
-            migrate(self._db, path=self.path)
+            migrate(self._db, path=describe(self.path))
         except BaseException as exc:
             if self._db is not None:
                 self._db.close()
                 self._db = None
-            if isinstance(exc, sqlite3.Error):
-                raise WorkflowStoreError(f"cannot open the run store {self.path}: {exc}") from exc
+            if isinstance(exc, driver_errors()):
+                raise WorkflowStoreError(f"cannot open the run store {describe(self.path)}: {exc}") from exc
             raise
+
+    @property
+    def dialect(self) -> str:
+        """``sqlite`` or ``postgresql``."""
+        return "postgresql" if is_postgres(self.path) else "sqlite"
 
     @property
     def writer(self) -> StoreWriter:
@@ -79,7 +87,7 @@ class StoreDatabase:
         # and an event loop asking for the writer must not wait on one.
         with self._writer_lock:
             if self._db is None:
-                raise WorkflowStoreError(f"the run store {self.path} is closed")
+                raise WorkflowStoreError(f"the run store {describe(self.path)} is closed")
             if self._writer is None:
                 self._writer = StoreWriter(self)
             return self._writer
@@ -103,25 +111,27 @@ class StoreDatabase:
         self.close()
 
     @contextmanager
-    def _transaction(self, *, write: bool = False) -> Iterator[sqlite3.Connection]:
-        """One locked transaction; sqlite3 errors are translated here, once."""
+    def _transaction(self, *, write: bool = False) -> Iterator[Connection]:
+        """One locked transaction; the driver's errors are translated here, once."""
         with self._lock:
             if self._db is None:
-                raise WorkflowStoreError(f"the run store {self.path} is closed")
+                raise WorkflowStoreError(f"the run store {describe(self.path)} is closed")
             db = self._db
             try:
-                # IMMEDIATE takes the write lock up front, so read-then-write (the next
+                # A write transaction excludes other writers from its start (SQLite's BEGIN
+                # IMMEDIATE, PostgreSQL's advisory lock), so read-then-write (the next
                 # version number, the next signal seq) cannot race another process.
-                db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                db.begin(write=write)
                 try:
                     yield db
                 except BaseException:
-                    db.execute("ROLLBACK")
+                    db.rollback()
                     raise
-                db.execute("COMMIT")
-            except sqlite3.Error as exc:
-                raise WorkflowStoreError(f"the run store {self.path} failed: {exc}") from exc
+                db.commit()
+            except db.errors as exc:
+                db.rollback()
+                raise WorkflowStoreError(f"the run store {describe(self.path)} failed: {exc}") from exc
 
     def schema_version(self) -> int:
         with self._transaction() as db:
-            return db.execute("PRAGMA user_version").fetchone()[0]
+            return db.user_version()

@@ -12,12 +12,12 @@ import hashlib
 import json
 import re
 import secrets
-import sqlite3
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opgraph.actors.persistence.backends import Connection, Row
 from opgraph.kernel import OpGraphError
 
 from .database import StoreDatabase
@@ -164,7 +164,7 @@ _VERSIONS_OF = ("SELECT w.id, w.name, v.version, v.content_hash, v.spec_json, v.
                 " FROM workflows w JOIN workflow_versions v ON v.workflow_id = w.id WHERE w.id = ?")
 
 
-def _version(row: sqlite3.Row) -> WorkflowVersion:
+def _version(row: Row) -> WorkflowVersion:
     return WorkflowVersion(workflow_id=row[0], name=row[1], version=row[2], content_hash=row[3],
                            spec=json.loads(row[4]), description=row[5], created_at=row[6])
 
@@ -241,14 +241,14 @@ class Definitions(StoreDatabase):
             return self._insert_version(db, latest.workflow_id, latest.version + 1, hashed, spec_json,
                                         latest.description if description is None else description, self._clock())
 
-    def _insert_version(self, db: sqlite3.Connection, workflow_id: str, version: int, hashed: str,
+    def _insert_version(self, db: Connection, workflow_id: str, version: int, hashed: str,
                         spec_json: str, description: str | None, now: float) -> WorkflowVersion:
         db.execute("INSERT INTO workflow_versions (workflow_id, version, content_hash, spec_json, description,"
                    " created_at) VALUES (?, ?, ?, ?, ?, ?)",
                    (workflow_id, version, hashed, spec_json, description, now))
         return self._resolve(db, workflow_id, version, include_deleted=False)
 
-    def _workflow_row(self, db: sqlite3.Connection, name_or_id: str, include_deleted: bool) -> sqlite3.Row:
+    def _workflow_row(self, db: Connection, name_or_id: str, include_deleted: bool) -> Row:
         key = name_or_id.strip() if isinstance(name_or_id, str) else name_or_id
         # A live name wins over an id; deleted workflows are reachable by id only, since
         # several deleted workflows may have had the same name.
@@ -259,7 +259,7 @@ class Definitions(StoreDatabase):
             raise WorkflowNotFoundError(str(name_or_id))
         return row
 
-    def _resolve(self, db: sqlite3.Connection, name_or_id: str, version: int | None,
+    def _resolve(self, db: Connection, name_or_id: str, version: int | None,
                  include_deleted: bool) -> WorkflowVersion:
         workflow = self._workflow_row(db, name_or_id, include_deleted)
         if version is None:

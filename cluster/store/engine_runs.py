@@ -11,12 +11,13 @@ The store's errors (``EngineRunNotFoundError`` among them) are drawn in errors.p
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from opgraph.actors.persistence.backends import Connection, Row
 
 from .database import StoreDatabase
 from .errors import EngineRunNotFoundError
@@ -50,11 +51,15 @@ class EngineRunRecord:
     owner_start: str | None = None
 
 
+# Named, not ``*``: a PostgreSQL table also has the ``rowid`` that SQLite keeps implicitly.
+_ENGINE_RUN = "SELECT " + ", ".join(column.name for column in fields(EngineRunRecord)) + " FROM engine_runs"
+
+
 def _encode(value: Any) -> str:
     return json.dumps(value, default=str, sort_keys=True)
 
 
-def _record(row: sqlite3.Row) -> EngineRunRecord:
+def _record(row: Row) -> EngineRunRecord:
     values = dict(row)
     for column in ("inputs", "config", "error", "statistics"):
         values[column] = None if values[column] is None else json.loads(values[column])
@@ -99,8 +104,8 @@ class EngineRunStore(StoreDatabase):
                 self._get(db, run_id)
 
     # -- reads ---------------------------------------------------------------------------
-    def _get(self, db: sqlite3.Connection, run_id: str) -> EngineRunRecord:
-        row = db.execute("SELECT * FROM engine_runs WHERE run_id = ?", (run_id,)).fetchone()
+    def _get(self, db: Connection, run_id: str) -> EngineRunRecord:
+        row = db.execute(_ENGINE_RUN + " WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             raise EngineRunNotFoundError(run_id)
         return _record(row)
@@ -142,7 +147,7 @@ class EngineRunStore(StoreDatabase):
         return [{**dict(row), "data": json.loads(row["data"])} for row in rows]
 
     def list_runs(self, *, engine: str | None = None, limit: int = 50) -> list[EngineRunRecord]:
-        query, values = "SELECT * FROM engine_runs", []
+        query, values = _ENGINE_RUN, []
         if engine is not None:
             query += " WHERE engine = ?"
             values.append(engine)
@@ -160,8 +165,9 @@ class EngineRunStore(StoreDatabase):
         totals: dict[str, dict[str, Any]] = {}
         with self._transaction() as db:
             for engine, status, count, agents in db.execute(
-                    "SELECT engine, status, COUNT(*), SUM(COALESCE(json_extract(statistics,"
-                    " '$.budget.agents_made'), 0)) FROM engine_runs GROUP BY engine, status"):
+                    "SELECT engine, status, COUNT(*), SUM(COALESCE("
+                    f"{db.json_number('statistics', 'budget', 'agents_made')}, 0)) FROM engine_runs"
+                    " GROUP BY engine, status"):
                 entry = totals.setdefault(engine, _empty_totals())
                 entry["runs_started"] += count
                 entry["agents_made"] += int(agents or 0)  # as the budget counted them, at the run's end

@@ -10,10 +10,11 @@ asked for a row, and the store records every lane alike.
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
+
+from opgraph.actors.persistence.backends import Connection, Row
 
 from .definitions import CONTENT_HASH, Definitions, WorkflowVersion
 from .errors import (
@@ -84,9 +85,11 @@ def _encode(value: Any) -> str:
 
 
 _JSON_COLUMNS = ("provenance", "inputs", "outputs", "error", "capabilities", "recovery")
+# Named, not ``*``: a PostgreSQL runs table also has the ``rowid`` that SQLite keeps implicitly.
+_RUN = "SELECT " + ", ".join(column.name for column in fields(RunRecord)) + " FROM runs"
 
 
-def _run(row: sqlite3.Row) -> RunRecord:
+def _run(row: Row) -> RunRecord:
     values = dict(row)
     for column in _JSON_COLUMNS:
         values[column] = None if values[column] is None else json.loads(values[column])
@@ -187,13 +190,13 @@ class RunStore(Definitions):
                  None if recovery is None else _encode(dict(recovery))))
             return self._get_run(db, run_id)
 
-    def _get_run(self, db: sqlite3.Connection, run_id: str) -> RunRecord:
-        row = db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+    def _get_run(self, db: Connection, run_id: str) -> RunRecord:
+        row = db.execute(_RUN + " WHERE run_id = ?", (run_id,)).fetchone()
         if row is None:
             raise RunNotFoundError(run_id)
         return _run(row)
 
-    def _transition(self, db: sqlite3.Connection, run_id: str, target: str, sets: str,
+    def _transition(self, db: Connection, run_id: str, target: str, sets: str,
                     values: tuple[Any, ...]) -> bool:
         sources = sources_of(target)
         marks = ", ".join("?" * len(sources))
@@ -232,7 +235,7 @@ class RunStore(Definitions):
             changed = db.execute(
                 "UPDATE runs SET status = 'running', outputs = NULL, error = NULL, finished_at = NULL,"
                 " owner_host = ?, owner_pid = ?, owner_start = ?, session_id = COALESCE(?, session_id)"
-                " WHERE run_id = ? AND status = 'failed' AND json_extract(error, '$.error_type') = ?",
+                f" WHERE run_id = ? AND status = 'failed' AND {db.json_text('error', 'error_type')} = ?",
                 (self._owner.host, self._owner.pid, self._owner.start, session_id, run_id,
                  OWNER_PROCESS_LOST)).rowcount
             if not changed:
@@ -242,7 +245,7 @@ class RunStore(Definitions):
     def get_run(self, run_id: str) -> RunRecord:
         return self._read_runs(lambda db: [self._get_run(db, run_id)])[0]
 
-    def _read_runs(self, read: Callable[[sqlite3.Connection], list[RunRecord]]) -> list[RunRecord]:
+    def _read_runs(self, read: Callable[[Connection], list[RunRecord]]) -> list[RunRecord]:
         """``read`` the runs; if any is an orphan, settle it as failed and read them again."""
         with self._transaction() as db:
             records = read(db)
@@ -262,7 +265,7 @@ class RunStore(Definitions):
         the runs they return; this does it for all of them. Returns the run ids settled.
         """
         with self._transaction() as db:
-            rows = db.execute("SELECT * FROM runs WHERE status IN ('admitted', 'running') AND owner_host = ?",
+            rows = db.execute(_RUN + " WHERE status IN ('admitted', 'running') AND owner_host = ?",
                               (self._owner.host,)).fetchall()
         return [record.run_id for record in map(_run, rows) if self._orphaned(record) and self._settle_orphan(record)]
 
@@ -285,7 +288,7 @@ class RunStore(Definitions):
             _check_status(status, RUN_STATUSES)
         if type(limit) is not int or limit < 1:
             raise ValueError(f"limit must be a positive integer, got {limit!r}")
-        query, values = "SELECT * FROM runs WHERE 1", []
+        query, values = _RUN + " WHERE 1 = 1", []
         if workflow is not None:
             query += " AND ? IN (workflow_id, workflow_name, source_ref)"
             values.append(workflow.strip())
@@ -311,7 +314,7 @@ class RunStore(Definitions):
             return self._append_signals(db, run_id, rows)
 
     @staticmethod
-    def _append_signals(db: sqlite3.Connection, run_id: str, rows: list[tuple[Any, ...]]) -> int:
+    def _append_signals(db: Connection, run_id: str, rows: list[tuple[Any, ...]]) -> int:
         last = db.execute("SELECT COALESCE(MAX(seq), 0) FROM run_signals WHERE run_id = ?", (run_id,)).fetchone()[0]
         db.executemany("INSERT INTO run_signals (run_id, seq, node_id, spec_node_id, kind, elapsed, at)"
                        " VALUES (?, ?, ?, ?, ?, ?, ?)",

@@ -1,8 +1,9 @@
 """The run store's schema: its migrations, run statuses and where the store file lives.
 
-Owns the ordered migration steps (applied by ``PRAGMA user_version``, one transaction
-each), the run status vocabulary and its legal transitions, and the default path. It
-must not read or write definitions or runs: definitions.py and runs.py do.
+Owns the ordered migration steps (applied by ``PRAGMA user_version`` in SQLite, the
+``opgraph_store_schema`` table in PostgreSQL; one transaction each), the run status
+vocabulary and its legal transitions, and the default location. It must not read or
+write definitions or runs: definitions.py and runs.py do.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import sqlite3
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from opgraph.actors.persistence.backends import Connection, SqliteConnection, is_postgres, location
 
 from .errors import StoreSchemaError, WorkflowStoreError
 
@@ -25,6 +28,8 @@ __all__ = [
     "Migration",
     "default_store_path",
     "migrate",
+    "store_exists",
+    "store_location",
     "sources_of",
 ]
 
@@ -38,12 +43,18 @@ class Migration:
     cannot drop a column constraint in place): foreign keys are switched off around it, as
     SQLite's own procedure for such changes says, and those tables' references are
     checked before it commits (only theirs: the file holds other components' tables).
+
+    ``postgres`` is the same step for a PostgreSQL store where its SQL differs (checks
+    without GLOB, a trigger function, the ``rowid`` SQLite has implicitly, a constraint
+    altered in place instead of a rebuild); None runs ``statements`` with PostgreSQL's
+    type names. Either way the step leaves the same tables, columns and rules.
     """
 
     version: int
     description: str
     statements: tuple[str, ...]
     rebuilds: tuple[str, ...] = ()
+    postgres: tuple[str, ...] | None = None
 
 
 MIGRATIONS: tuple[Migration, ...] = (
@@ -68,6 +79,35 @@ MIGRATIONS: tuple[Migration, ...] = (
            BEGIN SELECT RAISE(ABORT, 'workflow versions are immutable; add a new version'); END""",
         """CREATE TRIGGER workflow_versions_no_delete BEFORE DELETE ON workflow_versions
            BEGIN SELECT RAISE(ABORT, 'workflow versions are immutable; they are never deleted'); END""",
+    ), postgres=(
+        """CREATE TABLE workflows (
+            id TEXT PRIMARY KEY CHECK (id ~ '^[0-9a-f]{12}$'),
+            name TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 120),
+            description TEXT, created_at DOUBLE PRECISION NOT NULL, deleted_at DOUBLE PRECISION)""",
+        "CREATE UNIQUE INDEX workflows_live_name ON workflows(name) WHERE deleted_at IS NULL",
+        """CREATE TABLE workflow_versions (
+            workflow_id TEXT NOT NULL REFERENCES workflows(id),
+            version BIGINT NOT NULL CHECK (version >= 1),
+            content_hash TEXT NOT NULL CHECK (content_hash ~ '^sha256:' AND length(content_hash) = 71),
+            spec_json TEXT NOT NULL, description TEXT, created_at DOUBLE PRECISION NOT NULL,
+            PRIMARY KEY (workflow_id, version))""",
+        "CREATE INDEX workflow_versions_hash ON workflow_versions(content_hash)",
+        # The same rule as SQLite's triggers, with the same words; TRUNCATE is refused too.
+        """CREATE FUNCTION opgraph_workflow_versions_immutable() RETURNS trigger LANGUAGE plpgsql AS $$
+           BEGIN
+             IF TG_OP = 'UPDATE' THEN
+               RAISE EXCEPTION 'workflow versions are immutable; add a new version'
+                 USING ERRCODE = 'integrity_constraint_violation';
+             END IF;
+             RAISE EXCEPTION 'workflow versions are immutable; they are never deleted'
+               USING ERRCODE = 'integrity_constraint_violation';
+           END $$""",
+        """CREATE TRIGGER workflow_versions_no_update BEFORE UPDATE ON workflow_versions
+           FOR EACH ROW EXECUTE FUNCTION opgraph_workflow_versions_immutable()""",
+        """CREATE TRIGGER workflow_versions_no_delete BEFORE DELETE ON workflow_versions
+           FOR EACH ROW EXECUTE FUNCTION opgraph_workflow_versions_immutable()""",
+        """CREATE TRIGGER workflow_versions_no_truncate BEFORE TRUNCATE ON workflow_versions
+           FOR EACH STATEMENT EXECUTE FUNCTION opgraph_workflow_versions_immutable()""",
     )),
     Migration(2, "fixed-lane runs with provenance, lifecycle signals and branch messages", (
         """CREATE TABLE runs (
@@ -87,6 +127,28 @@ MIGRATIONS: tuple[Migration, ...] = (
         """CREATE TABLE run_branches (
             run_id TEXT NOT NULL REFERENCES runs(run_id), branch_id TEXT NOT NULL,
             node_id TEXT, messages TEXT NOT NULL, PRIMARY KEY (run_id, branch_id))""",
+    ), postgres=(
+        # rowid: the insertion order SQLite keeps implicitly, which listings order by.
+        """CREATE TABLE runs (
+            run_id TEXT PRIMARY KEY, session_id TEXT NOT NULL, lane TEXT NOT NULL,
+            workflow_id TEXT, workflow_name TEXT, version BIGINT, content_hash TEXT NOT NULL,
+            source_kind TEXT NOT NULL CONSTRAINT runs_source_kind_check
+                CHECK (source_kind IN ('workflow_def', 'workflow_file')),
+            source_ref TEXT NOT NULL, provenance TEXT NOT NULL, inputs TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('admitted', 'running', 'completed', 'failed', 'cancelled')),
+            outputs TEXT, error TEXT, created_at DOUBLE PRECISION NOT NULL, started_at DOUBLE PRECISION,
+            finished_at DOUBLE PRECISION, rowid BIGINT GENERATED ALWAYS AS IDENTITY,
+            FOREIGN KEY (workflow_id, version) REFERENCES workflow_versions(workflow_id, version))""",
+        "CREATE INDEX runs_created ON runs(created_at)",
+        "CREATE INDEX runs_workflow ON runs(workflow_id)",
+        """CREATE TABLE run_signals (
+            run_id TEXT NOT NULL REFERENCES runs(run_id), seq BIGINT NOT NULL,
+            node_id TEXT NOT NULL, spec_node_id TEXT, kind TEXT NOT NULL, elapsed DOUBLE PRECISION,
+            at DOUBLE PRECISION NOT NULL, PRIMARY KEY (run_id, seq))""",
+        """CREATE TABLE run_branches (
+            run_id TEXT NOT NULL REFERENCES runs(run_id), branch_id TEXT NOT NULL,
+            node_id TEXT, messages TEXT NOT NULL, rowid BIGINT GENERATED ALWAYS AS IDENTITY,
+            PRIMARY KEY (run_id, branch_id))""",
     )),
     Migration(3, "run owners, so a run whose process died can be settled as failed", (
         "ALTER TABLE runs ADD COLUMN owner_host TEXT",
@@ -98,6 +160,11 @@ MIGRATIONS: tuple[Migration, ...] = (
             run_id TEXT NOT NULL REFERENCES runs(run_id), node_id TEXT NOT NULL, spec_node_id TEXT,
             status TEXT NOT NULL, result TEXT, settled_at REAL NOT NULL,
             PRIMARY KEY (run_id, node_id))""",
+    ), postgres=(
+        """CREATE TABLE run_nodes (
+            run_id TEXT NOT NULL REFERENCES runs(run_id), node_id TEXT NOT NULL, spec_node_id TEXT,
+            status TEXT NOT NULL, result TEXT, settled_at DOUBLE PRECISION NOT NULL,
+            rowid BIGINT GENERATED ALWAYS AS IDENTITY, PRIMARY KEY (run_id, node_id))""",
     )),
     # Engine runs (ADR-0034): every typed event and notification under the engine run's id.
     Migration(5, "engine runs and their events", (
@@ -112,6 +179,18 @@ MIGRATIONS: tuple[Migration, ...] = (
             run_id TEXT NOT NULL REFERENCES engine_runs(run_id), seq INTEGER NOT NULL,
             kind TEXT NOT NULL CHECK (kind IN ('event', 'notification')), type TEXT NOT NULL,
             agent TEXT, data TEXT NOT NULL, at REAL NOT NULL, PRIMARY KEY (run_id, seq))""",
+    ), postgres=(
+        """CREATE TABLE engine_runs (
+            run_id TEXT PRIMARY KEY, engine TEXT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('running', 'completed', 'degraded', 'failed', 'cancelled')),
+            inputs TEXT NOT NULL, config TEXT NOT NULL, result TEXT, degrade_reason TEXT NOT NULL DEFAULT '',
+            error TEXT, statistics TEXT, created_at DOUBLE PRECISION NOT NULL, finished_at DOUBLE PRECISION,
+            owner_host TEXT, owner_pid BIGINT, owner_start TEXT, rowid BIGINT GENERATED ALWAYS AS IDENTITY)""",
+        "CREATE INDEX engine_runs_created ON engine_runs(created_at)",
+        """CREATE TABLE engine_events (
+            run_id TEXT NOT NULL REFERENCES engine_runs(run_id), seq BIGINT NOT NULL,
+            kind TEXT NOT NULL CHECK (kind IN ('event', 'notification')), type TEXT NOT NULL,
+            agent TEXT, data TEXT NOT NULL, at DOUBLE PRECISION NOT NULL, PRIMARY KEY (run_id, seq))""",
     )),
     # Runs of every lane (ADR-0068): any source kind, a hash only where the lane pinned one
     # (a prompt has none; new rows' hashes are checked in code, old rows are kept as they
@@ -142,10 +221,22 @@ MIGRATIONS: tuple[Migration, ...] = (
         """UPDATE runs SET capabilities = '{"cancel": true, "checkpoint_resume": false, "leased_admission": false,'
            || ' "live_message": false, "live_pause": false, "planner": false, "reactive_growth": false}'
            WHERE lane = 'fixed_workflow'""",
-    ), rebuilds=("runs", "run_signals", "run_branches", "run_nodes")),
+    ), rebuilds=("runs", "run_signals", "run_branches", "run_nodes"), postgres=(
+        # PostgreSQL alters the constraints in place: no rebuild, the references stay as they are.
+        "ALTER TABLE runs ALTER COLUMN content_hash DROP NOT NULL",
+        "ALTER TABLE runs DROP CONSTRAINT runs_source_kind_check",
+        "ALTER TABLE runs ADD CONSTRAINT runs_source_kind_check CHECK (length(source_kind) > 0)",
+        "ALTER TABLE runs ADD CONSTRAINT runs_lane_check CHECK (length(lane) > 0)",
+        "ALTER TABLE runs ADD COLUMN capabilities TEXT",
+        "ALTER TABLE runs ADD COLUMN recovery TEXT",
+        "CREATE INDEX runs_lane ON runs(lane)",
+        """UPDATE runs SET capabilities = '{"cancel": true, "checkpoint_resume": false, "leased_admission": false,'
+           || ' "live_message": false, "live_pause": false, "planner": false, "reactive_growth": false}'
+           WHERE lane = 'fixed_workflow'""",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
-MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER: no definition version can be higher
+MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER and PostgreSQL BIGINT: no definition version can be higher
 
 RUN_STATUSES: tuple[str, ...] = ("admitted", "running", "completed", "failed", "cancelled")
 TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
@@ -161,51 +252,72 @@ def sources_of(target: str) -> tuple[str, ...]:
     return tuple(status for status in RUN_STATUSES if target in RUN_TRANSITIONS[status])
 
 
-def migrate(connection: sqlite3.Connection, *, target: int = SCHEMA_VERSION, path: str = "?") -> int:
+def migrate(connection: sqlite3.Connection | Connection, *, target: int = SCHEMA_VERSION, path: str = "?") -> int:
     """Apply the missing ``MIGRATIONS`` up to ``target``; return the schema version reached.
 
-    ``connection`` must be in autocommit mode (``isolation_level=None``): each step runs in
-    its own ``BEGIN IMMEDIATE`` transaction with its ``user_version``, so a failed step
-    leaves the previous version intact. A newer database raises ``StoreSchemaError``.
+    ``connection`` is a ``sqlite3`` connection in autocommit mode (``isolation_level=None``)
+    or a backend ``Connection`` (SQLite or PostgreSQL). Each step runs in its own write
+    transaction with its version, so a failed step leaves the previous version intact, and
+    the version is read again under the write lock, so two processes opening a new store at
+    once apply each step once. A newer database raises ``StoreSchemaError``.
     """
-    current = connection.execute("PRAGMA user_version").fetchone()[0]
+    if isinstance(connection, sqlite3.Connection):
+        connection = SqliteConnection(connection, path)
+    current = connection.user_version()
     if current > SCHEMA_VERSION:
         raise StoreSchemaError(path, current, SCHEMA_VERSION)
     for step in MIGRATIONS:
         if current < step.version <= target:
-            _apply(connection, step, path)
-            current = step.version
+            current = _apply(connection, step, path)
     return current
 
 
-def _apply(connection: sqlite3.Connection, step: Migration, path: str) -> None:
+def _apply(connection: Connection, step: Migration, path: str) -> int:
+    sqlite = connection.dialect == "sqlite"
     # The pragma is a no-op inside a transaction, so it is set before BEGIN and restored after.
-    enforced = connection.execute("PRAGMA foreign_keys").fetchone()[0]
+    enforced = sqlite and connection.execute("PRAGMA foreign_keys").fetchone()[0]
     if step.rebuilds and enforced:
         connection.execute("PRAGMA foreign_keys = OFF")
     try:
-        connection.execute("BEGIN IMMEDIATE")
+        connection.begin(write=True)
         try:
-            for statement in step.statements:
-                connection.execute(statement)
-            if step.rebuilds and any(connection.execute(f"PRAGMA foreign_key_check({table})").fetchone()
-                                     for table in step.rebuilds):
+            current = connection.user_version()
+            if current >= step.version:  # another process applied it meanwhile
+                connection.commit()
+                return current
+            statements = step.statements if sqlite or step.postgres is None else step.postgres
+            for statement in statements:
+                connection.execute(statement if sqlite or step.postgres is not None else connection.ddl(statement))
+            if sqlite and step.rebuilds and any(connection.execute(f"PRAGMA foreign_key_check({table})").fetchone()
+                                                for table in step.rebuilds):
                 raise WorkflowStoreError(f"migration {step.version} of the store {path} left rows whose "
                                          "references do not resolve; nothing was changed")
-            connection.execute(f"PRAGMA user_version = {step.version:d}")
-            connection.execute("COMMIT")
+            connection.set_user_version(step.version)
+            connection.commit()
         except BaseException:
-            connection.execute("ROLLBACK")
+            connection.rollback()
             raise
     finally:
         if step.rebuilds and enforced:
             connection.execute("PRAGMA foreign_keys = ON")
+    return step.version
 
 
-def default_store_path() -> Path:
-    """``$OPGRAPH_DB``, else ``$OPGRAPH_HOME/opgraph.db``, else ``~/.opgraph/opgraph.db``."""
+def default_store_path() -> Path | str:
+    """``$OPGRAPH_DB`` (a path, or a ``postgresql://`` URL kept as it is), else
+    ``$OPGRAPH_HOME/opgraph.db``, else ``~/.opgraph/opgraph.db``."""
     if os.environ.get("OPGRAPH_DB"):
-        return Path(os.environ["OPGRAPH_DB"]).expanduser()
+        return location(os.environ["OPGRAPH_DB"])
     if os.environ.get("OPGRAPH_HOME"):
         return Path(os.environ["OPGRAPH_HOME"]).expanduser() / "opgraph.db"
     return Path.home() / ".opgraph" / "opgraph.db"
+
+
+def store_location(store: str | os.PathLike[str] | None = None) -> Path | str:
+    """A ``--store`` option as given (a path with ``~`` expanded, or a PostgreSQL URL), else the default."""
+    return default_store_path() if not store else location(store)
+
+
+def store_exists(target: Path | str) -> bool:
+    """Whether a store may hold something at ``target``: a SQLite file that exists, or any PostgreSQL URL."""
+    return is_postgres(target) or Path(target).is_file()

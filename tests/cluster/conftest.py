@@ -178,10 +178,10 @@ class LocalHead:
                 pass
 
 
-def _interpreter_first(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with this interpreter's folder first on PATH: a job's entrypoint says `python`,
-    which must be the interpreter (and opgraph) under test, not another one on the machine."""
-    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+def _interpreter_first(env: dict[str, str], python: str = sys.executable) -> dict[str, str]:
+    """``env`` with ``python``'s folder first on PATH: a job's entrypoint says `python`, which
+    must be the interpreter under test (this one, with opgraph), not another one on the machine."""
+    env["PATH"] = os.pathsep.join([os.path.dirname(python), env.get("PATH", "")])
     return env
 
 
@@ -193,13 +193,14 @@ def _listening(host: str, port: int) -> bool:
         return False
 
 
-def start_local_head() -> LocalHead:
+def start_local_head(python: str = sys.executable) -> LocalHead:
+    """A head run by ``python`` (and its Ray), whose jobs' `python` is that interpreter too."""
     temp_dir = tempfile.mkdtemp(prefix="ogh-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     gcs_port, dashboard_port, agent_port = free_port(), free_port(), free_port()
     log_path = os.path.join(temp_dir, "ray-start.log")
     command = [
         # This interpreter's Ray CLI: a fresh machine may have no `ray` script on PATH.
-        sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+        python, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
         "--num-cpus=2",
         "--node-ip-address=127.0.0.1", f"--port={gcs_port}",
         "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard_port}",
@@ -210,7 +211,8 @@ def start_local_head() -> LocalHead:
     ]
     token = secrets.token_hex(32)
     env = _interpreter_first({k: v for k, v in os.environ.items()
-                              if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH")})
+                              if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH",
+                                           "VIRTUAL_ENV", "PYTHONPATH")}, python)
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token)  # its own token, never ~/.ray/auth_token
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
@@ -239,6 +241,12 @@ def start_local_head() -> LocalHead:
                 raise RuntimeError(f"the head's job server at {head.dashboard_url} did not answer within "
                                    f"{HEAD_START_DEADLINE} s (survivors: {survivors}):\n{log.read()}")
         time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def local_head_starter():
+    """``start_local_head`` itself, for a test module that needs a head of its own (another Python)."""
+    return start_local_head
 
 
 @pytest.fixture(scope="session")

@@ -59,11 +59,13 @@ def test_flow_run_refuses_a_bad_max_concurrent_before_anything_starts(definition
     assert not database.exists()  # no store opened, no run row written, no Ray
 
 
-@pytest.mark.parametrize("kind", ["directory", "not a database"])
+@pytest.mark.parametrize("kind", ["directory", "not a database", "postgresql nobody serves"])
 def test_a_store_that_is_no_store_is_exit_2_with_a_message_everywhere(definition, tmp_path, kind):
     if kind == "directory":
         store = tmp_path / "a-folder"
         store.mkdir()
+    elif kind == "postgresql nobody serves":
+        store = "postgresql://someone@127.0.0.1:1/nothing"  # port 1: refused at once
     else:
         store = tmp_path / "notes.txt"
         store.write_text("these are notes, not SQLite\n" * 100)

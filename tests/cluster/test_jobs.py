@@ -14,52 +14,19 @@ import io
 import json
 import subprocess
 import sys
-import time
 import uuid
-from pathlib import Path
 
-import pytest
+from job_server import (
+    COMMAND_TIMEOUT,
+    REPOSITORY,
+    job_client,
+    opgraph_command,
+    summary_of,
+    wait_for_terminal_status,
+)
 
 from opgraph.cluster.cli.client import job_submit_command, ray_cli
 from opgraph.cluster.jobs import EXIT_USAGE, ProgressLog, fanout_graph
-
-REPOSITORY = Path(__file__).resolve().parents[2]
-JOB_DEADLINE = 150.0  # seconds from submission to a terminal status
-COMMAND_TIMEOUT = 180.0
-TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-
-
-def job_client(head):
-    from ray.job_submission import (
-        JobSubmissionClient,  # an HTTP client: it never calls ray.init
-    )
-
-    return JobSubmissionClient(head.dashboard_url, headers={"Authorization": f"Bearer {head.token}"})
-
-
-def wait_for_terminal_status(head, submission_id: str) -> str:
-    client = job_client(head)
-    deadline = time.monotonic() + JOB_DEADLINE
-    while True:
-        status = str(client.get_job_status(submission_id).value)
-        if status in TERMINAL:
-            return status
-        if time.monotonic() > deadline:
-            logs = client.get_job_logs(submission_id)
-            client.stop_job(submission_id)
-            pytest.fail(f"job {submission_id} still {status} after {JOB_DEADLINE} s; logs:\n{logs}")
-        time.sleep(0.5)
-
-
-def opgraph_command(*arguments: str) -> list[str]:
-    return [sys.executable, "-m", "opgraph.cluster.cli", *arguments]
-
-
-def summary_of(logs: str) -> dict:
-    """The job's last stdout line is its JSON summary."""
-    lines = [line for line in logs.splitlines() if line.startswith("{")]
-    assert lines, f"no JSON summary in the job logs:\n{logs}"
-    return json.loads(lines[-1])
 
 
 def test_fanout_job_succeeds_with_progress_in_its_logs(ray_head, tmp_path):
@@ -160,9 +127,13 @@ def test_workflow_job_with_a_bad_definition_exits_with_usage_and_structured_erro
     assert [problem["node_id"] for problem in errors] == ["p"]
 
 
-def test_job_submit_command_is_ray_job_submit_of_the_entrypoint():
+def test_job_submit_command_is_ray_job_submit_of_the_entrypoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    shipped = job_submit_command(["fanout"], address="http://127.0.0.1:8265")
+    assert shipped[shipped.index("--runtime-env-json") + 1] == json.dumps(
+        {"py_modules": [str(next(tmp_path.glob("opgraph/runtime-env/*/opgraph")))]})
     command = job_submit_command(["fanout", "--nodes", "10"], address="http://127.0.0.1:8265", no_wait=True,
-                                 submission_id="nightly")
+                                 submission_id="nightly", ship=False)
     assert command == [*ray_cli(), "job", "submit", "--address", "http://127.0.0.1:8265", "--working-dir", ".",
                        "--submission-id", "nightly", "--no-wait", "--",
                        "python", "-m", "opgraph.cluster.job", "fanout", "--nodes", "10"]

@@ -46,8 +46,9 @@ def _spec(prompt: str = "Draft", model: str = "sim/fast", extra_nodes=(), extra_
 
 
 @pytest.fixture
-def store(tmp_path):
-    with open_store(tmp_path / "opgraph.db") as opened:
+def store(database_target):
+    """The run store, once on SQLite and once on PostgreSQL."""
+    with open_store(database_target) as opened:
         yield opened
 
 
@@ -185,8 +186,8 @@ def test_parse_inputs():
         parse_inputs(["novalue"])
 
 
-def test_cli_workflows_and_flow_run_in_process(session, tmp_path, capsys):
-    db = str(tmp_path / "cli.db")
+def test_cli_workflows_and_flow_run_in_process(session, tmp_path, capsys, database_target):
+    db = str(database_target)  # --store takes a file or a postgresql:// URL
     path = tmp_path / "flow.json"
     path.write_text(json.dumps(_spec()))
     assert cli_main(["workflows", "add", "drafts", str(path), "--store", db]) == 0

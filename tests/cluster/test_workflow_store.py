@@ -1,8 +1,10 @@
 """The fixed-workflow store: versioned definitions, migrations and run records (ADR-0073, ADR-0068 D4).
 
-Pure SQLite: no Ray is started. Every store gets a file under ``tmp_path`` and a fake
-clock that ticks one second per reading, so timestamps and orderings are exact. The
-definition used throughout is ``in -> draft`` (a chat node).
+No Ray is started. Every store test runs on both backends (``database_target``): a
+SQLite file under ``tmp_path``, and a new database on the session's real PostgreSQL
+server; a few SQLite-only ones (WAL, a file that is not a database, the default path) use
+a file. A fake clock ticks one second per reading, so timestamps and orderings are exact.
+The definition used throughout is ``in -> draft`` (a chat node).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import pickle
 import sqlite3
 import threading
 
+import psycopg
 import pytest
 
+from opgraph.actors.persistence.backends import Connection, open_connection
 from opgraph.cluster.lanes import ProvenanceError, open_store
 from opgraph.cluster.lanes.fixed import WorkflowValidationError, content_hash, fixed_workflow_provenance
 from opgraph.cluster.store import (
@@ -65,7 +69,13 @@ class Clock:
 
 
 @pytest.fixture
-def path(tmp_path):
+def path(database_target):
+    """A SQLite file, or a PostgreSQL database's URL: every test using it runs on both."""
+    return database_target
+
+
+@pytest.fixture
+def sqlite_path(tmp_path):
     return tmp_path / "opgraph.db"
 
 
@@ -75,9 +85,12 @@ def store(path):
         yield opened
 
 
-def raw(path) -> sqlite3.Connection:
-    """A second, plain connection to the same file (the test closes it)."""
-    return sqlite3.connect(path, isolation_level=None)
+def raw(path) -> Connection:
+    """A second, plain connection to the same database, in autocommit mode (the test closes it)."""
+    return open_connection(path)
+
+
+INTEGRITY_ERRORS = (sqlite3.IntegrityError, psycopg.IntegrityError)
 
 
 def registry_provenance(version) -> dict:
@@ -198,15 +211,18 @@ def test_versions_are_immutable_in_the_database_itself(store, path):
     created = store.create_workflow("locked", spec())
     connection = raw(path)
     try:
-        with pytest.raises(sqlite3.IntegrityError, match="immutable"):
+        with pytest.raises(INTEGRITY_ERRORS, match="immutable"):
             connection.execute("UPDATE workflow_versions SET spec_json = '{}' WHERE version = 1")
-        with pytest.raises(sqlite3.IntegrityError, match="immutable"):
+        with pytest.raises(INTEGRITY_ERRORS, match="immutable"):
             connection.execute("DELETE FROM workflow_versions")
         stored = connection.execute("SELECT spec_json, content_hash FROM workflow_versions").fetchone()
     finally:
         connection.close()
-    assert stored == (canonical_json(spec()).decode(), created.content_hash)
+    assert tuple(stored) == (canonical_json(spec()).decode(), created.content_hash)
     assert store.resolve("locked") == created
+    with pytest.raises(WorkflowStoreError, match="immutable"):  # through the store, typed
+        with store._transaction(write=True) as db:
+            db.execute("DELETE FROM workflow_versions")
 
 
 def test_soft_delete_frees_the_name_and_keeps_the_versions(store):
@@ -244,8 +260,9 @@ def test_a_v1_database_with_data_upgrades_without_loss(path):
         connection.execute("INSERT INTO workflows VALUES ('0123456789ab', 'legacy', 'from v1', 5.0, NULL)")
         connection.execute("INSERT INTO workflow_versions VALUES ('0123456789ab', 1, ?, ?, 'from v1', 5.0)",
                            (digest, canonical_json(spec()).decode()))
-        assert connection.execute("PRAGMA user_version").fetchone()[0] == 1
-        assert connection.execute("SELECT name FROM sqlite_master WHERE name = 'runs'").fetchone() is None
+        assert connection.user_version() == 1
+        with pytest.raises(connection.errors):  # no runs table before step 2
+            connection.execute("SELECT 1 FROM runs")
     finally:
         connection.close()
     with open_store(path, clock=Clock()) as store:
@@ -264,22 +281,36 @@ def test_a_v1_database_with_data_upgrades_without_loss(path):
 
 def test_a_failing_migration_step_is_rolled_back_whole(path, monkeypatch):
     broken = Migration(SCHEMA_VERSION + 1, "broken on purpose",
-                       ("CREATE TABLE half_done (x)", "CREATE TABLE no_such_syntax ((("))
+                       ("CREATE TABLE half_done (x TEXT)", "CREATE TABLE no_such_syntax ((("))
     monkeypatch.setattr(schema_module, "MIGRATIONS", (*MIGRATIONS, broken))
     monkeypatch.setattr(schema_module, "SCHEMA_VERSION", broken.version)
     connection = raw(path)
     try:
+        with pytest.raises(connection.errors):
+            migrate(connection, target=broken.version)
+        assert connection.user_version() == SCHEMA_VERSION
+        with pytest.raises(connection.errors):
+            connection.execute("SELECT 1 FROM half_done")
+    finally:
+        connection.close()
+
+
+def test_a_failing_migration_step_on_a_raw_sqlite_connection_raises_the_driver_error(sqlite_path, monkeypatch):
+    broken = Migration(SCHEMA_VERSION + 1, "broken on purpose", ("CREATE TABLE no_such_syntax (((",))
+    monkeypatch.setattr(schema_module, "MIGRATIONS", (*MIGRATIONS, broken))
+    monkeypatch.setattr(schema_module, "SCHEMA_VERSION", broken.version)
+    connection = sqlite3.connect(sqlite_path, isolation_level=None)
+    try:
         with pytest.raises(sqlite3.OperationalError):
             migrate(connection, target=broken.version)
         assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
-        assert connection.execute("SELECT name FROM sqlite_master WHERE name = 'half_done'").fetchone() is None
     finally:
         connection.close()
 
 
 def test_a_newer_database_is_refused_with_a_typed_error(path):
     connection = raw(path)
-    connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 5}")
+    connection.set_user_version(SCHEMA_VERSION + 5)
     connection.close()
     with pytest.raises(StoreSchemaError) as caught:
         open_store(path)
@@ -294,8 +325,9 @@ def test_a_file_that_is_not_a_database_is_a_store_error(tmp_path):
         open_store(bogus)
 
 
-def test_files_use_wal_and_memory_stores_work(store, path):
-    connection = raw(path)
+def test_files_use_wal_and_memory_stores_work(sqlite_path):
+    open_store(sqlite_path).close()
+    connection = sqlite3.connect(sqlite_path)
     try:
         assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:

@@ -79,8 +79,8 @@ def test_a_sink_that_cannot_record_fails_the_run_loudly(session):
         run(ScriptEngine(emit_notes(3), event_sink=BrokenSink()).run(session=session))
 
 
-def test_the_sqlite_store_holds_every_record_of_a_run(session, model, tmp_path):
-    store = EngineRunStore(tmp_path / "opgraph.db")
+def test_the_store_holds_every_record_of_a_run_on_either_backend(session, model, database_target):
+    store = EngineRunStore(database_target)
     try:
         async def body(run_):
             agent = await run_.make_agent("worker", name="noter", emits=(Note,))
@@ -96,5 +96,7 @@ def test_the_sqlite_store_holds_every_record_of_a_run(session, model, tmp_path):
         note = next(e for e in events if e["type"] == "Note")
         assert (note["kind"], note["agent"], note["data"]) == ("event", "noter", {"text": "kept"})
         assert record.statistics["budget"]["agents_made"] == 1
+        assert store.statistics()["script"]["agents_made"] == 1  # read from the JSON column by the database
+        assert [r.run_id for r in store.list_runs(engine="script")] == [result.run.run_id]
     finally:
         store.close()

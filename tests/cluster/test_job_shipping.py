@@ -1,0 +1,125 @@
+"""Jobs that ship opgraph: a head whose Python has Ray and opgraph's dependencies, but not opgraph.
+
+    pytest --(subprocess)--> opgraph job submit (this opgraph, staged as a py_modules folder)
+        --(HTTP)--> bare head's job server -> `python -m opgraph.cluster.job` on the bare Python
+                                           -> executor, workers, branch store (detached)
+
+The bare Python is a virtual environment without system site packages holding only
+``ray[default]`` (this process's Ray version) and opgraph's runtime dependencies, read from
+pyproject.toml. It is built once per machine under the test cache (about 45 s from pip's
+cache, minutes from PyPI) and reused while its requirements are the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+import uuid
+from pathlib import Path
+
+import pytest
+import ray
+from job_server import COMMAND_TIMEOUT, REPOSITORY, job_client, opgraph_command, summary_of, wait_for_terminal_status
+
+from opgraph.cluster.cli.client import job_submit_command, ray_cli
+from opgraph.cluster.jobs.shipping import PACKAGE_FOLDERS, opgraph_runtime_env
+
+VENV_DEADLINE = 900.0  # seconds to build the bare environment from PyPI, the first time on a machine
+
+
+def bare_requirements() -> list[str]:
+    """opgraph's runtime dependencies, with Ray pinned to this process's version (a client and its
+    cluster must run the same Ray)."""
+    project = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]
+    pinned = []
+    for requirement in project["dependencies"]:
+        name = re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0]
+        pinned.append(f"ray[default]=={ray.__version__}" if name == "ray" else requirement)
+    return pinned
+
+
+@pytest.fixture(scope="session")
+def bare_python() -> str:
+    requirements = bare_requirements()
+    cache = Path(os.environ.get("OPGRAPH_TEST_CACHE") or "/tmp/opgraph-test-cache")
+    key = hashlib.sha256(json.dumps([sys.version, requirements]).encode()).hexdigest()[:12]
+    folder = cache / f"bare-python-{key}"
+    python = folder / "bin" / "python"
+    if not (folder / "ready").is_file():
+        shutil.rmtree(folder, ignore_errors=True)
+        base = getattr(sys, "_base_executable", sys.executable)
+        subprocess.run([base, "-m", "venv", str(folder)], check=True, timeout=120)  # no system site packages
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                        *requirements], check=True, timeout=VENV_DEADLINE)
+        (folder / "ready").write_text("\n".join(requirements))
+    return str(python)
+
+
+@pytest.fixture(scope="module")
+def bare_head(bare_python, local_head_starter):
+    head = local_head_starter(bare_python)
+    try:
+        yield head
+    finally:
+        survivors = head.stop()
+        shutil.rmtree(head.temp_dir)
+        assert not survivors, f"processes of the bare head survived SIGKILL: {sorted(survivors)}"
+
+
+def test_the_bare_python_has_ray_and_no_opgraph(bare_python):
+    probe = subprocess.run([bare_python, "-c", "import ray, psycopg, pydantic; import opgraph.kernel"],
+                           capture_output=True, text=True, timeout=120, check=False)
+    assert probe.returncode != 0 and "No module named 'opgraph'" in probe.stderr, probe.stderr
+
+
+def test_a_job_runs_on_a_head_without_opgraph_because_the_job_ships_it(bare_head, tmp_path):
+    """fan-out of 60 x 10 ms: the driver and every actor import the shipped opgraph."""
+    submission_id = f"opgraph-ship-{uuid.uuid4().hex[:8]}"
+    env = {**bare_head.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    submitted = subprocess.run(
+        opgraph_command("job", "submit", "--address", bare_head.dashboard_url, "--working-dir", str(REPOSITORY),
+                        "--submission-id", submission_id, "--no-wait", "--",
+                        "fanout", "--nodes", "60", "--latency", "0.01", "--max-concurrent", "20"),
+        env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert "py_modules" in submitted.stderr  # the command it ran names the shipped folder
+    status = wait_for_terminal_status(bare_head, submission_id)
+    logs = job_client(bare_head).get_job_logs(submission_id)
+    assert status == "SUCCEEDED", logs
+    summary = summary_of(logs)
+    assert (summary["status"], summary["nodes"], summary["by_status"]) == ("completed", 60, {"completed": 60})
+    info = job_client(bare_head).get_job_info(submission_id)
+    assert any(module.startswith("gcs://") for module in info.runtime_env["py_modules"])  # uploaded, not installed
+
+
+def test_without_shipping_the_same_job_fails_for_want_of_opgraph(bare_head):
+    submission_id = f"opgraph-noship-{uuid.uuid4().hex[:8]}"
+    submitted = subprocess.run(
+        opgraph_command("job", "submit", "--no-ship", "--address", bare_head.dashboard_url,
+                        "--working-dir", str(REPOSITORY), "--submission-id", submission_id, "--no-wait", "--",
+                        "fanout", "--nodes", "5"),
+        env=bare_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
+    )
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert wait_for_terminal_status(bare_head, submission_id) == "FAILED"
+    assert "No module named 'opgraph'" in job_client(bare_head).get_job_logs(submission_id)
+
+
+def test_the_runtime_env_names_one_staged_opgraph_folder_and_keeps_the_callers(tmp_path):
+    env = opgraph_runtime_env({"env_vars": {"A": "1"}, "py_modules": ["/x/mine"]}, root=tmp_path)
+    staged = Path(env["py_modules"][-1])
+    assert env["env_vars"] == {"A": "1"} and env["py_modules"][0] == "/x/mine"
+    assert staged.name == "opgraph" and sorted(p.name for p in staged.iterdir()) == sorted(PACKAGE_FOLDERS)
+    assert (staged / "cluster" / "jobs" / "entrypoint.py").is_file()
+    assert not list(staged.rglob("__pycache__"))
+    assert opgraph_runtime_env(root=tmp_path)["py_modules"] == [str(staged)]  # the same content, staged once
+    command = job_submit_command(["fanout"], address="http://h:8265", runtime_env={"pip": ["x"]}, ship=False)
+    assert command == [*ray_cli(), "job", "submit", "--address", "http://h:8265", "--working-dir", ".",
+                       "--runtime-env-json", '{"pip": ["x"]}', "--", "python", "-m", "opgraph.cluster.job", "fanout"]

@@ -1,0 +1,126 @@
+"""A real PostgreSQL server for the tests: Debian's ``postgresql`` binaries, started and stopped here.
+
+``PostgresServer.start()`` makes a cluster with ``initdb`` in a temp dir and runs it with
+``pg_ctl`` on a free 127.0.0.1 port (and a unix socket in the same dir). PostgreSQL
+refuses to run as root, so under root (CI) the server runs as the ``postgres`` user, through
+``runuser``. ``database()`` hands each test a fresh, empty schema of one test database, as
+a URL whose ``search_path`` names it (a schema takes milliseconds; ``CREATE DATABASE``
+took 0.2 to 2.5 s here); ``stop()`` stops the server (``pg_ctl stop -m immediate``) and
+removes the folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["PostgresServer", "postgres_binaries"]
+
+START_DEADLINE = 30.0
+
+
+def postgres_binaries() -> str | None:
+    """The folder holding initdb, pg_ctl and postgres (the newest Debian version), or None."""
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"),
+                   key=lambda path: int(path.split("/")[-3]) if path.split("/")[-3].isdigit() else 0)
+    if found:
+        return os.path.dirname(found[-1])
+    pg_ctl = shutil.which("pg_ctl")
+    return os.path.dirname(os.path.realpath(pg_ctl)) if pg_ctl else None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class PostgresServer:
+    folder: str
+    port: int
+    binaries: str
+    user: str | None  # the unprivileged user the server runs as, when we are root
+    names: set[str] = field(default_factory=set)
+
+    @property
+    def data(self) -> str:
+        return os.path.join(self.folder, "data")
+
+    def url(self, database: str = "postgres") -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
+
+    @classmethod
+    def start(cls, *, durable: bool = False) -> PostgresServer:
+        """``durable=False`` (the tests) turns fsync off; ``True`` keeps PostgreSQL's defaults (benchmarks)."""
+        binaries = postgres_binaries()
+        if binaries is None:
+            raise RuntimeError("PostgreSQL's server binaries are missing: apt-get install -y postgresql")
+        user = "postgres" if os.geteuid() == 0 else None
+        folder = tempfile.mkdtemp(prefix="opgraph-pg-", dir="/tmp")
+        if user is not None:
+            entry = pwd.getpwnam(user)
+            os.chown(folder, entry.pw_uid, entry.pw_gid)
+        server = cls(folder, _free_port(), binaries, user)
+        try:
+            server._run("initdb", "-D", server.data, "-U", "postgres", "--auth=trust", "--no-sync",
+                        "-E", "UTF8", "--locale=C")
+            # Durability is the server's business, not these tests': fsync off makes it quick.
+            options = (f"-c listen_addresses=127.0.0.1 -c port={server.port} -c unix_socket_directories={folder} "
+                       "-c max_connections=200")
+            if not durable:
+                options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+            server._run("pg_ctl", "-D", server.data, "-l", os.path.join(folder, "server.log"), "-o", options,
+                        "-w", "-t", str(int(START_DEADLINE)), "start")
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def _run(self, program: str, *arguments: str) -> None:
+        command = [os.path.join(self.binaries, program), *arguments]
+        if self.user is not None:
+            command = ["runuser", "-u", self.user, "--", *command]
+        finished = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=self.folder)
+        if finished.returncode != 0:
+            raise RuntimeError(f"{program} failed ({finished.returncode}): {finished.stdout}\n{finished.stderr}")
+
+    def database(self) -> str:
+        """The URL of a new, empty schema in the test database: opgraph sees an empty database."""
+        import psycopg
+
+        if not self.names:
+            with psycopg.connect(self.url(), autocommit=True) as connection:
+                connection.execute("CREATE DATABASE opgraph_tests")
+        name = "t_" + secrets.token_hex(6)
+        with psycopg.connect(self.url("opgraph_tests"), autocommit=True) as connection:
+            connection.execute(f"CREATE SCHEMA {name}")
+        self.names.add(name)
+        return self.url("opgraph_tests") + f"?options=-csearch_path%3D{name}"
+
+    def stop(self) -> None:
+        if os.path.exists(os.path.join(self.data, "postmaster.pid")):
+            try:
+                self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
+            except RuntimeError:
+                pass  # the folder goes below anyway; a server that did not stop is reported by its port
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _listening(self.port):
+            time.sleep(0.1)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+    except OSError:
+        return False
