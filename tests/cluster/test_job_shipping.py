@@ -4,61 +4,30 @@
         --(HTTP)--> bare head's job server -> `python -m opgraph.cluster.job` on the bare Python
                                            -> executor, workers, branch store (detached)
 
-The bare Python is a virtual environment without system site packages holding only
-``ray[default]`` (this process's Ray version) and opgraph's runtime dependencies, read from
-pyproject.toml. It is built once per machine under the test cache (about 45 s from pip's
-cache, minutes from PyPI) and reused while its requirements are the same.
+The bare Python (tests/support/bare_python.py) is a virtual environment without system site
+packages holding only ``ray[default]`` and opgraph's runtime dependencies. ``.ci/run`` builds
+it before the tests; run alone, this module builds it on first use (about 45 s from pip's
+cache, minutes from PyPI).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import re
 import shutil
 import subprocess
-import sys
-import tomllib
 import uuid
 from pathlib import Path
 
 import pytest
-import ray
+from bare_python import bare_python as build_bare_python
 from job_server import COMMAND_TIMEOUT, REPOSITORY, job_client, opgraph_command, summary_of, wait_for_terminal_status
 
 from opgraph.cluster.cli.client import job_submit_command, ray_cli
 from opgraph.cluster.jobs.shipping import PACKAGE_FOLDERS, opgraph_runtime_env
 
-VENV_DEADLINE = 900.0  # seconds to build the bare environment from PyPI, the first time on a machine
-
-
-def bare_requirements() -> list[str]:
-    """opgraph's runtime dependencies, with Ray pinned to this process's version (a client and its
-    cluster must run the same Ray)."""
-    project = tomllib.loads((REPOSITORY / "pyproject.toml").read_text())["project"]
-    pinned = []
-    for requirement in project["dependencies"]:
-        name = re.split(r"[\[<>=!~ ]", requirement, maxsplit=1)[0]
-        pinned.append(f"ray[default]=={ray.__version__}" if name == "ray" else requirement)
-    return pinned
-
 
 @pytest.fixture(scope="session")
 def bare_python() -> str:
-    requirements = bare_requirements()
-    cache = Path(os.environ.get("OPGRAPH_TEST_CACHE") or "/tmp/opgraph-test-cache")
-    key = hashlib.sha256(json.dumps([sys.version, requirements]).encode()).hexdigest()[:12]
-    folder = cache / f"bare-python-{key}"
-    python = folder / "bin" / "python"
-    if not (folder / "ready").is_file():
-        shutil.rmtree(folder, ignore_errors=True)
-        base = getattr(sys, "_base_executable", sys.executable)
-        subprocess.run([base, "-m", "venv", str(folder)], check=True, timeout=120)  # no system site packages
-        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                        *requirements], check=True, timeout=VENV_DEADLINE)
-        (folder / "ready").write_text("\n".join(requirements))
-    return str(python)
+    return build_bare_python()
 
 
 @pytest.fixture(scope="module")
