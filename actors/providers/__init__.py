@@ -15,7 +15,7 @@ from typing import Any
 from ..models import ModelProvider, ProviderConfigError
 from .adaptive import AdaptiveGate, AdaptiveLimit, RateBudget
 from .anthropic import AnthropicProvider
-from .http import ProviderHTTPClient, RetryPolicy, retry_after_seconds
+from .http import ProviderHTTPClient, RetryPolicy, forget_rate_limited_providers, retry_after_seconds
 from .limits import (
     PermitTable,
     ProviderLimiter,
@@ -49,6 +49,7 @@ __all__ = [
     "clear_builtin_providers",
     "environment_providers",
     "example_from_schema",
+    "forget_rate_limited_providers",
     "provider_from_environment",
     "provider_slot",
     "reset_usage_totals",

@@ -39,7 +39,8 @@ from .limits import adaptive_slot, provider_slot, record_call, record_failure, r
 
 __all__ = [
     "DEFAULT_TIMEOUT", "RETRYABLE_STATUSES", "HTTPChatProvider", "JSONReply", "ProviderHTTPClient", "RetryPolicy",
-    "check_max_tokens", "reported_tokens", "retry_after_seconds", "server_wait_seconds",
+    "check_max_tokens", "estimated_tokens", "forget_rate_limited_providers", "reported_tokens",
+    "retry_after_seconds", "server_wait_seconds",
 ]
 
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -105,6 +106,11 @@ def estimated_tokens(payload: dict[str, Any]) -> int:
 # Providers this process has seen rate-limit: their calls go through the adaptive gate
 # from then on (before that, a provider that never says 429 pays nothing for it).
 _rate_limited_providers: set[str] = set()
+
+
+def forget_rate_limited_providers() -> None:
+    """Let this process's providers go ungated again until their next 429 (tests, long-lived drivers)."""
+    _rate_limited_providers.clear()
 
 
 def retry_after_seconds(value: str | None, *, now: float | None = None) -> float | None:
