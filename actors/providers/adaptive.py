@@ -29,11 +29,11 @@ DECREASE = 0.85
 # ...and every success grows it by this fraction of a request/s: 10% a second at any rate,
 # so a cut is recovered in under two seconds, before the server's burst allowance refills.
 INCREASE_PER_SUCCESS = 0.1
-# Until the first cut of a paced rate, every success adds a whole request/s (the rate
-# doubles each second: slow start), so a low first guess is left behind in seconds.
-PROBE_INCREASE_PER_SUCCESS = 1.0
+# Until the first cut of a paced rate, every success adds two requests/s (the rate grows
+# e^2-fold a second: slow start), so a low first guess is left behind within two seconds.
+PROBE_INCREASE_PER_SUCCESS = 2.0
 MIN_RATE = 0.5  # requests/s
-INITIAL_RATE = 4.0  # requests/s, when nothing was measured yet
+INITIAL_RATE = 8.0  # requests/s, when nothing was measured yet
 # Calls in flight are capped at this many times (rate x latency) (Little's law, with room),
 # so a provider that slows down is not buried under calls the rate alone would allow.
 WINDOW_FACTOR = 2.0
@@ -97,7 +97,7 @@ class AdaptiveLimit:
     A provider gated by its budget alone is not paced until its first 429; one gated
     because it answered 429 starts paced at ``INITIAL_RATE``. The first 429 sets the rate to what the
     server was letting through (successes over the last seconds, with a margin), or a
-    low guess that grows fast (slow start: it doubles each second) until the next 429.
+    low guess that grows fast (slow start, e^2-fold a second) until the next 429.
     Each later round of 429s cuts it by ``DECREASE``, to at most the measured pass rate
     and never below its margin, and every success then grows it by 10% a second. Calls
     start evenly spaced at that rate, so a ``Retry-After`` pause (which stops every

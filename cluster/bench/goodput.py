@@ -52,8 +52,8 @@ def fanout_of_calls(nodes: int, model: str) -> Graph:
     return graph
 
 
-def provider_for(mode: str, server: RateLimitedChatServer, fixed_concurrency: int) -> OpenAICompatibleProvider:
-    name = f"goodput-{mode}"
+def provider_for(mode: str, name: str, server: RateLimitedChatServer,
+                 fixed_concurrency: int) -> OpenAICompatibleProvider:
     if mode == "fixed":
         return OpenAICompatibleProvider(server.base_url, api_key="bench", name=name, adaptive=False,
                                         concurrency=fixed_concurrency)
@@ -66,10 +66,14 @@ def provider_for(mode: str, server: RateLimitedChatServer, fixed_concurrency: in
 
 
 async def run_mode(session: Session, server: RateLimitedChatServer, mode: str, nodes: int,
-                   fixed_concurrency: int) -> dict[str, Any]:
-    """One fan-out in ``mode``; the figures of that run alone (the server is reset first)."""
-    name = f"goodput-{mode}"
-    session.register_provider(name, provider_for(mode, server, fixed_concurrency))
+                   fixed_concurrency: int, round_: int = 0) -> dict[str, Any]:
+    """One fan-out in ``mode``; the figures of that run alone (the server is reset first).
+
+    Each round's provider has a name of its own, so it learns from scratch (a cold start):
+    the gate keeps what a provider learned for the runtime's life, by design.
+    """
+    name = f"goodput-{mode}-{round_}"
+    session.register_provider(name, provider_for(mode, name, server, fixed_concurrency))
     server.reset()
     started_at = time.monotonic()
     started = time.perf_counter()
@@ -126,7 +130,7 @@ async def run(args: argparse.Namespace, session: Session) -> int:
         await run_mode(session, server, "warmup", 50, args.fixed_concurrency)
         for repeat in range(args.repeat):
             for mode in modes:
-                result = await run_mode(session, server, mode, args.nodes, args.fixed_concurrency)
+                result = await run_mode(session, server, mode, args.nodes, args.fixed_concurrency, repeat)
                 results[mode].append(result)
                 print(f"[{repeat + 1}/{args.repeat}] " + line(result), flush=True)
                 if args.verbose and result["gate"]:
