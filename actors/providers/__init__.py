@@ -13,15 +13,29 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..models import ModelProvider, ProviderConfigError
+from .adaptive import AdaptiveGate, AdaptiveLimit, RateBudget
 from .anthropic import AnthropicProvider
-from .http import ProviderHTTPClient, RetryPolicy, retry_after_seconds
-from .limits import PermitTable, ProviderLimiter, provider_slot, reset_usage_totals, usage_totals
+from .http import ProviderHTTPClient, RetryPolicy, forget_rate_limited_providers, retry_after_seconds
+from .limits import (
+    PermitTable,
+    ProviderLimiter,
+    adaptive_slot,
+    adaptive_statistics,
+    provider_slot,
+    reset_usage_totals,
+    usage_totals,
+)
 from .openai import OpenAICompatibleProvider
 from .scripted import ScriptedProvider
 from .sim import SimulatedProvider, example_from_schema
 
 __all__ = [
     "BUILTIN_PROVIDERS",
+    "AdaptiveGate",
+    "AdaptiveLimit",
+    "RateBudget",
+    "adaptive_slot",
+    "adaptive_statistics",
     "ENVIRONMENT_SETTINGS",
     "AnthropicProvider",
     "OpenAICompatibleProvider",
@@ -35,6 +49,7 @@ __all__ = [
     "clear_builtin_providers",
     "environment_providers",
     "example_from_schema",
+    "forget_rate_limited_providers",
     "provider_from_environment",
     "provider_slot",
     "reset_usage_totals",
@@ -58,6 +73,9 @@ ENVIRONMENT_SETTINGS: dict[str, dict[str, str]] = {
         "OPENAI_TIMEOUT": "seconds one attempt may take [600, as the openai SDK]",
         "OPENAI_MAX_TOKENS": "max_tokens of a request that names none [unset: the server's limit]",
         "OPENAI_MAX_CONCURRENCY": "calls in flight at once, cluster-wide [unlimited]",
+        "OPENAI_MAX_RPM": "requests per minute, cluster-wide budget [none: learned from 429s]",
+        "OPENAI_MAX_TPM": "tokens per minute, cluster-wide budget [none: learned from 429s]",
+        "OPENAI_ADAPTIVE": "0 turns off adaptive admission (429s then count as retries) [1]",
     },
     "anthropic": {
         "ANTHROPIC_BASE_URL": "server URL [https://api.anthropic.com]",
@@ -65,6 +83,9 @@ ENVIRONMENT_SETTINGS: dict[str, dict[str, str]] = {
         "ANTHROPIC_TIMEOUT": "seconds one attempt may take [600, as the anthropic SDK]",
         "ANTHROPIC_MAX_TOKENS": "max_tokens of a request that names none [4096; the API requires one]",
         "ANTHROPIC_MAX_CONCURRENCY": "calls in flight at once, cluster-wide [unlimited]",
+        "ANTHROPIC_MAX_RPM": "requests per minute, cluster-wide budget [none: learned from 429s]",
+        "ANTHROPIC_MAX_TPM": "tokens per minute, cluster-wide budget [none: learned from 429s]",
+        "ANTHROPIC_ADAPTIVE": "0 turns off adaptive admission (429s then count as retries) [1]",
     },
 }
 
@@ -100,7 +121,14 @@ def provider_from_environment(name: str, environ: Mapping[str, str] | None = Non
         "timeout": _number(environ, f"{prefix}_TIMEOUT", float, name),
         "max_tokens": _number(environ, f"{prefix}_MAX_TOKENS", int, name),
         "concurrency": _number(environ, f"{prefix}_MAX_CONCURRENCY", int, name),
+        "requests_per_minute": _number(environ, f"{prefix}_MAX_RPM", float, name),
+        "tokens_per_minute": _number(environ, f"{prefix}_MAX_TPM", float, name),
     }
+    adaptive = environ.get(f"{prefix}_ADAPTIVE")
+    if adaptive:
+        if adaptive not in ("0", "1"):
+            raise ProviderConfigError(f"{prefix}_ADAPTIVE={adaptive!r} must be 0 or 1", provider=name)
+        settings["adaptive"] = adaptive == "1"
     settings = {key: value for key, value in settings.items() if value is not None}
     settings.update(overrides)
     provider_class = OpenAICompatibleProvider if name == "openai" else AnthropicProvider

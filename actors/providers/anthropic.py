@@ -22,6 +22,7 @@ from ..models import (
     ToolCall,
     Usage,
 )
+from .adaptive import RateBudget
 from .http import (
     DEFAULT_TIMEOUT,
     RETRYABLE_STATUSES,
@@ -58,7 +59,9 @@ class AnthropicProvider(HTTPChatProvider):
     def __init__(self, api_key: str | None = None, base_url: str | None = None, *, name: str = "anthropic",
                  timeout: float = DEFAULT_TIMEOUT, max_tokens: int = DEFAULT_MAX_TOKENS, max_retries: int = 3,
                  backoff: float = 0.5, max_delay: float = 20.0, concurrency: int | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, adaptive: bool = True,
+                 requests_per_minute: float | None = None, tokens_per_minute: float | None = None,
+                 rate_limit_patience: float = 600.0) -> None:
         base_url = (base_url or os.environ.get("ANTHROPIC_BASE_URL") or DEFAULT_ANTHROPIC_BASE_URL).rstrip("/")
         api_key = api_key if api_key is not None else os.environ.get("ANTHROPIC_API_KEY")
         if not api_key and base_url == DEFAULT_ANTHROPIC_BASE_URL:
@@ -73,7 +76,9 @@ class AnthropicProvider(HTTPChatProvider):
             headers["x-api-key"] = api_key
         self._http = ProviderHTTPClient(
             name, base_url, headers, timeout=timeout, transport=transport, concurrency=concurrency,
+            adaptive=adaptive, budget=RateBudget(requests_per_minute, tokens_per_minute),
             retry=RetryPolicy(max_retries=max_retries, backoff=backoff, max_delay=max_delay,
+                              rate_limit_patience=rate_limit_patience,
                               statuses=RETRYABLE_STATUSES | {OVERLOADED}),
         )
 

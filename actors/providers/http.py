@@ -1,7 +1,9 @@
 """The HTTP boundary of the model providers: one JSON POST with timeouts, retries and typed errors.
 
 Owns httpx: clients (one per event loop), per-attempt deadlines, exponential backoff with
-jitter on 429/5xx and dropped connections, ``Retry-After``, and the translation of every
+jitter on 429/5xx and dropped connections, ``Retry-After``, adaptive admission once a
+provider rate-limits (``adaptive.py``: 429s are then waited out, not failed, within a
+patience), and the translation of every
 httpx failure into a ``ProviderError`` (``raise ProviderX(...) from exc``). It knows no
 provider's wire format (``HTTPChatProvider`` leaves that to subclasses); callers never see
 an httpx type.
@@ -32,14 +34,19 @@ from ..models import (
     ProviderUnavailable,
     parse_model_id,
 )
-from .limits import provider_slot, record_call, record_failure, record_retry
+from .adaptive import RateBudget
+from .limits import adaptive_slot, provider_slot, record_call, record_failure, record_retry
 
 __all__ = [
     "DEFAULT_TIMEOUT", "RETRYABLE_STATUSES", "HTTPChatProvider", "JSONReply", "ProviderHTTPClient", "RetryPolicy",
-    "check_max_tokens", "retry_after_seconds",
+    "check_max_tokens", "estimated_tokens", "forget_rate_limited_providers", "reported_tokens",
+    "retry_after_seconds", "server_wait_seconds",
 ]
 
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
+# httpx's pool holds 100 connections; calls beyond them wait here, in an O(1) queue: a
+# fan-out of thousands queued in httpcore's own pool stalled for seconds on every release.
+CONNECTIONS_PER_LOOP = 100
 BODY_EXCERPT = 300  # characters of an error body quoted in messages
 # Seconds one attempt may take: the official openai and anthropic SDKs' 10 minutes, since
 # a model (a local one on a CPU above all) may generate for minutes. 60 s failed real nodes.
@@ -52,6 +59,58 @@ def check_max_tokens(value: int | None, provider: str) -> int | None:
         raise ProviderConfigError(f"{provider}: max_tokens must be a positive integer, got {value!r}",
                                   provider=provider)
     return value
+
+
+def server_wait_seconds(headers: Any) -> float | None:
+    """How long a 429/503 asks us to wait: ``retry-after-ms`` (sent beside ``Retry-After`` by
+    OpenAI-style servers, finer than its whole seconds) or else ``Retry-After``."""
+    milliseconds = headers.get("retry-after-ms")
+    if milliseconds is not None:
+        try:
+            return max(0.0, float(milliseconds) / 1000.0)
+        except ValueError:
+            pass  # unreadable: fall back to Retry-After
+    return retry_after_seconds(headers.get("retry-after"))
+
+
+def reported_tokens(body: Any) -> int | None:
+    """Tokens a chat body says it used (OpenAI ``usage.total_tokens`` or prompt + completion,
+    Anthropic ``input_tokens`` + ``output_tokens``); None when it says nothing readable."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    total = usage.get("total_tokens")
+    if isinstance(total, int):
+        return total
+    parts = [usage.get(key) for key in ("prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")]
+    numbers = [part for part in parts if isinstance(part, int)]
+    return sum(numbers) if numbers else None
+
+
+def estimated_tokens(payload: dict[str, Any]) -> int:
+    """About how many tokens a chat request will spend: its text at four characters a token,
+    plus its ``max_tokens`` when it names one (the gate learns the rest from usage)."""
+    characters = 0
+    for message in payload.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, str):
+            characters += len(content)
+        elif content is not None:
+            characters += len(json.dumps(content, default=str))
+    if isinstance(payload.get("system"), str):
+        characters += len(payload["system"])
+    max_tokens = payload.get("max_tokens")
+    return (characters + 3) // 4 + (max_tokens if isinstance(max_tokens, int) else 0)
+
+
+# Providers this process has seen rate-limit: their calls go through the adaptive gate
+# from then on (before that, a provider that never says 429 pays nothing for it).
+_rate_limited_providers: set[str] = set()
+
+
+def forget_rate_limited_providers() -> None:
+    """Let this process's providers go ungated again until their next 429 (tests, long-lived drivers)."""
+    _rate_limited_providers.clear()
 
 
 def retry_after_seconds(value: str | None, *, now: float | None = None) -> float | None:
@@ -79,12 +138,16 @@ class RetryPolicy:
 
     The n-th retry waits ``backoff * 2**n`` seconds, jittered to between half and all of
     it, unless the server sent ``Retry-After``; every wait is capped at ``max_delay``.
+    With adaptive admission a 429 is not one of the ``max_retries``: it is waited out
+    (its ``Retry-After``, in full) until the call has waited ``rate_limit_patience``
+    seconds for 429s in all, and only then fails ``ProviderRateLimited``.
     """
 
     max_retries: int = 3
     backoff: float = 0.5
     max_delay: float = 20.0
     statuses: frozenset[int] = RETRYABLE_STATUSES
+    rate_limit_patience: float = 600.0
 
     def delay(self, retry: int, retry_after: float | None, rng: random.Random) -> float:
         if retry_after is not None:
@@ -110,12 +173,18 @@ class ProviderHTTPClient:
     without its clients, so a provider built in the driver ships to the workers.
     ``transport`` (an ``httpx.AsyncBaseTransport`` such as ``httpx.MockTransport``) is
     the test seam. ``concurrency`` caps calls in flight cluster-wide (see ``limits``).
+
+    ``adaptive`` (the default) admits calls through the cluster-wide adaptive gate once this
+    provider has answered 429 in this process, or from the start when ``budget`` (RPM, TPM)
+    or ``concurrency`` is configured: one learned window, every ``Retry-After`` pausing
+    all workers, and the budget spent as calls start. ``adaptive=False`` keeps the fixed
+    cap and counts 429s among the ``max_retries``.
     """
 
     def __init__(self, provider: str, base_url: str, headers: dict[str, str] | None = None, *,
                  timeout: float = DEFAULT_TIMEOUT, retry: RetryPolicy | None = None,
                  transport: httpx.AsyncBaseTransport | None = None, concurrency: int | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, adaptive: bool = True, budget: RateBudget | None = None) -> None:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ProviderConfigError(f"{provider}: timeout must be a number of seconds above 0, got {timeout!r}",
                                       provider=provider)
@@ -126,19 +195,32 @@ class ProviderHTTPClient:
         self.retry = retry or RetryPolicy()
         self.transport = transport
         self.concurrency = concurrency
+        self.adaptive = adaptive
+        budget = budget or RateBudget()
+        if concurrency is not None and budget.max_concurrency is None:
+            budget = RateBudget(budget.requests_per_minute, budget.tokens_per_minute, concurrency)
+        self.budget = budget
+        if budget.configured and not adaptive and (budget.requests_per_minute or budget.tokens_per_minute):
+            raise ProviderConfigError(f"{provider}: an RPM/TPM budget needs adaptive admission (adaptive=True)",
+                                      provider=provider)
         self._rng = random.Random(seed)
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._sending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
             weakref.WeakKeyDictionary()
         )
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_clients"] = None  # live sockets belong to this process's loops
+        state["_sending"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._clients = weakref.WeakKeyDictionary()
+        self._sending = weakref.WeakKeyDictionary()
 
     def _client(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
@@ -147,6 +229,13 @@ class ProviderHTTPClient:
             client = httpx.AsyncClient(transport=self.transport, headers=self.headers)
             self._clients[loop] = client
         return client
+
+    def _sender_slots(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        slots = self._sending.get(loop)
+        if slots is None:
+            slots = self._sending[loop] = asyncio.Semaphore(CONNECTIONS_PER_LOOP)
+        return slots
 
     async def aclose(self) -> None:
         """Close this event loop's client and its connections."""
@@ -164,10 +253,22 @@ class ProviderHTTPClient:
         url = self.base_url + path
         limit = self.timeout if timeout is None else timeout
         retries = 0
+        rate_limit_waited = 0.0
+        rate_limited_in_a_row = 0
+        tokens = estimated_tokens(payload)
         while True:
+            gated = self.adaptive and (self.budget.configured or self.provider in _rate_limited_providers)
             try:
-                async with provider_slot(self.provider, self.concurrency):
-                    response = await self._attempt(url, payload, limit)
+                if gated:
+                    async with adaptive_slot(self.provider, self.budget, tokens) as ticket:
+                        response = await self._attempt(url, payload, limit)
+                        body = self._note_outcome(ticket, response)
+                else:
+                    async with provider_slot(self.provider, self.concurrency):
+                        response = await self._attempt(url, payload, limit, ungated=self.adaptive)
+                    body = _UNREAD
+            except _NowRateLimited:
+                continue  # another call's 429 arrived while this one queued to send: go through the gate
             except _RetryableFailure as failure:
                 if retries >= self.retry.max_retries:
                     raise ProviderUnavailable(
@@ -179,30 +280,65 @@ class ProviderHTTPClient:
                 retries += 1
                 continue
             status = response.status_code
+            if status == 429 and self.adaptive:
+                _rate_limited_providers.add(self.provider)
+                wait = server_wait_seconds(response.headers)
+                if wait is None:  # no hint: back off, doubling while the 429s go on
+                    wait = self.retry.delay(rate_limited_in_a_row, None, self._rng)
+                if rate_limit_waited + wait > self.retry.rate_limit_patience:
+                    raise self._status_error(url, response, retries)
+                record_retry(self.provider)
+                await asyncio.sleep(wait)  # in full, never capped: the server said when
+                rate_limit_waited += wait
+                rate_limited_in_a_row += 1
+                retries += 1
+                continue
+            rate_limited_in_a_row = 0
             if status in self.retry.statuses and retries < self.retry.max_retries:
-                await self._back_off(retries, retry_after_seconds(response.headers.get("retry-after")))
+                await self._back_off(retries, server_wait_seconds(response.headers))
                 retries += 1
                 continue
             if not 200 <= status < 300:
                 raise self._status_error(url, response, retries)
-            try:
-                body = json.loads(response.content)
-            except ValueError as exc:
-                raise ProviderResponseError(
-                    f"{self.provider}: {url} answered {status} with a body that is not JSON: "
-                    f"{_excerpt(response)!r}",
-                    provider=self.provider, status=status,
-                ) from exc
+            if body is _UNREAD:
+                body = self._parse(url, response)
             return JSONReply(body=body, status=status, retries=retries)
+
+    def _parse(self, url: str, response: httpx.Response) -> Any:
+        try:
+            return json.loads(response.content)
+        except ValueError as exc:
+            raise ProviderResponseError(
+                f"{self.provider}: {url} answered {response.status_code} with a body that is not JSON: "
+                f"{_excerpt(response)!r}",
+                provider=self.provider, status=response.status_code,
+            ) from exc
+
+    def _note_outcome(self, ticket: Any, response: httpx.Response) -> Any:
+        """Tell the gate how an admitted call went; returns the parsed body of a 2xx (else _UNREAD)."""
+        status = response.status_code
+        if status == 429:
+            ticket.outcome = "rate_limited"
+            ticket.retry_after = server_wait_seconds(response.headers)
+            return _UNREAD
+        if 200 <= status < 300:
+            body = self._parse(url=str(response.request.url), response=response)
+            ticket.outcome = "ok"
+            ticket.reported = reported_tokens(body)
+            return body
+        return _UNREAD
 
     async def _back_off(self, retries: int, retry_after: float | None) -> None:
         record_retry(self.provider)
         await asyncio.sleep(self.retry.delay(retries, retry_after, self._rng))
 
-    async def _attempt(self, url: str, payload: dict[str, Any], timeout: float) -> httpx.Response:
+    async def _attempt(self, url: str, payload: dict[str, Any], timeout: float, *,
+                       ungated: bool = False) -> httpx.Response:
         """One POST, with every httpx failure translated; retryable ones raise _RetryableFailure."""
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout), self._sender_slots():
+                if ungated and self.provider in _rate_limited_providers:
+                    raise _NowRateLimited
                 return await self._client().post(url, json=payload, timeout=httpx.Timeout(timeout))
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise ProviderTimeout(f"{self.provider}: no answer from {url} within {timeout:g} s; give the node a "
@@ -233,6 +369,13 @@ class ProviderHTTPClient:
         if status in (401, 403):
             detail += "; check the API key"
         return ProviderHTTPError(detail, provider=self.provider, status=status)
+
+
+_UNREAD = object()  # a response body not parsed yet
+
+
+class _NowRateLimited(Exception):
+    """Internal: an ungated call found its provider rate-limited once it could send. Never leaves this module."""
 
 
 class _RetryableFailure(Exception):

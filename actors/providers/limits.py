@@ -1,8 +1,10 @@
-"""Per-provider concurrency caps shared across the cluster, and per-process usage totals.
+"""Per-provider concurrency caps and adaptive admission shared across the cluster, and
+per-process usage totals.
 
 Owns the ``ProviderLimiter`` actor (one per namespace, named ``opgraph-provider-limiter``),
-the ``provider_slot`` context manager that holds one of its permits, and the token, call
-and retry counters every provider updates. It makes no model calls itself.
+the ``provider_slot`` context manager that holds one of its permits, ``adaptive_slot``
+(one admission through its ``AdaptiveGate``, reporting how the call went), and the token,
+call and retry counters every provider updates. It makes no model calls itself.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from ray.exceptions import RayError
 
 from ..histogram import LatencyHistogram
 from ..models import ProviderConfigError, ProviderUnavailable, Usage
+from .adaptive import AdaptiveGate, RateBudget
 
 __all__ = [
     "LIMITER_NAME",
+    "AdmissionTicket",
+    "adaptive_slot",
+    "adaptive_statistics",
     "PermitTable",
     "ProviderLimiter",
     "estimate_tokens",
@@ -128,6 +134,7 @@ class ProviderLimiter:
 
     def __init__(self) -> None:
         self._table = PermitTable()
+        self._gate = AdaptiveGate()
 
     async def acquire(self, provider: str, limit: int, token: str) -> bool:
         return await self._table.acquire(provider, limit, token)
@@ -138,9 +145,20 @@ class ProviderLimiter:
     async def statistics(self) -> dict[str, dict[str, int]]:
         return self._table.statistics()
 
+    async def admit(self, provider: str, budget: RateBudget, tokens: int, token: str) -> tuple[float, float] | None:
+        return await self._gate.acquire(provider, budget, tokens, token)
+
+    async def settle(self, provider: str, token: str, outcome: str, retry_after: float | None = None,
+                     reported: int | None = None) -> bool:
+        return self._gate.settle(provider, token, outcome, retry_after, reported)
+
+    async def adaptive_statistics(self) -> dict[str, dict[str, Any]]:
+        return self._gate.statistics()
+
 
 _limiter_handle: Any = None
 _local_tables: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PermitTable] = weakref.WeakKeyDictionary()
+_local_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AdaptiveGate] = weakref.WeakKeyDictionary()
 
 
 def _limiter() -> Any:
@@ -206,6 +224,74 @@ async def provider_slot(provider: str, limit: int | None) -> AsyncIterator[None]
     finally:
         # Fire-and-forget: awaiting here could be cancelled again and leak the permit.
         limiter.release.remote(provider, token)
+
+
+@dataclass
+class AdmissionTicket:
+    """How one admitted call went, filled in by the caller before the slot closes.
+
+    ``outcome`` is ``ok`` (with ``reported`` tokens when the server said), ``rate_limited``
+    (with the server's ``retry_after``), or ``failed`` (anything else: it teaches nothing).
+    """
+
+    outcome: str = "failed"
+    retry_after: float | None = None
+    reported: int | None = None
+
+
+@asynccontextmanager
+async def adaptive_slot(provider: str, budget: RateBudget, tokens: int) -> AsyncIterator[AdmissionTicket]:
+    """Wait for ``provider``'s adaptive gate to admit one call of about ``tokens`` tokens.
+
+    With Ray running the gate lives in the ``ProviderLimiter`` actor, so every process
+    shares one learned window, pause and budget; without Ray it is per event loop here.
+    The ticket's outcome is reported when the body ends (fire-and-forget on Ray, so a
+    cancelled caller cannot leak its grant).
+    """
+    global _limiter_handle
+    token = uuid.uuid4().hex
+    ticket = AdmissionTicket()
+    if not ray.is_initialized():
+        loop = asyncio.get_running_loop()
+        gate = _local_gates.get(loop)
+        if gate is None:
+            gate = _local_gates[loop] = AdaptiveGate()
+        try:
+            await gate.acquire(provider, budget, tokens, token)
+        except BaseException:
+            gate.settle(provider, token, "failed")
+            raise
+        try:
+            yield ticket
+        finally:
+            gate.settle(provider, token, ticket.outcome, ticket.retry_after, ticket.reported)
+        return
+
+    limiter = _limiter()
+    try:
+        granted = await limiter.admit.remote(provider, budget, tokens, token)
+    except RayError as exc:
+        _limiter_handle = None
+        raise ProviderUnavailable(f"provider limiter unreachable while admitting a call to {provider!r}: {exc}",
+                                  provider=provider) from exc
+    except BaseException:
+        # Cancelled while queued: this settle reaches the actor after the admit and withdraws it.
+        limiter.settle.remote(provider, token, "failed")
+        raise
+    if granted is None:
+        raise ProviderUnavailable(f"admission to {provider!r} was withdrawn before it was granted", provider=provider)
+    try:
+        yield ticket
+    finally:
+        limiter.settle.remote(provider, token, ticket.outcome, ticket.retry_after, ticket.reported)
+
+
+async def adaptive_statistics() -> dict[str, dict[str, Any]]:
+    """The gate's learned state per provider (window, in flight, pause, counts)."""
+    if not ray.is_initialized():
+        gate = _local_gates.get(asyncio.get_running_loop())
+        return gate.statistics() if gate is not None else {}
+    return await _limiter().adaptive_statistics.remote()
 
 
 # -- usage accounting ----------------------------------------------------------------------

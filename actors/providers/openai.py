@@ -22,6 +22,7 @@ from ..models import (
     ToolCall,
     Usage,
 )
+from .adaptive import RateBudget
 from .http import DEFAULT_TIMEOUT, HTTPChatProvider, ProviderHTTPClient, RetryPolicy, check_max_tokens
 
 __all__ = ["DEFAULT_OPENAI_BASE_URL", "OpenAICompatibleProvider"]
@@ -39,6 +40,9 @@ class OpenAICompatibleProvider(HTTPChatProvider):
     server's own limit). A node's ``timeout=``/``max_tokens=`` wins over both.
     ``max_retries`` retries follow the first attempt; ``backoff`` and ``max_delay`` shape
     the waits (see ``RetryPolicy``); ``concurrency`` caps calls in flight cluster-wide.
+    ``adaptive`` (default) learns the server's rate limit from its 429s and ``Retry-After``,
+    shared by every worker; ``requests_per_minute``/``tokens_per_minute`` set a budget that
+    admission spends from the start (see ``adaptive.py``).
     The built-in ``openai/`` provider reads all of these from the environment
     (``provider_from_environment``).
     """
@@ -48,7 +52,9 @@ class OpenAICompatibleProvider(HTTPChatProvider):
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, name: str = "openai",
                  timeout: float = DEFAULT_TIMEOUT, max_tokens: int | None = None, max_retries: int = 3,
                  backoff: float = 0.5, max_delay: float = 20.0, concurrency: int | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, adaptive: bool = True,
+                 requests_per_minute: float | None = None, tokens_per_minute: float | None = None,
+                 rate_limit_patience: float = 600.0) -> None:
         base_url = base_url or os.environ.get("OPENAI_BASE_URL") or DEFAULT_OPENAI_BASE_URL
         api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY")
         if not api_key and base_url.rstrip("/") == DEFAULT_OPENAI_BASE_URL:
@@ -63,7 +69,9 @@ class OpenAICompatibleProvider(HTTPChatProvider):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = ProviderHTTPClient(
             name, self.base_url, headers, timeout=timeout, transport=transport, concurrency=concurrency,
-            retry=RetryPolicy(max_retries=max_retries, backoff=backoff, max_delay=max_delay),
+            adaptive=adaptive, budget=RateBudget(requests_per_minute, tokens_per_minute),
+            retry=RetryPolicy(max_retries=max_retries, backoff=backoff, max_delay=max_delay,
+                              rate_limit_patience=rate_limit_patience),
         )
 
     def __repr__(self) -> str:

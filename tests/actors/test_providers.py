@@ -48,6 +48,7 @@ from opgraph.actors.providers import (
     builtin_provider,
     clear_builtin_providers,
     environment_providers,
+    forget_rate_limited_providers,
     provider_from_environment,
     provider_slot,
     reset_usage_totals,
@@ -76,6 +77,7 @@ def server():
 @pytest.fixture(autouse=True)
 def _fresh_usage():
     reset_usage_totals()
+    forget_rate_limited_providers()  # a 429 in one test must not gate the next one's calls
     yield
 
 
@@ -185,11 +187,27 @@ def test_429_with_retry_after_is_retried_after_waiting(server):
 
 
 def test_429_on_every_attempt_is_rate_limited(server):
+    """Without adaptive admission a 429 is one of the max_retries."""
     before = len(server.requests)
     server.script(*[srv.Status(429, retry_after="0")] * 3)
-    error = raised(server.base_url, ChatRequest("openai/m", USER), max_retries=2)
+    error = raised(server.base_url, ChatRequest("openai/m", USER), max_retries=2, adaptive=False)
     assert type(error) is ProviderRateLimited and error.status == 429 and error.provider == "openai"
     assert len(server.requests) - before == 3
+
+
+def test_adaptive_429s_are_waited_out_until_the_patience_runs_out(server):
+    """Adaptive (default): 429 x 4 -> waited out beyond max_retries=1 -> 200; then 429s whose
+    Retry-After totals more than rate_limit_patience -> ProviderRateLimited."""
+    before = len(server.requests)
+    server.script(*[srv.Status(429, retry_after="0.01")] * 4, srv.Reply("patient"))
+    response = run(call(server.base_url, ChatRequest("openai/m", USER), max_retries=1))
+    assert response.content == "patient" and response.retries == 4
+    assert len(server.requests) - before == 5
+    server.script(srv.Status(429, retry_after="0.2"), srv.Status(429, retry_after="0.2"), srv.Reply("never sent"))
+    error = raised(server.base_url, ChatRequest("openai/m", USER), rate_limit_patience=0.3)
+    assert type(error) is ProviderRateLimited and error.status == 429
+    server.script()  # the scripted reply is still queued: take it off for the next test
+    assert run(call(server.base_url, ChatRequest("openai/m", USER))).content == "never sent"
 
 
 def test_5xx_exhausting_retries_is_unavailable(server):
