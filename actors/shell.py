@@ -665,6 +665,8 @@ class ExecutorShell:
                     acknowledged = True  # the first item: ACKNOWLEDGED
                     continue
                 await self._settle_rows(run, pending, rows)
+                if not pending:
+                    break  # every outcome is in; the worker ends the stream later (workers.STREAM_LINGER_SECONDS)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
             await self._batch_failed(run, index, worker, pending, exc, acknowledged=acknowledged)
 

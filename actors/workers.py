@@ -47,6 +47,12 @@ __all__ = ["LiveEmissions", "OperationWorker", "RemoteBranch"]
 
 OUTCOME_WINDOW = 0.002  # seconds
 OUTCOME_BATCH = 256  # outcomes per streamed message
+# Seconds a stream stays open after its last outcome. Ray reports a stream's end to its
+# consumer; when the consumer (an executor) has just died, that report holds the worker's
+# event loop for about a second per burst of streams ending (seen: every worker stalled
+# 1-2 s after an executor's death, and with it every run). Its outcomes all arrived, so
+# the executor stops reading at once; the stream ends once a dead one is long known dead.
+STREAM_LINGER_SECONDS = 10.0
 
 
 class RemoteBranch:
@@ -399,12 +405,12 @@ class OperationWorker:
             for row in batch:
                 tasks.pop((run_id, row[0]), None)
             if self.epoch != epoch:
-                # The executor that opened this stream died and another adopted this worker (it
-                # sends these calls again as new attempts). Sending to the dead one would hold
-                # this worker's loop for a second or more per item while Ray gives up on it.
+                # The executor that opened this stream died and another adopted this worker,
+                # which sends these calls again as new attempts: nobody reads the rest.
                 self.orphaned += len(batch) + remaining
-                return
+                break
             yield batch
+        await asyncio.sleep(STREAM_LINGER_SECONDS)
 
     async def run_turn(self, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any]]:
         """One call outside any graph (``Session.turn``): its outcome row and its token usage."""
