@@ -96,6 +96,12 @@ scrape_configs:
                 pass
             assert time.monotonic() < deadline, "prometheus did not become ready"
             time.sleep(0.2)
+        # Ready is not scraping: Prometheus applies its targets a few seconds later. Wait until
+        # it has tried the (not yet open) port once, so a short job is scraped from its start.
+        while not [target for target in httpx.get(f"{url}/api/v1/targets", timeout=2).json()["data"]["activeTargets"]
+                   if target["health"] != "unknown"]:
+            assert time.monotonic() < deadline, "prometheus did not start scraping"
+            time.sleep(0.2)
         yield url, metrics_port
     finally:
         process.send_signal(signal.SIGTERM)
