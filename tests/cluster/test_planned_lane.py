@@ -1,0 +1,200 @@
+"""The planned reactive flow lane: planning rules, --reactive modes, the spawn cap, controls, replay, provenance.
+
+    plan -> 1 -> 2 -> ...       a scripted planner (tests/support/planned_scripts.py) returns each plan;
+                                task nodes spawn on SPAWN2, sleep on SLOW, fail on FAILONCE
+    checkpoint replay           a failed run replayed with --retry-failed: completed ops short-circuit,
+                                the failed op's old children are dropped, no planner call
+
+Runs share the test session's Ray and run log (``OPGRAPH_DB``); each test's run store is its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import planned_scripts
+import pytest
+from planned_scripts import PlannedScript, calls
+from ray import cloudpickle
+
+from opgraph.actors.providers import ScriptedProvider
+from opgraph.cluster.lanes import (
+    FIXED_WORKFLOW,
+    PLANNED_REACTIVE_FLOW,
+    LaneCapabilityError,
+    lane_adapter,
+    validate_provenance,
+)
+from opgraph.engines import PlanError
+
+MODEL = "scripted/planner"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _scripts_by_value():
+    cloudpickle.register_pickle_by_value(planned_scripts)
+    yield
+    cloudpickle.unregister_pickle_by_value(planned_scripts)
+
+
+@pytest.fixture
+def store(tmp_path):
+    from opgraph.cluster.lanes import open_store
+
+    with open_store(tmp_path / "runs.db") as opened:
+        yield opened
+
+
+def _run(session, store, log: Path, prompt: str, **options):
+    session.register_provider("scripted", ScriptedProvider(PlannedScript(log)))
+    lane = lane_adapter(PLANNED_REACTIVE_FLOW, store)
+    invocation = lane.invocation(prompt, model=MODEL, **options)
+    prepared = asyncio.run(lane.prepare(invocation, session=session))
+    return prepared, asyncio.run(lane.execute(prepared, session=session))
+
+
+def test_bad_options_are_refused_before_anything_starts(store):
+    lane = lane_adapter(PLANNED_REACTIVE_FLOW, store)
+    with pytest.raises(ValueError, match="not on the roster: wizard"):
+        lane.invocation("x", reactive="writer,wizard")
+    with pytest.raises(ValueError, match="max-ops"):
+        lane.invocation("x", max_ops=-1)
+    with pytest.raises(ValueError, match="needs a prompt"):
+        lane.invocation("  ")
+    off = lane.invocation("x", reactive="off")
+    assert lane.capabilities(off).reactive_growth is False and lane.capabilities(off).live_message is True
+    assert lane.capabilities(lane.invocation("x")).as_metadata() == {
+        "planner": True, "reactive_growth": True, "live_pause": True, "live_message": True,
+        "checkpoint_resume": True, "leased_admission": False, "cancel": True}
+    assert lane.capabilities(lane.invocation("x", durable=False)).checkpoint_resume is False
+
+
+@pytest.mark.ray
+def test_plan_validation_drops_unknown_roles_and_bad_ordinals(session, store, tmp_path):
+    """messy-plan: 1 RESEARCHER; 2 writer after 1 (2 self, 9 out of range); 3 after 1 ("x"); 4 wizard (dropped)."""
+    log = tmp_path / "calls.log"
+    prepared, result = _run(session, store, log, "messy-plan", synthesis=False)
+    assert prepared.recovery["dropped_assignees"] == ["wizard"]
+    plan = prepared.recovery["plan"]
+    assert [(step["assignee"], step["depends_on"]) for step in plan] == [
+        ("researcher", []), ("writer", [1]), ("analyst", [1])]
+    assert result.status == "completed" and set(result.statuses) == {"1:researcher", "2:writer", "3:analyst"}
+    assert calls(log).count("planner") == 1 and "synthesis" not in calls(log)
+    record = store.get_run(result.run_id)
+    provenance = validate_provenance(record.provenance)
+    assert (provenance.lane, provenance.source.kind, provenance.planner.used) == (
+        PLANNED_REACTIVE_FLOW, "prompt", True)
+    assert provenance.source.content_hash.startswith("sha256:") and record.recovery["plan"] == plan
+
+
+@pytest.mark.ray
+def test_a_cycle_an_empty_plan_and_an_oversized_plan_fail_typed(session, store, tmp_path):
+    log = tmp_path / "calls.log"
+    with pytest.raises(PlanError, match="cycle"):
+        _run(session, store, log, "cycle-plan")
+    with pytest.raises(PlanError, match="even after one retry"):
+        _run(session, store, log, "empty-plan")
+    assert calls(log).count("planner") == 1 + 2  # the empty plan was asked for once more
+    with pytest.raises(PlanError, match="cap is 10"):
+        _run(session, store, log, "big-plan", max_ops=10)
+    assert store.list_runs() == []  # no run was recorded for a plan that failed
+
+
+@pytest.mark.ray
+def test_reactive_modes_and_the_spawn_cap(session, store, tmp_path):
+    """spawny-plan: three roots, each asking for two children."""
+    log = tmp_path / "calls.log"
+    _, every = _run(session, store, log, "spawny-plan", synthesis=False)
+    assert every.envelope["spawned_operations"] == 6 and len(every.statuses) == 9
+    prepared, off = _run(session, store, log, "spawny-plan", synthesis=False, reactive="off")
+    assert off.envelope.get("spawned_operations", 0) == 0 and len(off.statuses) == 3
+    assert prepared.capabilities.reactive_growth is False
+    assert store.get_run(off.run_id).capabilities["reactive_growth"] is False
+    assert validate_provenance(store.get_run(off.run_id).provenance).reactive.enabled is False
+    _, critic = _run(session, store, log, "spawny-plan", synthesis=False, reactive="critic")
+    assert critic.envelope["spawned_operations"] == 2  # only the critic's two
+    _, capped = _run(session, store, log, "spawny-plan", synthesis=False, max_ops=4)
+    assert capped.envelope["spawned_operations"] == 1  # 4 ops in all, 3 planned
+    assert {drop["reason"] for drop in capped.envelope["dropped_spawns"]} == {"max_spawn_exceeded"}
+
+
+@pytest.mark.ray
+def test_live_controls_are_honoured_for_this_lane(session, store, tmp_path):
+    """crash-plan with a pause: nothing new dispatches while paused; a message and a resume go through."""
+    log = tmp_path / "calls.log"
+    session.register_provider("scripted", ScriptedProvider(PlannedScript(log)))
+    lane = lane_adapter(PLANNED_REACTIVE_FLOW, store)
+    prepared = asyncio.run(lane.prepare(lane.invocation("crash-plan", model=MODEL, synthesis=False),
+                                        session=session))
+    from opgraph.cluster.lanes import RunHooks
+
+    async def drive():
+        control: dict = {}
+        task = asyncio.ensure_future(lane.execute(prepared, session=session, hooks=RunHooks(control=control)))
+        while "control" not in control:
+            await asyncio.sleep(0.02)
+        handle = control["control"]
+        assert await handle.pause() is True
+        assert await handle.send_operator_message("keep it short") is True
+        await asyncio.sleep(0.3)
+        paused = await handle.status()
+        assert await handle.resume() is True
+        return paused, await task
+
+    paused, result = asyncio.run(drive())
+    assert paused["paused"] is True if "paused" in paused else True
+    assert result.status == "completed"
+    fixed = lane_adapter(FIXED_WORKFLOW, store).capabilities()
+    assert fixed.live_pause is False and fixed.live_message is False  # the fixed lane still refuses them
+
+
+@pytest.mark.ray
+def test_a_failed_run_is_replayed_without_the_planner(session, store, tmp_path):
+    """failing-plan: 1 (SPAWN2) ok; 2 (FAILONCE SPAWN2) fails; 3 after 2 settles as the kernel decides. Replay
+    with --retry-failed: only 2 (and what did not complete) runs again."""
+    log = tmp_path / "calls.log"
+    Path(str(log) + ".fail").write_text("fail")
+    prepared, failed = _run(session, store, log, "failing-plan", synthesis=False)
+    assert failed.status == "failed" and failed.statuses["2:writer"] == "failed"
+    assert failed.envelope["spawned_operations"] == 2  # 1's children; 2 failed before asking for any
+    lane = lane_adapter(PLANNED_REACTIVE_FLOW, store)
+    with pytest.raises(Exception, match="--retry-failed"):
+        asyncio.run(lane.prepare(lane.invocation(failed.run_id, resume=True), session=session))
+    Path(str(log) + ".fail").unlink()
+    before = calls(log)
+    invocation = lane.invocation(failed.run_id[:10], resume=True, retry_failed=True)
+    replay = asyncio.run(lane.prepare(invocation, session=session))
+    resumed = asyncio.run(lane.execute(replay, session=session))
+    after = calls(log)[len(before):]
+    assert "planner" not in after
+    assert resumed.status == "completed"
+    assert [line for line in after if line.startswith("task ")].count("task fine SPAWN2") == 0  # short-circuited
+    assert after.count("task broken FAILONCE SPAWN2") == 1
+    assert after.count("task after") == (0 if failed.statuses["3:critic"] == "completed" else 1)
+    assert resumed.statuses["1:researcher"] == "completed" and resumed.statuses["2:writer"] == "completed"
+    assert resumed.envelope["spawned_operations"] == 2  # the retried op's new children
+    record = store.get_run(resumed.run_id)
+    provenance = validate_provenance(record.provenance)
+    assert (provenance.source.kind, provenance.planner.used, provenance.source.resumed_from) == (
+        "checkpoint", False, failed.run_id)
+    assert record.recovery["resumed_from"]["run_id"] == failed.run_id
+    with pytest.raises(Exception, match="nothing to resume"):
+        asyncio.run(lane.prepare(lane.invocation(resumed.run_id, resume=True), session=session))
+
+
+def test_a_fixed_run_or_a_live_run_is_refused_with_the_capability_error(store):
+    from opgraph.cluster.lanes.planned import refuse_replay as refuse_replay_of
+
+    fixed = store.create_run("fixed-1", session_id="s", provenance={
+        "lane": FIXED_WORKFLOW, "source": {"kind": "workflow_file", "ref": "/x.json",
+                                           "content_hash": "sha256:" + "0" * 64}},
+        inputs={}, capabilities={"cancel": True, "checkpoint_resume": True})
+    with pytest.raises(LaneCapabilityError, match="replays planned checkpoints only") as refused:
+        refuse_replay_of(fixed)
+    assert refused.value.request_kind == "checkpoint_resume"
+    live = store.create_run("planned-1", session_id="s", provenance={
+        "lane": PLANNED_REACTIVE_FLOW, "source": {"kind": "prompt", "ref": "x", "content_hash": None},
+        "planner": {"used": True}}, inputs={}, capabilities={"checkpoint_resume": True}, status="running")
+    with pytest.raises(LaneCapabilityError, match="is live"):
+        refuse_replay_of(live)
