@@ -11,6 +11,12 @@ Runs share the test session's Ray and run log (``OPGRAPH_DB``); each test's run 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import planned_scripts
@@ -29,6 +35,7 @@ from opgraph.cluster.lanes import (
 from opgraph.engines import PlanError
 
 MODEL = "scripted/planner"
+DEADLINE = 120.0  # seconds for a subprocess run
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -198,3 +205,67 @@ def test_a_fixed_run_or_a_live_run_is_refused_with_the_capability_error(store):
         "planner": {"used": True}}, inputs={}, capabilities={"checkpoint_resume": True}, status="running")
     with pytest.raises(LaneCapabilityError, match="is live"):
         refuse_replay_of(live)
+
+
+def _owner(log: Path, store_path: str, *arguments: str) -> list[str]:
+    support = Path(planned_scripts.__file__).parent
+    return [sys.executable, str(support / "planned_owner.py"), str(log), *arguments, "--store", store_path,
+            "--plain", "--json"]
+
+
+@pytest.mark.ray
+def test_a_killed_planned_run_is_resumed_from_its_checkpoint(store, tmp_path):
+    """crash-plan: 1 (SPAWN2) -> 2 -> 3 (SLOW) -> 4 (SLOW), 1's two children beside 2.
+
+    The process running `opgraph o flow` (and its Ray) is SIGKILLed once 1, 2 and both children
+    settled; `opgraph o flow --resume PREFIX` in another process finishes it with no planner
+    call, no completed op run again, the children present once and the roles' histories intact.
+    """
+    from opgraph.cluster.lanes.planned import branch_history
+
+    log = tmp_path / "calls.log"
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(planned_scripts.__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    owner = subprocess.Popen(_owner(log, store.path, "crash-plan", "--model", MODEL, "--no-synthesis"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                             env=environment)
+    run_id, seen, deadline = None, [], time.monotonic() + DEADLINE
+    try:
+        while time.monotonic() < deadline:
+            line = owner.stderr.readline()
+            assert line, f"the owner stopped early: {seen}"
+            seen.append(line.rstrip())
+            if line.startswith("run_id: "):
+                run_id = line.split()[1]
+            settled = [entry.split()[-1] for entry in seen if " completed " in f" {entry} "]
+            if {"1:researcher", "2:analyst"} <= set(settled) and len(settled) >= 4:
+                break
+    finally:
+        os.killpg(owner.pid, signal.SIGKILL)  # the owner and the Ray it started
+        owner.communicate(timeout=DEADLINE)
+    assert run_id is not None
+    record = store.get_run(run_id)
+    assert record.orphaned
+    before = calls(log)
+    assert before.count("planner") == 1 and before.count("task gather SPAWN2") == 1
+    histories = {role: branch_history(branch, {}) for role, branch in record.recovery["branches"].items()}
+    assert len(histories["researcher"]) >= 3 and len(histories["analyst"]) >= 3  # a profile, then a turn
+
+    resumed_by = subprocess.run(_owner(log, store.path, "--resume", run_id[:12]), capture_output=True, text=True,
+                                timeout=DEADLINE, check=False, env=environment)
+    assert resumed_by.returncode == 0, resumed_by.stderr[-3000:]
+    after = calls(log)[len(before):]
+    assert "planner" not in after
+    for done in ("task gather SPAWN2", "task weigh", "task child 1 of gather", "task child 2 of gather"):
+        assert done not in after, f"{done!r} settled before the kill and ran again"
+    assert after.count("task review SLOW") == 1
+    printed = json.loads(resumed_by.stdout[resumed_by.stdout.index("{"):])
+    assert printed["status"] == "completed" and printed["resumed_from"] == run_id
+    spawned = sorted(label for label in printed["statuses"] if ">" in label)
+    assert spawned == ["1:researcher>spawn-1", "1:researcher>spawn-2"]  # present once, under their parent
+    assert len(printed["statuses"]) == 6
+    branches = {row["node_id"]: row["messages"] for row in store.run_branches(printed["run_id"])}
+    for role, history in histories.items():
+        assert branches[f"role:{role}"][:len(history)] == history, f"{role}'s history was not restored"
+    replay = store.get_run(printed["run_id"])
+    assert replay.provenance["source"]["resumed_from"] == run_id and replay.provenance["planner"]["used"] is False
