@@ -169,8 +169,9 @@ def test_the_registry_resolves_the_fixed_lane_by_kind(store):
 
 def test_an_unknown_lane_kind_is_a_typed_error_that_names_the_known_ones():
     with pytest.raises(UnknownLaneError) as caught:
-        lane_adapter("planned_reactive_flow")  # a public lane with no adapter here yet
-    assert caught.value.lane == "planned_reactive_flow" and FIXED_WORKFLOW in caught.value.known
+        lane_adapter("no_such_lane")
+    assert caught.value.lane == "no_such_lane" and FIXED_WORKFLOW in caught.value.known
+    assert {"planned_reactive_flow", "reactive_play"} <= set(caught.value.known)
     copy = pickle.loads(pickle.dumps(caught.value))
     assert (copy.lane, copy.known) == (caught.value.lane, caught.value.known)
     with pytest.raises(LaneCapabilityError, match="no declared capability matrix"):
@@ -239,8 +240,10 @@ def test_provenance_is_checked_by_the_shared_rules_then_by_its_own_lane(echo_lan
         validate_provenance({**payload, "source": {"kind": "workflow_file", "ref": "x.json"}})
     with pytest.raises(ProvenanceError, match="64 hex"):
         validate_provenance({**payload, "source": {"kind": "prompt", "ref": "hi", "content_hash": "sha256:x"}})
-    with pytest.raises(ProvenanceError, match="no lane 'planned_reactive_flow'"):
+    with pytest.raises(ProvenanceError, match="a new planned run is planned by the planner"):
         validate_provenance({**payload, "lane": "planned_reactive_flow"})
+    with pytest.raises(ProvenanceError, match="no lane 'no_such_lane'"):
+        validate_provenance({**payload, "lane": "no_such_lane"})
 
 
 def test_the_store_records_a_run_of_another_lane(echo_lane, store):
