@@ -269,3 +269,57 @@ def test_a_killed_planned_run_is_resumed_from_its_checkpoint(store, tmp_path):
         assert branches[f"role:{role}"][:len(history)] == history, f"{role}'s history was not restored"
     replay = store.get_run(printed["run_id"])
     assert replay.provenance["source"]["resumed_from"] == run_id and replay.provenance["planner"]["used"] is False
+
+
+# -- playbooks ------------------------------------------------------------------------------
+def _playbook(folder: Path, name: str, text: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.playbook.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_playbooks_resolve_nearest_first_and_render_typed_args(tmp_path):
+    from opgraph.cluster.lanes import REACTIVE_PLAY
+    from opgraph.cluster.lanes.play import resolve_playbook
+
+    project, home = tmp_path / "repo" / "sub", tmp_path / "home"
+    project.mkdir(parents=True)
+    _playbook(home / ".opgraph" / "playbooks", "brief", "prompt: home {input}\n")
+    _playbook(tmp_path / "repo" / ".opgraph" / "playbooks", "brief",
+              'prompt: "parent {input} in {words} words"\nargs: {words: {type: int, default: 100, help: length}}\n')
+    found = resolve_playbook("brief", start=project, home=home)
+    assert found.path.parent == (tmp_path / "repo" / ".opgraph" / "playbooks").resolve()
+    _playbook(project / ".opgraph" / "playbooks", "brief", '{"prompt": "project", "max_ops": 5}')  # JSON too
+    nearest = resolve_playbook("brief", start=project, home=home)
+    assert nearest.prompt == "project" and nearest.settings["max_ops"] == 5
+    assert nearest.render("topic", {}) == "project\n\ntopic"  # no placeholder: the input is appended
+    assert found.render("tea", found.convert({"words": "40"})) == "parent tea in 40 words"
+    lane = lane_adapter(REACTIVE_PLAY)
+    invocation = lane.invocation("research-brief", text="tea", args={"words": "50"}, start=project, home=home)
+    assert invocation.source_kind == "playbook" and invocation.inputs["playbook"]["args"] == {"words": 50}
+    assert invocation.source_content_hash == invocation.inputs["playbook"]["content_hash"]
+    assert invocation.max_ops == 12 and "tea" in invocation.inputs["task"]  # the bundled example's settings
+
+
+def test_playbook_refusals_come_before_any_planning(tmp_path):
+    from opgraph.cluster.lanes.play import PlaybookError, UnknownPlaybookError, resolve_playbook
+
+    root = tmp_path / ".opgraph" / "playbooks"
+    _playbook(root, "typo", "prompt: x\ncolour: red\n")
+    _playbook(root, "typed", 'prompt: "{n}"\nargs: {n: {type: int}}\n')
+    _playbook(root, "badtype", 'prompt: "{n}"\nargs: {n: {type: decimal}}\n')
+    outside = _playbook(tmp_path / "elsewhere", "secret", "prompt: stolen\n")
+    (root / "escape.playbook.yaml").symlink_to(outside)
+    home = tmp_path / "nohome"
+    with pytest.raises(UnknownPlaybookError) as unknown:
+        resolve_playbook("typd", start=tmp_path, home=home)
+    assert "typed" in unknown.value.suggestions
+    with pytest.raises(PlaybookError, match="unknown fields: colour"):
+        resolve_playbook("typo", start=tmp_path, home=home)
+    with pytest.raises(PlaybookError, match="type 'decimal'"):
+        resolve_playbook("badtype", start=tmp_path, home=home)
+    with pytest.raises(PlaybookError, match="must be int"):
+        resolve_playbook("typed", start=tmp_path, home=home).convert({"n": "many"})
+    with pytest.raises(PlaybookError, match="outside its playbooks root"):
+        resolve_playbook("escape", start=tmp_path, home=home)
