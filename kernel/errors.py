@@ -64,6 +64,7 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   └── UnknownPlaybookError     no playbook by that name; ``suggestions`` lists near names
     ├── RunStateConflictError        a run control that its state forbids (cluster/http/problems.py)
     ├── RuntimeUnavailableError      the HTTP API has no runtime to run on (problems.py)
+    ├── UnknownNameError             the HTTP API found no playbook by the path's name (problems.py)
     └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
         └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
             └── ClusterAuthenticationError  the cluster refused this process's token, or its lack of one

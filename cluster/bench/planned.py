@@ -41,10 +41,13 @@ class BigPlan:
             return json.dumps({"assignments": [{"task": f"part {i}", "assignee": "researcher", "depends_on": []}
                                                for i in range(1, ASSIGNMENTS + 1)]})
         await asyncio.sleep(self.latency)
-        part = next((word for word in user.split() if word.isdigit()), "0")
-        spawn = ([{"instruction": f"follow-up {k} of {part}"} for k in range(CHILDREN)]
-                 if "part" in user and int(part) <= SPAWNERS and "follow-up" not in user else [])
-        return json.dumps({"text": f"done {part}", "spawn": spawn})
+        # The instruction is the part after the context preamble: "part N", or a child's "extra K of N".
+        instruction = next((part for part in user.split("\n\n")
+                            if part.startswith(("part ", "extra "))), "")
+        words = instruction.split()
+        spawn = ([{"instruction": f"extra {k} of {words[1]}"} for k in range(CHILDREN)]
+                 if words[:1] == ["part"] and int(words[1]) <= SPAWNERS else [])
+        return json.dumps({"text": f"done {instruction}", "spawn": spawn})
 
 
 async def _latency(session: Any, store: Any, repeat: int) -> dict[str, float]:

@@ -398,9 +398,10 @@ def test_the_http_api_answers_each_control_from_the_runs_own_capabilities(echo_l
             body = refused.json()
             assert (body["lane"], body["request_kind"]) == (ECHO, "message")
             assert body["lane_capabilities"] == run["lane_capabilities"] and "not queued" in body["error"]
-            allowed = http.post("/api/runs/echo-http/pause")  # allowed, but no consumer in this server
+            allowed = http.post("/api/runs/echo-http/pause")  # allowed, but no runtime here runs it
             assert allowed.status_code == 409 and allowed.json()["status"] == "running"
-            assert "no consumer" in allowed.json()["error"] and "request_kind" not in allowed.json()
+            assert "no runtime this server reaches" in allowed.json()["error"]
+            assert "request_kind" not in allowed.json()
     finally:
         served.stop()
     assert store.get_run("echo-http").status == "running"  # nothing reached it

@@ -323,3 +323,43 @@ def test_playbook_refusals_come_before_any_planning(tmp_path):
         resolve_playbook("typed", start=tmp_path, home=home).convert({"n": "many"})
     with pytest.raises(PlaybookError, match="outside its playbooks root"):
         resolve_playbook("escape", start=tmp_path, home=home)
+
+
+# -- the HTTP API ---------------------------------------------------------------------------
+@pytest.mark.ray
+def test_the_api_starts_planned_runs_and_applies_their_live_controls(session, store, tmp_path):
+    """POST /api/flows/runs (crash-plan, slow ops): pause, message and resume reach the run (202);
+    the same controls on a fixed run stay 409; an unknown playbook is 404 before any planning."""
+    import httpx
+    from api_server import serve
+
+    from opgraph.cluster.http import create_app
+
+    log = tmp_path / "calls.log"
+    session.register_provider("scripted", ScriptedProvider(PlannedScript(log)))
+    served = serve(create_app(store, session_factory=lambda: session, submit_runs=False))
+    try:
+        with httpx.Client(base_url=served.url, timeout=60) as http:
+            started = http.post("/api/flows/runs", json={"prompt": "crash-plan", "model": MODEL,
+                                                         "synthesis": False})
+            assert started.status_code == 202, started.text
+            run_id = started.json()["run_id"]
+            assert started.json()["lane"] == PLANNED_REACTIVE_FLOW
+            assert started.json()["lane_capabilities"]["live_message"] is True
+            for action, body in (("pause", None), ("message", {"text": "keep it short"}), ("resume", None)):
+                reply = http.post(f"/api/runs/{run_id}/{action}", json=body)
+                assert reply.status_code == 202, reply.text
+                assert reply.json()["accepted"] is True and reply.json()["action"] == action
+            deadline = time.monotonic() + DEADLINE
+            while http.get(f"/api/runs/{run_id}").json()["status"] not in ("completed", "failed", "cancelled"):
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert http.get(f"/api/runs/{run_id}").json()["status"] == "completed"
+            assert calls(log).count("planner") == 1
+            unknown = http.post("/api/playbooks/no-such-book/runs", json={})
+            assert unknown.status_code == 404 and "no playbook" in unknown.json()["error"]
+            bad = http.post("/api/flows/runs", json={"prompt": "x", "reactive": "wizard"})
+            assert bad.status_code == 422 and "not on the roster" in bad.json()["error"]
+    finally:
+        served.stop()
+    assert "planner" in calls(log) and calls(log).count("planner") == 1  # the refusals planned nothing
