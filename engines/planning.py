@@ -141,18 +141,39 @@ class PlanningEngine(Engine):
         return text
 
     def _validated(self, run: EngineRun, planned: Any) -> tuple[list[TaskAssignment], list[str]]:
-        """Assignments naming roster roles (``-``/``_`` equivalent); the rest dropped by name."""
+        """Assignments naming roster roles (``-``/``_`` equivalent); the rest dropped by name.
+
+        The kept assignments' ordinals are renumbered to the kept list, so a dependency still
+        names the step it named in the plan; one on a dropped step is dropped with it (and
+        reported). References that are not integers or out of range are left for the ordinal
+        normaliser, which drops them: out of range in the plan stays out of range here.
+        """
         by_normal = {_normal(name): name for name in self.roles}
-        kept, dropped = [], []
-        for item in getattr(planned, "assignments", None) or []:
-            role = by_normal.get(_normal(item.assignee))
+        items = list(getattr(planned, "assignments", None) or [])
+        roles = [by_normal.get(_normal(item.assignee)) for item in items]
+        renumbered = {str(old): str(new) for new, old in enumerate(
+            (index for index, role in enumerate(roles, start=1) if role is not None), start=1)}
+        kept, dropped, orphaned = [], [], []
+        for index, (item, role) in enumerate(zip(items, roles, strict=True), start=1):
             if role is None:
                 dropped.append(item.assignee)
                 continue
+            depends_on = []
+            for ref in item.depends_on:
+                text = str(ref).strip()
+                if text.isdigit() and 1 <= int(text) <= len(items):
+                    if text in renumbered:
+                        depends_on.append(renumbered[text])
+                    else:
+                        orphaned.append(f"assignment {index}: dependency {text} was an unknown assignee's")
+                else:
+                    depends_on.append(ref)
             kept.append(TaskAssignment(task=item.task, assignee=role, inputs=list(item.inputs),
-                                       exit_criteria=item.exit_criteria, depends_on=list(item.depends_on)))
+                                       exit_criteria=item.exit_criteria, depends_on=depends_on))
         if dropped:
             run.notify("assignees_dropped", assignees=dropped, known=list(self.roles))
+        if orphaned:
+            run.notify("dependencies_dropped", references=orphaned)
         return kept, dropped
 
     async def _plan(self, run: EngineRun, prompt: str) -> tuple[list[TaskAssignment], list[str]]:

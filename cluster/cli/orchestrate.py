@@ -317,7 +317,7 @@ def _play_list(rest: list[str]) -> int:
         if row["name"] is None:
             print(f"{'(invalid)':<24} {row['path']}: {row['error']}")
         else:
-            args = " ".join(f"--{name}" for name in row["args"])
+            args = " ".join(f"--{name.replace('_', '-')}" for name in row["args"])
             print(f"{row['name']:<24} {row['description']}  [{args}]  {row['path']}".rstrip())
     return 0
 

@@ -79,13 +79,14 @@ def test_bad_options_are_refused_before_anything_starts(store):
 
 @pytest.mark.ray
 def test_plan_validation_drops_unknown_roles_and_bad_ordinals(session, store, tmp_path):
-    """messy-plan: 1 RESEARCHER; 2 writer after 1 (2 self, 9 out of range); 3 after 1 ("x"); 4 wizard (dropped)."""
+    """messy-plan: 1 RESEARCHER; 2 wizard (dropped); 3 writer after 1 (3 self, 9 out of range, 2 dropped);
+    4 analyst after 3 ("x" dropped): kept as 1, 2 after 1, 3 after 2."""
     log = tmp_path / "calls.log"
     prepared, result = _run(session, store, log, "messy-plan", synthesis=False)
     assert prepared.recovery["dropped_assignees"] == ["wizard"]
     plan = prepared.recovery["plan"]
     assert [(step["assignee"], step["depends_on"]) for step in plan] == [
-        ("researcher", []), ("writer", [1]), ("analyst", [1])]
+        ("researcher", []), ("writer", [1]), ("analyst", [2])]
     assert result.status == "completed" and set(result.statuses) == {"1:researcher", "2:writer", "3:analyst"}
     assert calls(log).count("planner") == 1 and "synthesis" not in calls(log)
     record = store.get_run(result.run_id)

@@ -31,9 +31,10 @@ PLANS: dict[str, list[Any]] = {
     # 1 (SPAWN2) -> 2 -> 3 (SLOW) -> 4 (SLOW); the children of 1 run beside 2.
     "crash-plan": [_step("gather SPAWN2", "researcher"), _step("weigh", "analyst", 1),
                    _step("draft SLOW", "writer", 2), _step("review SLOW", "critic", 3)],
-    # an unknown role dropped, a role's case ignored, a self, an out-of-range and a non-integer ordinal dropped
-    "messy-plan": [_step("one", "RESEARCHER"), _step("two", "writer", 1, 2, 9), _step("three", "analyst", 1, "x"),
-                   _step("four", "wizard", 1)],
+    # an unknown role dropped (its dependants renumbered), a role's case ignored, a self, an out-of-range
+    # and a non-integer ordinal dropped
+    "messy-plan": [_step("one", "RESEARCHER"), _step("two", "wizard", 1), _step("three", "writer", 1, 3, 9, 2),
+                   _step("four", "analyst", 3, "x")],
     "cycle-plan": [_step("a", "writer", 2), _step("b", "critic", 1)],
     "empty-plan": [],
     "spawny-plan": [_step("a SPAWN2", "researcher"), _step("b SPAWN2", "critic"), _step("c SPAWN2", "writer")],
