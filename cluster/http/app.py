@@ -476,6 +476,10 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         except PlanError as exc:
             raise RequestValidationError([{"loc": ("body", "prompt"), "msg": f"no usable plan: {exc.message}",
                                            "type": "value_error"}]) from exc
+        except (OpGraphError, ValueError) as exc:  # the planner's turn failed (an unknown model, say)
+            message = getattr(exc, "message", None) or str(exc)
+            raise RequestValidationError([{"loc": ("body",), "msg": f"the request could not be planned: {message}",
+                                           "type": "value_error"}]) from exc
         run_id, control = prepared.run_id, {}
         admitted = asyncio.get_running_loop().create_future()
         runs.start(run_id, control, lane.execute(prepared, session=session,

@@ -70,7 +70,7 @@ def test_schemathesis_finds_nothing_against_the_live_server(ray_head, tmp_path):
         print(f"$ {' '.join(command)}\n{fuzzed.stdout[-3000:]}")  # the figures for the closing note (-s)
         assert fuzzed.returncode == 0, fuzzed.stdout[-6000:] + fuzzed.stderr[-2000:]
         summary = fuzzed.stdout[fuzzed.stdout.rindex("SUMMARY"):]
-        assert "Tested: 15" in summary and "failure" not in summary.lower(), summary
+        assert "Tested: 17" in summary and "failure" not in summary.lower(), summary
     finally:
         server.send_signal(signal.SIGINT)
         try:

@@ -35,7 +35,7 @@ from .contract import (
     sha256_of,
     spawn_cap,
 )
-from .planning import flow_options, plan_run, planning_engine, run_config
+from .planning import ScopedPort, flow_options, plan_run, planning_engine, release_roles, run_config
 from .replay import build_replay
 
 __all__ = ["PlannedFlowLane", "present"]
@@ -154,17 +154,14 @@ class PlannedFlowLane:
             recorded_branches=recorded)
         if session is None:
             raise OpGraphError("a replay runs on a Session: prepare(invocation, session=...)")
-        from opgraph.engines.port import SessionPort  # local: registers the task nodes' operation
-
-        SessionPort(session)
         recovery = dict(record.recovery or {})
         config = dict(recovery.get("config") or {})
         run_id = invocation.run_id or str(uuid.uuid4())
+        port = ScopedPort(session, run_id)  # registers the task nodes' operation too
         branches: dict[str, str] = {}
         renamed: dict[str, str] = {}
         for role, old in dict(recovery.get("branches") or {}).items():
-            renamed[old] = branches[role] = await asyncio.to_thread(
-                session.new_branch, f"replay-{run_id}-{role}", replay.histories.get(old, []))
+            renamed[old] = branches[role] = await port.new_branch(f"replay-{role}", replay.histories.get(old, []))
         for node in replay.graph.nodes.values():
             node.branch_id = renamed.get(node.branch_id, node.branch_id)
         max_spawn = spawn_cap(int(config.get("max_ops") or 0), len(recovery.get("plan") or []),
@@ -199,12 +196,15 @@ class PlannedFlowLane:
         """Record and run ``prepared`` through ``Session.flow``; then each role's conversation is recorded
         and, when the configuration asks for it, the exempt synthesis runs over the results."""
         labels = dict(prepared.labels)
-        result = await run_prepared(prepared, session=session, store=self.store, hooks=hooks,
-                                    present=lambda envelope: present(envelope, {"labels": labels}))
-        await self._record_roles(prepared, session, result)
-        config = prepared.recovery.get("config") or {}
-        if config.get("synthesis") and result.status == "completed":
-            result = await self._synthesise(prepared, session, result)
+        try:
+            result = await run_prepared(prepared, session=session, store=self.store, hooks=hooks,
+                                        present=lambda envelope: present(envelope, {"labels": labels}))
+            await self._record_roles(prepared, session, result)
+            config = prepared.recovery.get("config") or {}
+            if config.get("synthesis") and result.status == "completed":
+                result = await self._synthesise(prepared, session, result)
+        finally:
+            await asyncio.shield(release_roles(session, prepared.run_id))
         return result
 
     async def _record_roles(self, prepared: PreparedLaneRun, session: Any, result: LaneRunResult) -> None:
@@ -220,7 +220,8 @@ class PlannedFlowLane:
 
         config = prepared.recovery.get("config") or {}
         engine = planning_engine(config)
-        run = engine.new_run(session=session, run_id=f"{result.run_id}-synthesis")
+        run = engine.new_run(session=session, port=ScopedPort(session, result.run_id),
+                             run_id=f"{result.run_id}-synthesis")
         settled = [TaskSettled(node_id=label, assignee=label.split(":", 1)[-1].split(">")[0], status=status,
                                text=str(result.outputs.get(label, ""))[:4000])
                    for label, status in result.statuses.items()]

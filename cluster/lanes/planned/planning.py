@@ -16,11 +16,13 @@ from typing import Any
 
 from opgraph.engines import PlanningEngine
 from opgraph.engines.planning import DEFAULT_ROLES, TaskOutput
+from opgraph.engines.port import SessionPort
 from opgraph.kernel import Graph, SpawnRequest
 
 from .contract import reactive_roles, spawn_cap
 
-__all__ = ["DEFAULT_MAX_ASSIGNMENTS", "PlannedGraph", "flow_options", "label_of", "plan_run", "planning_engine"]
+__all__ = ["DEFAULT_MAX_ASSIGNMENTS", "PlannedGraph", "ScopedPort", "flow_options", "label_of", "plan_run",
+           "planning_engine", "release_roles", "role_scope"]
 
 DEFAULT_MAX_ASSIGNMENTS = 12
 
@@ -35,6 +37,35 @@ class PlannedGraph:
     recovery: dict[str, Any]
     engine: PlanningEngine
     dropped: list[str] = field(default_factory=list)
+
+
+def role_scope(run_id: str) -> str:
+    """The branch scope of a planned run's agents (planner, roles, synthesiser): dropped with the run."""
+    return f"lane-{run_id}"
+
+
+class ScopedPort(SessionPort):
+    """The Session's port, making agent branches in the run's own scope rather than the Session's, so a
+    long-lived Session (``opgraph serve``) keeps nothing of a run once it is recorded (``release_roles``)."""
+
+    def __init__(self, session: Any, run_id: str) -> None:
+        super().__init__(session)
+        self.scope = role_scope(run_id)
+
+    async def new_branch(self, name: str, messages: list[dict[str, Any]]) -> str:
+        branch_id = f"{self.scope}-{name}"
+        shard = await self.session.runtime.call("create_branch", branch_id, list(messages), self.scope,
+                                                retry_if_dead=True)
+        # Known to the Session, so its runs use the branch as it is rather than cloning it.
+        self.session._locations[branch_id] = shard
+        return branch_id
+
+
+async def release_roles(session: Any, run_id: str) -> None:
+    """Drop the run's agent branches (once recorded)."""
+    await session.runtime.call("drop_scope", role_scope(run_id), retry_if_dead=True)
+    for branch_id in [branch for branch in session._locations if branch.startswith(role_scope(run_id) + "-")]:
+        session._locations.pop(branch_id, None)
 
 
 def label_of(index: int, role: str) -> str:
@@ -78,7 +109,15 @@ async def plan_run(session: Any, run_id: str, task: str, config: dict[str, Any])
     """Plan ``task`` with the planner and build the run's DAG (``PlanError`` when no plan is usable)."""
     engine = planning_engine(config)
     engine.validate(task)
-    run = engine.new_run(session=session, run_id=run_id)
+    run = engine.new_run(session=session, port=ScopedPort(session, run_id), run_id=run_id)
+    try:
+        return await _plan(engine, run, task, config)
+    except BaseException:
+        await release_roles(session, run_id)
+        raise
+
+
+async def _plan(engine: PlanningEngine, run: Any, task: str, config: dict[str, Any]) -> PlannedGraph:
     assignments, dropped = await engine.plan(run, task)
     spawning = config["spawning_roles"]
     roles = engine.roles if spawning is None or spawning else dict.fromkeys(a.assignee for a in assignments)
