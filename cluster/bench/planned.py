@@ -29,17 +29,22 @@ __all__ = ["main"]
 ASSIGNMENTS, SPAWNERS, CHILDREN = 200, 100, 5
 
 
-class BigPlan:
-    """A scripted model: 200 assignments for the planner; ops 1..100 ask for 5 children; each op sleeps."""
+ROLES = ("researcher", "analyst", "writer", "critic")
 
-    def __init__(self, latency: float) -> None:
+
+class BigPlan:
+    """A scripted model: 200 assignments for the planner (spread over ``roles`` of the roster); ops 1..100
+    ask for 5 children; each op sleeps ``latency``."""
+
+    def __init__(self, latency: float, roles: int = 1) -> None:
         self.latency = latency
+        self.roles = ROLES[:roles]
 
     async def __call__(self, request: Any) -> str:
         user = next((str(m.get("content")) for m in reversed(request.messages) if m.get("role") == "user"), "")
         if "Plan the work for this task" in user:
-            return json.dumps({"assignments": [{"task": f"part {i}", "assignee": "researcher", "depends_on": []}
-                                               for i in range(1, ASSIGNMENTS + 1)]})
+            return json.dumps({"assignments": [{"task": f"part {i}", "assignee": self.roles[i % len(self.roles)],
+                                                "depends_on": []} for i in range(1, ASSIGNMENTS + 1)]})
         await asyncio.sleep(self.latency)
         # The instruction is the part after the context preamble: "part N", or a child's "extra K of N".
         instruction = next((part for part in user.split("\n\n")
@@ -86,19 +91,19 @@ async def _latency(session: Any, store: Any, repeat: int) -> dict[str, float]:
             "flow_submit_to_start_s": statistics.median(baseline)}
 
 
-async def _large(session: Any, store: Any, latency: float) -> dict[str, Any]:
+async def _large(session: Any, store: Any, latency: float, roles: int) -> dict[str, Any]:
     from opgraph.actors.providers import ScriptedProvider
     from opgraph.cluster.lanes import PLANNED_REACTIVE_FLOW, lane_adapter
 
-    session.register_provider("scripted", ScriptedProvider(BigPlan(latency)))
+    session.register_provider("scripted", ScriptedProvider(BigPlan(latency, roles)))
     lane = lane_adapter(PLANNED_REACTIVE_FLOW, store)
     started = time.perf_counter()
     prepared = await lane.prepare(lane.invocation("big", model="scripted/big", max_ops=700, synthesis=False,
-                                                  roles={"researcher": "does the work"}, max_concurrent=100),
-                                  session=session)
+                                                  roles={role: "does the work" for role in ROLES[:roles]},
+                                                  max_concurrent=100), session=session)
     result = await lane.execute(prepared, session=session)
     wall = time.perf_counter() - started
-    return {"status": result.status, "ops": len(result.statuses),
+    return {"roles": roles, "status": result.status, "ops": len(result.statuses),
             "spawned": (result.envelope or {}).get("spawned_operations"), "wall_s": wall,
             "ideal_s": latency * 2}
 
@@ -162,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"latency": {k: round(v, 4) for k, v in latency.items()},
                       "ratio_vs_flow": round(latency["plan_to_first_dispatch_s"]
                                              / latency["flow_submit_to_start_s"], 2)}))
-    large = asyncio.run(_large(session, store, arguments.latency))
-    print(json.dumps({"large": {k: round(v, 3) if isinstance(v, float) else v for k, v in large.items()}}))
+    for roles in (1, len(ROLES)):
+        large = asyncio.run(_large(session, store, arguments.latency, roles))
+        print(json.dumps({"large": {k: round(v, 3) if isinstance(v, float) else v for k, v in large.items()}}))
     if not arguments.skip_kill:
         print(json.dumps({"kill_at_50": _kill_and_resume(store.path, arguments.latency)}))
     return 0
