@@ -101,10 +101,12 @@ async def _large(session: Any, store: Any, latency: float, roles: int) -> dict[s
     prepared = await lane.prepare(lane.invocation("big", model="scripted/big", max_ops=700, synthesis=False,
                                                   roles={role: "does the work" for role in ROLES[:roles]},
                                                   max_concurrent=100), session=session)
+    planned = time.perf_counter()
     result = await lane.execute(prepared, session=session)
     wall = time.perf_counter() - started
     return {"roles": roles, "status": result.status, "ops": len(result.statuses),
             "spawned": (result.envelope or {}).get("spawned_operations"), "wall_s": wall,
+            "planning_s": planned - started, "run_s": result.elapsed,
             "ideal_s": latency * 2}
 
 

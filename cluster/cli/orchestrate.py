@@ -135,9 +135,11 @@ async def _run(arguments: argparse.Namespace, kind: str, make_invocation: Callab
     try:
         lane = lane_adapter(kind, store)
         try:
-            invocation = make_invocation(lane)  # options, spec and playbook checked before Ray starts
+            invocation = make_invocation(lane)  # options, spec, playbook and a resume's run checked before Ray
         except (ValueError, OpGraphError) as exc:
-            return _refused(prefix, exc)
+            code = _refused(prefix, exc)
+            # A resume refused (unknown, live, completed, already replayed, another lane's run): nothing ran.
+            return EXIT_FAILED if getattr(arguments, "resume", None) and isinstance(exc, OpGraphError) else code
         session = open_session(arguments.address, default_model=arguments.default_model)
         for name, provider in (providers or {}).items():
             session.register_provider(name, provider)

@@ -188,7 +188,10 @@ def test_a_failed_run_is_replayed_without_the_planner(session, store, tmp_path):
         "checkpoint", False, failed.run_id)
     assert record.recovery["resumed_from"]["run_id"] == failed.run_id
     with pytest.raises(Exception, match="nothing to resume"):
-        asyncio.run(lane.prepare(lane.invocation(resumed.run_id, resume=True), session=session))
+        lane.invocation(resumed.run_id, resume=True)
+    with pytest.raises(Exception, match=f"already replayed as run {resumed.run_id}"):
+        lane.invocation(failed.run_id, resume=True, retry_failed=True)
+    assert resumed.capabilities.planner is False  # a replay never calls the planner
 
 
 def test_a_fixed_run_or_a_live_run_is_refused_with_the_capability_error(store):

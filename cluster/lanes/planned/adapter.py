@@ -26,7 +26,7 @@ from ..capabilities import LaneCapabilities, LaneCapabilityError, check_capabili
 from ..execution import Presentation, run_prepared
 from ..provenance import RunProvenance
 from ..recovery import submit_prepared
-from .checkpoint import CheckpointRefusedError, find_run, read_checkpoint, retire_logged_run
+from .checkpoint import CheckpointRefusedError, find_run, read_checkpoint, replayed_as, retire_logged_run
 from .contract import (
     PlannedModeError,
     check_planned_provenance,
@@ -59,7 +59,10 @@ class PlannedFlowLane:
         """Planner, pause/resume, messages, cancel; growth unless ``--reactive off``; resume when logged."""
         if invocation is None:
             return planned_capabilities("all")
-        return planned_capabilities(invocation.reactive_mode, durable=invocation.durable)
+        capabilities = planned_capabilities(invocation.reactive_mode, durable=invocation.durable)
+        if invocation.source_kind == "checkpoint":  # a replay never calls the planner (ADR-0068's table)
+            capabilities = dataclasses.replace(capabilities, planner=False)
+        return capabilities
 
     def check_provenance(self, provenance: RunProvenance) -> None:
         check_planned_provenance(provenance)
@@ -74,7 +77,12 @@ class PlannedFlowLane:
         roles, model, max_ops, reactive, max_assignments, synthesis) fill in what the command line
         leaves out. Bad options are refused here, before anything starts (``PlannedModeError``)."""
         if resume:
-            return LaneInvocation(lane=self.lane, source_ref=str(target).strip(), source_kind="checkpoint",
+            target = str(target).strip()
+            if self.store is not None:  # refused here, before the runtime starts
+                record = find_run(self.store, target)
+                refuse_replay(record)
+                target = record.run_id
+            return LaneInvocation(lane=self.lane, source_ref=target, source_kind="checkpoint",
                                   source_content_hash=None, model=model, run_id=run_id, max_concurrent=max_concurrent,
                                   durable=durable, inputs={"retry_failed": bool(retry_failed),
                                                            "allow_degraded_context": bool(allow_degraded_context)})
@@ -274,6 +282,10 @@ def refuse_replay(record: RunRecord) -> None:
     if record.status == "completed":
         raise CheckpointRefusedError(f"run {record.run_id} completed: there is nothing to resume",
                                      run_id=record.run_id)
+    successor = replayed_as(record.run_id)
+    if successor is not None:
+        raise CheckpointRefusedError(f"run {record.run_id} was already replayed as run {successor}; resume that "
+                                     "run instead", run_id=record.run_id)
 
 
 def present(envelope: Mapping[str, Any], recovery: Mapping[str, Any]) -> Presentation:

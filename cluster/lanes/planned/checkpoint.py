@@ -19,7 +19,7 @@ from opgraph.kernel import Graph, Operation, OpGraphError
 from ...store import RunNotFoundError, RunRecord, RunStore
 
 __all__ = ["Checkpoint", "CheckpointRefusedError", "SettledNode", "SpawnedNode", "branch_history", "find_run",
-           "read_checkpoint", "retire_logged_run"]
+           "read_checkpoint", "replayed_as", "retire_logged_run"]
 
 
 class CheckpointRefusedError(OpGraphError):
@@ -96,15 +96,31 @@ def read_checkpoint(record: RunRecord) -> Checkpoint:
     return checkpoint
 
 
+_SUPERSEDED = "superseded: replayed as run "
+
+
 def retire_logged_run(run_id: str, successor: str) -> None:
-    """Mark a live (orphaned) run in the run log as ended, superseded by ``successor``, so that it is
-    not continued in place as well (``opgraph run resume``) once a replay took it over."""
+    """Mark a run in the run log as superseded by ``successor``: a live (orphaned) one ends, so it is not
+    continued in place as well (``opgraph run resume``), and no run is replayed twice."""
     from opgraph.actors.persistence import RunLog, database_path
 
     log = RunLog(database_path())
     entry = log.entry(run_id)
-    if entry is not None and entry.status == "live":
-        log.finish(run_id, "failed", error=f"superseded: replayed as run {successor} (opgraph o flow --resume)")
+    if entry is not None:
+        log.finish(run_id, "failed" if entry.status == "live" else entry.status,
+                   envelope=log.envelope(run_id), error=f"{_SUPERSEDED}{successor} (opgraph o flow --resume)")
+
+
+def replayed_as(run_id: str) -> str | None:
+    """The run that replayed ``run_id``, if one did (the run log says so)."""
+    from opgraph.actors.persistence import RunLog, database_path
+
+    if not database_path().is_file():
+        return None
+    entry = RunLog(database_path()).entry(run_id)
+    if entry is None or not (entry.error or "").startswith(_SUPERSEDED):
+        return None
+    return entry.error[len(_SUPERSEDED):].split()[0]
 
 
 def branch_history(branch_id: str, recorded: Mapping[str, list[Any]]) -> list[Any] | None:
