@@ -367,3 +367,28 @@ def test_the_api_starts_planned_runs_and_applies_their_live_controls(session, st
     finally:
         served.stop()
     assert "planner" in calls(log) and calls(log).count("planner") == 1  # the refusals planned nothing
+
+
+def test_the_cli_holds_live_controls_to_the_recorded_capabilities(store):
+    """`opgraph run pause|message` pass the planned run's matrix (and go on to the cluster), while a
+    fixed run's are refused before Ray is reached; `o flow --resume` of a fixed run is refused (exit 1)."""
+    from opgraph.cluster.cli import main as cli_main
+    from opgraph.cluster.cli.client import check_recorded_control
+
+    lane = lane_adapter(PLANNED_REACTIVE_FLOW, store)
+    planned = store.create_run("planned-live", session_id="s", provenance={
+        "lane": PLANNED_REACTIVE_FLOW, "source": {"kind": "prompt", "ref": "x", "content_hash": None},
+        "planner": {"used": True}, "reactive": {"enabled": True}}, inputs={},
+        capabilities=lane.capabilities(lane.invocation("x")).as_metadata(), status="running")
+    for action in ("pause", "resume", "message", "cancel"):
+        check_recorded_control(planned.run_id, action, store.path)  # allowed: no error
+    store.create_run("fixed-live", session_id="s", provenance={
+        "lane": FIXED_WORKFLOW, "source": {"kind": "workflow_file", "ref": "/x.json",
+                                           "content_hash": "sha256:" + "0" * 64}},
+        inputs={}, capabilities=lane_adapter(FIXED_WORKFLOW).capabilities().as_metadata(), status="running")
+    for action in ("pause", "message"):
+        with pytest.raises(LaneCapabilityError, match="not queued"):
+            check_recorded_control("fixed-live", action, store.path)
+    assert cli_main(["run", "pause", "fixed-live", "--store", store.path]) == 1
+    assert cli_main(["o", "flow", "--resume", "fixed-live", "--store", store.path]) == 1
+    assert cli_main(["o", "flow", "--resume", "planned-live", "--store", store.path]) == 1  # it is live
