@@ -117,6 +117,28 @@ class BranchRegistry:
             self.adopt(scope, [b for b in branches if b not in self.owner])
         return recreated
 
+    async def take_over(self, branch_ids: Iterable[str], scope: str | None = None,
+                        scoped: Iterable[str] = ()) -> list[str]:
+        """Find the branches of a run rebuilt from the log that this executor does not know:
+        a durable store holds them, or adopts them from the rows of the runtime that ran the
+        run before (``BranchStore.adopt_many``). Returns those found. The ones of ``scoped``
+        (the run's own: its clones, an isolated default), and every one found here for the
+        first time (no Session of this runtime knows it), go under ``scope``, to be dropped
+        with it. Branches found nowhere are left to the run: a clone not made yet is made as usual."""
+        await self.stores.settled()
+        wanted: dict[int, list[str]] = {}
+        for branch_id in dict.fromkeys(branch_ids):
+            if branch_id and branch_id not in self.location:
+                wanted.setdefault(self.home_shard(branch_id), []).append(branch_id)
+        found: list[str] = []
+        for shard, ids in wanted.items():
+            for branch_id in await self.call(shard, "hold_many", ids):
+                self.location[branch_id] = shard
+                found.append(branch_id)
+        if scope is not None:
+            self.adopt(scope, [*found, *(branch_id for branch_id in scoped if branch_id in self.location)])
+        return found
+
     async def messages(self, branch_id: str) -> list[Any]:
         shard = self.location.get(branch_id)
         if shard is None:
@@ -159,9 +181,10 @@ class BranchRegistry:
         self.lost.update(lost)
         return lost
 
-    def load_locations(self, database: Any) -> int:
-        """Learn where every durable branch lives (a new executor, before recovering runs)."""
-        rows = database.query("SELECT branch_id, shard FROM runtime_branch_heads")
+    def load_locations(self, database: Any, owner: str) -> int:
+        """Learn where every durable branch of this runtime (``owner``) lives (a new executor,
+        before recovering runs)."""
+        rows = database.query("SELECT branch_id, shard FROM runtime_branch_heads WHERE owner = ?", (owner,))
         for branch_id, shard in rows:
             self.location.setdefault(branch_id, shard)
         return len(rows)

@@ -24,7 +24,7 @@ from opgraph.kernel import ExecutionError
 from .errors import UnknownBranchError
 from .memory import current_rss_mib
 from .persistence import Database, Writer
-from .persistence.branchlog import BranchJournal, ShardRows, load_shard
+from .persistence.branchlog import BranchJournal, ShardRows, load_shard, read_branch, release_branch
 
 __all__ = ["BranchStore", "BranchTable", "UnknownBranchError", "shard_for"]
 
@@ -198,11 +198,14 @@ class BranchStore:
 
     ``database`` (a path) makes the shard durable: it is loaded from there when the store
     starts (a replacement finds every branch its predecessor acknowledged), and a change
-    is acknowledged only once written (group commit on a writer thread).
+    is acknowledged only once written (group commit on a writer thread). ``owner`` names
+    the runtime the rows belong to (``ActorNames.owner``): a store loads its owner's rows
+    only, and adopts a branch another owner wrote when asked for one it does not hold.
     """
 
-    def __init__(self, shard: int = 0, database: str | None = None) -> None:
+    def __init__(self, shard: int = 0, database: str | None = None, owner: str = "") -> None:
         self.shard = shard
+        self.owner = owner
         self.database = Database(database) if database else None
         self.writer: Writer | None = None
         self.written = 0
@@ -213,8 +216,8 @@ class BranchStore:
         if self.database is None:
             self.table = BranchTable()
         else:
-            rows = load_shard(self.database, shard)
-            self.table = BranchTable.loaded(BranchJournal(shard, rows.next_id), rows)
+            rows = load_shard(self.database, shard, owner)
+            self.table = BranchTable.loaded(BranchJournal(shard, rows.next_id, owner), rows)
             self.writer = Writer(f"opgraph-branches-{shard}")
 
     async def _durable(self) -> None:
@@ -278,10 +281,53 @@ class BranchStore:
         return missing
 
     async def ensure_many(self, branch_ids: list[str]) -> list[str]:
-        """Create each branch that does not exist yet, empty; returns those created."""
+        """Create each branch that does not exist yet, empty; returns those created.
+
+        A durable store first adopts any of them another runtime wrote (``adopt_many``):
+        those come back with their history and are not counted as created."""
+        await self.adopt_many(branch_ids)
         created = [branch_id for branch_id in branch_ids if self.table.ensure(branch_id)]
         await self._durable()
         return created
+
+    async def adopt_many(self, branch_ids: list[str]) -> list[str]:
+        """Take over each branch this store does not hold but another owner's rows do (a run
+        resumed from the run log, whose old runtime is gone); returns those adopted.
+
+        The history is copied into this owner's rows and written before the old owner's
+        head is let go, so a crash in between leaves the branch in both, never in neither."""
+        if self.database is None:
+            return []
+        wanted = [branch_id for branch_id in dict.fromkeys(branch_ids) if branch_id not in self.table]
+        if not wanted:
+            return []
+        database, owner = self.database, self.owner
+
+        def read() -> list[tuple[str, str, list[Any]]]:
+            found = []
+            for branch_id in wanted:
+                held = read_branch(database, branch_id, owner)
+                if held is not None:
+                    found.append((branch_id, held[0], held[1]))
+            return found
+
+        found = await self.writer.run(read)
+        for branch_id, _, messages in found:
+            self.table.create(branch_id, messages, exist_ok=True)
+        await self._durable()
+
+        def release() -> None:
+            for branch_id, old_owner, _ in found:
+                release_branch(database, old_owner, branch_id)
+
+        if found:
+            await self.writer.run(release)
+        return [branch_id for branch_id, _, _ in found]
+
+    async def hold_many(self, branch_ids: list[str]) -> list[str]:
+        """Which of ``branch_ids`` this store holds, once it has adopted what other owners wrote."""
+        await self.adopt_many(branch_ids)
+        return [branch_id for branch_id in branch_ids if branch_id in self.table]
 
     async def drop_many(self, branch_ids: list[str]) -> int:
         dropped = sum(1 for branch_id in branch_ids if self.table.drop(branch_id))

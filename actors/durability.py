@@ -22,12 +22,23 @@ from .persistence.codec import encode
 if TYPE_CHECKING:
     from .shell import _Run
 
-__all__ = ["RunLogger", "encode_header"]
+__all__ = ["RunLogger", "decode_header", "encode_header"]
 
 
 def encode_header(graph: Any, options: Any, started: float) -> bytes:
-    """A run's header: the graph as submitted and its options, pickled the Ray way (they hold callables)."""
+    """A run's header: the graph as submitted and its options, pickled the Ray way (they hold callables).
+
+    ``graph`` may come already pickled (bytes: ``Session`` ships a durable run's graph so,
+    and the executor then never pickles a 10,000-node graph a second time)."""
     return cloudpickle.dumps((graph, options, started))
+
+
+def decode_header(header: bytes) -> tuple[Any, Any, float]:
+    """(graph, options, started) of a header ``encode_header`` wrote."""
+    graph, options, started = cloudpickle.loads(header)
+    if isinstance(graph, bytes):
+        graph = cloudpickle.loads(graph)
+    return graph, options, started
 
 
 class RunLogger:

@@ -73,11 +73,20 @@ class GraphExecutor:
 
     It starts (or, on a detached runtime, adopts) its workers and branch stores and
     supervises them: a dead one is replaced under the next generation's name.
+
+    ``standby``: started beside the executor of a durable owned runtime, under the next
+    generation's name, and idle until that executor dies: then ``start()`` promotes it
+    (it adopts the newest workers and stores, and recovers the runs), so a replacement
+    costs no process start. Ideal over retrospective: the records' executor lives in
+    its caller's process; here it is a process of its own, and one kept warm.
     """
 
     def __init__(self, names: ActorNames, workers: int = 2, branch_stores: int = 1, detached: bool = False,
-                 namespace: str | None = None, generation: int = 0, database: str | None = None) -> None:
+                 namespace: str | None = None, generation: int = 0, database: str | None = None,
+                 standby: bool = False) -> None:
         tune_garbage_collector()
+        # When this executor came up and recovered (wall clock): how long a replacement took.
+        self.timeline: dict[str, float] = {"created": time.time()}
         self.names = names
         self.name = names.executor_of(generation)
         # The runtime's database (None: nothing is durable): the run log and durable branches.
@@ -106,6 +115,10 @@ class GraphExecutor:
         self.probing = False
         self.probes = 0
         self._recovery_done = False
+        self.standby = standby
+        if standby:  # open the connections now, so that promotion finds them ready
+            for handle in [*self.worker_pool.handles, *self.store_pool.handles]:
+                handle.ping.remote()
 
     # -- the actors it supervises ------------------------------------------------------
     def _adopt_or_start(self, count: int, name_of, start, existing: set[str]) -> tuple[list, list, list]:
@@ -146,7 +159,8 @@ class GraphExecutor:
     def _start_store(self, index: int, generation: int) -> Any:
         return BranchStore.options(name=self.names.store(index, generation), namespace=self.namespace,
                                    get_if_exists=self.detached,
-                                   lifetime=self._lifetime()).remote(index, self.database)
+                                   lifetime=self._lifetime()).remote(
+                                       index, self.database, self.names.owner(self.namespace))
 
     def _start_worker(self, index: int, generation: int) -> Any:
         stores = getattr(self, "store_pool", None)
@@ -168,16 +182,38 @@ class GraphExecutor:
         on this runtime's executor (one that died) is rebuilt and goes on here. Returns
         the runtime's actor names.
         """
+        if self.standby:
+            self.standby = False
+            await asyncio.to_thread(self._adopt_newest)
+            self.timeline["promoted"] = time.time()
         self._bind()
         await self._introduce_to_workers()
+        self.timeline.setdefault("started", time.time())
         if self.run_log is not None and not self._recovery_done:
             self._recovery_done = True
             await self._recover_live_runs()
+            self.timeline["recovered"] = time.time()
         return await self.pool()
+
+    def _adopt_newest(self) -> None:
+        """A standby promoted: the executor it stood by for may have replaced workers or
+        stores since; take the newest generation of each."""
+        existing = names_in(self.namespace or ray.get_runtime_context().namespace)
+        for pool, name_of in ((self.store_pool, self.names.store), (self.worker_pool, self.names.worker)):
+            for index in range(len(pool.handles)):
+                found = newest_generation(existing, name_of(index))
+                if found is None or found[1] <= pool.generations[index]:
+                    continue
+                try:
+                    pool.handles[index] = ray.get_actor(found[0], namespace=self.namespace)
+                except ValueError:  # gone since listed: the probe replaces it
+                    continue
+                pool.names[index], pool.generations[index], pool.alive[index] = found[0], found[1], True
 
     async def _recover_live_runs(self) -> None:
         writer = self.shell.logger.writer
-        await writer.run(self.shell.branches.load_locations, self.run_log.database)
+        await writer.run(self.shell.branches.load_locations, self.run_log.database,
+                         self.names.owner(self.namespace))
         live = await writer.run(lambda: self.run_log.runs(status="live", executor=self.names.executor))
         for entry in live:
             if entry.run_id in self.shell.runs:
@@ -407,6 +443,11 @@ class GraphExecutor:
         return await self._on_main(self._status(run_id))
 
     @ray.method(concurrency_group="control")
+    @ray.method(concurrency_group="control")
+    async def is_standby(self) -> bool:
+        """True for a spare executor not yet promoted: it runs nothing and supervises nothing."""
+        return self.standby
+
     async def has_run(self, run_id: str) -> bool:
         return run_id in self.shell.runs
 
@@ -512,6 +553,8 @@ class GraphExecutor:
             "probes": self.probes,
             "durable": self.run_log is not None,
             "recovered_runs": list(self.recovered),
+            "timeline": dict(self.timeline),
+            "standby": self.standby,
             "recovery_errors": dict(self.recovery_errors),
             "run_log": self.shell.logger.statistics() if self.shell.logger else None,
             "tell_failures": shell.tell_failures,

@@ -112,6 +112,7 @@ class Runtime:
     database: str | None = None
     _owned: list[Any] = field(default_factory=list, repr=False)  # keeps this process's actors referenced
     _dead: Any = field(default=None, repr=False)
+    standby: Any = field(default=None, repr=False)  # the warm spare executor (durable owned runtimes)
     executor_name: str = ""
 
     @classmethod
@@ -141,7 +142,8 @@ class Runtime:
         and calls in flight) instead of starting everything again."""
         workers, stores = self.sizes
         store_names = [self.names.store(index) for index in range(stores)]
-        self._owned = [BranchStore.options(name=name, namespace=self.namespace).remote(index, self.database)
+        owner = self.names.owner(self.namespace)
+        self._owned = [BranchStore.options(name=name, namespace=self.namespace).remote(index, self.database, owner)
                        for index, name in enumerate(store_names)]
         store_handles = list(self._owned)
         for index in range(workers):
@@ -193,9 +195,25 @@ class Runtime:
                 floor = generation + 1
                 continue
             self.executor_name = self.names.executor_of(generation)
+            self._start_standby(generation + 1)
             return handle
         raise RuntimeLostError(f"no live executor could be found or started within {EXECUTOR_START_DEADLINE:.0f} s",
                                actor=self.names.executor)
+
+    def _start_standby(self, generation: int) -> None:
+        """Start (without waiting) the spare executor that the next replacement promotes.
+
+        Only an owned, durable runtime has one: its names are this process's alone, so no
+        other process takes the spare for the executor, and a promoted spare has the run
+        log to recover the runs from. ``OPGRAPH_STANDBY_EXECUTOR=0`` turns it off."""
+        if self.detached or not self.database or os.environ.get("OPGRAPH_STANDBY_EXECUTOR", "1") == "0":
+            return
+        workers, stores = self.sizes
+        self.standby = GraphExecutor.options(
+            name=self.names.executor_of(generation), namespace=self.namespace, get_if_exists=True,
+            max_concurrency=EXECUTOR_CONCURRENCY,
+        ).remote(self.names, workers, stores, False, self.namespace, generation, self.database, True)
+        self._owned.append(self.standby)  # the handle that created it keeps it alive, promoted or not
 
     async def replace_executor(self, dead: Any) -> Any:
         """After ``dead`` died: find or start a live executor (off the event loop) and use it."""

@@ -109,6 +109,11 @@ class ActorNames:
     def store(self, index: int, generation: int = 0) -> str:
         return self._member("branches", index, generation)
 
+    def owner(self, namespace: str | None) -> str:
+        """Whose rows a durable store of this runtime writes: its namespace and creator
+        (``detached`` for the runtime the namespace shares). Replacements keep it."""
+        return f"{namespace or ''}/{self.suffix or 'detached'}"
+
     def _member(self, kind: str, index: int, generation: int) -> str:
         name = f"opgraph-{kind}-{index}"
         if self.suffix:

@@ -48,7 +48,7 @@ from opgraph.kernel import (
 from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
 from .branch_registry import BranchRegistry
-from .durability import RunLogger, encode_header
+from .durability import RunLogger, decode_header, encode_header
 from .errors import call_failure, is_actor_death
 from .histogram import LatencyHistogram
 from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources
@@ -184,8 +184,14 @@ class ExecutorShell:
 
     # -- runs: admitted, reported to, forgotten -----------------------------------------
     async def start_run(self, run_id: str, graph: Any, options: RunOptions) -> None:
-        """Validate and start a run; raise the kernel's typed error for a bad graph."""
+        """Validate and start a run; raise the kernel's typed error for a bad graph.
+
+        ``graph`` arrives pickled (bytes) for a durable run: those bytes go into the run's
+        header as they are, so the graph is pickled once, by the caller, not again here."""
         self.bind_loop()
+        shipped = graph if isinstance(graph, bytes) else None
+        if shipped is not None:
+            graph = cloudpickle.loads(shipped)
         if run_id in self.runs:
             raise OpGraphError(f"run {run_id} already exists on this executor", run_id=run_id)
         if options.isolated:
@@ -193,7 +199,8 @@ class ExecutorShell:
             options.default_branch_id = own
             options.clone_source_branch_id = own
         options.durable = bool(options.durable and self.logger is not None)
-        header = encode_header(graph, options, time.time()) if options.durable else b""
+        header = encode_header(shipped if shipped is not None else graph, options, time.time()) \
+            if options.durable else b""
         state = FlowState(graph, **_flow_options(run_id, options))
         run = _Run(run_id, state, options)
         instructions = state.handle(FlowStarted(now=run.started))  # raises OperationError on a bad graph
@@ -208,7 +215,7 @@ class ExecutorShell:
         ``overrides`` change how the run is followed from now on (``want_signals``,
         ``detached``: a run resumed by a new driver is drained by it)."""
         self.bind_loop()
-        graph, options, started = cloudpickle.loads(header)
+        graph, options, started = decode_header(header)
         for name, value in (overrides or {}).items():
             setattr(options, name, value)
         state = FlowState.rebuild(graph, batches, started_at=started, **_flow_options(run_id, options))
@@ -217,6 +224,15 @@ class ExecutorShell:
         await self.logger.begin(run, header)
         if options.isolated:  # its own default branch: back with the other durable branches, or recreated
             options.known_branches = {**options.known_branches, options.default_branch_id: 0}
+        # The run's branches as its log names them: held here, or adopted from the runtime
+        # that ran it before (an orphan resumed elsewhere); its own go under its scope again.
+        own = {branch_id for branch_id in state.branch.values() if branch_id}
+        if options.isolated:
+            own.add(options.default_branch_id)
+        if options.branch_scope is not None:
+            self.branches.adopt(options.branch_scope, (), parent=options.scope_parent)
+        await self.branches.take_over([*options.known_branches, *own, state.clone_source_branch_id],
+                                      options.branch_scope, own)
         self.totals["recovered"] += 1
         await self._admit(run, state.recover(time.time()))
 

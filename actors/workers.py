@@ -232,6 +232,10 @@ class OperationWorker:
         self.failed = 0
         self.in_flight = 0
         self.peak_in_flight = 0
+        # Bumped when another executor adopts this worker: streams opened by the one before
+        # stop (see run_batch), and the calls of a predecessor are counted as orphaned.
+        self.epoch = 0
+        self.orphaned = 0
 
     async def ping(self) -> int:
         self.loop = asyncio.get_running_loop()
@@ -239,6 +243,9 @@ class OperationWorker:
 
     async def set_executor(self, executor: Any) -> None:
         """The executor that supervises this worker now (one that adopted it, after its predecessor died)."""
+        previous = self.executor
+        if previous is not None and getattr(previous, "_actor_id", None) != getattr(executor, "_actor_id", None):
+            self.epoch += 1
         self.executor = executor
 
     # -- what the executor tells it ----------------------------------------------------
@@ -375,6 +382,7 @@ class OperationWorker:
         done: list[OutcomeRow] = []
         wake = asyncio.Event()
         tasks = self.tasks
+        epoch = self.epoch
         for call in calls:
             self._start_call(run_id, call, resources).add_done_callback(partial(_collect, done, wake, call))
         remaining = len(calls)
@@ -390,6 +398,12 @@ class OperationWorker:
             remaining -= len(batch)
             for row in batch:
                 tasks.pop((run_id, row[0]), None)
+            if self.epoch != epoch:
+                # The executor that opened this stream died and another adopted this worker (it
+                # sends these calls again as new attempts). Sending to the dead one would hold
+                # this worker's loop for a second or more per item while Ray gives up on it.
+                self.orphaned += len(batch) + remaining
+                return
             yield batch
 
     async def run_turn(self, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any]]:
@@ -424,6 +438,7 @@ class OperationWorker:
             "name": self.name,
             "pid": os.getpid(),
             "in_flight": self.in_flight,
+            "orphaned": self.orphaned,
             "peak_in_flight": self.peak_in_flight,
             "executed": self.executed,
             "failed": self.failed,

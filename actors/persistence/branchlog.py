@@ -5,6 +5,13 @@ journal notes every record it makes (a copy-on-write node: its parent and the le
 the parent it sees), every branch head pointed at a record, every message appended to a
 record, and every record nothing references any more; the store flushes the journal in
 one transaction per group commit. ``load_shard`` reads a shard back, parents first.
+
+Rows belong to an owner: the runtime whose store wrote them (its namespace and process
+token, ``BranchStore``'s ``owner``). A store loads its own rows only, so runtimes sharing
+one file never see, or collide with, each other's record ids. A runtime that takes over
+a run of another (an orphan resumed from the run log) adopts its branches instead:
+``read_branch`` finds one in any other owner's rows, and ``release_branch`` lets the old
+owner's head go (its rows with it, once it holds no branch at all).
 """
 
 from __future__ import annotations
@@ -14,14 +21,15 @@ from typing import Any
 from .codec import decode, encode
 from .database import Database
 
-__all__ = ["BranchJournal", "ShardRows", "load_shard"]
+__all__ = ["BranchJournal", "ShardRows", "load_shard", "read_branch", "release_branch"]
 
 
 class BranchJournal:
-    """Changes of one shard not yet written, in order; record ids are the shard's own."""
+    """Changes of one shard not yet written, in order; record ids are the shard's own (per owner)."""
 
-    def __init__(self, shard: int, next_id: int = 1) -> None:
+    def __init__(self, shard: int, next_id: int = 1, owner: str = "") -> None:
         self.shard = shard
+        self.owner = owner
         self.next_id = next_id
         self.ops: list[tuple] = []
 
@@ -52,26 +60,27 @@ class BranchJournal:
 
     def write(self, database: Database, ops: list[tuple]) -> None:
         """On the writer thread: ``ops`` in one transaction, in order."""
-        shard, statements = self.shard, []
+        owner, shard, statements = self.owner, self.shard, []
         for op in ops:
             kind = op[0]
             if kind == "record":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_records (shard, record_id, parent_id, "
-                                   "parent_len) VALUES (?, ?, ?, ?)", (shard, op[1], op[2], op[3])))
+                statements.append(("INSERT OR REPLACE INTO runtime_branch_records (owner, shard, record_id, "
+                                   "parent_id, parent_len) VALUES (?, ?, ?, ?, ?)",
+                                   (owner, shard, op[1], op[2], op[3])))
             elif kind == "message":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_messages (shard, record_id, seq, message) "
-                                   "VALUES (?, ?, ?, ?)", (shard, op[1], op[2], encode([[op[3]]]))))
+                statements.append(("INSERT OR REPLACE INTO runtime_branch_messages (owner, shard, record_id, seq, "
+                                   "message) VALUES (?, ?, ?, ?, ?)", (owner, shard, op[1], op[2], encode([[op[3]]]))))
             elif kind == "head":
-                statements.append(("INSERT OR REPLACE INTO runtime_branch_heads (branch_id, shard, record_id) "
-                                   "VALUES (?, ?, ?)", (op[1], shard, op[2])))
+                statements.append(("INSERT OR REPLACE INTO runtime_branch_heads (owner, branch_id, shard, record_id) "
+                                   "VALUES (?, ?, ?, ?)", (owner, op[1], shard, op[2])))
             elif kind == "unhead":
-                statements.append(("DELETE FROM runtime_branch_heads WHERE branch_id = ? AND shard = ?",
-                                   (op[1], shard)))
+                statements.append(("DELETE FROM runtime_branch_heads WHERE owner = ? AND branch_id = ?",
+                                   (owner, op[1])))
             elif kind == "forget":
-                statements.append(("DELETE FROM runtime_branch_messages WHERE shard = ? AND record_id = ?",
-                                   (shard, op[1])))
-                statements.append(("DELETE FROM runtime_branch_records WHERE shard = ? AND record_id = ?",
-                                   (shard, op[1])))
+                statements.append(("DELETE FROM runtime_branch_messages WHERE owner = ? AND shard = ? "
+                                   "AND record_id = ?", (owner, shard, op[1])))
+                statements.append(("DELETE FROM runtime_branch_records WHERE owner = ? AND shard = ? "
+                                   "AND record_id = ?", (owner, shard, op[1])))
         if statements:
             database.transaction(statements)
 
@@ -90,14 +99,54 @@ class ShardRows:
         return max((record[0] for record in self.records), default=0) + 1
 
 
-def load_shard(database: Database, shard: int) -> ShardRows:
+def load_shard(database: Database, shard: int, owner: str = "") -> ShardRows:
     records = [(record_id, parent_id, parent_len) for record_id, parent_id, parent_len in database.query(
-        "SELECT record_id, parent_id, parent_len FROM runtime_branch_records WHERE shard = ? ORDER BY record_id",
-        (shard,))]
+        "SELECT record_id, parent_id, parent_len FROM runtime_branch_records WHERE owner = ? AND shard = ? "
+        "ORDER BY record_id", (owner, shard))]
     messages: dict[int, list[Any]] = {}
     for record_id, _, blob in database.query(
-            "SELECT record_id, seq, message FROM runtime_branch_messages WHERE shard = ? ORDER BY record_id, seq",
-            (shard,)):
+            "SELECT record_id, seq, message FROM runtime_branch_messages WHERE owner = ? AND shard = ? "
+            "ORDER BY record_id, seq", (owner, shard)):
         messages.setdefault(record_id, []).append(decode(blob)[0][0])
-    heads = dict(database.query("SELECT branch_id, record_id FROM runtime_branch_heads WHERE shard = ?", (shard,)))
+    heads = dict(database.query("SELECT branch_id, record_id FROM runtime_branch_heads WHERE owner = ? AND shard = ?",
+                                (owner, shard)))
     return ShardRows(records, messages, heads)
+
+
+def read_branch(database: Database, branch_id: str, besides: str) -> tuple[str, list[Any]] | None:
+    """``branch_id``'s messages as another owner than ``besides`` wrote them: (that owner, messages).
+
+    None when no other owner holds it. Should several, the newest head wins."""
+    found = database.query("SELECT owner, shard, record_id FROM runtime_branch_heads WHERE branch_id = ? "
+                           "AND owner != ? ORDER BY rowid DESC LIMIT 1", (branch_id, besides))
+    if not found:
+        return None
+    owner, shard, record_id = found[0]
+    chain: list[tuple[int, int]] = []  # (record id, how much of its parent it sees), newest first
+    while record_id is not None:
+        row = database.query("SELECT parent_id, parent_len FROM runtime_branch_records WHERE owner = ? AND shard = ? "
+                             "AND record_id = ?", (owner, shard, record_id))
+        if not row:
+            break  # a record gone missing: the history reaches back as far as what is there
+        chain.append((record_id, row[0][1]))
+        record_id = row[0][0]
+    messages: list[Any] = []
+    for index in range(len(chain) - 1, -1, -1):  # oldest first; each sees the first parent_len of the one before
+        record_id, _ = chain[index]
+        if index + 1 < len(chain):
+            del messages[chain[index][1]:]
+        messages.extend(decode(blob)[0][0] for (blob,) in database.query(
+            "SELECT message FROM runtime_branch_messages WHERE owner = ? AND shard = ? AND record_id = ? ORDER BY seq",
+            (owner, shard, record_id)))
+    return owner, messages
+
+
+def release_branch(database: Database, owner: str, branch_id: str) -> None:
+    """``owner`` lets go of ``branch_id`` (another runtime adopted it); an owner left with no
+    branch at all is gone for good (its process died), and its rows go too."""
+    statements: list[tuple[str, tuple]] = [
+        ("DELETE FROM runtime_branch_heads WHERE owner = ? AND branch_id = ?", (owner, branch_id))]
+    database.transaction(statements)
+    if not database.query("SELECT 1 FROM runtime_branch_heads WHERE owner = ? LIMIT 1", (owner,)):
+        database.transaction([("DELETE FROM runtime_branch_messages WHERE owner = ?", (owner,)),
+                              ("DELETE FROM runtime_branch_records WHERE owner = ?", (owner,))])

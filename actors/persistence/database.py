@@ -16,7 +16,25 @@ from opgraph.kernel import OpGraphError
 
 __all__ = ["RUNTIME_SCHEMA_VERSION", "Database", "DatabaseError", "database_path"]
 
-RUNTIME_SCHEMA_VERSION = 1
+RUNTIME_SCHEMA_VERSION = 2
+
+# Version 2 keys branch rows by their owner (the runtime whose store wrote them: see
+# ``BranchStore``), so runtimes sharing one file never collide on record ids. Version 1's
+# rows move to the owner "" (nobody's): any runtime may adopt a branch found there.
+_BRANCH_TABLES_V1_TO_V2 = """
+ALTER TABLE runtime_branch_records RENAME TO runtime_branch_records_v1;
+ALTER TABLE runtime_branch_heads RENAME TO runtime_branch_heads_v1;
+ALTER TABLE runtime_branch_messages RENAME TO runtime_branch_messages_v1;
+DROP INDEX IF EXISTS runtime_branch_heads_shard;
+"""
+_BRANCH_ROWS_V1_TO_V2 = """
+INSERT INTO runtime_branch_records SELECT '', shard, record_id, parent_id, parent_len FROM runtime_branch_records_v1;
+INSERT INTO runtime_branch_heads SELECT '', branch_id, shard, record_id FROM runtime_branch_heads_v1;
+INSERT INTO runtime_branch_messages SELECT '', shard, record_id, seq, message FROM runtime_branch_messages_v1;
+DROP TABLE runtime_branch_records_v1;
+DROP TABLE runtime_branch_heads_v1;
+DROP TABLE runtime_branch_messages_v1;
+"""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS opgraph_runtime_schema (version INTEGER NOT NULL);
@@ -38,24 +56,29 @@ CREATE TABLE IF NOT EXISTS runtime_run_records (
     PRIMARY KEY (run_id, seq)
 );
 CREATE TABLE IF NOT EXISTS runtime_branch_records (
+    owner TEXT NOT NULL,
     shard INTEGER NOT NULL,
     record_id INTEGER NOT NULL,
     parent_id INTEGER,
     parent_len INTEGER NOT NULL,
-    PRIMARY KEY (shard, record_id)
+    PRIMARY KEY (owner, shard, record_id)
 );
 CREATE TABLE IF NOT EXISTS runtime_branch_heads (
-    branch_id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    branch_id TEXT NOT NULL,
     shard INTEGER NOT NULL,
-    record_id INTEGER NOT NULL
+    record_id INTEGER NOT NULL,
+    PRIMARY KEY (owner, branch_id)
 );
-CREATE INDEX IF NOT EXISTS runtime_branch_heads_shard ON runtime_branch_heads (shard);
+CREATE INDEX IF NOT EXISTS runtime_branch_heads_shard ON runtime_branch_heads (owner, shard);
+CREATE INDEX IF NOT EXISTS runtime_branch_heads_branch ON runtime_branch_heads (branch_id);
 CREATE TABLE IF NOT EXISTS runtime_branch_messages (
+    owner TEXT NOT NULL,
     shard INTEGER NOT NULL,
     record_id INTEGER NOT NULL,
     seq INTEGER NOT NULL,
     message BLOB NOT NULL,
-    PRIMARY KEY (shard, record_id, seq)
+    PRIMARY KEY (owner, shard, record_id, seq)
 );
 """
 
@@ -94,14 +117,33 @@ class Database:
         self.lock = threading.Lock()
 
     def _migrate(self) -> None:
-        self.connection.executescript(_SCHEMA)
-        found = self.connection.execute("SELECT version FROM opgraph_runtime_schema").fetchone()
-        if found is None:
-            self.connection.execute("INSERT INTO opgraph_runtime_schema (version) VALUES (?)",
-                                    (RUNTIME_SCHEMA_VERSION,))
-        elif found[0] > RUNTIME_SCHEMA_VERSION:
-            raise DatabaseError(f"the runtime tables of {self.path} have schema version {found[0]}; this opgraph "
-                                f"knows up to {RUNTIME_SCHEMA_VERSION}: upgrade opgraph")
+        connection = self.connection
+        connection.execute("CREATE TABLE IF NOT EXISTS opgraph_runtime_schema (version INTEGER NOT NULL)")
+        connection.execute("BEGIN IMMEDIATE")  # processes opening the file at once migrate it once
+        try:
+            found = connection.execute("SELECT version FROM opgraph_runtime_schema").fetchone()
+            if found is not None and found[0] > RUNTIME_SCHEMA_VERSION:
+                raise DatabaseError(f"the runtime tables of {self.path} have schema version {found[0]}; this "
+                                    f"opgraph knows up to {RUNTIME_SCHEMA_VERSION}: upgrade opgraph")
+            if found is not None and found[0] == 1:
+                for statement in _BRANCH_TABLES_V1_TO_V2.split(";"):
+                    if statement.strip():
+                        connection.execute(statement)
+            for statement in _SCHEMA.split(";"):
+                if statement.strip():
+                    connection.execute(statement)
+            if found is not None and found[0] == 1:
+                for statement in _BRANCH_ROWS_V1_TO_V2.split(";"):
+                    if statement.strip():
+                        connection.execute(statement)
+            if found is None:
+                connection.execute("INSERT INTO opgraph_runtime_schema (version) VALUES (?)", (RUNTIME_SCHEMA_VERSION,))
+            elif found[0] < RUNTIME_SCHEMA_VERSION:
+                connection.execute("UPDATE opgraph_runtime_schema SET version = ?", (RUNTIME_SCHEMA_VERSION,))
+            connection.execute("COMMIT")
+        except BaseException:
+            connection.execute("ROLLBACK")
+            raise
 
     def transaction(self, statements: list[tuple[str, tuple]]) -> None:
         """Run ``(sql, parameters)`` statements in one transaction (``executemany`` for lists of rows)."""

@@ -60,7 +60,8 @@ def _kill_pid(handle: Any) -> None:
 
 
 def _teardown(session: Session) -> None:
-    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores]:
+    spare = [session.runtime.standby] if session.runtime.standby is not None else []
+    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores, *spare]:
         try:
             ray.kill(handle)
         except ValueError:  # already gone

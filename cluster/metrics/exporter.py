@@ -347,12 +347,16 @@ def find_runtime() -> Runtime | None:
     executors = find_executors(ray.get_runtime_context().namespace)
     if not executors:
         return None
-    _, executor = max(executors, key=lambda found: found[0])  # the newest generation's name sorts last
-    try:
-        pool = ray.get(executor.pool.remote(), timeout=30)
-    except ray.exceptions.RayError:
-        return None
-    return Runtime(executor=executor, workers=list(pool["workers"]), stores=list(pool["stores"]))
+    # The newest generation's name sorts last; a spare executor standing by is not the runtime's.
+    for _, executor in sorted(executors, key=lambda found: found[0], reverse=True):
+        try:
+            if ray.get(executor.is_standby.remote(), timeout=30):
+                continue
+            pool = ray.get(executor.pool.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            continue
+        return Runtime(executor=executor, workers=list(pool["workers"]), stores=list(pool["stores"]))
+    return None
 
 
 def serve(address: str | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,

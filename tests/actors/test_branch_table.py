@@ -180,3 +180,69 @@ def test_a_table_without_a_journal_keeps_nothing_and_costs_no_record_ids():
     table.clone("root", "copy")
     assert table.journal is None
     assert table.messages("copy") == ["m1", "m2"]
+
+
+def test_two_owners_in_one_file_keep_their_own_record_ids_and_one_adopts_the_others_branch(tmp_path):
+    """Runtimes A and B share a file, both from record id 1: each reloads only its own rows. B adopts
+    A's clone (its whole history, through the parent record), and A, left with no branch, leaves no rows."""
+    from opgraph.actors.persistence import Database
+    from opgraph.actors.persistence.branchlog import BranchJournal, load_shard, read_branch, release_branch
+
+    database = Database(tmp_path / "shared.db")
+    tables = {}
+    for owner, words in (("ns/a", ["a1", "a2"]), ("ns/b", ["b1"])):
+        journal = BranchJournal(0, owner=owner)
+        tables[owner] = table = BranchTable(journal)
+        table.create("root-" + owner, words)
+        table.clone("root-" + owner, "clone-" + owner)
+        table.append("clone-" + owner, [words[0] + "!"])
+        journal.write(database, journal.take())
+    a_rows, b_rows = load_shard(database, 0, "ns/a"), load_shard(database, 0, "ns/b")
+    assert [r[0] for r in a_rows.records] == [r[0] for r in b_rows.records] == [1, 2]
+    assert set(a_rows.heads) == {"root-ns/a", "clone-ns/a"} and set(b_rows.heads) == {"root-ns/b", "clone-ns/b"}
+    reloaded = BranchTable.loaded(BranchJournal(0, b_rows.next_id, "ns/b"), b_rows)
+    assert reloaded.messages("clone-ns/b") == ["b1", "b1!"] and "clone-ns/a" not in reloaded
+
+    assert read_branch(database, "clone-ns/a", besides="ns/b") == ("ns/a", ["a1", "a2", "a1!"])
+    assert read_branch(database, "clone-ns/a", besides="ns/a") is None
+    release_branch(database, "ns/a", "clone-ns/a")
+    assert set(load_shard(database, 0, "ns/a").heads) == {"root-ns/a"}
+    release_branch(database, "ns/a", "root-ns/a")
+    gone = load_shard(database, 0, "ns/a")
+    assert gone.records == [] and gone.messages == {} and gone.heads == {}
+    assert load_shard(database, 0, "ns/b").heads == b_rows.heads
+
+
+def test_a_version_1_file_keeps_its_branches_under_nobodys_owner(tmp_path):
+    """A file written by the first runtime schema (rows keyed by shard only) opens migrated: its
+    branches load under the owner "" and any runtime can adopt them."""
+    import sqlite3
+
+    from opgraph.actors.persistence import Database
+    from opgraph.actors.persistence.branchlog import load_shard, read_branch
+    from opgraph.actors.persistence.codec import encode
+
+    path = tmp_path / "v1.db"
+    connection = sqlite3.connect(path)
+    connection.executescript("""
+        CREATE TABLE opgraph_runtime_schema (version INTEGER NOT NULL);
+        INSERT INTO opgraph_runtime_schema VALUES (1);
+        CREATE TABLE runtime_branch_records (shard INTEGER NOT NULL, record_id INTEGER NOT NULL,
+            parent_id INTEGER, parent_len INTEGER NOT NULL, PRIMARY KEY (shard, record_id));
+        CREATE TABLE runtime_branch_heads (branch_id TEXT PRIMARY KEY, shard INTEGER NOT NULL,
+            record_id INTEGER NOT NULL);
+        CREATE INDEX runtime_branch_heads_shard ON runtime_branch_heads (shard);
+        CREATE TABLE runtime_branch_messages (shard INTEGER NOT NULL, record_id INTEGER NOT NULL,
+            seq INTEGER NOT NULL, message BLOB NOT NULL, PRIMARY KEY (shard, record_id, seq));
+        INSERT INTO runtime_branch_records VALUES (0, 1, NULL, 0);
+        INSERT INTO runtime_branch_heads VALUES ('old', 0, 1);
+    """)
+    connection.execute("INSERT INTO runtime_branch_messages VALUES (0, 1, 0, ?)", (encode([["kept"]]),))
+    connection.commit()
+    connection.close()
+
+    database = Database(path)
+    assert database.query("SELECT version FROM opgraph_runtime_schema") == [(2,)]
+    assert load_shard(database, 0, "").heads == {"old": 1}
+    assert read_branch(database, "old", besides="ns/new") == ("", ["kept"])
+    assert Database(path).query("SELECT count(*) FROM runtime_branch_heads") == [(1,)]  # opened twice: once migrated

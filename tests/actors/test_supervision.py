@@ -30,7 +30,8 @@ def run(coroutine: Any, timeout: float = FLOW_TIMEOUT) -> Any:
 
 
 def _kill_runtime(session: Session) -> None:
-    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores]:
+    spare = [session.runtime.standby] if session.runtime.standby is not None else []
+    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores, *spare]:
         try:
             ray.kill(handle)
         except ValueError:  # already dead
@@ -404,7 +405,13 @@ def test_a_durable_run_outlives_its_executor_and_flow_returns_the_whole_envelope
     attempts = {node: envelope["operation_results"][node]["idempotency_key"][2] for node in held.values()}
     assert sorted(attempts.values()) == [1, 1, 1, 1, 2, 2, 2, 2]
     assert own.runtime.executor._actor_id != executor._actor_id
-    assert statistics(own)["recovered_runs"] == [envelope["run_id"]]
+    replacement = statistics(own)
+    assert replacement["recovered_runs"] == [envelope["run_id"]]
+    # The spare that stood by took over (no process started after the kill), and a new one stands by.
+    timeline = replacement["timeline"]
+    assert "promoted" in timeline and timeline["created"] < timeline["promoted"]
+    assert replacement["name"].endswith(".g1") and not replacement["standby"]
+    assert ray.get(own.runtime.standby.is_standby.remote()) is True
 
 
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
@@ -445,3 +452,50 @@ def test_a_durable_branch_store_is_replaced_with_every_acknowledged_message(own,
     second = [node for node in envelope["operation_statuses"] if node != first][0]
     assert envelope["operation_results"][second] == [*turns, {"role": "user", "content": "second"},
                                                      {"role": "assistant", "content": "did second"}]
+
+
+@ray.remote
+class StandInExecutor:
+    """Just enough of an executor for a worker: the run's operations."""
+
+    def __init__(self, operations: dict[str, Any]) -> None:
+        self.operations = operations
+
+    async def resources(self, key: str) -> Any:
+        from opgraph.actors.protocol import RegisteredOperation, RunResources
+
+        return RunResources(operations={name: RegisteredOperation(fn, record_turn=False)
+                                        for name, fn in self.operations.items()})
+
+
+def test_a_worker_adopted_by_another_executor_stops_streaming_to_the_one_before(gauge):
+    """Two calls of a stream are held; the same executor introduces itself again (nothing changes),
+    then another adopts the worker: once released, the old stream ends without sending its outcomes
+    (a dead executor's stream would hold the worker's loop), and the worker counts them orphaned."""
+    from opgraph.actors.workers import OperationWorker
+
+    key = f"orphaned-{uuid.uuid4().hex[:6]}"
+    first = StandInExecutor.remote({"held": held_operation(gauge)})
+    second = StandInExecutor.remote({"held": held_operation(gauge)})
+    worker = OperationWorker.remote(0, [], [], first, "opgraph-worker-test")
+
+    async def scenario() -> list[Any]:
+        calls = [(f"n{i}", 1, "held", {"key": key, "label": f"n{i}"}, None, 0) for i in range(2)]
+        stream = worker.run_batch.options(num_returns="streaming").remote("run-orphaned", calls)
+        items = [await (await stream.__anext__())]  # ACKNOWLEDGED
+        await gauge.wait_entered.remote(key, 2)
+        await worker.set_executor.remote(first)
+        assert (await worker.statistics.remote())["orphaned"] == 0
+        await worker.set_executor.remote(second)
+        await gauge.release.remote(key)
+        async for ref in stream:
+            items.append(await ref)
+        return items
+
+    try:
+        items = run(scenario())
+        assert len(items) == 1  # the acknowledgement only: no outcome went to the executor before
+        assert ray.get(worker.statistics.remote())["orphaned"] == 2
+    finally:
+        for handle in (worker, first, second):
+            ray.kill(handle)

@@ -121,6 +121,74 @@ def test_a_run_whose_owner_was_killed_is_finished_from_the_log_without_rerunning
     assert log.entry("owned-run-1").status == "completed"
 
 
+OWNER_OF_BRANCHES = r"""
+import asyncio, sys
+from opgraph.actors import Session
+from opgraph.kernel import OperationGraphBuilder
+
+async def opening(branch, **parameters):
+    await branch.append({"role": "user", "content": "ticket 7: refund"})
+    return "opened"
+
+async def reply(branch, instruction="", **parameters):
+    await asyncio.sleep(0.1)
+    seen = [message["content"] for message in await branch.messages()]
+    await branch.append({"role": "assistant", "content": instruction})
+    return seen
+
+session = Session()
+session.register_operation("opening", opening, record_turn=False)
+session.register_operation("reply", reply, record_turn=False)
+builder = OperationGraphBuilder("threads")
+root = builder.add_operation("opening")
+for index in range(40):
+    builder.add_operation("reply", depends_on=[root], inherit_context=True, instruction=f"reply {index}")
+settled = 0
+
+def progress(op_id, name, status, elapsed):
+    global settled
+    if status == "completed":
+        settled += 1
+        if settled == 11:
+            print("settled 11", flush=True)
+
+asyncio.run(session.flow(builder.get_graph(), max_concurrent=2, run_id="owned-run-2", isolated=True,
+                         on_progress=progress))
+"""
+
+
+def test_a_resumed_run_adopts_the_dead_owners_branches_in_a_runtime_that_was_already_running(session):
+    """C's isolated run (a root that writes the ticket, 40 replies cloned from it) is SIGKILLed after 11
+    settled. This process's runtime, started long before, resumes it: every reply, before and after the
+    kill, saw the ticket (the branches came over from C's rows); releasing the run drops all it made."""
+    import ray
+
+    def held() -> int:
+        return ray.get(session.runtime.executor.statistics.remote())["branches"]["branches"]
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER_OF_BRANCHES], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, env={**os.environ}, start_new_session=True)
+    try:
+        while (line := owner.stdout.readline()) and "settled 11" not in line:
+            pass
+        assert line, "the owner stopped before 11 nodes settled"
+    finally:
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.communicate()
+    before = held()
+
+    envelope = asyncio.run(asyncio.wait_for(RunControl.resume_from_log("owned-run-2", session), DEADLINE))
+
+    assert envelope["status"] == "completed" and len(envelope["completed_operations"]) == 41
+    replies = [result for result in envelope["operation_results"].values() if isinstance(result, list)]
+    assert len(replies) == 40 and all(seen == ["ticket 7: refund"] for seen in replies)
+    default = asyncio.run(session.messages(envelope["default_branch"]))
+    assert [message["content"] for message in default] == ["ticket 7: refund"]
+    assert held() > before
+    asyncio.run(session.release_run("owned-run-2"))
+    assert held() == before
+
+
 def _counts(path: Path) -> dict[str, int]:
     counts: dict[str, int] = {}
     for line in path.read_text().split():
