@@ -9,7 +9,6 @@ writes a run; ``retire_logged_run`` only marks the log of a run a replay superse
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +73,8 @@ def _operation(value: Any) -> Operation:
 
 def read_checkpoint(record: RunRecord) -> Checkpoint:
     """What the run log keeps of ``record``'s run (``CheckpointRefusedError`` when it keeps nothing)."""
-    from opgraph.actors.persistence import RunLog, database_path  # local: only a replay reads the log
+    from opgraph.actors.durability import decode_header  # local: only a replay reads the log
+    from opgraph.actors.persistence import RunLog, database_path
 
     path = database_path()
     logged = RunLog(path).load(record.run_id) if path.is_file() else None
@@ -82,7 +82,7 @@ def read_checkpoint(record: RunRecord) -> Checkpoint:
         raise CheckpointRefusedError(f"run {record.run_id} is not in the run log at {path}: it cannot be replayed "
                                      "(was it run with durable=False, or on another OPGRAPH_DB?)",
                                      run_id=record.run_id)
-    graph, _options, _started = pickle.loads(logged.header)
+    graph, _options, _started = decode_header(logged.header)
     checkpoint = Checkpoint(record, graph, log_status=logged.entry.status)
     for batch in logged.batches:
         for item in batch:
@@ -129,24 +129,11 @@ def branch_history(branch_id: str, recorded: Mapping[str, list[Any]]) -> list[An
     if branch_id in recorded:
         return list(recorded[branch_id])
     from opgraph.actors.persistence import Database, database_path
-    from opgraph.actors.persistence.branchlog import load_shard
+    from opgraph.actors.persistence.branchlog import read_branch
 
     path = database_path()
     if not path.is_file():
         return None
-    database = Database(path)
-    heads = database.query("SELECT shard, record_id FROM runtime_branch_heads WHERE branch_id = ?", (branch_id,))
-    if not heads:
-        return None
-    shard, head = heads[0]
-    rows = load_shard(database, shard)
-    parents = {record_id: (parent_id, parent_len) for record_id, parent_id, parent_len in rows.records}
-
-    def messages(record_id: int | None, take: int | None) -> list[Any]:
-        if record_id is None or record_id not in parents:
-            return []
-        parent_id, parent_len = parents[record_id]
-        combined = messages(parent_id, parent_len) + list(rows.messages.get(record_id, []))
-        return combined if take is None else combined[:take]
-
-    return messages(head, None)
+    # Whichever runtime wrote it (the killed run's, owned by a process that is gone): no owner is excluded.
+    found = read_branch(Database(path), branch_id, besides="\x00")
+    return None if found is None else list(found[1])
