@@ -392,3 +392,28 @@ def test_the_cli_holds_live_controls_to_the_recorded_capabilities(store):
     assert cli_main(["run", "pause", "fixed-live", "--store", store.path]) == 1
     assert cli_main(["o", "flow", "--resume", "fixed-live", "--store", store.path]) == 1
     assert cli_main(["o", "flow", "--resume", "planned-live", "--store", store.path]) == 1  # it is live
+
+
+def test_a_missing_role_history_needs_allow_degraded_context():
+    """1 (completed, restored) -> 2 (pending) on role writer, whose branch history is stored nowhere."""
+    from types import SimpleNamespace
+
+    from opgraph.cluster.lanes.planned import Checkpoint, CheckpointRefusedError, build_replay
+    from opgraph.cluster.lanes.planned.checkpoint import SettledNode
+    from opgraph.kernel import Graph, create_operation
+
+    graph = Graph("plan")
+    first = graph.add_node(create_operation("engine_operate", {"instruction": "one"}, branch_id="gone-writer"))
+    second = graph.add_node(create_operation("engine_operate", {"instruction": "two"}, branch_id="gone-writer"))
+    graph.add_edge(first.id, second.id, label=["depends_on"])
+    record = SimpleNamespace(run_id="r-missing", recovery={"branches": {"writer": "gone-writer"},
+                                                           "labels": {first.id: "1:writer", second.id: "2:writer"}})
+    checkpoint = Checkpoint(record, graph, settled={first.id: SettledNode("completed", {"text": "done"})})
+    with pytest.raises(CheckpointRefusedError, match="--allow-degraded-context"):
+        build_replay(checkpoint, retry_failed=False, allow_degraded_context=False, recorded_branches={})
+    replay = build_replay(checkpoint, retry_failed=False, allow_degraded_context=True, recorded_branches={})
+    assert replay.degraded == ["writer"] and replay.restored == [first.id]
+    assert replay.graph.nodes[first.id].status == "completed" and replay.graph.nodes[second.id].status == "pending"
+    kept = build_replay(checkpoint, retry_failed=False, allow_degraded_context=False,
+                        recorded_branches={"gone-writer": [{"role": "system", "content": "You are writer"}]})
+    assert kept.degraded == [] and kept.histories["gone-writer"][0]["content"] == "You are writer"
