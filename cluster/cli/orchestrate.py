@@ -153,8 +153,14 @@ async def _run(arguments: argparse.Namespace, kind: str, make_invocation: Callab
         print(f"run_id: {prepared.run_id}", file=sys.stderr, flush=True)
         print(f"{len(prepared.graph.nodes)} ops ({describe_capabilities(prepared.capabilities)})", file=sys.stderr)
         live = None if not arguments.plain else False
+        known = set(prepared.labels.values())
         with ProgressDisplay(list(prepared.labels.values()), live=live) as display:
-            result = await lane.execute(prepared, session=session, hooks=RunHooks(on_progress=display))
+
+            def shown(label: str, name: str, status: str, elapsed: float) -> None:
+                # A spawned op has no label until the run ends: shown as the result names it.
+                display(label if label in known else f"spawned:{label[:8]}", name, status, elapsed)
+
+            result = await lane.execute(prepared, session=session, hooks=RunHooks(on_progress=shown))
     finally:
         store.close()
     _print_result(result, arguments, prepared)
