@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from opgraph.actors import TurnError
 from opgraph.kernel import (
     Operation,
+    RoutingError,
     SpawnRequest,
     TaskAssignment,
     build_dag_graph,
@@ -140,18 +141,39 @@ class PlanningEngine(Engine):
         return text
 
     def _validated(self, run: EngineRun, planned: Any) -> tuple[list[TaskAssignment], list[str]]:
-        """Assignments naming roster roles (``-``/``_`` equivalent); the rest dropped by name."""
+        """Assignments naming roster roles (``-``/``_`` equivalent); the rest dropped by name.
+
+        The kept assignments' ordinals are renumbered to the kept list, so a dependency still
+        names the step it named in the plan; one on a dropped step is dropped with it (and
+        reported). References that are not integers or out of range are left for the ordinal
+        normaliser, which drops them: out of range in the plan stays out of range here.
+        """
         by_normal = {_normal(name): name for name in self.roles}
-        kept, dropped = [], []
-        for item in getattr(planned, "assignments", None) or []:
-            role = by_normal.get(_normal(item.assignee))
+        items = list(getattr(planned, "assignments", None) or [])
+        roles = [by_normal.get(_normal(item.assignee)) for item in items]
+        renumbered = {str(old): str(new) for new, old in enumerate(
+            (index for index, role in enumerate(roles, start=1) if role is not None), start=1)}
+        kept, dropped, orphaned = [], [], []
+        for index, (item, role) in enumerate(zip(items, roles, strict=True), start=1):
             if role is None:
                 dropped.append(item.assignee)
                 continue
+            depends_on = []
+            for ref in item.depends_on:
+                text = str(ref).strip()
+                if text.isdigit() and 1 <= int(text) <= len(items):
+                    if text in renumbered:
+                        depends_on.append(renumbered[text])
+                    else:
+                        orphaned.append(f"assignment {index}: dependency {text} was an unknown assignee's")
+                else:
+                    depends_on.append(ref)
             kept.append(TaskAssignment(task=item.task, assignee=role, inputs=list(item.inputs),
-                                       exit_criteria=item.exit_criteria, depends_on=list(item.depends_on)))
+                                       exit_criteria=item.exit_criteria, depends_on=depends_on))
         if dropped:
             run.notify("assignees_dropped", assignees=dropped, known=list(self.roles))
+        if orphaned:
+            run.notify("dependencies_dropped", references=orphaned)
         return kept, dropped
 
     async def _plan(self, run: EngineRun, prompt: str) -> tuple[list[TaskAssignment], list[str]]:
@@ -195,16 +217,25 @@ class PlanningEngine(Engine):
                 node.parameters["response_format"] = TaskOutput
         return graph
 
-    def _node_builder(self, branches: dict[str, str]) -> Any:
+    def _node_builder(self, branches: dict[str, str], spawning_roles: tuple[str, ...] | None = None) -> Any:
         """``role_node_builder`` over the roster; a request naming no role goes to its emitter's.
 
         Routed children run metered (``engine_operate`` with the verb they asked for), so
         their tokens count against the run's budgets and their settlements name their role.
+        ``spawning_roles`` (None: every role) are the roles whose nodes may spawn; a request
+        from any other is refused by routing (a ``RoutingError``, dropped by admission).
         """
         route = role_node_builder(branches)
         models = {role: self.model_for(role) for role in branches}
+        allowed = None if spawning_roles is None else frozenset(spawning_roles)
 
         def build(request: SpawnRequest, emitter: Operation | None) -> Operation:
+            if allowed is not None:
+                role = emitter.metadata.get("assignee") if emitter is not None else None
+                if role not in allowed:
+                    raise RoutingError(f"role {role!r} may not spawn in this run; spawning roles: "
+                                       f"{', '.join(sorted(allowed)) or 'none'}",
+                                       node_id=emitter.id if emitter is not None else None)
             if request.assignee is None and emitter is not None and emitter.metadata.get("assignee") in branches:
                 request = request.model_copy(update={"assignee": emitter.metadata["assignee"]})
             child = route(request, emitter)
@@ -218,6 +249,28 @@ class PlanningEngine(Engine):
             return child
 
         return build
+
+    # -- the public planning steps, for lanes that plan here and run the DAG themselves ----------
+    async def plan(self, run: EngineRun, prompt: str) -> tuple[list[TaskAssignment], list[str]]:
+        """The planner's validated assignments and the dropped assignees (``PlanError`` for an
+        empty plan after one retry, or one over ``max_assignments``)."""
+        return await self._plan(run, prompt)
+
+    def plan_graph(self, run: EngineRun, assignments: list[TaskAssignment], branches: dict[str, str]) -> Any:
+        """The DAG of ``assignments`` on the role ``branches`` (``PlanError`` for a cycle)."""
+        return self._graph(run, assignments, branches)
+
+    def node_builder(self, branches: dict[str, str], spawning_roles: tuple[str, ...] | None = None) -> Any:
+        """The reactive node builder over ``branches`` (see ``_node_builder``)."""
+        return self._node_builder(branches, spawning_roles)
+
+    def synthesis_instruction(self, prompt: str, settled: list[TaskSettled]) -> str:
+        """The exempt synthesiser's instruction over ``settled`` results."""
+        parts = [f"Task: {prompt}", "Results of the planned work:"]
+        for item in settled:
+            parts.append(f"- [{item.assignee or 'spawned'} · {item.status}] {item.text[:2000]}")
+        parts.append("Write the final answer to the task from these results.")
+        return "\n".join(parts)
 
     async def _run(self, run: EngineRun, prompt: str) -> str:
         assignments, dropped = await self._plan(run, prompt)
@@ -260,11 +313,7 @@ class PlanningEngine(Engine):
             run._note_budget_exhausted(run.budget.exhausted())
 
     def _synthesis_instruction(self, run: EngineRun, prompt: str) -> str:
-        parts = [f"Task: {prompt}", "Results of the planned work:"]
-        for settled in run.by_type(TaskSettled):
-            parts.append(f"- [{settled.assignee or 'spawned'} · {settled.status}] {settled.text[:2000]}")
-        parts.append("Write the final answer to the task from these results.")
-        return "\n".join(parts)
+        return self.synthesis_instruction(prompt, run.by_type(TaskSettled))
 
     async def _partial_export(self, run: EngineRun) -> str | None:
         """The plan and whatever settled, without a model call."""

@@ -59,8 +59,12 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     ├── LaneCapabilityError          a control the invocation's capabilities exclude (cluster/lanes/capabilities.py)
     ├── UnknownLaneError             no lane adapter is registered under that kind (cluster/lanes/registry.py)
     ├── PinnedSourceChangedError     a replay found the run's pinned source changed (cluster/lanes/provenance.py)
+    ├── CheckpointRefusedError       a planned checkpoint cannot be replayed as asked (cluster/lanes/planned/)
+    ├── PlaybookError                a playbook is bad or cannot be used; nothing was planned (cluster/lanes/play/)
+    │   └── UnknownPlaybookError     no playbook by that name; ``suggestions`` lists near names
     ├── RunStateConflictError        a run control that its state forbids (cluster/http/problems.py)
     ├── RuntimeUnavailableError      the HTTP API has no runtime to run on (problems.py)
+    ├── UnknownNameError             the HTTP API found no playbook by the path's name (problems.py)
     └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
         └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
             └── ClusterAuthenticationError  the cluster refused this process's token, or its lack of one

@@ -14,6 +14,7 @@ from ..http.body import DEFAULT_MAX_BODY_BYTES
 from .client import RUN_EXIT_CODES
 from .engine import add_engine_parser, add_run_show_parser
 from .flow import add_flow_parser, add_run_arguments, add_workflows_parser, positive_int
+from .orchestrate import add_orchestrate_parser, add_play_parser
 from .results import add_result_parsers
 
 __all__ = ["main"]
@@ -121,6 +122,8 @@ def _build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(handler=_run_demo)
     add_flow_parser(subcommands)
     add_workflows_parser(subcommands)
+    add_orchestrate_parser(subcommands)
+    add_play_parser(subcommands)
     add_engine_parser(subcommands)
     api = subcommands.add_parser(
         "serve", help="serve the workflow HTTP API (definitions CRUD, 202-admitted runs) until Ctrl-C",

@@ -12,8 +12,12 @@ store do), nor accept a control the run's capabilities exclude. Choices the reco
   matrix (D3: the invocation's, not the lane's): outside it they are 409 with the
   LaneCapabilityError message; nothing is queued and the run is untouched.
 - ``/results`` is 409 until the run is terminal; progress is the run and its ``/signals``.
-- A run this server did not start (another process, a restart) cannot be controlled here:
-  409, because its owner holds the only handle (there is no durable control yet).
+- Inside the matrix (a planned or play run), they reach the run: a run this server started
+  through its own handle, a run another process started on this server's runtime (a shared
+  cluster) by attaching to it; a run on no runtime this server reaches is 409.
+- ``POST /api/flows/runs`` plans (the planner's call) before its 202, so a plan the planner
+  could not make is 422 and no run; ``POST /api/playbooks/NAME/runs`` resolves the playbook
+  first (404 for an unknown name, 422 for a bad arg).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal
 
 from fastapi import FastAPI, Query
 from fastapi.concurrency import run_in_threadpool
@@ -33,10 +37,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from opgraph.engines import PlanError
+from opgraph.kernel import OpGraphError
+
 from ..lanes import (
     FIXED_WORKFLOW,
+    PLANNED_REACTIVE_FLOW,
+    REACTIVE_PLAY,
     LaneCapabilities,
     LaneInvocation,
+    LaneRunControl,
     RunHooks,
     UnknownLaneError,
     check_capabilities,
@@ -51,6 +61,7 @@ from .problems import (
     ErrorBody,
     RunStateConflictError,
     RuntimeUnavailableError,
+    UnknownNameError,
     errors,
     install_error_handlers,
     links,
@@ -111,7 +122,43 @@ class RunWorkflowRequest(_Body):
 
 
 class MessageRequest(_Body):
-    text: str = ""  # accepted so the request is well formed; the lane rejects it anyway
+    text: str = Field(default="", max_length=20_000)  # an operator message, rendered into the next dispatches
+
+
+class PlannedRunRequest(_Body):
+    """A planned reactive flow: the planner plans ``prompt`` for the roster's roles, then the plan runs."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [
+        {"prompt": "compare three battery chemistries", "max_ops": 6, "reactive": "all"}]})
+
+    prompt: str = Field(min_length=1, max_length=20_000, pattern=r"\S")
+    model: str | None = Field(default=None, pattern=r"^[^/]+/.+$", description="provider/model of the planner and ops")
+    reactive: str = Field(default="all", max_length=200, description="all, off, or ROLE,ROLE")
+    max_ops: int = Field(default=0, ge=0, le=1000)
+    roles: dict[str, str] | None = Field(default=None, max_length=20)
+    synthesis: bool = True
+
+
+class PlayRunRequest(_Body):
+    """A playbook's run: ``input`` is its positional text, ``args`` its typed args by name."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"input": "solid-state batteries",
+                                                               "args": {"words": 200}}]})
+
+    input: str = Field(default="", max_length=20_000)
+    args: dict[str, str | int | float | bool] | None = None
+    model: str | None = Field(default=None, pattern=r"^[^/]+/.+$")
+    reactive: str | None = Field(default=None, max_length=200)
+    max_ops: int | None = Field(default=None, ge=0, le=1000)
+
+
+class ControlAccepted(BaseModel):
+    """A live control handed to the run: ``accepted`` is what the run's executor answered."""
+
+    run_id: str
+    action: str
+    accepted: bool
+    links: dict[str, str]
 
 
 # -- JSON shapes ------------------------------------------------------------------------
@@ -131,6 +178,17 @@ def _capabilities(record: RunRecord) -> LaneCapabilities:
 def _check_control(record: RunRecord, request_kind: str) -> None:
     """``LaneCapabilityError`` (409) unless the run's own matrix includes ``request_kind``."""
     check_capabilities(_capabilities(record), request_kind, lane=record.lane, run_id=record.run_id)
+
+
+def _attach(run_id: str, namespace: str) -> Any:
+    """The RunControl of ``run_id`` on the runtime this process joined, or None when no executor has it."""
+    from opgraph.actors import RunControl  # local: definitions never need Ray
+
+    try:
+        control = RunControl.attach(run_id, address=None, namespace=namespace)
+    except OpGraphError:
+        return None
+    return control if control.executor is not None else None
 
 
 def _run_json(record: RunRecord) -> dict[str, Any]:
@@ -361,34 +419,91 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
                                         run_id=run_id, status=record.status)
         return {"run_id": run_id, "status": record.status, "links": run_links(run_id)}
 
-    async def reject_control(run_id: str, request_kind: str) -> NoReturn:
+    async def live_control(run_id: str, request_kind: str) -> Any:
+        """The run's control handle, held to its recorded matrix; 409 when it ended, when the matrix
+        excludes ``request_kind`` (nothing is queued anywhere), or when no runtime here has the run."""
         record = await run_in_threadpool(store.get_run, run_id)  # an unknown run is a 404 first
-        # Outside the run's own matrix: LaneCapabilityError (409), and nothing is queued anywhere.
+        if record.terminal:
+            raise RunStateConflictError(f"run {run_id} already ended {record.status}", run_id=run_id,
+                                        status=record.status)
         _check_control(record, request_kind)
-        # Inside it, only the process driving the run could apply it: this server has no
-        # consumer for live controls, and never queues one it cannot apply.
-        raise RunStateConflictError(
-            f"run {run_id} (lane {record.lane}) allows {request_kind!r}, but this server has no consumer for it; "
-            "send it to the process that runs it (`opgraph run ...`)", run_id=run_id, status=record.status)
+        handle = await runs.control(run_id)
+        if handle is not None:
+            return handle
+        # Another process's run: found by id on this server's runtime (a shared cluster).
+        runtime = getattr(await sessions.get(), "runtime", None)
+        found = None if runtime is None else await asyncio.to_thread(_attach, run_id, runtime.namespace)
+        if found is None:
+            raise RunStateConflictError(
+                f"run {run_id} (lane {record.lane}) allows {request_kind!r}, but no runtime this server reaches "
+                "runs it; send it to the process that runs it (`opgraph run ...`)", run_id=run_id,
+                status=record.status)
+        return LaneRunControl(found, _capabilities(record), lane=record.lane, run_id=run_id)
 
-    # No lane's run takes these here: they only ever answer 404 or 409, and the document
-    # says so (409 stands where a success status would).
-    refused = {"status_code": 409, "response_model": ErrorBody, "responses": errors(404),
-               "response_description": "Always: the run's capabilities exclude the control, or this server "
-                                       "has no consumer for it"}
+    accepted = {"status_code": 202, "response_model": ControlAccepted, "responses": errors(404, 409)}
 
     @app.post("/api/runs/{run_id}/message", operation_id="message_run",
-              **{**refused, "responses": errors(404, 413, 422)})
-    async def message_run(run_id: str, body: MessageRequest | None = None) -> ErrorBody:
-        await reject_control(run_id, "message")
+              **{**accepted, "responses": errors(404, 409, 413, 422)})
+    async def message_run(run_id: str, body: MessageRequest | None = None) -> dict[str, Any]:
+        handle = await live_control(run_id, "message")
+        done = await handle.send_operator_message((body or MessageRequest()).text)
+        return {"run_id": run_id, "action": "message", "accepted": bool(done), "links": run_links(run_id)}
 
-    @app.post("/api/runs/{run_id}/pause", operation_id="pause_run", **refused)
-    async def pause_run(run_id: str) -> ErrorBody:
-        await reject_control(run_id, "pause")
+    @app.post("/api/runs/{run_id}/pause", operation_id="pause_run", **accepted)
+    async def pause_run(run_id: str) -> dict[str, Any]:
+        done = await (await live_control(run_id, "pause")).pause()
+        return {"run_id": run_id, "action": "pause", "accepted": bool(done), "links": run_links(run_id)}
 
-    @app.post("/api/runs/{run_id}/resume", operation_id="resume_run", **refused)
-    async def resume_run(run_id: str) -> ErrorBody:
-        await reject_control(run_id, "resume")
+    @app.post("/api/runs/{run_id}/resume", operation_id="resume_run", **accepted)
+    async def resume_run(run_id: str) -> dict[str, Any]:
+        done = await (await live_control(run_id, "resume")).resume()
+        return {"run_id": run_id, "action": "resume", "accepted": bool(done), "links": run_links(run_id)}
+
+    # -- planned flows and plays (ADR-0068 D1): planned before the 202 -------------------------
+    async def start_planned(kind: str, make_invocation: Callable[[Any], Any]) -> dict[str, Any]:
+        lane = lane_adapter(kind, store)
+        try:
+            invocation = make_invocation(lane)
+        except OpGraphError as exc:
+            if getattr(exc, "suggestions", None) is not None:  # no playbook by that name
+                raise UnknownNameError(exc.message) from exc
+            raise RequestValidationError([{"loc": ("body",), "msg": exc.message, "type": "value_error"}]) from exc
+        except ValueError as exc:  # an option the lane cannot take
+            raise RequestValidationError([{"loc": ("body",), "msg": str(exc), "type": "value_error"}]) from exc
+        session = await sessions.get()
+        try:
+            prepared = await lane.prepare(invocation, session=session)
+        except PlanError as exc:
+            raise RequestValidationError([{"loc": ("body", "prompt"), "msg": f"no usable plan: {exc.message}",
+                                           "type": "value_error"}]) from exc
+        except (OpGraphError, ValueError) as exc:  # the planner's turn failed (an unknown model, say)
+            message = getattr(exc, "message", None) or str(exc)
+            raise RequestValidationError([{"loc": ("body",), "msg": f"the request could not be planned: {message}",
+                                           "type": "value_error"}]) from exc
+        run_id, control = prepared.run_id, {}
+        admitted = asyncio.get_running_loop().create_future()
+        runs.start(run_id, control, lane.execute(prepared, session=session,
+                                                 hooks=RunHooks(control=control, on_admitted=admitted)))
+        status = await admitted
+        source = prepared.provenance.source
+        return {"run_id": run_id, "status": status, "workflow": source.ref, "version": None,
+                "content_hash": source.content_hash, "lane": prepared.provenance.lane,
+                "lane_capabilities": prepared.capabilities.as_metadata(), "links": run_links(run_id)}
+
+    @app.post("/api/flows/runs", status_code=202, operation_id="start_flow_run",
+              responses={**errors(413, 422), **_RUN_LINKS})
+    async def start_flow_run(body: PlannedRunRequest) -> dict[str, Any]:
+        return await start_planned(PLANNED_REACTIVE_FLOW, lambda lane: lane.invocation(
+            body.prompt, model=body.model, reactive=body.reactive, max_ops=body.max_ops, roles=body.roles,
+            synthesis=body.synthesis, max_concurrent=max_concurrent, run_id=str(uuid.uuid4())))
+
+    @app.post("/api/playbooks/{name}/runs", status_code=202, operation_id="start_play_run",
+              responses={**errors(404, 413, 422), **_RUN_LINKS})
+    async def start_play_run(name: str, body: PlayRunRequest | None = None) -> dict[str, Any]:
+        body = body or PlayRunRequest()
+        return await start_planned(REACTIVE_PLAY, lambda lane: lane.invocation(
+            name, text=body.input, args=body.args or {}, model=body.model, reactive=body.reactive,
+            max_ops=body.max_ops, run_id=str(uuid.uuid4())))
 
     return app
 

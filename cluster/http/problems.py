@@ -35,6 +35,7 @@ __all__ = [
     "Problem",
     "RunStateConflictError",
     "RuntimeUnavailableError",
+    "UnknownNameError",
     "error_body",
     "errors",
     "install_error_handlers",
@@ -49,6 +50,10 @@ class RunStateConflictError(OpGraphError):
     def __init__(self, message: str, run_id: str, status: str) -> None:
         super().__init__(message)
         self.run_id, self.status = run_id, status
+
+
+class UnknownNameError(OpGraphError):
+    """The path names something the server cannot find outside the store (a playbook); 404, nothing ran."""
 
 
 class RuntimeUnavailableError(OpGraphError):
@@ -77,7 +82,7 @@ class ErrorBody(BaseModel):
 
 _DESCRIPTIONS = {
     400: "The request is malformed",
-    404: "No such workflow, version or run",
+    404: "No such workflow, version, run or playbook",
     405: "The path does not take this method",
     409: "The request conflicts with the workflow's or run's state, or the lane's capabilities",
     413: "The request body is larger than the server's limit (opgraph serve --max-body-bytes)",
@@ -135,6 +140,7 @@ _ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any
                                                         links=run_links(exc.run_id))),
     WorkflowNotFoundError: (404, lambda exc: error_body(exc.message)),  # WorkflowVersionNotFoundError too
     RunNotFoundError: (404, lambda exc: error_body(exc.message)),
+    UnknownNameError: (404, lambda exc: error_body(exc.message)),
     WorkflowStoreError: (503, lambda exc: error_body(exc.message)),  # the database failed or is closed
     RuntimeUnavailableError: (503, lambda exc: error_body(exc.message)),
 }

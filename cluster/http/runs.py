@@ -55,6 +55,17 @@ class RunTasks:
     def __contains__(self, run_id: str) -> bool:
         return run_id in self._runs
 
+    async def control(self, run_id: str) -> Any:
+        """The LaneRunControl of a run this server started, once published (None: not ours, or it ended)."""
+        run = self._runs.get(run_id)
+        if run is None:
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCEL_GRACE_SECONDS
+        while "control" not in run.control and not run.task.done() and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return run.control.get("control")
+
     def start(self, run_id: str, control: dict[str, Any], run: Any) -> asyncio.Task:
         task = asyncio.create_task(run, name=f"workflow-run-{run_id}")
         self._runs[run_id] = _InFlight(task, control)

@@ -5,7 +5,8 @@ Owns the lane seam every surface uses: ``LaneInvocation``, ``PreparedLaneRun``, 
 capability matrix of an invocation (D3), run provenance (D4), and the shared way a
 prepared run executes, recorded, and the ways it is submitted detached, settled from the
 run log and resumed. Each lane's own parts live in its sub-package (the
-fixed workflow lane in ``fixed/``), loaded by the registry: surfaces never import them.
+fixed workflow lane in ``fixed/``, the planned reactive flow in ``planned/``, play in
+``play/``), loaded by the registry: surfaces never import them.
 """
 
 from .base import (

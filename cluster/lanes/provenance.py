@@ -57,12 +57,18 @@ class _Frozen(BaseModel):
 
 
 class SourceRef(_Frozen):
-    """What exact definition produced the graph: its kind, reference, pinned version and hash."""
+    """What exact definition produced the graph: its kind, reference, pinned version and hash.
+
+    ``path`` is where a resolved source was read (a playbook file); ``resumed_from`` the run
+    a checkpoint replay continues (D4: the replay records the original run as well as its own).
+    """
 
     kind: SourceKind
     ref: str
     version: int | None = None
     content_hash: str | None = None
+    path: str | None = None
+    resumed_from: str | None = None
 
 
 class PlannerUse(_Frozen):
@@ -112,4 +118,8 @@ class RunProvenance(_Frozen):
             raise ProvenanceError(f"invalid run provenance: {details}") from exc
 
     def to_payload(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
+        payload = self.model_dump(mode="json")
+        for optional in ("path", "resumed_from"):  # only the sources that have them carry them
+            if payload["source"][optional] is None:
+                del payload["source"][optional]
+        return payload

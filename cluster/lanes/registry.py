@@ -42,7 +42,9 @@ __all__ = [
 ]
 
 # The built-in lanes, by the module whose ``LANE`` is their entry: imported on first use.
-BUILTIN_LANES: Mapping[str, str] = {"fixed_workflow": "opgraph.cluster.lanes.fixed"}
+BUILTIN_LANES: Mapping[str, str] = {"fixed_workflow": "opgraph.cluster.lanes.fixed",
+                                    "planned_reactive_flow": "opgraph.cluster.lanes.planned",
+                                    "reactive_play": "opgraph.cluster.lanes.play"}
 
 
 @dataclass(frozen=True)

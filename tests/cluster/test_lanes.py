@@ -169,8 +169,9 @@ def test_the_registry_resolves_the_fixed_lane_by_kind(store):
 
 def test_an_unknown_lane_kind_is_a_typed_error_that_names_the_known_ones():
     with pytest.raises(UnknownLaneError) as caught:
-        lane_adapter("planned_reactive_flow")  # a public lane with no adapter here yet
-    assert caught.value.lane == "planned_reactive_flow" and FIXED_WORKFLOW in caught.value.known
+        lane_adapter("no_such_lane")
+    assert caught.value.lane == "no_such_lane" and FIXED_WORKFLOW in caught.value.known
+    assert {"planned_reactive_flow", "reactive_play"} <= set(caught.value.known)
     copy = pickle.loads(pickle.dumps(caught.value))
     assert (copy.lane, copy.known) == (caught.value.lane, caught.value.known)
     with pytest.raises(LaneCapabilityError, match="no declared capability matrix"):
@@ -239,8 +240,10 @@ def test_provenance_is_checked_by_the_shared_rules_then_by_its_own_lane(echo_lan
         validate_provenance({**payload, "source": {"kind": "workflow_file", "ref": "x.json"}})
     with pytest.raises(ProvenanceError, match="64 hex"):
         validate_provenance({**payload, "source": {"kind": "prompt", "ref": "hi", "content_hash": "sha256:x"}})
-    with pytest.raises(ProvenanceError, match="no lane 'planned_reactive_flow'"):
+    with pytest.raises(ProvenanceError, match="a new planned run is planned by the planner"):
         validate_provenance({**payload, "lane": "planned_reactive_flow"})
+    with pytest.raises(ProvenanceError, match="no lane 'no_such_lane'"):
+        validate_provenance({**payload, "lane": "no_such_lane"})
 
 
 def test_the_store_records_a_run_of_another_lane(echo_lane, store):
@@ -395,9 +398,10 @@ def test_the_http_api_answers_each_control_from_the_runs_own_capabilities(echo_l
             body = refused.json()
             assert (body["lane"], body["request_kind"]) == (ECHO, "message")
             assert body["lane_capabilities"] == run["lane_capabilities"] and "not queued" in body["error"]
-            allowed = http.post("/api/runs/echo-http/pause")  # allowed, but no consumer in this server
+            allowed = http.post("/api/runs/echo-http/pause")  # allowed, but no runtime here runs it
             assert allowed.status_code == 409 and allowed.json()["status"] == "running"
-            assert "no consumer" in allowed.json()["error"] and "request_kind" not in allowed.json()
+            assert "no runtime this server reaches" in allowed.json()["error"]
+            assert "request_kind" not in allowed.json()
     finally:
         served.stop()
     assert store.get_run("echo-http").status == "running"  # nothing reached it

@@ -70,7 +70,7 @@ def test_schemathesis_finds_nothing_against_the_live_server(ray_head, tmp_path):
         print(f"$ {' '.join(command)}\n{fuzzed.stdout[-3000:]}")  # the figures for the closing note (-s)
         assert fuzzed.returncode == 0, fuzzed.stdout[-6000:] + fuzzed.stderr[-2000:]
         summary = fuzzed.stdout[fuzzed.stdout.rindex("SUMMARY"):]
-        assert "Tested: 15" in summary and "failure" not in summary.lower(), summary
+        assert "Tested: 17" in summary and "failure" not in summary.lower(), summary
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -83,7 +83,8 @@ def test_schemathesis_finds_nothing_against_the_live_server(ray_head, tmp_path):
     paths = document["paths"]
     for control in ("message", "pause", "resume"):
         statuses = set(paths[f"/api/runs/{{run_id}}/{control}"]["post"]["responses"])
-        assert statuses >= {"404", "409", "503"} and not any(status.startswith("2") for status in statuses)
+        # 202 for a run whose capabilities allow the control (a planned or play run), 409 otherwise.
+        assert statuses >= {"202", "404", "409", "503"}
     for path, methods in paths.items():
         for method, operation in methods.items():
             for status, response in operation["responses"].items():

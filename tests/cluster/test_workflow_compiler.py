@@ -511,7 +511,8 @@ def test_an_unknown_control_or_undeclared_lane_is_rejected():
     with pytest.raises(LaneCapabilityError, match="unknown control request"):
         check_control(FIXED_WORKFLOW, "reboot")
     with pytest.raises(LaneCapabilityError, match="no declared capability matrix"):
-        check_control("planned_reactive_flow", "message")
+        check_control("no_such_lane", "message")
+    check_control("planned_reactive_flow", "message")  # declared now: the planned lane takes messages
 
 
 def test_an_invocations_own_matrix_can_be_checked():

@@ -1,0 +1,181 @@
+"""Figures of the planned lane: plan-to-first-dispatch latency on sim/, and a 200-assignment plan with 500 spawns.
+
+    python -m opgraph.cluster.bench.planned --repeat 3          # both, on the embedded local Ray
+    python -m opgraph.cluster.bench.planned --skip-kill          # without the kill-at-50% resume
+
+Latency: from ``prepare`` (the planner's call on ``sim/default``) to the first op started,
+beside a one-node ``Session.flow``'s submit-to-start in the same run (the baseline). Large:
+a scripted planner returns 200 assignments, the first 100 ask for 5 follow-ups each (500
+spawns, ``--max-ops 700``), each op takes ``--latency`` s; wall time end to end, then the
+same run in a process killed at 50% settled and ``opgraph o flow --resume`` timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+ASSIGNMENTS, SPAWNERS, CHILDREN = 200, 100, 5
+
+
+ROLES = ("researcher", "analyst", "writer", "critic")
+
+
+class BigPlan:
+    """A scripted model: 200 assignments for the planner (spread over ``roles`` of the roster); ops 1..100
+    ask for 5 children; each op sleeps ``latency``."""
+
+    def __init__(self, latency: float, roles: int = 1) -> None:
+        self.latency = latency
+        self.roles = ROLES[:roles]
+
+    async def __call__(self, request: Any) -> str:
+        user = next((str(m.get("content")) for m in reversed(request.messages) if m.get("role") == "user"), "")
+        if "Plan the work for this task" in user:
+            return json.dumps({"assignments": [{"task": f"part {i}", "assignee": self.roles[i % len(self.roles)],
+                                                "depends_on": []} for i in range(1, ASSIGNMENTS + 1)]})
+        await asyncio.sleep(self.latency)
+        # The instruction is the part after the context preamble: "part N", or a child's "extra K of N".
+        instruction = next((part for part in user.split("\n\n")
+                            if part.startswith(("part ", "extra "))), "")
+        words = instruction.split()
+        spawn = ([{"instruction": f"extra {k} of {words[1]}"} for k in range(CHILDREN)]
+                 if words[:1] == ["part"] and int(words[1]) <= SPAWNERS else [])
+        return json.dumps({"text": f"done {instruction}", "spawn": spawn})
+
+
+async def _latency(session: Any, store: Any, repeat: int) -> dict[str, float]:
+    from opgraph.cluster.lanes import PLANNED_REACTIVE_FLOW, RunHooks, lane_adapter
+    from opgraph.kernel import OperationGraphBuilder
+
+    lane = lane_adapter(PLANNED_REACTIVE_FLOW, store)
+    planned, baseline, planning = [], [], []
+    for _ in range(repeat):
+        first: asyncio.Future = asyncio.get_running_loop().create_future()
+        started = time.perf_counter()
+        prepared = await lane.prepare(lane.invocation("compare three battery chemistries", synthesis=False,
+                                                      max_ops=6), session=session)
+        planning.append(time.perf_counter() - started)
+
+        def seen(label: str, name: str, status: str, elapsed: float, first: asyncio.Future = first) -> None:
+            if status == "started" and not first.done():
+                first.set_result(time.perf_counter())
+
+        run = asyncio.ensure_future(lane.execute(prepared, session=session, hooks=RunHooks(on_progress=seen)))
+        planned.append(await first - started)
+        await run
+        builder = OperationGraphBuilder()
+        builder.add_operation("operate", instruction="one", model="sim/default")
+        start_one = asyncio.get_running_loop().create_future()
+        began = time.perf_counter()
+
+        def one(op: str, name: str, status: str, elapsed: float, start_one: asyncio.Future = start_one) -> None:
+            if status == "started" and not start_one.done():
+                start_one.set_result(time.perf_counter())
+
+        flow = asyncio.ensure_future(session.flow(builder.get_graph(), on_progress=one, isolated=True))
+        baseline.append(await start_one - began)
+        await flow
+    return {"plan_to_first_dispatch_s": statistics.median(planned), "planning_s": statistics.median(planning),
+            "flow_submit_to_start_s": statistics.median(baseline)}
+
+
+async def _large(session: Any, store: Any, latency: float, roles: int) -> dict[str, Any]:
+    from opgraph.actors.providers import ScriptedProvider
+    from opgraph.cluster.lanes import PLANNED_REACTIVE_FLOW, lane_adapter
+
+    session.register_provider("scripted", ScriptedProvider(BigPlan(latency, roles)))
+    lane = lane_adapter(PLANNED_REACTIVE_FLOW, store)
+    started = time.perf_counter()
+    prepared = await lane.prepare(lane.invocation("big", model="scripted/big", max_ops=700, synthesis=False,
+                                                  roles={role: "does the work" for role in ROLES[:roles]},
+                                                  max_concurrent=100), session=session)
+    planned = time.perf_counter()
+    result = await lane.execute(prepared, session=session)
+    wall = time.perf_counter() - started
+    return {"roles": roles, "status": result.status, "ops": len(result.statuses),
+            "spawned": (result.envelope or {}).get("spawned_operations"), "wall_s": wall,
+            "planning_s": planned - started, "run_s": result.elapsed,
+            "ideal_s": latency * 2}
+
+
+def _owner(arguments: list[str], latency: float) -> int:
+    from ray import cloudpickle
+
+    from opgraph.actors.providers import ScriptedProvider
+    from opgraph.cluster.cli.orchestrate import main_flow
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    return main_flow(arguments, providers={"scripted": ScriptedProvider(BigPlan(latency))})
+
+
+def _kill_and_resume(store_path: str, latency: float) -> dict[str, Any]:
+    command = [sys.executable, "-m", "opgraph.cluster.bench.planned", "--owner", str(latency), "--"]
+    flow = ["big", "--model", "scripted/big", "--max-ops", "700", "--no-synthesis", "--roles", "researcher",
+            "--max-concurrent", "100", "--store", store_path, "--plain"]
+    owner = subprocess.Popen(command + flow, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    run_id, settled = None, 0
+    try:
+        for line in owner.stderr:
+            if line.startswith("run_id: "):
+                run_id = line.split()[1]
+            if " completed " in line or " failed " in line:
+                settled += 1
+                if settled >= (ASSIGNMENTS + SPAWNERS * CHILDREN) // 2:
+                    break
+    finally:
+        os.killpg(owner.pid, signal.SIGKILL)
+        owner.communicate(timeout=120)
+    started = time.perf_counter()
+    resumed = subprocess.run(command + ["--resume", run_id, "--store", store_path, "--json", "--plain",
+                                        "--max-concurrent", "100"], capture_output=True, text=True, check=False)
+    total = time.perf_counter() - started
+    printed = json.loads(resumed.stdout[resumed.stdout.index("{"):])
+    return {"killed_after_settled": settled, "resume_status": printed["status"], "ops": len(printed["statuses"]),
+            "resume_command_s": total, "resume_run_s": printed["elapsed"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--owner"]:
+        return _owner(argv[3:], float(argv[1]))
+    parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.bench.planned")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--latency", type=float, default=0.05, help="seconds each op of the large plan takes")
+    parser.add_argument("--skip-kill", action="store_true")
+    arguments = parser.parse_args(argv)
+    from ray import cloudpickle
+
+    from opgraph.actors import Session
+    from opgraph.cluster.lanes import open_store
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    folder = tempfile.mkdtemp(prefix="opgraph-bench-planned-")
+    store = open_store(os.path.join(folder, "runs.db"))
+    session = Session()
+    latency = asyncio.run(_latency(session, store, arguments.repeat))
+    print(json.dumps({"latency": {k: round(v, 4) for k, v in latency.items()},
+                      "ratio_vs_flow": round(latency["plan_to_first_dispatch_s"]
+                                             / latency["flow_submit_to_start_s"], 2)}))
+    for roles in (1, len(ROLES)):
+        large = asyncio.run(_large(session, store, arguments.latency, roles))
+        print(json.dumps({"large": {k: round(v, 3) if isinstance(v, float) else v for k, v in large.items()}}))
+    if not arguments.skip_kill:
+        print(json.dumps({"kill_at_50": _kill_and_resume(store.path, arguments.latency)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
