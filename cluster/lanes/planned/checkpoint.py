@@ -74,10 +74,10 @@ def _operation(value: Any) -> Operation:
 def read_checkpoint(record: RunRecord) -> Checkpoint:
     """What the run log keeps of ``record``'s run (``CheckpointRefusedError`` when it keeps nothing)."""
     from opgraph.actors.durability import decode_header  # local: only a replay reads the log
-    from opgraph.actors.persistence import RunLog, database_path
+    from opgraph.actors.persistence import RunLog, database_exists, database_path
 
     path = database_path()
-    logged = RunLog(path).load(record.run_id) if path.is_file() else None
+    logged = RunLog(path).load(record.run_id) if database_exists(path) else None
     if logged is None:
         raise CheckpointRefusedError(f"run {record.run_id} is not in the run log at {path}: it cannot be replayed "
                                      "(was it run with durable=False, or on another OPGRAPH_DB?)",
@@ -113,9 +113,9 @@ def retire_logged_run(run_id: str, successor: str) -> None:
 
 def replayed_as(run_id: str) -> str | None:
     """The run that replayed ``run_id``, if one did (the run log says so)."""
-    from opgraph.actors.persistence import RunLog, database_path
+    from opgraph.actors.persistence import RunLog, database_exists, database_path
 
-    if not database_path().is_file():
+    if not database_exists(database_path()):
         return None
     entry = RunLog(database_path()).entry(run_id)
     if entry is None or not (entry.error or "").startswith(_SUPERSEDED):
@@ -128,11 +128,11 @@ def branch_history(branch_id: str, recorded: Mapping[str, list[Any]]) -> list[An
     branch log keeps them (every acknowledged message, even after a kill); None when neither has it."""
     if branch_id in recorded:
         return list(recorded[branch_id])
-    from opgraph.actors.persistence import Database, database_path
+    from opgraph.actors.persistence import Database, database_exists, database_path
     from opgraph.actors.persistence.branchlog import read_branch
 
     path = database_path()
-    if not path.is_file():
+    if not database_exists(path):
         return None
     # Whichever runtime wrote it (the killed run's, owned by a process that is gone): no owner is excluded.
     found = read_branch(Database(path), branch_id, besides="\x00")
