@@ -8,6 +8,7 @@ executor of the namespace, and translates every Ray error at its boundary.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from .watchers import UnknownWatcherError
 __all__ = ["EventsDropped", "Reconnected", "RunControl", "RunFinished"]
 
 REFIND_SECONDS = 60.0  # how long a control looks for its run on a replacement executor
+ADMISSION_GRACE_SECONDS = 2.0  # a run logged live but listed by no executor yet: looked for this long
 
 
 @dataclass(frozen=True)
@@ -80,7 +82,16 @@ class RunControl:
         connect(address, namespace=namespace)
         found = cls._find(run_id, namespace)
         if found is None:
-            if _logged(run_id) is not None:  # finished (or orphaned): its end is read from the log
+            logged = _logged(run_id)
+            if logged is not None and logged[0] == "live":
+                # Logged live but on no executor: being admitted (its header is written before
+                # the executor lists it), or its executor is being replaced; else orphaned.
+                deadline = time.monotonic() + ADMISSION_GRACE_SECONDS
+                while found is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    found = cls._find(run_id, namespace)
+        if found is None:
+            if logged is not None:  # finished (or orphaned): its end is read from the log
                 return cls(None, run_id, None, namespace)
             raise UnknownRunError(f"run {run_id} is unknown or already finished (no executor in namespace "
                                   f"{namespace!r} has it, and the run log does not know it)", run_id=run_id)
