@@ -166,7 +166,10 @@ def test_a_worker_killed_mid_run_fails_only_what_was_in_flight_on_it(own, gauge,
         result = envelope["operation_results"][node]
         assert result["error_type"] == "WorkerDied"
         assert "opgraph-worker-" in result["error"] and envelope["run_id"] in result["error"]
-    assert all(count == 1 for count in entered.values()), entered  # nothing ran twice
+    # Nothing ran twice. A node on the victim may have died between the Gauge's two entries
+    # (the one the test waits on, and the per-node one counted here): 0 or 1 for those.
+    assert all(entered[label] == 1 for label in labels if label not in on_victim), entered
+    assert all(entered[label] <= 1 for label in on_victim), entered
 
     ray.get(gauge.release.remote(f"{key}-after"))  # the next run's nodes need not hold
     after = run(own.flow(labelled("held", f"{key}-after", ["a", "b", "c", "d"])[0], max_concurrent=4),
