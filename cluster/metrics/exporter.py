@@ -7,7 +7,6 @@ it never changes actor state, and no kernel or actor module imports a metrics li
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 from collections.abc import Iterable, Iterator
@@ -37,7 +36,6 @@ SCRAPE_TIMEOUT = 2.0  # seconds one scrape waits for all actors' snapshots toget
 # Seconds a job's endpoint waits, after its run, for one more scrape: above Prometheus's
 # default 15 s scrape interval, and the shipped config's 5 s.
 DEFAULT_LINGER = 30.0
-LEAVE_RAY_SECONDS = 5.0  # how long `opgraph metrics serve` waits to leave Ray after Ctrl-C
 
 
 # Label values every scrape carries, at 0 until something happens: Prometheus's rate()
@@ -390,20 +388,4 @@ def serve(address: str | None, port: int = DEFAULT_PORT, host: str = "127.0.0.1"
         pass
     finally:
         server.stop()
-    _leave_ray(LEAVE_RAY_SECONDS)
     return 0
-
-
-def _leave_ray(seconds: float) -> None:
-    """Disconnect from Ray, waiting at most ``seconds``; then exit this process regardless.
-
-    Leaving tells the owners of every actor handle this process looked up that it let go;
-    an owner that died without its actors being cleaned up yet is retried, for longer than
-    anyone waits for a Ctrl-C (seen: over 30 s in a test session full of ended runtimes).
-    The server is already stopped and nothing is left to flush, so a slow leave is cut."""
-    leaving = threading.Thread(target=ray.shutdown, name="opgraph-leave-ray", daemon=True)
-    leaving.start()
-    leaving.join(seconds)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # left or not: the exit must not wait in Ray's own exit hook either

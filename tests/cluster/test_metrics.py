@@ -269,6 +269,9 @@ def test_opgraph_metrics_serve_joins_the_running_runtime_and_stops_on_ctrl_c(ses
     process = subprocess.Popen(
         [sys.executable, "-m", "opgraph.cluster.cli", "metrics", "serve", "--port", "0", "--address", address],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
+        # Ctrl-C as a terminal sends it: a test session started in the background by a shell
+        # without job control ignores SIGINT, and that disposition would pass to the server.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         url = None
