@@ -17,31 +17,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 from typing import Any
 
+from .chaos_durable import _counted, _runs_per_node
+
 __all__ = ["main", "node_loss"]
-
-
-def _counted(marks: str):
-    async def counted(branch: Any, seconds: float = 0.05, **parameters: Any) -> int:
-        with open(os.path.join(marks, str(os.getpid())), "a") as handle:
-            handle.write(branch.node_id + "\n")
-        await asyncio.sleep(seconds)
-        return branch.attempt
-
-    return counted
-
-
-def _runs_per_node(marks: str) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for name in os.listdir(marks):
-        with open(os.path.join(marks, name)) as handle:
-            for node in handle.read().split():
-                counts[node] = counts.get(node, 0) + 1
-    return counts
 
 
 def _pool_nodes() -> dict[str, list[str]]:
