@@ -264,14 +264,18 @@ class Outcome:
 
 
 async def measure_shape(shape: Shape, runners: Sequence[Any], repeat: int) -> dict[str, Outcome]:
-    """Run ``shape`` ``repeat`` times per library, interleaved so both see the same machine load."""
+    """Run ``shape`` ``repeat`` times per library, interleaved so both see the same machine load.
+
+    The order alternates from one repeat to the next (A B, B A, ...): whoever went first
+    would otherwise always take the shape's first-run costs (a heap grown to the new size,
+    a database file extended)."""
     outcomes = {runner.name: Outcome() for runner in runners}
     for runner in runners:
         reason = runner.unsupported(shape)
         if reason is not None:
             outcomes[runner.name] = Outcome("n/a", reason=reason)
-    for _ in range(repeat):
-        for runner in runners:
+    for index in range(repeat):
+        for runner in (runners if index % 2 == 0 else runners[::-1]):
             outcome = outcomes[runner.name]
             if outcome.status != "ok":
                 continue  # a timed-out or failed library gets no further runs of this shape
