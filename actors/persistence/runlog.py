@@ -19,6 +19,10 @@ from .database import Database, database_path
 __all__ = ["LIVE", "LoggedRun", "RunLog", "RunLogEntry"]
 
 LIVE = "live"
+_BEGIN = ("INSERT INTO runtime_runs (run_id, executor, status, started) VALUES (?, ?, ?, ?) "
+          "ON CONFLICT(run_id) DO UPDATE SET executor = excluded.executor, status = excluded.status, "
+          "finished = NULL, envelope = NULL, error = NULL")
+_HEADER = upsert("runtime_run_headers", ("run_id", "header"), ("run_id",))
 _APPEND = upsert("runtime_run_records", ("run_id", "seq", "batch"), ("run_id", "seq"))
 
 
@@ -62,16 +66,18 @@ class RunLog:
     def begin(self, run_id: str, executor: str, header: bytes, started: float) -> None:
         """Admit ``run_id``: its header, live on ``executor``. A run resumed from its log keeps
         its records and is live again (on whichever executor now owns it)."""
-        self.database.transaction([(
-            "INSERT INTO runtime_runs (run_id, executor, status, started, header) VALUES (?, ?, ?, ?, ?) "
-            "ON CONFLICT(run_id) DO UPDATE SET executor = excluded.executor, status = excluded.status, "
-            "finished = NULL, envelope = NULL, error = NULL",
-            (run_id, executor, LIVE, started, header))])
+        self.database.transaction([(_BEGIN, (run_id, executor, LIVE, started)), (_HEADER, (run_id, header))])
 
-    def append(self, rows: list[tuple[str, int, bytes]]) -> None:
-        """Record batches ``(run_id, seq, encoded batch)`` of any runs, in one transaction."""
+    def append(self, rows: list[tuple[str, int, bytes]],
+               headers: list[tuple[str, str, float, bytes]] = ()) -> None:
+        """Record batches ``(run_id, seq, encoded batch)`` of any runs, in one transaction, after
+        the headers ``(run_id, executor, started, header)`` of runs admitted since the last one."""
+        statements = [(_BEGIN, [(run_id, executor, LIVE, started) for run_id, executor, started, _ in headers]),
+                      (_HEADER, [(run_id, header) for run_id, _, _, header in headers])] if headers else []
         if rows:
-            self.database.transaction([(_APPEND, rows)])
+            statements.append((_APPEND, rows))
+        if statements:
+            self.database.transaction(statements)
 
     def finish(self, run_id: str, status: str, envelope: dict[str, Any] | None = None,
                error: str | None = None) -> None:
@@ -103,8 +109,9 @@ class RunLog:
         return [RunLogEntry(*row) for row in self.database.query(sql + " ORDER BY started", tuple(parameters))]
 
     def load(self, run_id: str) -> LoggedRun | None:
-        rows = self.database.query("SELECT run_id, executor, status, started, finished, error, header, envelope "
-                                   "FROM runtime_runs WHERE run_id = ?", (run_id,))
+        rows = self.database.query("SELECT r.run_id, r.executor, r.status, r.started, r.finished, r.error, "
+                                   "h.header, r.envelope FROM runtime_runs r "
+                                   "JOIN runtime_run_headers h ON h.run_id = r.run_id WHERE r.run_id = ?", (run_id,))
         if not rows:
             return None
         *fields, header, envelope = rows[0]

@@ -221,6 +221,7 @@ def test_a_version_1_file_keeps_its_branches_under_nobodys_owner(tmp_path):
     from opgraph.actors.persistence import Database
     from opgraph.actors.persistence.branchlog import load_shard, read_branch
     from opgraph.actors.persistence.codec import encode
+    from opgraph.actors.persistence.database import RUNTIME_SCHEMA_VERSION
 
     path = tmp_path / "v1.db"
     connection = sqlite3.connect(path)
@@ -242,7 +243,7 @@ def test_a_version_1_file_keeps_its_branches_under_nobodys_owner(tmp_path):
     connection.close()
 
     database = Database(path)
-    assert database.query("SELECT version FROM opgraph_runtime_schema") == [(2,)]
+    assert database.query("SELECT version FROM opgraph_runtime_schema") == [(RUNTIME_SCHEMA_VERSION,)]
     assert load_shard(database, 0, "").heads == {"old": 1}
     assert read_branch(database, "old", besides="ns/new") == ("", ["kept"])
     assert Database(path).query("SELECT count(*) FROM runtime_branch_heads") == [(1,)]  # opened twice: once migrated

@@ -42,6 +42,39 @@ def test_the_run_log_keeps_headers_batches_and_ends(database_target):
     assert log.entry("ghost") is None and log.load("ghost") is None
 
 
+def test_a_version_2_file_keeps_its_runs_with_their_headers_moved_out_of_the_run_rows(tmp_path):
+    """Schema 3 keeps headers in a table of their own (a status change no longer rewrites a
+    megabyte): a file written by schema 2 opens migrated, every run readable and resumable."""
+    import sqlite3
+
+    from opgraph.actors.persistence.database import RUNTIME_SCHEMA_VERSION
+
+    path = tmp_path / "v2.db"
+    connection = sqlite3.connect(path)
+    connection.executescript("""
+        CREATE TABLE opgraph_runtime_schema (version INTEGER NOT NULL);
+        INSERT INTO opgraph_runtime_schema VALUES (2);
+        CREATE TABLE runtime_runs (run_id TEXT PRIMARY KEY, executor TEXT NOT NULL, status TEXT NOT NULL,
+            started REAL NOT NULL, finished REAL, header BLOB NOT NULL, envelope BLOB, error TEXT);
+        CREATE INDEX runtime_runs_live ON runtime_runs (status, executor);
+        CREATE TABLE runtime_run_records (run_id TEXT NOT NULL, seq INTEGER NOT NULL, batch BLOB NOT NULL,
+            PRIMARY KEY (run_id, seq));
+    """)
+    connection.execute("INSERT INTO runtime_runs VALUES ('old', 'executor-0', 'live', 5.0, NULL, ?, NULL, NULL)",
+                       (b"the old header",))
+    connection.execute("INSERT INTO runtime_run_records VALUES ('old', 1, ?)", (_batch("a"),))
+    connection.commit()
+    connection.close()
+
+    log = RunLog(path)
+    assert log.database.query("SELECT version FROM opgraph_runtime_schema") == [(RUNTIME_SCHEMA_VERSION,)]
+    loaded = log.load("old")
+    assert (loaded.header, loaded.entry.status, loaded.entry.started) == (b"the old header", "live", 5.0)
+    assert [batch[0][0] for batch in loaded.batches] == ["a"]
+    log.finish("old", "completed", envelope={"status": "completed"})
+    assert RunLog(path).envelope("old") == {"status": "completed"}  # opened again: already migrated
+
+
 def test_branches_reload_from_either_backend_with_clones_and_dropped_records(database_target):
     """root(m1) -> clone c (+c1) -> root dropped: c reloads with m1, c1; root's head is gone."""
     database = Database(database_target)
