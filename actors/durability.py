@@ -49,22 +49,37 @@ class RunLogger:
         self.writer = writer
         self.executor = executor
         self._pending: list[tuple[_Run, int, tuple]] = []
+        self._headers: list[tuple[str, str, float, bytes]] = []  # runs admitted since the last flush
         self._flushing: asyncio.Task | None = None
         self.batches = 0
         self.flushes = 0
         self.bytes = 0
+        self.end_failures = 0  # envelopes not written after their driver was answered
 
     async def begin(self, run: _Run, header: bytes) -> None:
-        """Admit the run durably: its header is written before anyone hears of the run."""
+        """Admit a run the log may already hold (one resumed): its header, then where its records end."""
         await self.writer.run(self.log.begin, run.run_id, self.executor, header, run.started)
         run.flushed_seq = run.log_seq = await self.writer.run(self.log.last_seq, run.run_id)
+
+    def open(self, run: _Run, header: bytes) -> None:
+        """Admit a new run: its header goes in the next flush, in one transaction with its first
+        batch, instead of a write of its own ahead of it. Until that flush the run is not
+        durable (``flushed_seq`` -1), so everything it posts is held back and nothing is
+        dispatched; ``durable(run, 0)`` waits for the header alone."""
+        run.log_seq, run.flushed_seq, run.gate_seq = 0, -1, 0
+        self._headers.append((run.run_id, self.executor, run.started, header))
+        self._pending.append((run, 0, ()))
+        self._schedule()
 
     def append(self, run: _Run, records: tuple) -> int:
         run.log_seq += 1
         self._pending.append((run, run.log_seq, records))
+        self._schedule()
+        return run.log_seq
+
+    def _schedule(self) -> None:
         if self._flushing is None:
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
-        return run.log_seq
 
     async def durable(self, run: _Run, seq: int) -> None:
         """Return once every batch of ``run`` up to ``seq`` is in the database."""
@@ -79,8 +94,9 @@ class RunLogger:
         try:
             while self._pending:
                 pending, self._pending = self._pending, []
+                headers, self._headers = self._headers, []
                 try:
-                    await self.writer.run(self._write, pending)
+                    await self.writer.run(self._write, pending, headers)
                 except Exception as exc:  # noqa: BLE001 - the runs lose durability: they end, typed
                     for run, _, _ in pending:
                         run.log_error = exc
@@ -97,12 +113,13 @@ class RunLogger:
         finally:
             self._flushing = None
 
-    def _write(self, pending: list[tuple[_Run, int, tuple]]) -> None:
-        """On the writer thread: encode every batch, then one transaction for all of them."""
-        rows = [(run.run_id, seq, encode(records)) for run, seq, records in pending]
+    def _write(self, pending: list[tuple[_Run, int, tuple]], headers: list[tuple[str, str, float, bytes]]) -> None:
+        """On the writer thread: encode every batch, then one transaction for all of them (and the
+        headers of runs admitted since the last flush, ahead of their records)."""
+        rows = [(run.run_id, seq, encode(records)) for run, seq, records in pending if seq]
         self.batches += len(rows)
-        self.bytes += sum(len(row[2]) for row in rows)
-        self.log.append(rows)
+        self.bytes += sum(len(row[2]) for row in rows) + sum(len(header[3]) for header in headers)
+        self.log.append(rows, headers)
 
     async def finish(self, run: _Run, status: str, envelope: dict[str, Any] | None, error: str | None = None) -> None:
         await self.durable(run, run.log_seq)
@@ -110,7 +127,7 @@ class RunLogger:
 
     def statistics(self) -> dict[str, Any]:
         return {"batches": self.batches, "flushes": self.flushes, "bytes": self.bytes, "pending": len(self._pending),
-                "at": time.time()}
+                "end_failures": self.end_failures, "at": time.time()}
 
 
 def _wake(run: _Run) -> None:

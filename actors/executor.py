@@ -362,6 +362,10 @@ class GraphExecutor:
         return items, done, result
 
     async def forget_run(self, run_id: str) -> bool:
+        """Forget a run its driver has drained; returns once the log records how it ended."""
+        run = self.shell.runs.get(run_id)
+        if run is not None and run.ending is not None:
+            await asyncio.shield(run.ending)
         return self.shell.forget_run(run_id)
 
     async def wait_result(self, run_id: str, timeout: float = 30.0) -> tuple[bool, Any]:

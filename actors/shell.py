@@ -103,6 +103,7 @@ class _Run:
         self.durable_waiters: list[asyncio.Future] = []
         self.log_error: BaseException | None = None
         self.result_waiters: list[asyncio.Future] = []
+        self.ending: asyncio.Task | None = None  # the envelope's write, after the driver was answered
 
     def post(self, kind: str, item: Any) -> None:
         """Hand ``item`` to the driver (or, ``kind`` "watch", to the watchers); held back until the
@@ -204,9 +205,19 @@ class ExecutorShell:
         state = FlowState(graph, **_flow_options(run_id, options))
         run = _Run(run_id, state, options)
         instructions = state.handle(FlowStarted(now=run.started))  # raises OperationError on a bad graph
-        if options.durable:  # admitted and durable before anyone hears of it
-            await self.logger.begin(run, header)
+        if not options.durable:
+            await self._admit(run, instructions)
+            return
+        # Admitted and durable before anyone hears of it: the header goes in one transaction
+        # with the run's first batch, which its first dispatches wait for anyway.
+        self.logger.open(run, header)
         await self._admit(run, instructions)
+        try:
+            await self.logger.durable(run, 0)
+        except Exception as exc:  # not durable: not admitted, and the caller is told why
+            self.forget_run(run_id)
+            raise ExecutionError(f"run {run_id} could not be logged: {type(exc).__name__}: {exc}",
+                                 run_id=run_id) from exc
 
     async def recover_run(self, run_id: str, header: bytes, batches: list,
                           overrides: dict[str, Any] | None = None) -> None:
@@ -478,13 +489,33 @@ class ExecutorShell:
         self._settle(run, envelope)
 
     async def _finish_durably(self, run: _Run, envelope: dict[str, Any]) -> None:
+        """Answer once the batch that finished the run is durable; write the envelope after.
+
+        The records decide the end: should this process die before the envelope row is
+        written, a rebuild from them finishes the run again and writes it. So the driver
+        is answered as soon as the records are in, and the envelope (for 10,000 nodes a
+        megabyte) is written while the driver takes the result; ``forget_run`` waits for
+        it, so ``flow()`` returns with the log saying how the run ended. A detached run
+        has no driver: whoever asks later reads the envelope, so it goes in first.
+        """
         try:
-            await self.logger.finish(run, envelope["status"], envelope)
+            await self.logger.durable(run, run.log_seq)
+            if run.options.detached:
+                await self.logger.finish(run, envelope["status"], envelope)
         except Exception as exc:  # noqa: BLE001 - a run whose end cannot be made durable ends with that error
             self._fail_run(run, ExecutionError(f"the run could not be made durable: {type(exc).__name__}: {exc}",
                                                run_id=run.run_id))
             return
+        if not run.options.detached:
+            # Not a task of the run's: forget_run cancels those, and this write must happen.
+            run.ending = self.loop.create_task(self._record_end(run, envelope))
         self._settle(run, envelope)
+
+    async def _record_end(self, run: _Run, envelope: dict[str, Any]) -> None:
+        try:
+            await self.logger.finish(run, envelope["status"], envelope)
+        except Exception:  # noqa: BLE001 - the driver has its result; a rebuild from the records writes it
+            self.logger.end_failures += 1
 
     def _settle(self, run: _Run, envelope: dict[str, Any]) -> None:
         run.envelope = envelope

@@ -1,0 +1,80 @@
+"""RunLogger without Ray: when a run's header, batches and end reach the log, and what waits for them.
+
+The executor's logger is driven here the way ExecutorShell drives it, over a real SQLite
+log and a real writer thread, with a bare ``_Run``: a new run's header costs no write of
+its own, and nothing a run posts gets out before what decided it is durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from opgraph.actors.durability import RunLogger
+from opgraph.actors.persistence import RunLog, Writer
+from opgraph.actors.persistence.database import DatabaseError
+from opgraph.actors.protocol import RunOptions
+from opgraph.actors.shell import _Run
+from opgraph.kernel import FlowState, Graph, create_operation
+
+
+def _run(run_id: str) -> _Run:
+    graph = Graph()
+    graph.add_node(create_operation("chat"))
+    return _Run(run_id, FlowState(graph), RunOptions())
+
+
+class _CountingLog(RunLog):
+    """A run log that counts its transactions, and can be told to refuse them."""
+
+    def __init__(self, path) -> None:
+        super().__init__(path)
+        self.transactions = 0
+        self.refuse = False
+
+    def append(self, rows, headers=()):
+        if self.refuse:
+            raise DatabaseError("a write to the test log failed: disk full")
+        self.transactions += 1
+        super().append(rows, headers)
+
+
+def test_a_new_runs_header_goes_in_one_transaction_with_its_first_batch_and_posts_wait_for_it(tmp_path):
+    log = _CountingLog(tmp_path / "runs.db")
+
+    async def go():
+        logger = RunLogger(log, Writer(), "executor-0")
+        run = _run("r1")
+        logger.open(run, b"the graph")
+        run.post("signal", "started")  # decided before anything was durable: held back
+        held = list(run.outbox)
+        run.gate_seq = logger.append(run, (("admitted", 1.0),))
+        await logger.durable(run, run.gate_seq)
+        return run, held
+
+    run, held = asyncio.run(go())
+    assert held == []
+    assert log.transactions == 1  # header and first batch together
+    assert list(run.outbox) == [("signal", "started")]  # released once durable
+    loaded = log.load("r1")
+    assert loaded.header == b"the graph" and loaded.entry.status == "live"
+    assert loaded.batches == [[["admitted", 1.0]]]
+
+
+def test_a_header_that_cannot_be_written_fails_the_wait_and_nothing_is_released(tmp_path):
+    log = _CountingLog(tmp_path / "runs.db")
+    log.refuse = True
+
+    async def go():
+        logger = RunLogger(log, Writer(), "executor-0")
+        run = _run("r2")
+        logger.open(run, b"the graph")
+        run.post("signal", "started")
+        with pytest.raises(DatabaseError, match="disk full"):
+            await logger.durable(run, 0)
+        return run
+
+    run = asyncio.run(go())
+    assert list(run.outbox) == [] and run.flushed_seq == -1
+    assert log.entry("r2") is None
