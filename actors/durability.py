@@ -18,6 +18,7 @@ from ray import cloudpickle
 
 from .persistence import RunLog, Writer
 from .persistence.codec import encode
+from .persistence.database import DatabaseError
 
 if TYPE_CHECKING:
     from .shell import _Run
@@ -48,6 +49,7 @@ class RunLogger:
         self.log = log
         self.writer = writer
         self.executor = executor
+        self.checkpointer = log.database.checkpoint_elsewhere()
         self._pending: list[tuple[_Run, int, tuple]] = []
         self._headers: list[tuple[str, str, float, bytes]] = []  # runs admitted since the last flush
         self._flushing: asyncio.Task | None = None
@@ -117,17 +119,34 @@ class RunLogger:
         """On the writer thread: encode every batch, then one transaction for all of them (and the
         headers of runs admitted since the last flush, ahead of their records)."""
         rows = [(run.run_id, seq, encode(records)) for run, seq, records in pending if seq]
+        count = sum(len(row[2]) for row in rows) + sum(len(header[3]) for header in headers)
         self.batches += len(rows)
-        self.bytes += sum(len(row[2]) for row in rows) + sum(len(header[3]) for header in headers)
+        self.bytes += count
         self.log.append(rows, headers)
+        self._written(count)
+
+    def _written(self, count: int) -> None:
+        """Tell the checkpointer (SQLite) what went in; checkpoint here if it says the WAL is too long."""
+        if self.checkpointer is not None and self.checkpointer.written(count):
+            try:
+                self.log.database.checkpoint()
+            except DatabaseError:  # the commits are in the WAL: only the copy failed, and is tried again
+                self.checkpointer.failures += 1
 
     async def finish(self, run: _Run, status: str, envelope: dict[str, Any] | None, error: str | None = None) -> None:
         await self.durable(run, run.log_seq)
-        await self.writer.run(self.log.finish, run.run_id, status, envelope, error)
+        await self.writer.run(self._finish, run.run_id, status, envelope, error)
+
+    def _finish(self, run_id: str, status: str, envelope: dict[str, Any] | None, error: str | None) -> None:
+        """On the writer thread, as every write whose bytes the checkpointer counts."""
+        self._written(self.log.finish(run_id, status, envelope, error))
 
     def statistics(self) -> dict[str, Any]:
+        checkpointer = self.checkpointer
         return {"batches": self.batches, "flushes": self.flushes, "bytes": self.bytes, "pending": len(self._pending),
-                "end_failures": self.end_failures, "at": time.time()}
+                "end_failures": self.end_failures, "at": time.time(),
+                "checkpoints": checkpointer.checkpoints if checkpointer else None,
+                "checkpoint_failures": checkpointer.failures if checkpointer else None}
 
 
 def _wake(run: _Run) -> None:

@@ -80,10 +80,12 @@ class RunLog:
             self.database.transaction(statements)
 
     def finish(self, run_id: str, status: str, envelope: dict[str, Any] | None = None,
-               error: str | None = None) -> None:
+               error: str | None = None) -> int:
+        """Record how ``run_id`` ended; returns the bytes of envelope written."""
         blob = encode_envelope(envelope) if envelope is not None else None
         self.database.transaction([("UPDATE runtime_runs SET status = ?, finished = ?, envelope = ?, error = ? "
                                     "WHERE run_id = ?", (status, time.time(), blob, error, run_id))])
+        return len(blob) if blob is not None else 0
 
     def forget(self, run_id: str) -> None:
         """Remove a run's records, keeping how it ended (a finished run needs no replay)."""

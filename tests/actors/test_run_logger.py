@@ -78,3 +78,23 @@ def test_a_header_that_cannot_be_written_fails_the_wait_and_nothing_is_released(
     run = asyncio.run(go())
     assert list(run.outbox) == [] and run.flushed_seq == -1
     assert log.entry("r2") is None
+
+
+def test_the_wal_is_checkpointed_off_the_writers_connection_and_by_the_writer_past_its_limit(tmp_path, monkeypatch):
+    from opgraph.actors.persistence import database as module
+
+    log = RunLog(tmp_path / "runs.db")
+    checkpointer = log.database.checkpoint_elsewhere()
+    assert log.database.query("PRAGMA wal_autocheckpoint") == [(0,)]  # commits no longer checkpoint
+    monkeypatch.setattr(module, "CHECKPOINT_BYTES", 1000)
+    path = tmp_path / "runs.db"
+    log.begin("r1", "executor-0", bytes(500_000), 1.0)
+    assert path.stat().st_size < 500_000  # committed into the WAL only
+    assert checkpointer.written(500_000) is False  # handed to the checkpointer's own thread
+    checkpointer.close()
+    assert (checkpointer.checkpoints, checkpointer.failures) == (1, 0)
+    assert path.stat().st_size > 500_000  # copied into the database file
+
+    monkeypatch.setattr(module, "WAL_LIMIT_BYTES", 1000)
+    log.begin("r2", "executor-0", bytes(50_000), 2.0)
+    assert checkpointer.written(50_000) is True  # too long: the writer checkpoints, between its commits
