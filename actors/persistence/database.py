@@ -12,12 +12,15 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from opgraph.kernel import OpGraphError
 
 from .backends import Connection, describe, driver_errors, is_postgres, location, open_connection
 
 __all__ = ["RUNTIME_SCHEMA_VERSION", "Checkpointer", "Database", "DatabaseError", "database_exists", "database_path"]
+
+BUSY_TIMEOUT_MS = 30_000  # how long a write waits for another process's SQLite write lock
 
 # SQLite's own default: its writers checkpoint once the WAL passes 1,000 pages of 4 KiB.
 CHECKPOINT_BYTES = 4 << 20
@@ -147,7 +150,7 @@ class Database:
         try:
             if not self.postgres:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-            self.connection = open_connection(self.path, timeout=30.0)
+            self.connection = open_connection(self.path, timeout=BUSY_TIMEOUT_MS / 1000)
             if not self.postgres:
                 self.connection.execute("PRAGMA journal_mode = WAL")
                 self.connection.execute("PRAGMA synchronous = NORMAL")
@@ -200,6 +203,37 @@ class Database:
                 connection.run_transaction(statements, write=not self.postgres)
             except connection.errors as exc:
                 raise DatabaseError(f"a write to {describe(self.path)} failed: {exc}") from exc
+
+    def try_transaction(self, statements: list[tuple[str, Any]]) -> bool:
+        """``transaction(statements)`` if it can start without waiting: this connection free and
+        SQLite's write lock not held by another process. False (nothing written) if either is
+        busy, and always on PostgreSQL, whose every commit is a round trip to the server."""
+        if self.postgres or not self.lock.acquire(blocking=False):
+            return False
+        connection = self.connection
+        try:
+            connection.execute("PRAGMA busy_timeout = 0")
+            try:
+                connection.begin(write=True)
+            except connection.errors:  # the write lock is another process's: the caller waits elsewhere
+                return False
+            finally:
+                connection.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS:d}")
+            try:
+                for sql, parameters in statements:
+                    if parameters and isinstance(parameters, list):
+                        connection.executemany(sql, parameters)
+                    else:
+                        connection.execute(sql, parameters)
+                connection.commit()
+            except BaseException as exc:
+                connection.rollback()
+                if isinstance(exc, connection.errors):
+                    raise DatabaseError(f"a write to {describe(self.path)} failed: {exc}") from exc
+                raise
+            return True
+        finally:
+            self.lock.release()
 
     def query(self, sql: str, parameters: tuple = ()) -> list[tuple]:
         with self.lock:

@@ -72,12 +72,23 @@ class RunLog:
                headers: list[tuple[str, str, float, bytes]] = ()) -> None:
         """Record batches ``(run_id, seq, encoded batch)`` of any runs, in one transaction, after
         the headers ``(run_id, executor, started, header)`` of runs admitted since the last one."""
+        statements = self._statements(rows, headers)
+        if statements:
+            self.database.transaction(statements)
+
+    @staticmethod
+    def _statements(rows: list[tuple[str, int, bytes]],
+                    headers: list[tuple[str, str, float, bytes]]) -> list[tuple[str, Any]]:
         statements = [(_BEGIN, [(run_id, executor, LIVE, started) for run_id, executor, started, _ in headers]),
                       (_HEADER, [(run_id, header) for run_id, _, _, header in headers])] if headers else []
         if rows:
             statements.append((_APPEND, rows))
-        if statements:
-            self.database.transaction(statements)
+        return statements
+
+    def try_append(self, rows: list[tuple[str, int, bytes]],
+                   headers: list[tuple[str, str, float, bytes]] = ()) -> bool:
+        """``append`` now if it need not wait for anyone (SQLite); False, with nothing written, if it would."""
+        return self.database.try_transaction(self._statements(rows, headers))
 
     def finish(self, run_id: str, status: str, envelope: dict[str, Any] | None = None,
                error: str | None = None) -> int:

@@ -26,5 +26,9 @@ class Writer:
     async def run(self, function: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
+    def submit(self, function: Callable[..., Any], *args: Any) -> None:
+        """Run ``function`` after every write submitted so far, without waiting for it."""
+        self._pool.submit(function, *args)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)

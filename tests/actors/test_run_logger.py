@@ -8,6 +8,8 @@ its own, and nothing a run posts gets out before what decided it is durable.
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 
 import pytest
 
@@ -32,12 +34,25 @@ class _CountingLog(RunLog):
         super().__init__(path)
         self.transactions = 0
         self.refuse = False
+        self.threads: set[str] = set()
 
     def append(self, rows, headers=()):
+        self._check()
+        super().append(rows, headers)
+        self.transactions += 1
+        self.threads.add(threading.current_thread().name)
+
+    def try_append(self, rows, headers=()):
+        self._check()
+        done = super().try_append(rows, headers)
+        if done:
+            self.transactions += 1
+            self.threads.add(threading.current_thread().name)
+        return done
+
+    def _check(self):
         if self.refuse:
             raise DatabaseError("a write to the test log failed: disk full")
-        self.transactions += 1
-        super().append(rows, headers)
 
 
 def test_a_new_runs_header_goes_in_one_transaction_with_its_first_batch_and_posts_wait_for_it(tmp_path):
@@ -56,6 +71,7 @@ def test_a_new_runs_header_goes_in_one_transaction_with_its_first_batch_and_post
     run, held = asyncio.run(go())
     assert held == []
     assert log.transactions == 1  # header and first batch together
+    assert log.threads == {"MainThread"}  # a small flush with nobody else writing: committed on the loop
     assert list(run.outbox) == [("signal", "started")]  # released once durable
     loaded = log.load("r1")
     assert loaded.header == b"the graph" and loaded.entry.status == "live"
@@ -98,3 +114,30 @@ def test_the_wal_is_checkpointed_off_the_writers_connection_and_by_the_writer_pa
     monkeypatch.setattr(module, "WAL_LIMIT_BYTES", 1000)
     log.begin("r2", "executor-0", bytes(50_000), 2.0)
     assert checkpointer.written(50_000) is True  # too long: the writer checkpoints, between its commits
+
+
+def test_a_flush_goes_to_the_writer_thread_while_another_process_writes_or_when_it_is_large(tmp_path):
+    """The loop never waits for SQLite's write lock nor writes a large flush itself."""
+    path = tmp_path / "runs.db"
+    log = _CountingLog(path)
+
+    async def go():
+        logger = RunLogger(log, Writer("test-writer"), "executor-0")
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+        run = _run("r3")
+        logger.open(run, b"the graph")
+        run.gate_seq = logger.append(run, (("admitted", 1.0),))
+        waiting = asyncio.ensure_future(logger.durable(run, run.gate_seq))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()  # waiting on the writer thread, which waits for the lock
+        other.execute("COMMIT")
+        await asyncio.wait_for(waiting, 30)
+        log.threads.clear()
+        large = logger.append(run, (("blob", "x" * (300 << 10)),))  # above INLINE_BYTES
+        await logger.durable(run, large)
+        return run
+
+    run = asyncio.run(go())
+    assert log.threads == {"test-writer_0"}
+    assert log.load("r3").batches[-1][0][0] == "blob" and run.flushed_seq == 2
