@@ -37,6 +37,11 @@ EXECUTOR_CONCURRENCY = 100_000
 PROBE_INTERVAL_SECONDS = 1.0
 PROBE_TIMEOUT_SECONDS = 10.0
 CANCEL_GRACE_SECONDS = 5.0
+# How long an ended run waits in its executor's memory for a driver to take its result and
+# forget it. A driver that died (or a run recovered by a replacement executor for a driver
+# that is gone) never will; after this the run is let go, and a durable run's result is
+# still read from the run log.
+UNCLAIMED_RUN_SECONDS = 300.0
 
 
 def tune_garbage_collector() -> None:

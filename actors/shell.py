@@ -47,6 +47,7 @@ from opgraph.kernel import (
 )
 from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
+from . import settings
 from .branch_registry import BranchRegistry
 from .durability import RunLogger, decode_header, encode_header
 from .errors import call_failure, is_actor_death
@@ -173,7 +174,7 @@ class ExecutorShell:
         self.told: set[asyncio.Task] = set()
         self.tell_failures = 0
         self.totals = {"runs": 0, "dispatched": 0, "settled": 0, "spawned": 0, "messages": 0, "undelivered": 0,
-                       "turns": 0, "recovered": 0}
+                       "turns": 0, "recovered": 0, "unclaimed": 0}
         # Executor-wide, monotonic across forget_run: what metrics export as counters.
         self.settled_by_status: dict[str, int] = {}
         self.dropped_spawns_by_reason: dict[str, int] = {}
@@ -538,6 +539,20 @@ class ExecutorShell:
         self.release_resources(run.run_id)
         if run.options.detached:  # nobody drains it: done once its end is durable and told
             self.forget_run(run.run_id)
+        else:  # its driver forgets it once it has the result; one that never comes is not waited for
+            self.loop.call_later(settings.UNCLAIMED_RUN_SECONDS, self._forget_unclaimed, run)
+
+    def _forget_unclaimed(self, run: _Run) -> None:
+        """Let an ended run go that no driver took (``settings.UNCLAIMED_RUN_SECONDS`` after its
+        end): its driver died, or it was recovered for one that is gone. Ideal over
+        retrospective: such a run stayed in the executor's memory for good."""
+        if self.runs.get(run.run_id) is not run:
+            return  # forgotten by its driver, as it should be
+        if run.ending is not None and not run.ending.done():
+            run.ending.add_done_callback(lambda _: self._forget_unclaimed(run))  # its envelope goes in first
+            return
+        self.totals["unclaimed"] += 1
+        self.forget_run(run.run_id)
 
     def _cancel_in_flight(self, run: _Run, cancels: list[CancelOperation]) -> None:
         """Ask the workers to cancel; give the operations ``cancel_grace`` seconds to stop."""

@@ -146,3 +146,26 @@ def test_an_injection_waiting_for_admission_is_failed_not_stranded_when_its_run_
     run, waiter = asyncio.run(go())
     assert run.done.is_set()
     assert isinstance(waiter.exception(), ExecutionError) and waiter.exception().run_id == "run-9"
+
+
+def test_an_ended_run_no_driver_takes_is_let_go_after_the_unclaimed_time(monkeypatch):
+    """Its driver died, or it was recovered for one that is gone: it must not stay in memory for good."""
+    from opgraph.actors import settings
+
+    monkeypatch.setattr(settings, "UNCLAIMED_RUN_SECONDS", 0.05)
+
+    async def go():
+        shell = shell_with([])
+        graph = Graph()
+        graph.add_node(create_operation("chat"))
+        taken, left = _Run("run-10", FlowState(graph), RunOptions()), _Run("run-11", FlowState(graph), RunOptions())
+        for run in (taken, left):
+            shell.runs[run.run_id] = run
+            shell._settle(run, {"status": "completed", "operation_statuses": {}})
+        assert set(shell.runs) == {"run-10", "run-11"}  # ended, waiting for their drivers
+        assert shell.forget_run("run-10")  # this one's driver took its result
+        await asyncio.sleep(0.2)
+        return shell
+
+    shell = asyncio.run(go())
+    assert shell.runs == {} and shell.totals["unclaimed"] == 1
