@@ -25,6 +25,7 @@ from .errors import UnknownBranchError
 from .memory import current_rss_mib
 from .persistence import Database, Writer
 from .persistence.branchlog import BranchJournal, ShardRows, load_shard, read_branch, release_branch
+from .persistence.database import Checkpointer, DatabaseError
 
 __all__ = ["BranchStore", "BranchTable", "UnknownBranchError", "shard_for"]
 
@@ -208,6 +209,7 @@ class BranchStore:
         self.owner = owner
         self.database = Database(database) if database else None
         self.writer: Writer | None = None
+        self.checkpointer: Checkpointer | None = None
         self.written = 0
         self.commits = 0
         self._flushing: asyncio.Task | None = None
@@ -219,6 +221,8 @@ class BranchStore:
             rows = load_shard(self.database, shard, owner)
             self.table = BranchTable.loaded(BranchJournal(shard, rows.next_id, owner), rows)
             self.writer = Writer(f"opgraph-branches-{shard}")
+            # As the executor's run log does: a turn's append never waits for a WAL checkpoint.
+            self.checkpointer = self.database.checkpoint_elsewhere()
 
     async def _durable(self) -> None:
         """Return once every change made so far is written (nothing to do without a database)."""
@@ -238,7 +242,7 @@ class BranchStore:
                 ops, waiters = journal.take(), self._waiters
                 self._waiters = []
                 try:
-                    await self.writer.run(journal.write, self.database, ops)
+                    await self.writer.run(self._write, journal, ops)
                 except Exception as exc:  # noqa: BLE001 - every waiting change fails, typed
                     error = ExecutionError(f"branch store {self.shard} could not write: {exc}")
                     for waiter in waiters:
@@ -252,6 +256,15 @@ class BranchStore:
                         waiter.set_result(None)
         finally:
             self._flushing = None
+
+    def _write(self, journal: BranchJournal, ops: list[tuple]) -> None:
+        """On the writer thread: the ops in one transaction, then a checkpoint if the WAL ran long."""
+        written = journal.write(self.database, ops)
+        if self.checkpointer is not None and self.checkpointer.written(written):
+            try:
+                self.database.checkpoint()
+            except DatabaseError:  # the commits are in the WAL: only the copy failed, and is tried again
+                self.checkpointer.failures += 1
 
     async def create(self, branch_id: str, messages: list[Any] | None = None, exist_ok: bool = False) -> bool:
         created = self.table.create(branch_id, messages or (), exist_ok=exist_ok)
@@ -367,6 +380,7 @@ class BranchStore:
         stats["durable"] = self.database is not None
         stats["journal_rows_written"] = self.written
         stats["journal_commits"] = self.commits
+        stats["checkpoints"] = self.checkpointer.checkpoints if self.checkpointer else None
         stats["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         stats["rss_mib"] = current_rss_mib()
         return stats

@@ -69,15 +69,17 @@ class BranchJournal:
         ops, self.ops = self.ops, []
         return ops
 
-    def write(self, database: Database, ops: list[tuple]) -> None:
-        """On the writer thread: ``ops`` in one transaction, in order."""
-        owner, shard, statements = self.owner, self.shard, []
+    def write(self, database: Database, ops: list[tuple]) -> int:
+        """On the writer thread: ``ops`` in one transaction, in order; about how many bytes went in."""
+        owner, shard, statements, size = self.owner, self.shard, [], 0
         for op in ops:
             kind = op[0]
             if kind == "record":
                 statements.append((_RECORD, (owner, shard, op[1], op[2], op[3])))
             elif kind == "message":
-                statements.append((_MESSAGE, (owner, shard, op[1], op[2], encode([[op[3]]]))))
+                message = encode([[op[3]]])
+                size += len(message)
+                statements.append((_MESSAGE, (owner, shard, op[1], op[2], message)))
             elif kind == "head":
                 statements.append((_UNHEAD, (owner, op[1])))
                 statements.append((_HEAD, (owner, op[1], shard, op[2])))
@@ -90,6 +92,10 @@ class BranchJournal:
                                    "AND record_id = ?", (owner, shard, op[1])))
         if statements:
             database.transaction(statements)
+        return size + ROW_BYTES * len(statements)
+
+
+ROW_BYTES = 100  # about what a row of ids takes on a page, beside the messages counted by their size
 
 
 class ShardRows:
