@@ -158,8 +158,10 @@ def _finished_event(row: OutcomeRow) -> OperationFinished:
 class ExecutorShell:
     """What a GraphExecutor contains: its runs, its supervised workers and stores, and counters."""
 
-    def __init__(self, workers: ActorPool, stores: ActorPool, logger: RunLogger | None = None) -> None:
+    def __init__(self, workers: ActorPool, stores: ActorPool, logger: RunLogger | None = None,
+                 slot: int = 0) -> None:
         self.workers = workers
+        self.slot = slot  # this executor's place in the runtime's pool: workers reach it by that
         self.logger = logger
         self.branches = BranchRegistry(stores)
         self.runs: dict[str, _Run] = {}
@@ -637,7 +639,7 @@ class ExecutorShell:
         pending = {call[0]: call[1]}
         run.messages += 1
         try:
-            await self._settle_rows(run, pending, await worker.run_one.remote(run.run_id, call))
+            await self._settle_rows(run, pending, await worker.run_one.remote(run.run_id, call, self.slot))
         except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
             await self._batch_failed(run, index, worker, pending, exc, acknowledged=True)
 
@@ -658,7 +660,7 @@ class ExecutorShell:
         run.messages += 1
         acknowledged = False
         try:
-            stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls)
+            stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls, self.slot)
             async for ref in stream:
                 rows = await ref
                 if not acknowledged:

@@ -221,7 +221,7 @@ def test_a_dead_or_silent_actor_is_reported_down_and_the_scrape_still_answers(se
     dead = BranchStore.remote(99)
     ray.get(dead.statistics.remote(), timeout=30)
     ray.kill(dead, no_restart=True)
-    runtime = Runtime(executor=session.runtime.executor,
+    runtime = Runtime(executors=[session.runtime.executor],
                       workers=[*session.runtime.workers, silent],
                       stores=[*session.runtime.stores, dead])
     silent_index, dead_index = len(session.runtime.workers), len(session.runtime.stores)
