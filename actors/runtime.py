@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .branches import BranchStore
 from .errors import RuntimeLostError, UnknownBranchError, is_actor_death, translate
@@ -40,6 +41,7 @@ from .workers import OperationWorker
 __all__ = ["DEFAULT_NAMESPACE", "Runtime", "connect", "find_executors", "joined_with_address"]
 
 _AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+POOL_MEMBER_CPUS = 0.01  # what a pool member asks of its node (see Runtime._placement)
 EXECUTOR_START_DEADLINE = 60.0  # seconds to find or start a live executor before giving up
 _RUNTIMES: dict[tuple[str, bool], Runtime] = {}  # this process's runtimes, by (namespace, detached)
 _JOINED_WITH_ADDRESS = False
@@ -233,9 +235,7 @@ class Runtime:
         dead_ids = {dead._actor_id} if dead is not None else set()
         workers, stores = self.sizes
         base = self.names.executor_member(member)
-        # Members of a pool go to different nodes where there are several; one executor stays
-        # where Ray's default placement puts it.
-        placement = {"scheduling_strategy": "SPREAD"} if self.pool_size > 1 else {}
+        placement = self._placement(member)
         floor = 0  # a generation whose name still finds a dead actor is passed over
         while time.monotonic() < deadline:
             newest = newest_generation(names_in(self.namespace), base)
@@ -275,10 +275,26 @@ class Runtime:
         workers, stores = self.sizes
         standby = GraphExecutor.options(
             name=self.names.executor_of(generation, member), namespace=self.namespace, get_if_exists=True,
-            max_concurrency=EXECUTOR_CONCURRENCY,
+            max_concurrency=EXECUTOR_CONCURRENCY, **self._placement(member, 1),
         ).remote(self.names, workers, stores, False, self.namespace, generation, self.database, True, member)
         self.standbys[member] = standby
         self._owned.append(standby)  # the handle that created it keeps it alive, promoted or not
+
+    def _placement(self, member: int, offset: int = 0) -> dict[str, Any]:
+        """Where member ``member`` goes: a pool's members one per alive node in turn (its standby on the
+        next node, so one node lost does not take both), preferred, not required; a single executor
+        stays where Ray's default placement puts it."""
+        if self.pool_size == 1:
+            return {}
+        nodes = sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))
+        if not nodes:
+            return {}
+        node = nodes[(member + offset) % len(nodes)]
+        # A token share of a CPU, held while it runs: with Ray's default (1 CPU to be placed), a node
+        # whose CPUs other actors' placement holds for a moment sent the member elsewhere; with 0,
+        # Ray ignored the node affinity altogether (both seen on a simulated 4-node cluster).
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True),
+                "num_cpus": POOL_MEMBER_CPUS}
 
     async def replace_executor(self, dead: Any) -> Any:
         """After ``dead`` died: find or start a live executor for its member (off the event loop) and use it."""
