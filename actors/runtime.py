@@ -235,7 +235,9 @@ class Runtime:
         dead_ids = {dead._actor_id} if dead is not None else set()
         workers, stores = self.sizes
         base = self.names.executor_member(member)
-        placement = self._placement(member)
+        # A replacement goes where Ray puts it: the node it would prefer may be the one that
+        # died, still listed alive until Ray notices (seen: a replacement waited for that).
+        placement = self._placement(member) if dead is None else {}
         floor = 0  # a generation whose name still finds a dead actor is passed over
         while time.monotonic() < deadline:
             newest = newest_generation(names_in(self.namespace), base)
