@@ -64,9 +64,9 @@ def _fanout(nodes: int) -> Any:
     return graph
 
 
-async def _batch(session: Any, runs: int, nodes: int, capacity: int) -> tuple[float, list[str]]:
-    """Wall seconds of ``runs`` concurrent fan-outs (graphs built before the clock starts), and
-    the executor each run was placed on."""
+async def _batch(session: Any, runs: int, nodes: int, capacity: int) -> tuple[float, list[str], float]:
+    """Wall seconds of ``runs`` concurrent fan-outs (graphs built before the clock starts), the
+    executor each run was placed on, and the scheduler's messages per node."""
     graphs = [_fanout(nodes) for _ in range(runs)]
     refs: list[dict[str, Any]] = [{} for _ in graphs]
     started = time.perf_counter()
@@ -76,7 +76,8 @@ async def _batch(session: Any, runs: int, nodes: int, capacity: int) -> tuple[fl
     bad = [envelope["status"] for envelope in envelopes if envelope["status"] != "completed"]
     if bad:
         raise RuntimeError(f"a benchmark run did not complete: {bad}")
-    return elapsed, [ref["executor"].executor_name for ref in refs]
+    messages = sum(envelope["scheduler_messages"] for envelope in envelopes) / (runs * nodes)
+    return elapsed, [ref["executor"].executor_name for ref in refs], messages
 
 
 def pool_figures(runs: int = 8, nodes: int = 10_000, pools: tuple[int, ...] = (1, 4), repeat: int = 3,
@@ -107,11 +108,13 @@ def pool_figures(runs: int = 8, nodes: int = 10_000, pools: tuple[int, ...] = (1
         for _ in range(repeat):
             for size, session in sessions.items():  # interleaved, so drift falls on every pool alike
                 before = {kind: sum(_cpu_seconds(pid) for pid in found) for kind, found in pids[size].items()}
-                elapsed, owners = asyncio.run(_batch(session, runs, nodes, capacity))
+                elapsed, owners, messages = asyncio.run(_batch(session, runs, nodes, capacity))
                 cpu = {kind: round(sum(_cpu_seconds(pid) for pid in found) - before[kind], 2)
                        for kind, found in pids[size].items()}
                 batches[size].append({"seconds": round(elapsed, 3), "nodes_per_second": round(runs * nodes / elapsed),
-                                      "cpu_seconds": cpu, "load_average": _load_average(),
+                                      "cpu_seconds": cpu, "messages_per_node": round(messages, 3),
+                                      "cpu_ms_per_node": round(1000 * sum(cpu.values()) / (runs * nodes), 3),
+                                      "load_average": _load_average(),
                                       "runs_per_executor": {name: owners.count(name) for name in sorted(set(owners))}})
         medians = {size: statistics.median(batch["nodes_per_second"] for batch in found)
                    for size, found in batches.items()}
@@ -152,11 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     figures = pool_figures(options.runs, options.nodes, pools, options.repeat, options.cluster_nodes,
                            options.workers, capacity=options.capacity)
     print(json.dumps(figures, indent=2), flush=True)
-    print(f"{'pool':>5}{'median nodes/s':>16}{'ratio':>8}   batches (nodes/s)")
+    print(f"{'pool':>5}{'median nodes/s':>16}{'ratio':>8}{'CPU ms/node':>13}{'msgs/node':>11}   batches (nodes/s)")
     ratios = figures[f"ratio_vs_pool_of_{pools[0]}"]
     for size in pools:
-        rates = ", ".join(f"{batch['nodes_per_second']:,}" for batch in figures["batches"][str(size)])
-        print(f"{size:>5}{figures['median_nodes_per_second'][str(size)]:>16,}{ratios[str(size)]:>7.2f}x   {rates}")
+        found = figures["batches"][str(size)]
+        rates = ", ".join(f"{batch['nodes_per_second']:,}" for batch in found)
+        cpu = statistics.median(batch["cpu_ms_per_node"] for batch in found)
+        messages = statistics.median(batch["messages_per_node"] for batch in found)
+        print(f"{size:>5}{figures['median_nodes_per_second'][str(size)]:>16,}{ratios[str(size)]:>7.2f}x"
+              f"{cpu:>13.3f}{messages:>11.3f}   {rates}")
     return 0
 
 
