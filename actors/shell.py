@@ -245,7 +245,8 @@ class ExecutorShell:
             registry.adopt(options.branch_scope, (), parent=options.scope_parent)
         if options.isolated and options.default_branch_id not in options.known_branches:
             await registry.create(options.default_branch_id, [], options.branch_scope)
-        lost = await registry.ensure(dict(options.known_branches))
+        # Members of a pool other than the first borrow the Sessions' branches (made on the first).
+        lost = await registry.ensure(dict(options.known_branches), borrower=run_id if self.slot else None)
         run.lost_branches.extend({"branch_id": branch_id, "reason": "its branch store died; recreated empty"}
                                  for branch_id in lost)
         # Nodes restored as already settled were counted by the run that settled them.
@@ -286,6 +287,7 @@ class ExecutorShell:
             run.grace_timer.cancel()
         self._fail_waiters(run, None)
         self.release_resources(run_id)
+        self.branches.release(run_id)
         if len(run.state.state) >= LARGE_RUN_NODES:
             # A large run leaves reference cycles (tasks, closures) that the youngest
             # generations never reach at this process's GC thresholds; collected now, a

@@ -68,7 +68,8 @@ def _loads(session: Session) -> list[tuple[int, int]]:
 def test_runs_spread_over_the_members_and_each_is_found_by_id_on_its_own(pooled, gauge):
     """Four runs of 3 held nodes, admitted together: two live on each member. Each is found by
     id through RunControl.attach (as from any client) and Session.run_control, on the member that
-    owns it, whose status() answers for it; released, all four complete."""
+    owns it, whose status() answers for it; released, all four complete, and member 1 keeps
+    no branch of them once they are released."""
     keys = [f"spread-{index}" for index in range(4)]
     refs: list[dict[str, Any]] = [{} for _ in keys]
 
@@ -105,6 +106,9 @@ def test_runs_spread_over_the_members_and_each_is_found_by_id_on_its_own(pooled,
     assert [envelope["status"] for envelope in envelopes] == ["completed"] * 4
     for envelope in envelopes:
         run(pooled.release_run(envelope["run_id"]))
+    # Member 1 borrowed the Session's default branch for its runs and made theirs: nothing stays.
+    held = ray.get(pooled.runtime.executors[1].statistics.remote())["branches"]
+    assert held["branches"] == 0 and held["scopes"] == 0, held
 
 
 def test_a_killed_member_recovers_its_durable_run_and_the_other_members_run_is_untouched(pooled, gauge):
