@@ -33,6 +33,11 @@ class BranchRegistry:
         self.children: dict[str, set[str]] = {}  # scope -> nested scopes
         self.owner: dict[str, str] = {}  # branch id -> its scope
         self.lost: set[str] = set()  # branches that died with their store, not yet recreated
+        # Branches a run here uses that belong to no scope here (a Session's branches, made on
+        # another executor of the pool): branch id -> those runs, and run id -> its branches.
+        # Their location is forgotten with the last such run, since their owner drops them.
+        self.borrowers: dict[str, set[str]] = {}
+        self.borrowed: dict[str, list[str]] = {}
 
     # -- where a branch lives ---------------------------------------------------------------
     def shard_of(self, branch_id: str | None, default: int = 0) -> int:
@@ -90,15 +95,18 @@ class BranchRegistry:
         self.place(branch_id, shard, scope)
         return shard
 
-    async def ensure(self, branches: dict[str, int], scope: str | None = None) -> list[str]:
+    async def ensure(self, branches: dict[str, int], scope: str | None = None,
+                     borrower: str | None = None) -> list[str]:
         """Make sure each branch (id -> shard) exists; returns the ids found lost and recreated empty.
 
         Called when a run starts with branches this executor does not know (it replaced
         a dead one) or knows to be lost (their store died): they come back empty, and the
-        run reports them lost instead of failing on a missing branch.
+        run reports them lost instead of failing on a missing branch. ``borrower`` (a run
+        id) borrows those that are new here and no scope's here, until ``release``.
         """
         # A store being replaced has lost its branches; only once that is known can they be found.
         await self.stores.settled()
+        new = {branch_id for branch_id in branches if branch_id not in self.location} if borrower else set()
         wanted: dict[int, list[str]] = {}
         for branch_id, shard in branches.items():
             if branch_id in self.lost or branch_id not in self.location:
@@ -115,7 +123,31 @@ class BranchRegistry:
                 self.location[branch_id] = shard
         if scope is not None:
             self.adopt(scope, [b for b in branches if b not in self.owner])
+        if borrower is not None:
+            mine = [b for b in branches if b not in self.owner and (b in new or b in self.borrowers)]
+            for branch_id in mine:
+                self.borrowers.setdefault(branch_id, set()).add(borrower)
+            if mine:
+                self.borrowed[borrower] = mine
         return recreated
+
+    def release(self, borrower: str) -> int:
+        """Run ``borrower`` ended here: forget where the branches it was the last to borrow live.
+        Returns how many were forgotten (the stores keep them: their owner drops them)."""
+        forgotten = 0
+        for branch_id in self.borrowed.pop(borrower, ()):
+            runs = self.borrowers.get(branch_id)
+            if runs is None:
+                continue
+            runs.discard(borrower)
+            if runs:
+                continue
+            del self.borrowers[branch_id]
+            if branch_id not in self.owner:
+                self.location.pop(branch_id, None)
+                self.lost.discard(branch_id)
+                forgotten += 1
+        return forgotten
 
     async def take_over(self, branch_ids: Iterable[str], scope: str | None = None,
                         scoped: Iterable[str] = ()) -> list[str]:

@@ -79,16 +79,23 @@ class GraphExecutor:
     (it adopts the newest workers and stores, and recovers the runs), so a replacement
     costs no process start. Ideal over retrospective: the records' executor lives in
     its caller's process; here it is a process of its own, and one kept warm.
+
+    ``member``: this executor's place in the runtime's pool of executors. Every member
+    owns the runs admitted to it (the run log names them by the member's first name, so
+    a member's replacement recovers that member's runs and no other's), and all members
+    share, and each supervises, the same workers and branch stores.
     """
 
     def __init__(self, names: ActorNames, workers: int = 2, branch_stores: int = 1, detached: bool = False,
                  namespace: str | None = None, generation: int = 0, database: str | None = None,
-                 standby: bool = False) -> None:
+                 standby: bool = False, member: int = 0) -> None:
         tune_garbage_collector()
         # When this executor came up and recovered (wall clock): how long a replacement took.
         self.timeline: dict[str, float] = {"created": time.time()}
         self.names = names
-        self.name = names.executor_of(generation)
+        self.member = member
+        self.base_name = names.executor_member(member)  # what the run log knows this member's runs by
+        self.name = names.executor_of(generation, member)
         # The runtime's database (None: nothing is durable): the run log and durable branches.
         self.database = database
         self.run_log = RunLog(database) if database else None
@@ -99,15 +106,16 @@ class GraphExecutor:
         stores, store_names, store_generations = self._adopt_or_start(
             branch_stores, names.store, self._start_store, existing)
         self.store_pool = ActorPool("branch store", stores, store_names, start=self._start_store,
-                                    on_replaced=self._store_replaced)
+                                    on_replaced=self._store_replaced, newest=self._newest_of(names.store))
         self.store_pool.generations = store_generations
         workers_found, worker_names, worker_generations = self._adopt_or_start(
             workers, names.worker, self._start_worker, existing)
-        self.worker_pool = ActorPool("operation worker", workers_found, worker_names, start=self._start_worker)
+        self.worker_pool = ActorPool("operation worker", workers_found, worker_names, start=self._start_worker,
+                                     setup=self._setup_worker, newest=self._newest_of(names.worker))
         self.worker_pool.generations = worker_generations
         # Every data-path method lives on the shell: Ray's tracing shim wraps only this class.
-        logger = RunLogger(self.run_log, Writer("opgraph-run-log"), names.executor) if self.run_log else None
-        self.shell = ExecutorShell(self.worker_pool, self.store_pool, logger)
+        logger = RunLogger(self.run_log, Writer("opgraph-run-log"), self.base_name) if self.run_log else None
+        self.shell = ExecutorShell(self.worker_pool, self.store_pool, logger, slot=member)
         self.recovered: list[str] = []
         self.recovery_errors: dict[str, str] = {}
         self.next_token = 0
@@ -156,9 +164,12 @@ class GraphExecutor:
     def _lifetime(self) -> str | None:
         return "detached" if self.detached else None
 
+    # A name that exists is taken as it is (get_if_exists): another executor of the pool may
+    # have started that generation already. One that turns out dead fails its setup, and
+    # the next generation is tried.
     def _start_store(self, index: int, generation: int) -> Any:
         return BranchStore.options(name=self.names.store(index, generation), namespace=self.namespace,
-                                   get_if_exists=self.detached,
+                                   get_if_exists=True,
                                    lifetime=self._lifetime()).remote(
                                        index, self.database, self.names.owner(self.namespace))
 
@@ -166,10 +177,22 @@ class GraphExecutor:
         stores = getattr(self, "store_pool", None)
         name = self.names.worker(index, generation)
         return OperationWorker.options(
-            name=name, namespace=self.namespace, get_if_exists=self.detached,
+            name=name, namespace=self.namespace, get_if_exists=True,
             max_concurrency=WORKER_CONCURRENCY, lifetime=self._lifetime(),
         ).remote(index, list(stores.handles) if stores else [], list(stores.names) if stores else [],
-                 self.self_handle, name)
+                 self.self_handle, name, self.member)
+
+    async def _setup_worker(self, index: int, handle: Any) -> None:
+        """A replacement worker (started here, or by another executor of the pool) learns this
+        executor's slot before it gets work from it."""
+        await handle.set_executor.remote(self.self_handle, self.member)
+
+    def _newest_of(self, name_of):
+        def newest(index: int) -> int | None:
+            found = newest_generation(names_in(self.namespace or ray.get_runtime_context().namespace),
+                                      name_of(index))
+            return None if found is None else found[1]
+        return newest
 
     async def _store_replaced(self, index: int, handle: Any) -> None:
         await self.shell.store_replaced(index, handle)
@@ -214,7 +237,7 @@ class GraphExecutor:
         writer = self.shell.logger.writer
         await writer.run(self.shell.branches.load_locations, self.run_log.database,
                          self.names.owner(self.namespace))
-        live = await writer.run(lambda: self.run_log.runs(status="live", executor=self.names.executor))
+        live = await writer.run(lambda: self.run_log.runs(status="live", executor=self.base_name))
         for entry in live:
             if entry.run_id in self.shell.runs:
                 continue
@@ -251,7 +274,7 @@ class GraphExecutor:
 
         async def introduce(index: int, handle: Any) -> None:
             try:
-                await handle.set_executor.remote(self.self_handle)
+                await handle.set_executor.remote(self.self_handle, self.member)
             except Exception as exc:  # noqa: BLE001 - an adopted worker that is gone: replaced like any dead one
                 if is_actor_death(exc):
                     pool.mark_dead(index, handle, "found dead when adopted")
@@ -455,6 +478,14 @@ class GraphExecutor:
     async def has_run(self, run_id: str) -> bool:
         return run_id in self.shell.runs
 
+    async def load(self) -> tuple[int, int]:
+        """(live runs, their nodes not yet settled): what placing a new run on this member weighs.
+
+        On the main loop, like the data path, so it reads the runs between two ``handle``
+        calls; the cost is one pass over the live runs, not their graphs."""
+        live = [run.state for run in self.shell.runs.values() if not run.state.finished]
+        return len(live), sum(state.open_nodes for state in live)
+
     @ray.method(concurrency_group="control")
     async def statistics(self) -> dict[str, Any]:
         if self.shell.loop is None:
@@ -544,6 +575,7 @@ class GraphExecutor:
             shell.harvest(run, runs[run_id])
         return {
             "name": self.name,
+            "member": self.member,
             "pid": os.getpid(),
             "active_runs": sum(1 for r in shell.runs.values() if not r.state.finished),
             "in_flight": sum(len(r.state.running) for r in shell.runs.values() if not r.state.finished),

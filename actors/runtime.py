@@ -1,7 +1,8 @@
-"""Joining Ray, and finding (or starting) the executor that supervises a runtime's actors.
+"""Joining Ray, and finding (or starting) the executors that supervise a runtime's actors.
 
-Owns actor placement from the driver's side: one executor per runtime, which starts and
-supervises its workers and branch stores. A detached runtime (joined through an
+Owns actor placement from the driver's side: a pool of executors per runtime (one by
+default on one machine), which start and supervise the workers and branch stores they
+share, and the choice of the member a new run goes to. A detached runtime (joined through an
 address) is shared by name by every process of the namespace and outlives them all; an
 owned runtime's names carry its creator's id, so no other process can come to depend
 on actors that die with it. A dead executor is replaced at the next call that needs one.
@@ -10,17 +11,20 @@ on actors that die with it. A dead executor is replaced at the next call that ne
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .branches import BranchStore
-from .errors import RuntimeLostError, is_actor_death, translate
+from .errors import RuntimeLostError, UnknownBranchError, is_actor_death, translate
 from .executor import GraphExecutor
 from .settings import (
     DEFAULT_NAMESPACE,
@@ -28,6 +32,7 @@ from .settings import (
     EXECUTOR_PREFIX,
     WORKER_CONCURRENCY,
     ActorNames,
+    executor_pool_size,
     names_in,
     newest_generation,
 )
@@ -36,6 +41,7 @@ from .workers import OperationWorker
 __all__ = ["DEFAULT_NAMESPACE", "Runtime", "connect", "find_executors", "joined_with_address"]
 
 _AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+POOL_MEMBER_CPUS = 0.01  # what a pool member asks of its node (see Runtime._placement)
 EXECUTOR_START_DEADLINE = 60.0  # seconds to find or start a live executor before giving up
 _RUNTIMES: dict[tuple[str, bool], Runtime] = {}  # this process's runtimes, by (namespace, detached)
 _JOINED_WITH_ADDRESS = False
@@ -96,13 +102,15 @@ def _process_suffix() -> str:
 
 @dataclass
 class Runtime:
-    """The driver's handle on one runtime: its executor, and the workers and stores it supervises.
+    """The driver's handle on one runtime: its pool of executors, and the workers and stores they share.
 
-    ``workers`` and ``stores`` are the executor's current handles, as of the latest
-    ``refresh()`` (the executor replaces dead ones; ask it again to see replacements).
+    ``executors`` holds the pool's members (``executor`` is member 0, the home member:
+    branches, turns and statistics go there). Each run is owned by one member, chosen
+    when it is admitted (``place``). ``workers`` and ``stores`` are member 0's current
+    handles, as of the latest ``refresh()`` (a dead one is replaced; ask again to see it).
     """
 
-    executor: Any
+    executors: list[Any] = field(default_factory=list)
     workers: list[Any] = field(default_factory=list)
     stores: list[Any] = field(default_factory=list)
     names: ActorNames = field(default_factory=ActorNames)
@@ -110,28 +118,60 @@ class Runtime:
     detached: bool = False
     sizes: tuple[int, int] = (2, 1)
     database: str | None = None
+    pool_size: int = 1
     _owned: list[Any] = field(default_factory=list, repr=False)  # keeps this process's actors referenced
-    _dead: Any = field(default=None, repr=False)
-    standby: Any = field(default=None, repr=False)  # the warm spare executor (durable owned runtimes)
-    executor_name: str = ""
+    _dead: dict[int, Any] = field(default_factory=dict, repr=False)  # member -> its handle known dead
+    _members: dict[Any, int] = field(default_factory=dict, repr=False)  # actor id of every handle -> member
+    _admitting: list[int] = field(default_factory=list, repr=False)  # runs being placed, per member
+    _placed: int = field(default=0, repr=False)
+    standbys: dict[int, Any] = field(default_factory=dict, repr=False)  # member -> its warm spare
+    executor_names: list[str] = field(default_factory=list)
+
+    # -- member 0, as a single-executor runtime had it ---------------------------------
+    @property
+    def executor(self) -> Any:
+        return self.executors[0] if self.executors else None
+
+    @property
+    def executor_name(self) -> str:
+        return self.executor_names[0] if self.executor_names else ""
+
+    @property
+    def standby(self) -> Any:
+        """Member 0's warm spare executor (durable owned runtimes), or None."""
+        return self.standbys.get(0)
 
     @classmethod
     def get_or_start(cls, *, workers: int = 2, branch_stores: int = 1, detached: bool = False,
-                     namespace: str | None = None, database: str | None = None) -> Runtime:
+                     namespace: str | None = None, database: str | None = None,
+                     executors: int | None = None) -> Runtime:
         """This process's runtime of ``namespace``: found, or started. Every Session of the process shares it.
 
         ``database`` (a path) makes the runtime durable: its run log and branches live
-        there. Whoever starts the runtime decides; a runtime found keeps its setting."""
+        there. ``executors`` is the size of its executor pool (default ``OPGRAPH_EXECUTORS``,
+        else one per alive Ray node). Whoever starts the runtime decides; a runtime found
+        keeps its settings (a process joining a detached runtime uses at least as many
+        members as it finds)."""
         space = namespace or ray.get_runtime_context().namespace
         cached = _RUNTIMES.get((space, detached))
         if cached is not None:
             return cached
         names = ActorNames("" if detached else _process_suffix())
-        runtime = cls(executor=None, names=names, namespace=space, detached=detached,
-                      sizes=(workers, branch_stores), database=database)
+        size = executor_pool_size(executors)
+        if detached:
+            size = max(size, _members_listed(names, space))
+        runtime = cls(names=names, namespace=space, detached=detached, sizes=(workers, branch_stores),
+                      database=database, pool_size=size)
+        runtime.executors = [None] * size
+        runtime.executor_names = [""] * size
+        runtime._admitting = [0] * size
         if not detached:
             runtime._start_owned_pool()
-        runtime.executor = runtime._find_or_start(dead=None)
+        runtime.executors[0] = runtime._find_or_start(dead=None, member=0)
+        if size > 1:  # the others adopt what member 0 found or started: in parallel
+            with ThreadPoolExecutor(max_workers=size - 1) as threads:
+                handles = list(threads.map(lambda member: runtime._find_or_start(None, member), range(1, size)))
+            runtime.executors[1:] = handles
         runtime.refresh()
         _RUNTIMES[(space, detached)] = runtime
         return runtime
@@ -153,7 +193,7 @@ class Runtime:
                                .remote(index, store_handles, store_names, None, name))
 
     def refresh(self) -> None:
-        """Read the executor's current worker and store handles."""
+        """Read member 0's current worker and store handles."""
         pool = self._translated(ray.get, self.executor.pool.remote())
         self.workers[:] = pool["workers"]
         self.stores[:] = pool["stores"]
@@ -164,8 +204,28 @@ class Runtime:
         except ray.exceptions.RayError as exc:
             raise translate(exc, actor=self.executor_name) from None
 
-    def _find_or_start(self, dead: Any) -> Any:
-        """A live executor for this runtime: the newest generation there is, or a new one.
+    def name_of(self, executor: Any) -> str:
+        """The current name of the member ``executor`` is (member 0's when it is not one)."""
+        member = self.member_of(executor)
+        return self.executor_names[member if member is not None else 0]
+
+    def has_run_sync(self, run_id: str) -> list[bool]:
+        """Per member, whether it has run ``run_id`` (a member that does not answer has not)."""
+        refs = [executor.has_run.remote(run_id) for executor in self.executors]
+        found = []
+        for ref in refs:
+            try:
+                found.append(bool(ray.get(ref)))
+            except ray.exceptions.RayError:
+                found.append(False)
+        return found
+
+    def member_of(self, executor: Any) -> int | None:
+        """The pool member ``executor`` is (or was, before a replacement), or None."""
+        return self._members.get(getattr(executor, "_actor_id", None))
+
+    def _find_or_start(self, dead: Any, member: int = 0) -> Any:
+        """A live executor for pool member ``member``: the newest generation there is, or a new one.
 
         ``dead`` is a handle known dead. A dead actor's name is not always released at once,
         so its replacement takes the next generation's name (``opgraph-executor-0.g1``)
@@ -174,14 +234,20 @@ class Runtime:
         deadline = time.monotonic() + EXECUTOR_START_DEADLINE
         dead_ids = {dead._actor_id} if dead is not None else set()
         workers, stores = self.sizes
+        base = self.names.executor_member(member)
+        # A replacement goes where Ray puts it: the node it would prefer may be the one that
+        # died, still listed alive until Ray notices (seen: a replacement waited for that).
+        placement = self._placement(member) if dead is None else {}
         floor = 0  # a generation whose name still finds a dead actor is passed over
         while time.monotonic() < deadline:
-            newest = newest_generation(names_in(self.namespace), self.names.executor)
+            newest = newest_generation(names_in(self.namespace), base)
             generation = max(floor, newest[1] if newest else 0)
+            name = self.names.executor_of(generation, member)
             handle = GraphExecutor.options(
-                name=self.names.executor_of(generation), namespace=self.namespace, get_if_exists=True,
-                max_concurrency=EXECUTOR_CONCURRENCY, lifetime="detached" if self.detached else None,
-            ).remote(self.names, workers, stores, self.detached, self.namespace, generation, self.database)
+                name=name, namespace=self.namespace, get_if_exists=True,
+                max_concurrency=EXECUTOR_CONCURRENCY, lifetime="detached" if self.detached else None, **placement,
+            ).remote(self.names, workers, stores, self.detached, self.namespace, generation, self.database,
+                     False, member)
             if handle._actor_id in dead_ids:
                 floor = generation + 1
                 continue
@@ -189,91 +255,186 @@ class Runtime:
                 ray.get(handle.start.remote(), timeout=EXECUTOR_START_DEADLINE)
             except ray.exceptions.RayError as exc:
                 if not is_actor_death(exc):
-                    raise translate(exc, actor=self.names.executor_of(generation),
-                                    doing="starting the executor") from None
+                    raise translate(exc, actor=name, doing="starting the executor") from None
                 dead_ids.add(handle._actor_id)
                 floor = generation + 1
                 continue
-            self.executor_name = self.names.executor_of(generation)
-            self._start_standby(generation + 1)
+            self.executor_names[member] = name
+            self._members[handle._actor_id] = member
+            self._start_standby(generation + 1, member)
             return handle
         raise RuntimeLostError(f"no live executor could be found or started within {EXECUTOR_START_DEADLINE:.0f} s",
-                               actor=self.names.executor)
+                               actor=base)
 
-    def _start_standby(self, generation: int) -> None:
-        """Start (without waiting) the spare executor that the next replacement promotes.
+    def _start_standby(self, generation: int, member: int = 0) -> None:
+        """Start (without waiting) the spare executor that member ``member``'s next replacement promotes.
 
-        Only an owned, durable runtime has one: its names are this process's alone, so no
-        other process takes the spare for the executor, and a promoted spare has the run
-        log to recover the runs from. ``OPGRAPH_STANDBY_EXECUTOR=0`` turns it off."""
+        Only an owned, durable runtime has them: its names are this process's alone, so no
+        other process takes a spare for an executor, and a promoted spare has the run log
+        to recover the runs from. ``OPGRAPH_STANDBY_EXECUTOR=0`` turns them off."""
         if self.detached or not self.database or os.environ.get("OPGRAPH_STANDBY_EXECUTOR", "1") == "0":
             return
         workers, stores = self.sizes
-        self.standby = GraphExecutor.options(
-            name=self.names.executor_of(generation), namespace=self.namespace, get_if_exists=True,
-            max_concurrency=EXECUTOR_CONCURRENCY,
-        ).remote(self.names, workers, stores, False, self.namespace, generation, self.database, True)
-        self._owned.append(self.standby)  # the handle that created it keeps it alive, promoted or not
+        standby = GraphExecutor.options(
+            name=self.names.executor_of(generation, member), namespace=self.namespace, get_if_exists=True,
+            max_concurrency=EXECUTOR_CONCURRENCY, **self._placement(member, 1),
+        ).remote(self.names, workers, stores, False, self.namespace, generation, self.database, True, member)
+        self.standbys[member] = standby
+        self._owned.append(standby)  # the handle that created it keeps it alive, promoted or not
+
+    def _placement(self, member: int, offset: int = 0) -> dict[str, Any]:
+        """Where member ``member`` goes: a pool's members one per alive node in turn (its standby on the
+        next node, so one node lost does not take both), preferred, not required; a single executor
+        stays where Ray's default placement puts it."""
+        if self.pool_size == 1:
+            return {}
+        nodes = sorted(node["NodeID"] for node in ray.nodes() if node.get("Alive"))
+        if not nodes:
+            return {}
+        node = nodes[(member + offset) % len(nodes)]
+        # A token share of a CPU, held while it runs: with Ray's default (1 CPU to be placed), a node
+        # whose CPUs other actors' placement holds for a moment sent the member elsewhere; with 0,
+        # Ray ignored the node affinity altogether (both seen on a simulated 4-node cluster).
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=True),
+                "num_cpus": POOL_MEMBER_CPUS}
 
     async def replace_executor(self, dead: Any) -> Any:
-        """After ``dead`` died: find or start a live executor (off the event loop) and use it."""
-        if self.executor is not dead:
-            return self.executor  # another caller replaced it already
-        handle = await asyncio.to_thread(self._find_or_start, dead)
-        if self.executor is dead:
-            self.executor = handle
-            self._dead = None
-            await asyncio.to_thread(self.refresh)
-        return self.executor
+        """After ``dead`` died: find or start a live executor for its member (off the event loop) and use it."""
+        member = self.member_of(dead) or 0
+        if self.executors[member] is not dead:
+            return self.executors[member]  # another caller replaced it already
+        handle = await asyncio.to_thread(self._find_or_start, dead, member)
+        if self.executors[member] is dead:
+            self.executors[member] = handle
+            self._dead.pop(member, None)
+            if member == 0:
+                await asyncio.to_thread(self.refresh)
+        return self.executors[member]
 
-    async def live_executor(self) -> Any:
-        """The executor to send new work to: replaced first if it is known to have died."""
-        if self._dead is not None and self._dead is self.executor:
-            await self.replace_executor(self._dead)
-        return self.executor
+    async def live_executor(self, member: int = 0) -> Any:
+        """Member ``member``'s executor to send new work to: replaced first if it is known to have died."""
+        dead = self._dead.get(member)
+        if dead is not None and dead is self.executors[member]:
+            await self.replace_executor(dead)
+        return self.executors[member]
 
-    async def call(self, method: str, *args: Any, run_id: str | None = None, retry_if_dead: bool = False) -> Any:
-        """``executor.method(*args)`` with Ray's errors translated; a death is remembered, and
-        the next call that needs an executor starts by replacing it.
+    async def call(self, method: str, *args: Any, run_id: str | None = None, retry_if_dead: bool = False,
+                   member: int = 0) -> Any:
+        """``executor.method(*args)`` on pool member ``member`` with Ray's errors translated; a death
+        is remembered, and the next call that needs that member starts by replacing it.
 
         ``retry_if_dead``: the call is safe to send twice (it had no effect on a dead
         executor), so a dead executor is replaced and the call sent to the replacement.
         """
-        executor = await self.live_executor()
+        executor = await self.live_executor(member)
         try:
             return await getattr(executor, method).remote(*args)
         except ray.exceptions.RayError as exc:
             if is_actor_death(exc):
-                self._dead = executor
+                self._dead[member] = executor
                 if retry_if_dead:
                     replacement = await self.replace_executor(executor)
                     try:
                         return await getattr(replacement, method).remote(*args)
                     except ray.exceptions.RayError as again:
                         if is_actor_death(again):
-                            self._dead = replacement
-                        raise translate(again, actor=self.executor_name, run_id=run_id, doing=method) from None
-            raise translate(exc, actor=self.executor_name, run_id=run_id, doing=method) from None
+                            self._dead[member] = replacement
+                        raise translate(again, actor=self.executor_names[member], run_id=run_id,
+                                        doing=method) from None
+            raise translate(exc, actor=self.executor_names[member], run_id=run_id, doing=method) from None
 
-    def call_sync(self, method: str, *args: Any, retry_if_dead: bool = False) -> Any:
+    def call_sync(self, method: str, *args: Any, retry_if_dead: bool = False, member: int = 0) -> Any:
         """``call`` for synchronous callers (``Session()``, ``close()``); not from inside an event loop."""
-        if self._dead is not None and self._dead is self.executor:
-            self.executor = self._find_or_start(self._dead)
-            self._dead = None
-            self.refresh()
-        executor = self.executor
+        dead = self._dead.get(member)
+        if dead is not None and dead is self.executors[member]:
+            self._replace_sync(member, dead)
+        executor = self.executors[member]
         try:
             return ray.get(getattr(executor, method).remote(*args))
         except ray.exceptions.RayError as exc:
             if is_actor_death(exc):
-                self._dead = executor
+                self._dead[member] = executor
                 if retry_if_dead:
-                    self.executor = self._find_or_start(executor)
-                    self._dead = None
-                    self.refresh()
-                    return self._translated(ray.get, getattr(self.executor, method).remote(*args))
-            raise translate(exc, actor=self.executor_name, doing=method) from None
+                    self._replace_sync(member, executor)
+                    return self._translated(ray.get, getattr(self.executors[member], method).remote(*args))
+            raise translate(exc, actor=self.executor_names[member], doing=method) from None
+
+    def _replace_sync(self, member: int, dead: Any) -> None:
+        self.executors[member] = self._find_or_start(dead, member)
+        self._dead.pop(member, None)
+        if member == 0:
+            self.refresh()
+
+    async def call_all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every member of the pool (safe to send twice), in member order."""
+        return list(await asyncio.gather(*(self.call(method, *args, retry_if_dead=True, member=member)
+                                           for member in range(self.pool_size))))
+
+    def call_all_sync(self, method: str, *args: Any) -> list[Any]:
+        return [self.call_sync(method, *args, retry_if_dead=True, member=member) for member in range(self.pool_size)]
+
+    async def drop_scope(self, scope: str) -> int:
+        """Drop every branch of ``scope`` on every member (each knows the branches of its own runs)."""
+        return sum(await self.call_all("drop_scope", scope))
+
+    async def branch_messages(self, branch_id: str) -> list[Any]:
+        """A branch's messages, from the member that knows it (member 0 holds the Sessions' own)."""
+        first: UnknownBranchError | None = None
+        for member in range(self.pool_size):
+            try:
+                return await self.call("branch_messages", branch_id, member=member)
+            except UnknownBranchError as exc:
+                first = first or exc
+        raise first
+
+    async def place(self) -> int:
+        """The member a new run goes to: the least loaded (fewest live runs, then fewest unsettled
+        nodes), counting the runs this process is admitting there right now; ties go round robin.
+
+        A member that does not answer is passed over (its death is remembered; it is replaced
+        when a run is sent to it)."""
+        size = self.pool_size
+        if size == 1:
+            return 0
+        loads = await asyncio.gather(*(self._load(member) for member in range(size)))
+        self._placed += 1
+        start = self._placed
+
+        def weight(member: int) -> tuple:
+            runs, nodes = loads[member]
+            return runs + self._admitting[member], nodes, (member - start) % size
+
+        return min(range(size), key=weight)
+
+    async def _load(self, member: int) -> tuple[float, float]:
+        executor = await self.live_executor(member)
+        try:
+            return tuple(await executor.load.remote())
+        except ray.exceptions.RayError as exc:
+            if is_actor_death(exc):
+                self._dead[member] = executor
+            return float("inf"), float("inf")
+
+    @contextlib.contextmanager
+    def admitting(self, member: int):
+        """While a run is being admitted to ``member``: counted by ``place`` (its load does not show it yet)."""
+        self._admitting[member] += 1
+        try:
+            yield
+        finally:
+            self._admitting[member] -= 1
 
     def mark_dead(self, executor: Any) -> None:
-        """A call elsewhere found ``executor`` dead: the next call replaces it."""
-        self._dead = executor
+        """A call elsewhere found ``executor`` dead: the next call to its member replaces it."""
+        member = self.member_of(executor)
+        if member is not None:
+            self._dead[member] = executor
+
+
+def _members_listed(names: ActorNames, namespace: str | None) -> int:
+    """How many members the pool of ``names`` has by the names listed (a detached runtime others started)."""
+    listed = names_in(namespace)
+    count = 1
+    while newest_generation(listed, names.executor_member(count)) is not None:
+        count += 1
+    return count

@@ -96,12 +96,18 @@ class Session:
     by default), so a run outlives its executor and its branch stores: a replacement
     rebuilds it from the log and this Session's ``flow()`` keeps waiting for it. Whoever
     starts a runtime decides whether it is durable.
+
+    ``executors`` is the size of the runtime's executor pool (default ``OPGRAPH_EXECUTORS``,
+    else one per alive Ray node: 1 on one machine). Each run is owned by one member,
+    the least loaded when it is admitted; the members share the workers and branch
+    stores, and a member that dies is replaced and its durable runs recovered, while the
+    other members' runs go on untouched. Whoever starts a runtime decides its size.
     """
 
     def __init__(self, address: str | None = None, *, workers: int = 2, branch_stores: int = 1,
                  namespace: str = DEFAULT_NAMESPACE, detached: bool | None = None,
                  default_model: str | None = None, cancel_grace: float | None = None,
-                 durable: bool | None = None) -> None:
+                 durable: bool | None = None, executors: int | None = None) -> None:
         if default_model is not None:
             parse_model_id(default_model)  # fail fast on "gpt-4" instead of "openai/gpt-4"
         if cancel_grace is not None and (isinstance(cancel_grace, bool) or not isinstance(cancel_grace, (int, float))
@@ -118,7 +124,7 @@ class Session:
         if durable is None:
             durable = os.environ.get("OPGRAPH_DURABLE", "1").strip().lower() not in ("0", "false", "off", "no")
         self.runtime = Runtime.get_or_start(workers=workers, branch_stores=branch_stores, detached=detached,
-                                            namespace=namespace,
+                                            namespace=namespace, executors=executors,
                                             database=str(database_path()) if durable else None)
         self.branches: dict[str, str] = {}
         self._locations: dict[str, int] = {}
@@ -144,7 +150,7 @@ class Session:
         if self.closed:
             return 0
         self.closed = True
-        dropped = self.runtime.call_sync("drop_scope", self.scope, retry_if_dead=True)
+        dropped = sum(self.runtime.call_all_sync("drop_scope", self.scope))
         if self._turn_key is not None:
             self.runtime.call_sync("register_resources", self._turn_key, None)
         return dropped
@@ -153,7 +159,7 @@ class Session:
         if self.closed:
             return 0
         self.closed = True
-        dropped = await self.runtime.call("drop_scope", self.scope, retry_if_dead=True)
+        dropped = await self.runtime.drop_scope(self.scope)
         if self._turn_key is not None:
             await self.runtime.call("register_resources", self._turn_key, None)
         return dropped
@@ -228,7 +234,7 @@ class Session:
     async def messages(self, branch: str) -> list[Any]:
         """A branch's messages, wherever its store shard is."""
         branch_id = self.branches.get(branch, branch)
-        return await self.runtime.call("branch_messages", branch_id)
+        return await self.runtime.branch_messages(branch_id)
 
     def _resolve_branch(self, branch: Any) -> str:
         if branch is None:
@@ -323,8 +329,9 @@ class Session:
             detached=detached,
         )
 
-    async def _start(self, run_id: str, graph: Graph, options: RunOptions) -> Any:
-        """Admit a run (on a replacement executor if the last one died idle); returns the executor.
+    async def _start(self, run_id: str, graph: Graph, options: RunOptions, member: int | None = None) -> Any:
+        """Admit a run on the least loaded member of the pool (or ``member``), replaced first if it
+        died idle; returns that member's executor, the run's owner.
 
         If the caller is cancelled meanwhile, the run must not go on undrained: the
         executor may admit it anyway (the call is on its way), so wait for the admission
@@ -334,17 +341,21 @@ class Session:
         # A durable run's graph is shipped pickled: the executor logs those very bytes as the run's
         # header instead of pickling the graph again (for 10,000 nodes, tens of ms of its loop).
         shipped = cloudpickle.dumps(graph) if options.durable else graph
-        admission = asyncio.ensure_future(self.runtime.call("start_run", run_id, shipped, options, run_id=run_id,
-                                                            retry_if_dead=True))
-        try:
-            await asyncio.shield(admission)
-        except asyncio.CancelledError:
-            with contextlib.suppress(OpGraphError):
-                await admission
-                await self.runtime.call("cancel", run_id)
-                await self.runtime.call("forget_run", run_id)
-            raise
-        return self.runtime.executor
+        runtime = self.runtime
+        if member is None:
+            member = await runtime.place()
+        with runtime.admitting(member):
+            admission = asyncio.ensure_future(runtime.call("start_run", run_id, shipped, options, run_id=run_id,
+                                                           retry_if_dead=True, member=member))
+            try:
+                await asyncio.shield(admission)
+            except asyncio.CancelledError:
+                with contextlib.suppress(OpGraphError):
+                    await admission
+                    await runtime.call("cancel", run_id, member=member)
+                    await runtime.call("forget_run", run_id, member=member)
+                raise
+        return runtime.executors[member]
 
     async def flow(
         self,
@@ -407,7 +418,7 @@ class Session:
         executor = await self._start(run_id, graph, options)
         following = _Following(executor, run_id, options.durable)
         if executor_ref is not None:
-            following.control = RunControl(executor, run_id, self.runtime.executor_name, self.runtime.namespace)
+            following.control = RunControl(executor, run_id, self.runtime.name_of(executor), self.runtime.namespace)
             executor_ref["executor"] = following.control
             executor_ref["run_id"] = run_id
         try:
@@ -457,10 +468,11 @@ class Session:
 
         For a run whose owner died (``RunControl.resume_from_log``); the run's graph is the
         one in its log, so nothing is mirrored onto a caller's graph objects."""
-        executor = await self.runtime.live_executor()
+        member = await self.runtime.place()
+        executor = await self.runtime.live_executor(member)
         overrides = {"detached": False, "want_signals": bool(on_progress or on_signal or on_branch_created)}
         if not await self._executor_call(executor, "resume_run", run_id, overrides):
-            reasons = (await self.runtime.call("statistics"))["recovery_errors"]
+            reasons = (await self.runtime.call("statistics", member=member))["recovery_errors"]
             raise ExecutionError(f"run {run_id} could not be rebuilt from the run log: "
                                  f"{reasons.get(run_id, 'unknown reason')}", run_id=run_id)
         following = _Following(executor, run_id, True)
@@ -472,8 +484,11 @@ class Session:
                 await asyncio.shield(self._executor_call(following.executor, "forget_run", run_id))
 
     async def release_run(self, run_id: str) -> int:
-        """Drop the branches of a finished ``isolated`` run (once recorded); returns how many."""
-        return await self.runtime.call("drop_scope", f"run-{run_id}")
+        """Drop the branches of a finished ``isolated`` run (once recorded); returns how many.
+
+        Asked of every member of the pool: the run's owner knows its branches, and this call
+        may come from a process that does not know which member that was."""
+        return await self.runtime.drop_scope(f"run-{run_id}")
 
     async def _executor_call(self, executor: Any, method: str, run_id: str, *args: Any) -> Any:
         """A call to the executor that owns ``run_id``; its death is told to the runtime."""
@@ -482,7 +497,7 @@ class Session:
         try:
             return await getattr(executor, method).remote(run_id, *args)
         except Exception as exc:  # translated here, at the boundary
-            error = translate(exc, actor=self.runtime.executor_name, run_id=run_id, doing=method)
+            error = translate(exc, actor=self.runtime.name_of(executor), run_id=run_id, doing=method)
             if isinstance(error, RuntimeLostError):
                 self.runtime.mark_dead(executor)
             if error is exc:
@@ -502,13 +517,13 @@ class Session:
                 following.executor = await self.runtime.replace_executor(following.executor)
                 if following.control is not None:
                     following.control.executor = following.executor
-                    following.control.executor_name = self.runtime.executor_name
+                    following.control.executor_name = self.runtime.name_of(following.executor)
             except UnknownRunError:
                 if not following.recoveries:
                     raise
                 raise RuntimeLostError("the executor died and its replacement could not recover the run "
                                        "from the run log", run_id=following.run_id,
-                                       actor=self.runtime.executor_name) from None
+                                       actor=self.runtime.name_of(following.executor)) from None
 
     async def _drain(self, following: _Following, graph: Graph, on_progress, on_branch_created, verbose,
                      on_event: Callable[[FlowEvent], Any] | None = None,
@@ -551,8 +566,14 @@ class Session:
                 node.error = str(result.get("error")) if isinstance(result, dict) else None
 
     def run_control(self, run_id: str) -> RunControl:
-        """Control of a run on this session's executor, by id (started here or elsewhere)."""
-        return RunControl(self.runtime.executor, run_id, self.runtime.executor_name, self.runtime.namespace)
+        """Control of a run of this session's runtime, by id (started here or elsewhere): on the
+        member of the pool that has it (member 0 when none has it, or the pool has one member)."""
+        runtime = self.runtime
+        executor = runtime.executor
+        if runtime.pool_size > 1:
+            executor = next((handle for handle, has in zip(runtime.executors, runtime.has_run_sync(run_id),
+                                                            strict=True) if has), executor)
+        return RunControl(executor, run_id, runtime.name_of(executor), runtime.namespace)
 
     def run(self, graph: Graph, **kwargs: Any) -> dict[str, Any]:
         """Synchronous ``flow`` for scripts (not from inside a running event loop)."""

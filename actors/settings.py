@@ -25,6 +25,7 @@ __all__ = [
     "newest_generation",
     "cancel_grace_seconds",
     "default_max_concurrency",
+    "executor_pool_size",
     "tune_garbage_collector",
 ]
 
@@ -74,6 +75,30 @@ def default_max_concurrency() -> int:
     return value
 
 
+def executor_pool_size(requested: int | None = None) -> int:
+    """How many executors a runtime starts: ``requested``, else ``OPGRAPH_EXECUTORS``, else one
+    per alive Ray node (so 1 on a single machine, where a second executor only shares its cores).
+
+    A run is owned by one executor, so a pool lets runs schedule in parallel on as many
+    processes; one run never spans two executors.
+    """
+    from opgraph.kernel import OperationError  # local: settings load before anything else
+
+    if requested is None:
+        text = os.environ.get("OPGRAPH_EXECUTORS", "").strip()
+        if not text:
+            import ray  # local: settings are read before Ray is needed anywhere
+
+            return max(1, sum(1 for node in ray.nodes() if node.get("Alive")))
+        try:
+            requested = int(text)
+        except ValueError:
+            raise OperationError(f"OPGRAPH_EXECUTORS must be a whole number of at least 1, got {text!r}") from None
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise OperationError(f"the executor pool size must be a whole number of at least 1, got {requested!r}")
+    return requested
+
+
 def _positive_float(variable: str, default: float) -> float:
     text = os.environ.get(variable)
     if text is None:
@@ -97,6 +122,8 @@ class ActorNames:
     (``opgraph-executor-0``, ``opgraph-worker-1``...). An owned runtime's names end in
     its creator's id. A replacement takes the next generation (``opgraph-worker-1.g2``):
     a dead actor's name is not always free yet, and a name must never find the dead one.
+    The executors of a pool are members 0, 1, ...: member 0 is ``executor``, member 2 is
+    ``opgraph-executor-0-m2`` (and ``opgraph-executor-0-m2.g1`` once replaced).
     """
 
     suffix: str = ""
@@ -105,8 +132,13 @@ class ActorNames:
     def executor(self) -> str:
         return f"{EXECUTOR_PREFIX}{self.suffix or '0'}"
 
-    def executor_of(self, generation: int) -> str:
-        return self.executor if generation == 0 else f"{self.executor}.g{generation}"
+    def executor_member(self, member: int = 0) -> str:
+        """Pool member ``member``'s name before any replacement: whose runs the run log names."""
+        return self.executor if member == 0 else f"{self.executor}-m{member}"
+
+    def executor_of(self, generation: int, member: int = 0) -> str:
+        base = self.executor_member(member)
+        return base if generation == 0 else f"{base}.g{generation}"
 
     def worker(self, index: int, generation: int = 0) -> str:
         return self._member("worker", index, generation)

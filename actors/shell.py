@@ -160,8 +160,10 @@ def _finished_event(row: OutcomeRow) -> OperationFinished:
 class ExecutorShell:
     """What a GraphExecutor contains: its runs, its supervised workers and stores, and counters."""
 
-    def __init__(self, workers: ActorPool, stores: ActorPool, logger: RunLogger | None = None) -> None:
+    def __init__(self, workers: ActorPool, stores: ActorPool, logger: RunLogger | None = None,
+                 slot: int = 0) -> None:
         self.workers = workers
+        self.slot = slot  # this executor's place in the runtime's pool: workers reach it by that
         self.logger = logger
         self.branches = BranchRegistry(stores)
         self.runs: dict[str, _Run] = {}
@@ -255,7 +257,8 @@ class ExecutorShell:
             registry.adopt(options.branch_scope, (), parent=options.scope_parent)
         if options.isolated and options.default_branch_id not in options.known_branches:
             await registry.create(options.default_branch_id, [], options.branch_scope)
-        lost = await registry.ensure(dict(options.known_branches))
+        # Members of a pool other than the first borrow the Sessions' branches (made on the first).
+        lost = await registry.ensure(dict(options.known_branches), borrower=run_id if self.slot else None)
         run.lost_branches.extend({"branch_id": branch_id, "reason": "its branch store died; recreated empty"}
                                  for branch_id in lost)
         # Nodes restored as already settled were counted by the run that settled them.
@@ -296,6 +299,7 @@ class ExecutorShell:
             run.grace_timer.cancel()
         self._fail_waiters(run, None)
         self.release_resources(run_id)
+        self.branches.release(run_id)
         if len(run.state.state) >= LARGE_RUN_NODES:
             # A large run leaves reference cycles (tasks, closures) that the youngest
             # generations never reach at this process's GC thresholds; collected now, a
@@ -683,7 +687,7 @@ class ExecutorShell:
         pending = {call[0]: call[1]}
         run.messages += 1
         try:
-            await self._settle_rows(run, pending, await worker.run_one.remote(run.run_id, call))
+            await self._settle_rows(run, pending, await worker.run_one.remote(run.run_id, call, self.slot))
         except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
             await self._batch_failed(run, index, worker, pending, exc, acknowledged=True)
 
@@ -704,7 +708,7 @@ class ExecutorShell:
         run.messages += 1
         acknowledged = False
         try:
-            stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls)
+            stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls, self.slot)
             async for ref in stream:
                 rows = await ref
                 if not acknowledged:

@@ -29,18 +29,24 @@ class ActorPool:
     ``start(index, generation)`` creates (or, for generation 0, finds) the actor of a slot;
     ``setup(index, handle)`` prepares it before it takes work. Both run on the executor's
     loop. ``on_replaced(index, handle)`` is told once the replacement is ready.
+
+    ``newest(index)`` (blocking; run off the loop) is the newest generation of the slot
+    that exists anywhere: when several executors (a pool) supervise the same actors, the
+    first to notice a death starts the replacement and the others adopt it (``start``
+    finds an existing name) instead of starting one each.
     """
 
     def __init__(self, kind: str, handles: list[Any], names: list[str], *,
                  start: Callable[[int, int], Any], setup: Callable[[int, Any], Awaitable[Any]] | None = None,
-                 on_replaced: Callable[[int, Any], Awaitable[Any]] | None = None) -> None:
+                 on_replaced: Callable[[int, Any], Awaitable[Any]] | None = None,
+                 newest: Callable[[int], int | None] | None = None) -> None:
         self.kind = kind
         self.handles = list(handles)
         self.names = list(names)
         self.generations = [0] * len(handles)
         self.alive = [True] * len(handles)
         self.died_at = [0.0] * len(handles)  # time.monotonic() of the latest death noticed
-        self._start, self._setup, self._on_replaced = start, setup, on_replaced
+        self._start, self._setup, self._on_replaced, self._newest = start, setup, on_replaced, newest
         self._replacing: dict[int, asyncio.Future] = {}
         self._probing: set[asyncio.Future] = set()
         self.given_up: set[int] = set()  # slots whose replacement failed REPLACEMENT_ATTEMPTS times
@@ -129,6 +135,13 @@ class ActorPool:
                               self.kind, index, REPLACEMENT_ATTEMPTS)
                     return
                 generation = self.generations[index] + 1
+                if self._newest is not None:
+                    try:
+                        listed = await asyncio.to_thread(self._newest, index)
+                    except Exception:  # noqa: BLE001 - no listing: start the next generation as usual
+                        listed = None
+                    if listed is not None and listed > generation:
+                        generation = listed
                 try:
                     handle = self._start(index, generation)
                     if self._setup is not None:

@@ -39,7 +39,7 @@ async def run_turn(shell: ExecutorShell, key: str, call: CallRow) -> tuple[Outco
 async def _attempt(shell: ExecutorShell, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any]]:
     index, worker = await shell.workers.live()
     try:
-        return await worker.run_turn.remote(key, call)
+        return await worker.run_turn.remote(key, call, shell.slot)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the turn's typed outcome
         failure = call_failure(exc, shell.workers.name_of(index), "the turn")
         if failure.died and shell.workers.mark_dead(index, worker, "while running a turn"):

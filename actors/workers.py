@@ -73,7 +73,7 @@ class RemoteBranch:
         self.run_id = run_id
         self.node_id = node_id
         self.attempt = attempt
-        self._executor = executor
+        self._executor = executor  # the run's own executor (a pool member): its emissions go there
         self._emitted = emitted
         self._identities = identities
         self._run = run or RunResources()
@@ -122,7 +122,7 @@ class RemoteBranch:
                 error = translate(exc, actor=name, run_id=self.run_id, node_id=self.node_id, branch_id=self.id,
                                   doing=f"{method} on the branch")
                 if attempt == 1 and isinstance(error, BranchStoreLostError):
-                    replacement = await self._worker.replacement_store(self._store_index, name)
+                    replacement = await self._worker.replacement_store(self._store_index, name, self._executor)
                     if replacement is not None:
                         store, name = replacement
                         continue
@@ -211,19 +211,21 @@ def _turn_text(response: Any) -> Any:
 class OperationWorker:
     """An async actor; thousands of I/O-bound operations share its event loop.
 
-    ``executor`` is the GraphExecutor that supervises it: the worker fetches a run's
-    resources from it the first time a call of that run arrives, and sends live
-    emissions to it.
+    Every executor of the runtime's pool uses it (and supervises it). A call carries the
+    pool slot of the executor that owns its run: the worker fetches a run's resources from
+    that executor the first time a call of the run arrives, and sends the run's live
+    emissions there. ``executor`` is slot ``slot``'s handle when the worker is started by it.
     """
 
     def __init__(self, index: int = 0, stores: list[Any] | None = None, store_names: list[str] | None = None,
-                 executor: Any = None, name: str = "") -> None:
+                 executor: Any = None, name: str = "", slot: int = 0) -> None:
         tune_garbage_collector()
         self.index = index
         self.name = name or f"opgraph-worker-{index}"
         self.stores = list(stores or [])
         self.store_names = list(store_names or [f"opgraph-branches-{i}" for i in range(len(self.stores))])
-        self.executor = executor
+        # Pool slot -> the executor of that slot (the newest one introduced).
+        self.executors: dict[int, Any] = {} if executor is None else {slot: executor}
         self.resources: dict[str, RunResources] = {}
         self._fetching: dict[str, asyncio.Future] = {}
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
@@ -238,21 +240,28 @@ class OperationWorker:
         self.failed = 0
         self.in_flight = 0
         self.peak_in_flight = 0
-        # Bumped when another executor adopts this worker: streams opened by the one before
-        # stop (see run_batch), and the calls of a predecessor are counted as orphaned.
-        self.epoch = 0
+        # Per pool slot, bumped when another executor takes that slot over (its predecessor
+        # died): streams opened by the one before stop (see run_batch), and their calls are
+        # counted as orphaned. Other slots' streams go on.
+        self.epochs: dict[int, int] = {}
         self.orphaned = 0
 
     async def ping(self) -> int:
         self.loop = asyncio.get_running_loop()
         return self.index
 
-    async def set_executor(self, executor: Any) -> None:
-        """The executor that supervises this worker now (one that adopted it, after its predecessor died)."""
-        previous = self.executor
+    @property
+    def executor(self) -> Any:
+        """Pool slot 0's executor (the one a single-executor runtime has)."""
+        return self.executors.get(0)
+
+    async def set_executor(self, executor: Any, slot: int = 0) -> None:
+        """The executor of pool slot ``slot`` now (one that adopted this worker, maybe after its
+        predecessor in that slot died)."""
+        previous = self.executors.get(slot)
         if previous is not None and getattr(previous, "_actor_id", None) != getattr(executor, "_actor_id", None):
-            self.epoch += 1
-        self.executor = executor
+            self.epochs[slot] = self.epochs.get(slot, 0) + 1
+        self.executors[slot] = executor
 
     # -- what the executor tells it ----------------------------------------------------
     async def set_store(self, index: int, store: Any, name: str) -> None:
@@ -279,9 +288,10 @@ class OperationWorker:
         return cancelled
 
     def _start_call(self, run_id: str, call: CallRow, resources: RunResources,
-                    usage: dict[str, Any] | None = None) -> asyncio.Task:
+                    usage: dict[str, Any] | None = None, slot: int = 0) -> asyncio.Task:
         """The call's task, registered for ``cancel``; cancelled at once if its cancel came first."""
-        task = asyncio.ensure_future(_execute(self, run_id, call, resources, usage=usage))
+        task = asyncio.ensure_future(_execute(self, run_id, call, resources, usage=usage,
+                                              executor=self.executors.get(slot)))
         self.tasks[(run_id, call[0])] = task
         early = self.cancelled_early.get(run_id)
         if early and call[0] in early:
@@ -289,15 +299,17 @@ class OperationWorker:
             task.cancel()
         return task
 
-    async def replacement_store(self, index: int, dead_name: str) -> tuple[Any, str] | None:
-        """The store that replaced ``dead_name`` (waited for), or None when none can be had."""
+    async def replacement_store(self, index: int, dead_name: str, executor: Any = None) -> tuple[Any, str] | None:
+        """The store that replaced ``dead_name`` (waited for, from ``executor``, the asking run's),
+        or None when none can be had."""
         current = self.store(index)
         if current[1] != dead_name:  # already told of the replacement
             return current
-        if self.executor is None:
+        executor = executor if executor is not None else self.executor
+        if executor is None:
             return None
         try:
-            handle, name = await self.executor.live_store.remote(index, dead_name)
+            handle, name = await executor.live_store.remote(index, dead_name)
         except Exception:  # noqa: BLE001 - no replacement to be had: the caller's own typed error stands
             return None
         await self.set_store(index, handle, name)
@@ -334,7 +346,7 @@ class OperationWorker:
             self.told.discard(ref)
 
     # -- resources, fetched once per run ------------------------------------------------
-    async def _resources_for(self, key: str) -> RunResources:
+    async def _resources_for(self, key: str, slot: int = 0) -> RunResources:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         resources = self.resources.get(key)
@@ -342,15 +354,16 @@ class OperationWorker:
             return resources
         fetching = self._fetching.get(key)
         if fetching is None:
-            fetching = self._fetching[key] = asyncio.ensure_future(self._fetch(key))
+            fetching = self._fetching[key] = asyncio.ensure_future(self._fetch(key, slot))
         return await asyncio.shield(fetching)
 
-    async def _fetch(self, key: str) -> RunResources:
+    async def _fetch(self, key: str, slot: int) -> RunResources:
         try:
-            if self.executor is None:
+            executor = self.executors.get(slot)
+            if executor is None:
                 return RunResources()
             try:
-                resources = await self.executor.resources.remote(key)
+                resources = await executor.resources.remote(key)
             except Exception as exc:  # noqa: BLE001 - translated; every call of the run then fails typed
                 raise translate(exc, actor="executor", run_id=key, doing="fetching the run's operations") from None
             self.resources[key] = resources
@@ -359,38 +372,40 @@ class OperationWorker:
             self._fetching.pop(key, None)
 
     # -- calls -------------------------------------------------------------------------------
-    async def run_one(self, run_id: str, call: CallRow) -> list[OutcomeRow]:
+    async def run_one(self, run_id: str, call: CallRow, slot: int = 0) -> list[OutcomeRow]:
         """Run a single call and answer with its outcome row (a plain call, not a stream).
 
         Used for a run's only call in flight (a chain's every link), where a stream's
         extra messages would cost about a millisecond per link.
         """
-        resources = await self._resources_or_failure(run_id, [call])
+        resources = await self._resources_or_failure(run_id, [call], slot)
         if isinstance(resources, list):
             return resources
-        task = self._start_call(run_id, call, resources)
+        task = self._start_call(run_id, call, resources, slot=slot)
         try:
             return [await _settled(task, call)]
         finally:
             self.tasks.pop((run_id, call[0]), None)
 
-    async def run_batch(self, run_id: str, calls: list[CallRow]):
+    async def run_batch(self, run_id: str, calls: list[CallRow], slot: int = 0):
         """Run calls concurrently; yield lists of outcome rows as they finish (a streaming generator).
 
         The first item is ``ACKNOWLEDGED``: every call has started. Should the worker die
-        before that item is out, the executor knows none of them ran.
+        before that item is out, the executor knows none of them ran. ``slot``: the pool
+        slot of the executor that owns the run.
         """
         yield ACKNOWLEDGED
-        resources = await self._resources_or_failure(run_id, calls)
+        resources = await self._resources_or_failure(run_id, calls, slot)
         if isinstance(resources, list):
             yield resources
             return
         done: list[OutcomeRow] = []
         wake = asyncio.Event()
         tasks = self.tasks
-        epoch = self.epoch
+        epochs = self.epochs
+        epoch = epochs.get(slot, 0)
         for call in calls:
-            self._start_call(run_id, call, resources).add_done_callback(partial(_collect, done, wake, call))
+            self._start_call(run_id, call, resources, slot=slot).add_done_callback(partial(_collect, done, wake, call))
         remaining = len(calls)
         while remaining:
             if not done:
@@ -404,7 +419,7 @@ class OperationWorker:
             remaining -= len(batch)
             for row in batch:
                 tasks.pop((run_id, row[0]), None)
-            if self.epoch != epoch:
+            if epochs.get(slot, 0) != epoch:
                 # The executor that opened this stream died and another adopted this worker,
                 # which sends these calls again as new attempts: nobody reads the rest.
                 self.orphaned += len(batch) + remaining
@@ -412,22 +427,23 @@ class OperationWorker:
             yield batch
         await asyncio.sleep(STREAM_LINGER_SECONDS)
 
-    async def run_turn(self, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any]]:
+    async def run_turn(self, key: str, call: CallRow, slot: int = 0) -> tuple[OutcomeRow, dict[str, Any]]:
         """One call outside any graph (``Session.turn``): its outcome row and its token usage."""
-        resources = await self._resources_or_failure(key, [call])
+        resources = await self._resources_or_failure(key, [call], slot)
         if isinstance(resources, list):
             return resources[0], CallUsage().as_dict()
         usage: dict[str, Any] = {}
-        task = self._start_call(key, call, resources, usage)
+        task = self._start_call(key, call, resources, usage, slot)
         try:
             row = await _settled(task, call)
         finally:
             self.tasks.pop((key, call[0]), None)
         return row, usage
 
-    async def _resources_or_failure(self, run_id: str, calls: list[CallRow]) -> RunResources | list[OutcomeRow]:
+    async def _resources_or_failure(self, run_id: str, calls: list[CallRow],
+                                    slot: int = 0) -> RunResources | list[OutcomeRow]:
         try:
-            return await self._resources_for(run_id)
+            return await self._resources_for(run_id, slot)
         except Exception as exc:  # noqa: BLE001 - every call fails with it, typed; the worker goes on
             now = time.time()
             text = clean_text(str(exc))
@@ -459,7 +475,7 @@ class OperationWorker:
 
 
 async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resources: RunResources,
-                   usage: dict[str, Any] | None = None) -> OutcomeRow:
+                   usage: dict[str, Any] | None = None, executor: Any = None) -> OutcomeRow:
     """Run one call to its outcome row. A function, not a method: Ray wraps every method of
     an actor class in a tracing shim, a cost per call this path (once per node) need not pay.
     """
@@ -479,7 +495,7 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
                     f"operation {operation!r} is not registered (known: {known})", NOT_REGISTERED, [],
                     started, time.time())
         branch = RemoteBranch(branch_id, worker, store_index, run_id, node_id, attempt,
-                              worker.executor, emitted, identities, resources)
+                              executor, emitted, identities, resources)
         if registered.timeout is None:
             response = await registered.fn(branch, **parameters)
         else:

@@ -74,7 +74,7 @@ class RuntimeCollector(Collector):
     # -- polling ------------------------------------------------------------------------
     def _poll(self) -> list[_Reading]:
         with self._lock:
-            actors = [("executor", 0, self.runtime.executor)]
+            actors = [("executor", member, handle) for member, handle in enumerate(self.runtime.executors)]
             actors += [("worker", index, handle) for index, handle in enumerate(self.runtime.workers)]
             actors += [("branch_store", index, handle) for index, handle in enumerate(self.runtime.stores)]
         refs = []
@@ -125,14 +125,46 @@ class RuntimeCollector(Collector):
                 memory.add_metric(labels, reading.snapshot["max_rss_mib"] * 1024 * 1024)
         yield up
         yield memory
-        executor = next((r.snapshot for r in readings if r.component == "executor"), None)
-        yield from _executor_families(executor or {})
+        executors = [r.snapshot for r in readings if r.component == "executor" and r.snapshot is not None]
+        yield from _executor_families(_pool_snapshot(executors))
         yield from _worker_families([r for r in readings if r.component == "worker" and r.snapshot is not None])
         yield from _store_families([r for r in readings if r.component == "branch_store" and r.snapshot is not None])
         yield from engine_metric_families(engine_statistics())  # engines that ran in this process
         with self.scraped:
             self.scrapes += 1
             self.scraped.notify_all()
+
+
+_SUMMED = ("in_flight", "queued", "active_runs", "runs_started", "dispatched", "spawned", "worker_deaths")
+
+
+def _pool_snapshot(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """One statistics() snapshot for a pool of executors: counts summed, runs joined, the worst
+    loop lag; a pool of one is its member's snapshot as it is."""
+    if len(snapshots) <= 1:
+        return snapshots[0] if snapshots else {}
+    merged: dict[str, Any] = {key: sum(s.get(key, 0) for s in snapshots) for key in _SUMMED}
+    merged["loop_lag_seconds"] = max(s.get("loop_lag_seconds", 0.0) for s in snapshots)
+    for key in ("dropped_spawns_by_reason", "settled_by_status"):
+        merged[key] = {}
+        for snapshot in snapshots:
+            for name, count in snapshot.get(key, {}).items():
+                merged[key][name] = merged[key].get(name, 0) + count
+    merged["runs"] = {run_id: stats for snapshot in snapshots for run_id, stats in snapshot.get("runs", {}).items()}
+    latency: dict[str, dict[str, Any]] = {}
+    for snapshot in snapshots:
+        for status, histogram in snapshot.get("node_latency_seconds", {}).items():
+            total = latency.get(status)
+            if total is None:
+                latency[status] = {"buckets": list(histogram["buckets"]), "sum": histogram["sum"],
+                                   "count": histogram.get("count", 0)}
+                continue
+            total["buckets"] = [(bound, count + other) for (bound, count), (_, other)
+                                in zip(total["buckets"], histogram["buckets"], strict=True)]
+            total["sum"] += histogram["sum"]
+            total["count"] += histogram.get("count", 0)
+    merged["node_latency_seconds"] = latency
+    return merged
 
 
 def _executor_families(snapshot: dict[str, Any]) -> Iterator[Metric]:
@@ -342,20 +374,35 @@ def serve_metrics(session_or_runtime: Any, port: int = DEFAULT_PORT, host: str =
 
 
 def find_runtime() -> Runtime | None:
-    """The runtime of the current Ray namespace (its newest executor and that executor's
-    workers and stores); None without an executor."""
+    """The runtime of the current Ray namespace (the newest executor of each pool member, and
+    member 0's workers and stores); None without an executor."""
     executors = find_executors(ray.get_runtime_context().namespace)
     if not executors:
         return None
-    # The newest generation's name sorts last; a spare executor standing by is not the runtime's.
-    for _, executor in sorted(executors, key=lambda found: found[0], reverse=True):
+    newest: dict[tuple[str, int], tuple[int, str, Any]] = {}  # (runtime, member) -> (generation, name, handle)
+    for name, executor in executors:
+        base, _, generation = name.partition(".g")
+        runtime_name, marker, member = base.rpartition("-m")
+        if not (marker and member.isdigit()):
+            runtime_name, member = base, "0"
+        key = (runtime_name, int(member))
+        rank = int(generation) if generation.isdigit() else 0
         try:
             if ray.get(executor.is_standby.remote(), timeout=30):
-                continue
-            pool = ray.get(executor.pool.remote(), timeout=30)
+                continue  # a spare executor standing by is not the runtime's
         except ray.exceptions.RayError:
             continue
-        return Runtime(executor=executor, workers=list(pool["workers"]), stores=list(pool["stores"]))
+        if key not in newest or rank > newest[key][0]:
+            newest[key] = (rank, name, executor)
+    # The runtime with a member 0 whose name sorts last (as the single executor's did before pools).
+    for runtime_name in sorted({key[0] for key in newest if key[1] == 0}, reverse=True):
+        members = sorted((member, found) for (owner, member), found in newest.items() if owner == runtime_name)
+        try:
+            pool = ray.get(members[0][1][2].pool.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            continue
+        return Runtime(executors=[found[2] for _, found in members], executor_names=[found[1] for _, found in members],
+                       workers=list(pool["workers"]), stores=list(pool["stores"]), pool_size=len(members))
     return None
 
 

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from opgraph.actors import BranchStore, Runtime
 from opgraph.actors.histogram import LatencyHistogram
-from opgraph.cluster.metrics.exporter import _executor_families, _worker_families, serve_metrics
+from opgraph.cluster.metrics.exporter import _executor_families, _pool_snapshot, _worker_families, serve_metrics
 from opgraph.kernel import Graph, SpawnRequest, create_operation
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 
@@ -221,7 +221,7 @@ def test_a_dead_or_silent_actor_is_reported_down_and_the_scrape_still_answers(se
     dead = BranchStore.remote(99)
     ray.get(dead.statistics.remote(), timeout=30)
     ray.kill(dead, no_restart=True)
-    runtime = Runtime(executor=session.runtime.executor,
+    runtime = Runtime(executors=[session.runtime.executor],
                       workers=[*session.runtime.workers, silent],
                       stores=[*session.runtime.stores, dead])
     silent_index, dead_index = len(session.runtime.workers), len(session.runtime.stores)
@@ -324,6 +324,38 @@ def test_known_label_values_are_exported_at_zero_before_anything_happens():
                       for kind in ("prompt", "completion", "cache_read", "cache_creation")}
     calls = {sample.labels["provider"] for sample in workers["opgraph_provider_calls"].samples}
     assert calls == {"openai", "anthropic", "sim"}
+
+
+def test_an_executor_pool_is_exported_as_one_executor_summed_over_its_members():
+    """Two members' statistics(): counts and statuses summed, runs joined, latency buckets added,
+    the worse loop lag; the families read as one executor's would."""
+    first, second = LatencyHistogram(), LatencyHistogram()
+    first.observe(0.01)
+    second.observe(0.01)
+    second.observe(2.0)
+    members = [
+        {"in_flight": 3, "queued": 1, "active_runs": 1, "runs_started": 4, "dispatched": 100, "spawned": 0,
+         "worker_deaths": 0, "loop_lag_seconds": 0.01, "settled_by_status": {"completed": 90},
+         "dropped_spawns_by_reason": {}, "node_latency_seconds": {"completed": first.snapshot()},
+         "runs": {"run-a": {"finished": False, "running": 3, "ready": 1, "waiting": 0, "paused": False}}},
+        {"in_flight": 2, "queued": 0, "active_runs": 1, "runs_started": 2, "dispatched": 50, "spawned": 1,
+         "worker_deaths": 1, "loop_lag_seconds": 0.2, "settled_by_status": {"completed": 40, "failed": 2},
+         "dropped_spawns_by_reason": {"cap": 1}, "node_latency_seconds": {"completed": second.snapshot()},
+         "runs": {"run-b": {"finished": False, "running": 2, "ready": 0, "waiting": 5, "paused": True}}},
+    ]
+    merged = _pool_snapshot(members)
+    assert _pool_snapshot(members[:1]) is members[0]
+    counts = (merged["in_flight"], merged["runs_started"], merged["dispatched"], merged["worker_deaths"])
+    assert counts == (5, 6, 150, 1)
+    assert merged["loop_lag_seconds"] == 0.2 and set(merged["runs"]) == {"run-a", "run-b"}
+    assert merged["settled_by_status"] == {"completed": 130, "failed": 2}
+    assert merged["node_latency_seconds"]["completed"]["buckets"][-1][1] == 3
+    families = _families(_executor_families(merged))
+    settled = {sample.labels["status"]: sample.value for sample in families["opgraph_nodes_settled"].samples
+               if sample.name.endswith("_total")}
+    assert settled["completed"] == 130 and settled["failed"] == 2
+    in_flight = families["opgraph_run_operations_in_flight"].samples
+    assert {sample.labels["run_id"]: sample.value for sample in in_flight} == {"run-a": 3.0, "run-b": 2.0}
 
 
 def _quantile(snapshot: dict[str, Any], q: float) -> float:

@@ -1,7 +1,8 @@
 """One run on a simulated multi-node cluster: three raylets joined to one head, each with its own CPUs.
 
     head (2 CPUs, resource node-0)  +  node-1 (2 CPUs)  +  node-2 (2 CPUs)
-        Session(address=cluster): executor, 4 workers, 2 branch stores, placed by Ray's default scheduling
+        Session(address=cluster): 4 workers and 2 branch stores placed by Ray's default scheduling,
+        and the default executor pool: one executor per alive node (3), each preferring its own node
         fan-out of 60 nodes x 20 ms: each node answers with the id of the Ray node it ran on
 
 The cluster (``ray.cluster_utils.Cluster``, as Ray's own tests build them) runs in a
@@ -51,6 +52,7 @@ try:
         "status": envelope["status"],
         "ran_on": sorted(envelope["operation_results"].values()),
         "placed": placed,
+        "executors": session.runtime.executor_names,
     }), flush=True)
 finally:
     ray.shutdown()
@@ -72,6 +74,9 @@ def test_one_run_executes_on_every_node_with_workers_and_stores_spread_across_th
     workers = {name: node for name, node in seen["placed"].items() if "-worker-" in name}
     stores = {name: node for name, node in seen["placed"].items() if "-branches-" in name}
     assert len(workers) == 4 and len(stores) == 2, seen["placed"]
+    executors = {name: seen["placed"][name] for name in seen["executors"]}
+    assert len(executors) == 3, seen  # the default pool: one executor per alive node
+    assert len(set(executors.values())) >= 2, f"the executors were packed onto one node: {executors}"
     # Ray's default placement spreads the pool here, though not one actor per node in turn
     # (seen: the workers on two nodes, both stores on the third).
     assert len(set(workers.values())) >= 2, f"the workers were packed onto one node: {workers}"
