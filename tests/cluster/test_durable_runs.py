@@ -181,7 +181,9 @@ def test_a_resumed_run_adopts_the_dead_owners_branches_in_a_runtime_that_was_alr
 
     assert envelope["status"] == "completed" and len(envelope["completed_operations"]) == 41
     replies = [result for result in envelope["operation_results"].values() if isinstance(result, list)]
-    assert len(replies) == 40 and all(seen[:1] == ["ticket 7: refund"] for seen in replies)
+    assert len(replies) == 40
+    assert all(seen[:1] == ["ticket 7: refund"] for seen in replies), [seen for seen in replies if seen[:1] != [
+        "ticket 7: refund"]]
     # A reply in flight at the kill (2 at a time) runs again, and sees its first attempt's own append.
     assert sum(len(seen) > 1 for seen in replies) <= 2
     default = asyncio.run(session.messages(envelope["default_branch"]))
