@@ -1,0 +1,358 @@
+"""A million-node fan-out submitted as a Ray job, beside a 100,000-node one (issue #18).
+
+Owns starting a `ray start --head` of its own (its own temp dir, free ports, token auth,
+``OPGRAPH_DB`` in that dir, so the runs are durable as by default), submitting each
+fan-out through ``opgraph job submit`` as a user does, sampling the GraphExecutor
+actor's resident memory while the job runs, and stopping every process of that head by
+pid at the end (never `ray stop`: other Rays on the machine are not ours).
+
+    python -m opgraph.cluster.bench.million [--sizes 100000,1000000] [--repeat 1] [--max-concurrent 1000]
+
+It prints, per size: the job's own run time (``elapsed_seconds`` of its summary: the
+flow, graph shipping included, graph building excluded), the job's wall time, time per
+node, and the executor's peak RSS (sampled every 0.1 s, and the kernel's VmHWM reset
+before each job); then the time-per-node ratio of each size to the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import psutil
+
+__all__ = ["LocalHead", "main"]
+
+HEAD_START_SECONDS = 120.0
+EXECUTOR_PREFIX = "opgraph-executor"
+PEAK_TARGET_MIB = 2048.0
+RATIO_TARGET = 1.5
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class LocalHead:
+    """A `ray start --head --block` in its own temp dir and process session, stopped by pid."""
+
+    def __init__(self, *, cpus: int = 2) -> None:
+        self.temp_dir = tempfile.mkdtemp(prefix="ogm-", dir="/tmp")  # short: socket paths must fit 107 bytes
+        self.gcs_port, self.dashboard_port, self.agent_port = _free_port(), _free_port(), _free_port()
+        self.token = secrets.token_hex(32)
+        self.database = os.path.join(self.temp_dir, "opgraph.db")
+        self.log_path = os.path.join(self.temp_dir, "ray-start.log")
+        command = [
+            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
+            f"--num-cpus={cpus}", "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}",
+            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={self.agent_port}",
+            "--min-worker-port=0", "--max-worker-port=0", f"--temp-dir={self.temp_dir}",
+        ]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env(head=True),
+                                            start_new_session=True, cwd=self.temp_dir)
+
+    @property
+    def dashboard_url(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def env(self, *, head: bool = False) -> dict[str, str]:
+        """This interpreter first on PATH (a job's `python` must be it), the head's token, its database."""
+        dropped = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH")
+        if head:
+            dropped += ("VIRTUAL_ENV", "PYTHONPATH")
+        env = {key: value for key, value in os.environ.items() if key not in dropped}
+        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, OPGRAPH_DB=self.database)
+        return env
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + HEAD_START_SECONDS
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"`ray start --head` exited with {self.process.returncode}; see {self.log_path}")
+            request = urllib.request.Request(f"{self.dashboard_url}/api/jobs/",
+                                             headers={"Authorization": f"Bearer {self.token}"})
+            try:
+                with urllib.request.urlopen(request, timeout=2) as reply:
+                    if reply.status == 200 and _listening(self.agent_port):
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"the head's job server did not answer within {HEAD_START_SECONDS} s")
+
+    def pids(self) -> set[int]:
+        """Every live process of this head: its session, their descendants, anything naming its temp dir."""
+        own = os.getpid()
+        found: set[int] = {self.process.pid}
+        for process in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                if process.pid != own and (os.getsid(process.pid) == self.process.pid
+                                           or self.temp_dir in " ".join(process.info["cmdline"] or ())):
+                    found.add(process.pid)
+            except (ProcessLookupError, psutil.Error):
+                continue
+        for pid in list(found):
+            try:
+                found.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+            except psutil.Error:
+                continue
+        found.discard(own)
+        return {pid for pid in found if psutil.pid_exists(pid)}
+
+    def stop(self) -> set[int]:
+        """Workers (actors, jobs) first, then `ray start`, then whatever is left; returns survivors."""
+        mine = self.pids()
+        raylets = {pid for pid in mine if _command(pid).find("/raylet/raylet") >= 0}
+        workers = set()
+        for pid in raylets:
+            try:
+                workers.update(child.pid for child in psutil.Process(pid).children(recursive=True))
+            except psutil.Error:
+                continue
+        _signal(workers, signal.SIGTERM)
+        _wait_gone(workers, 5.0)
+        _signal({self.process.pid}, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        left = mine
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            left = {pid for pid in left | self.pids() if psutil.pid_exists(pid)}
+            _signal(left, sig)
+            left = _wait_gone(left, 5.0)
+            if not left:
+                break
+        self.process.poll()
+        return left
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _command(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
+        return ""
+
+
+def _signal(pids: set[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_gone(pids: set[int], seconds: float) -> set[int]:
+    end = time.monotonic() + seconds
+    alive = {pid for pid in pids if _running(pid)}
+    while alive and time.monotonic() < end:
+        time.sleep(0.1)
+        alive = {pid for pid in alive if _running(pid)}
+    return alive
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class ExecutorMemory:
+    """Samples the GraphExecutor actor's RSS while a job runs; its pid comes from Ray's state API."""
+
+    def __init__(self, head: LocalHead, interval: float = 0.1) -> None:
+        self.head = head
+        self.interval = interval
+        self.pid: int | None = None
+        self.peak_mib = 0.0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="executor-memory", daemon=True)
+
+    def __enter__(self) -> ExecutorMemory:
+        if self.pid is not None:
+            _reset_high_water_mark(self.pid)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def high_water_mib(self) -> float | None:
+        """The kernel's peak RSS of the executor since the last reset (VmHWM), if readable."""
+        if self.pid is None:
+            return None
+        try:
+            with open(f"/proc/{self.pid}/status") as handle:
+                for line in handle:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) / 1024
+        except OSError:
+            return None
+        return None
+
+    def _sample(self) -> None:
+        next_lookup = 0.0
+        while not self._stop.is_set():
+            if self.pid is None and time.monotonic() >= next_lookup:
+                self.pid = find_executor_pid(self.head)
+                next_lookup = time.monotonic() + 0.5
+                if self.pid is not None:
+                    _reset_high_water_mark(self.pid)
+            if self.pid is not None:
+                try:
+                    rss = psutil.Process(self.pid).memory_info().rss / 2**20
+                except psutil.Error:
+                    self.pid = None  # replaced: look it up again
+                    continue
+                self.samples += 1
+                self.peak_mib = max(self.peak_mib, rss)
+            self._stop.wait(self.interval)
+
+
+def find_executor_pid(head: LocalHead) -> int | None:
+    """The pid of the live GraphExecutor actor named ``opgraph-executor...`` on ``head``, if any.
+
+    Asked of the dashboard's state API over HTTP with the head's token (``ray.util.state``
+    would read the token mode when Ray is first imported, before this script knows it)."""
+    request = urllib.request.Request(f"{head.dashboard_url}/api/v0/actors?limit=10000&detail=false",
+                                     headers={"Authorization": f"Bearer {head.token}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            actors = json.loads(reply.read())["data"]["result"]["result"]
+    except (urllib.error.URLError, ConnectionError, TimeoutError, KeyError, ValueError):
+        return None  # the state API may not answer yet: the sampler asks again
+    for actor in actors:
+        if (actor.get("state") == "ALIVE" and actor.get("class_name") == "GraphExecutor"
+                and (actor.get("name") or "").startswith(EXECUTOR_PREFIX) and actor.get("pid")):
+            return int(actor["pid"])
+    return None
+
+
+def _reset_high_water_mark(pid: int) -> None:
+    """Reset VmHWM (``5`` into clear_refs, Linux 4.0+), so it tells this job's peak; ignored where refused."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        pass
+
+
+def submit_fanout(head: LocalHead, nodes: int, max_concurrent: int, extra: list[str], workdir: str
+                  ) -> dict[str, Any]:
+    """``opgraph job submit`` one fan-out of ``nodes`` x 0 s; its summary, wall time and output."""
+    from opgraph.cluster.cli.client import job_submit_command
+
+    entrypoint = ["fanout", "--nodes", str(nodes), "--latency", "0", "--max-concurrent", str(max_concurrent),
+                  "--progress-interval", "5", *extra]
+    command = job_submit_command(entrypoint, address=head.dashboard_url, working_dir=workdir)
+    started = time.perf_counter()
+    done = subprocess.run(command, env=head.env(), cwd=workdir, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - started
+    summary = None
+    for line in reversed(done.stdout.splitlines()):
+        line = line.strip()
+        if line.startswith("{") and '"by_status"' in line:
+            summary = json.loads(line)
+            break
+    if done.returncode != 0 or summary is None:
+        raise RuntimeError(f"the {nodes}-node job failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n"
+                           f"{done.stderr[-4000:]}")
+    return {"summary": summary, "wall": wall, "output": done.stdout}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.bench.million", description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="100000,1000000", help="comma-separated node counts; the first is the "
+                                                                  "baseline of the ratios (100000,1000000)")
+    parser.add_argument("--repeat", type=int, default=1, help="jobs per size, interleaved; medians (1)")
+    parser.add_argument("--max-concurrent", type=int, default=1000)
+    parser.add_argument("--job-arg", action="append", default=[], metavar="ARG",
+                        help="an extra argument for every job (repeatable), e.g. --job-arg=--progress-signals")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    arguments = parser.parse_args(argv)
+    sizes = [int(size) for size in arguments.sizes.split(",")]
+    head = LocalHead()
+    workdir = tempfile.mkdtemp(prefix="ogm-job-")
+    rows: dict[int, list[dict[str, Any]]] = {size: [] for size in sizes}
+    try:
+        head.wait_ready()
+        print(f"head up at {head.dashboard_url} (temp dir {head.temp_dir}, OPGRAPH_DB {head.database})", flush=True)
+        sampler: ExecutorMemory | None = None
+        for round_index in range(arguments.repeat):
+            for size in sizes:
+                pid = sampler.pid if sampler is not None else None
+                sampler = ExecutorMemory(head)
+                sampler.pid = pid
+                with sampler:
+                    job = submit_fanout(head, size, arguments.max_concurrent, arguments.job_arg, workdir)
+                elapsed = job["summary"]["elapsed_seconds"]
+                row = {"nodes": size, "elapsed": elapsed, "wall": job["wall"], "per_node_us": elapsed / size * 1e6,
+                       "peak_rss_mib": sampler.peak_mib, "vmhwm_mib": sampler.high_water_mib,
+                       "samples": sampler.samples, "status": job["summary"]["status"],
+                       "messages": job["summary"].get("scheduler_messages")}
+                rows[size].append(row)
+                print(f"round {round_index + 1}: {size:>9,} nodes  run {elapsed:8.2f} s  job wall {job['wall']:8.2f} s"
+                      f"  {row['per_node_us']:7.1f} us/node  executor peak RSS {row['peak_rss_mib']:7.0f} MiB"
+                      f" (VmHWM {row['vmhwm_mib'] or float('nan'):.0f})  [{row['samples']} samples]", flush=True)
+    finally:
+        survivors = head.stop()
+        if survivors:
+            print(f"warning: processes of the head survived: {sorted(survivors)}", file=sys.stderr)
+        else:
+            shutil.rmtree(head.temp_dir, ignore_errors=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+    base = statistics.median(row["per_node_us"] for row in rows[sizes[0]])
+    print(f"\n{'nodes':>10}  {'run s':>8}  {'us/node':>8}  {'vs ' + format(sizes[0], ','):>12}  {'peak MiB':>9}  "
+          f"{'VmHWM MiB':>9}")
+    figures = []
+    for size in sizes:
+        per_node = statistics.median(row["per_node_us"] for row in rows[size])
+        peak = max(row["peak_rss_mib"] for row in rows[size])
+        high = [row["vmhwm_mib"] for row in rows[size] if row["vmhwm_mib"] is not None]
+        figures.append({"nodes": size, "per_node_us": per_node, "ratio": per_node / base, "peak_rss_mib": peak,
+                        "vmhwm_mib": max(high) if high else None, "runs": rows[size]})
+        print(f"{size:>10,}  {statistics.median(row['elapsed'] for row in rows[size]):8.2f}  {per_node:8.1f}  "
+              f"{per_node / base:11.2f}x  {peak:9.0f}  {max(high) if high else float('nan'):9.0f}")
+    last = figures[-1]
+    print(f"\ntargets: {last['nodes']:,} nodes completes ({'yes' if all(r['status'] == 'completed' for r in last['runs']) else 'NO'});"
+          f" executor peak under {PEAK_TARGET_MIB:.0f} MiB ({'met' if max(last['peak_rss_mib'], last['vmhwm_mib'] or 0) < PEAK_TARGET_MIB else 'NOT met'});"
+          f" time per node within {RATIO_TARGET}x of {sizes[0]:,} ({'met' if last['ratio'] <= RATIO_TARGET else 'NOT met'})")
+    if arguments.json:
+        with open(arguments.json, "w", encoding="utf-8") as handle:
+            json.dump(figures, handle, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
