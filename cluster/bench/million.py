@@ -7,6 +7,7 @@ actor's resident memory while the job runs, and stopping every process of that h
 pid at the end (never `ray stop`: other Rays on the machine are not ours).
 
     python -m opgraph.cluster.bench.million [--sizes 100000,1000000] [--repeat 1] [--max-concurrent 1000]
+        [--variant 'LABEL=JOB ARGS' ...]
 
 It prints, per size: the job's own run time (``elapsed_seconds`` of its summary: the
 flow, graph shipping included, graph building excluded), the job's wall time, time per
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -188,12 +190,14 @@ def _running(pid: int) -> bool:
 class ExecutorMemory:
     """Samples the GraphExecutor actor's RSS while a job runs; its pid comes from Ray's state API."""
 
-    def __init__(self, head: LocalHead, interval: float = 0.1) -> None:
+    def __init__(self, head: LocalHead, interval: float = 0.1, *, keep_timeline: bool = False) -> None:
         self.head = head
         self.interval = interval
         self.pid: int | None = None
         self.peak_mib = 0.0
+        self.peak_doing = ""  # the actor's process title at the peak: which method was running
         self.samples = 0
+        self.timeline: list[tuple[float, float, str]] | None = [] if keep_timeline else None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, name="executor-memory", daemon=True)
 
@@ -231,12 +235,17 @@ class ExecutorMemory:
                     _reset_high_water_mark(self.pid)
             if self.pid is not None:
                 try:
-                    rss = psutil.Process(self.pid).memory_info().rss / 2**20
+                    process = psutil.Process(self.pid)
+                    rss = process.memory_info().rss / 2**20
+                    doing = " ".join(process.cmdline())  # Ray titles an actor by the method it runs
                 except psutil.Error:
                     self.pid = None  # replaced: look it up again
                     continue
                 self.samples += 1
-                self.peak_mib = max(self.peak_mib, rss)
+                if self.timeline is not None:
+                    self.timeline.append((time.monotonic(), rss, doing))
+                if rss > self.peak_mib:
+                    self.peak_mib, self.peak_doing = rss, doing
             self._stop.wait(self.interval)
 
 
@@ -291,40 +300,69 @@ def submit_fanout(head: LocalHead, nodes: int, max_concurrent: int, extra: list[
     return {"summary": summary, "wall": wall, "output": done.stdout}
 
 
+def _write_timeline(folder: str, label: str, size: int, round_index: int,
+                    timeline: list[tuple[float, float, str]]) -> None:
+    os.makedirs(folder, exist_ok=True)
+    start = timeline[0][0] if timeline else 0.0
+    with open(os.path.join(folder, f"{label}-{size}-{round_index + 1}.tsv"), "w", encoding="utf-8") as handle:
+        for at, rss, doing in timeline:
+            handle.write(f"{at - start:.2f}\t{rss:.0f}\t{doing}\n")
+
+
+def _variants(specs: list[str]) -> list[tuple[str, list[str]]]:
+    """``LABEL=ARGS`` (ARGS split as a shell would) into (label, job arguments); none: the default job."""
+    if not specs:
+        return [("default", [])]
+    variants = []
+    for spec in specs:
+        label, _, rest = spec.partition("=")
+        variants.append((label, shlex.split(rest)))
+    return variants
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.bench.million", description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="100000,1000000", help="comma-separated node counts; the first is the "
                                                                   "baseline of the ratios (100000,1000000)")
-    parser.add_argument("--repeat", type=int, default=1, help="jobs per size, interleaved; medians (1)")
+    parser.add_argument("--repeat", type=int, default=1, help="jobs per size and variant, interleaved; medians (1)")
     parser.add_argument("--max-concurrent", type=int, default=1000)
-    parser.add_argument("--job-arg", action="append", default=[], metavar="ARG",
-                        help="an extra argument for every job (repeatable), e.g. --job-arg=--progress-signals")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                        help="run every size also as LABEL, with ARGS added to the job's command line (repeatable), "
+                             "e.g. --variant 'signals=--progress-from signals'; the first variant is the baseline")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--timeline", default=None, metavar="DIR",
+                        help="write each job's executor RSS samples (seconds, MiB, process title) to DIR")
     arguments = parser.parse_args(argv)
     sizes = [int(size) for size in arguments.sizes.split(",")]
+    variants = _variants(arguments.variant)
     head = LocalHead()
     workdir = tempfile.mkdtemp(prefix="ogm-job-")
-    rows: dict[int, list[dict[str, Any]]] = {size: [] for size in sizes}
+    rows: dict[tuple[str, int], list[dict[str, Any]]] = {(label, size): [] for label, _ in variants for size in sizes}
     try:
         head.wait_ready()
         print(f"head up at {head.dashboard_url} (temp dir {head.temp_dir}, OPGRAPH_DB {head.database})", flush=True)
-        sampler: ExecutorMemory | None = None
+        pid = None
         for round_index in range(arguments.repeat):
             for size in sizes:
-                pid = sampler.pid if sampler is not None else None
-                sampler = ExecutorMemory(head)
-                sampler.pid = pid
-                with sampler:
-                    job = submit_fanout(head, size, arguments.max_concurrent, arguments.job_arg, workdir)
-                elapsed = job["summary"]["elapsed_seconds"]
-                row = {"nodes": size, "elapsed": elapsed, "wall": job["wall"], "per_node_us": elapsed / size * 1e6,
-                       "peak_rss_mib": sampler.peak_mib, "vmhwm_mib": sampler.high_water_mib,
-                       "samples": sampler.samples, "status": job["summary"]["status"],
-                       "messages": job["summary"].get("scheduler_messages")}
-                rows[size].append(row)
-                print(f"round {round_index + 1}: {size:>9,} nodes  run {elapsed:8.2f} s  job wall {job['wall']:8.2f} s"
-                      f"  {row['per_node_us']:7.1f} us/node  executor peak RSS {row['peak_rss_mib']:7.0f} MiB"
-                      f" (VmHWM {row['vmhwm_mib'] or float('nan'):.0f})  [{row['samples']} samples]", flush=True)
+                for label, extra in variants:
+                    sampler = ExecutorMemory(head, keep_timeline=arguments.timeline is not None)
+                    sampler.pid = pid
+                    with sampler:
+                        job = submit_fanout(head, size, arguments.max_concurrent, extra, workdir)
+                    pid = sampler.pid
+                    elapsed = job["summary"]["elapsed_seconds"]
+                    row = {"nodes": size, "variant": label, "elapsed": elapsed, "wall": job["wall"],
+                           "per_node_us": elapsed / size * 1e6, "peak_rss_mib": sampler.peak_mib,
+                           "vmhwm_mib": sampler.high_water_mib, "samples": sampler.samples,
+                           "status": job["summary"]["status"], "messages": job["summary"].get("scheduler_messages"),
+                           "peak_during": sampler.peak_doing}
+                    if sampler.timeline is not None:
+                        _write_timeline(arguments.timeline, label, size, round_index, sampler.timeline)
+                    rows[(label, size)].append(row)
+                    print(f"round {round_index + 1} {label}: {size:>9,} nodes  run {elapsed:8.2f} s  job wall "
+                          f"{job['wall']:8.2f} s  {row['per_node_us']:7.1f} us/node  executor peak RSS "
+                          f"{row['peak_rss_mib']:7.0f} MiB (VmHWM {row['vmhwm_mib'] or float('nan'):.0f})  "
+                          f"[{row['samples']} samples, peak in {sampler.peak_doing}]", flush=True)
     finally:
         survivors = head.stop()
         if survivors:
@@ -332,26 +370,45 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(head.temp_dir, ignore_errors=True)
         shutil.rmtree(workdir, ignore_errors=True)
-    base = statistics.median(row["per_node_us"] for row in rows[sizes[0]])
-    print(f"\n{'nodes':>10}  {'run s':>8}  {'us/node':>8}  {'vs ' + format(sizes[0], ','):>12}  {'peak MiB':>9}  "
-          f"{'VmHWM MiB':>9}")
-    figures = []
-    for size in sizes:
-        per_node = statistics.median(row["per_node_us"] for row in rows[size])
-        peak = max(row["peak_rss_mib"] for row in rows[size])
-        high = [row["vmhwm_mib"] for row in rows[size] if row["vmhwm_mib"] is not None]
-        figures.append({"nodes": size, "per_node_us": per_node, "ratio": per_node / base, "peak_rss_mib": peak,
-                        "vmhwm_mib": max(high) if high else None, "runs": rows[size]})
-        print(f"{size:>10,}  {statistics.median(row['elapsed'] for row in rows[size]):8.2f}  {per_node:8.1f}  "
-              f"{per_node / base:11.2f}x  {peak:9.0f}  {max(high) if high else float('nan'):9.0f}")
-    last = figures[-1]
-    print(f"\ntargets: {last['nodes']:,} nodes completes ({'yes' if all(r['status'] == 'completed' for r in last['runs']) else 'NO'});"
-          f" executor peak under {PEAK_TARGET_MIB:.0f} MiB ({'met' if max(last['peak_rss_mib'], last['vmhwm_mib'] or 0) < PEAK_TARGET_MIB else 'NOT met'});"
-          f" time per node within {RATIO_TARGET}x of {sizes[0]:,} ({'met' if last['ratio'] <= RATIO_TARGET else 'NOT met'})")
+    figures = _report(rows, sizes, variants)
     if arguments.json:
         with open(arguments.json, "w", encoding="utf-8") as handle:
             json.dump(figures, handle, indent=2)
     return 0
+
+
+def _report(rows: dict[tuple[str, int], list[dict[str, Any]]], sizes: list[int],
+            variants: list[tuple[str, list[str]]]) -> list[dict[str, Any]]:
+    """The table (medians; peaks are the highest seen), each variant's ratio to its first size and to the
+    first variant, and the targets for the last size of each variant."""
+    first_label = variants[0][0]
+    median = {key: statistics.median(row["per_node_us"] for row in found) for key, found in rows.items()}
+    print(f"\n{'variant':>10}  {'nodes':>10}  {'run s':>8}  {'us/node':>8}  {'vs ' + format(sizes[0], ','):>10}  "
+          f"{'vs ' + first_label:>12}  {'peak MiB':>9}  {'VmHWM MiB':>9}")
+    figures = []
+    for label, _ in variants:
+        for size in sizes:
+            found = rows[(label, size)]
+            per_node = median[(label, size)]
+            peak = max(row["peak_rss_mib"] for row in found)
+            high = [row["vmhwm_mib"] for row in found if row["vmhwm_mib"] is not None]
+            figure = {"variant": label, "nodes": size, "per_node_us": per_node,
+                      "ratio_to_first_size": per_node / median[(label, sizes[0])],
+                      "ratio_to_first_variant": per_node / median[(first_label, size)],
+                      "peak_rss_mib": max([peak, *high]), "runs": found}
+            figures.append(figure)
+            print(f"{label:>10}  {size:>10,}  {statistics.median(row['elapsed'] for row in found):8.2f}  "
+                  f"{per_node:8.1f}  {figure['ratio_to_first_size']:9.2f}x  {figure['ratio_to_first_variant']:11.2f}x"
+                  f"  {peak:9.0f}  {max(high) if high else float('nan'):9.0f}")
+    for label, _ in variants:
+        last = next(figure for figure in reversed(figures) if figure["variant"] == label)
+        completed = all(row["status"] == "completed" for row in last["runs"])
+        print(f"{label}: {last['nodes']:,} nodes completed: {'yes' if completed else 'NO'}; executor peak "
+              f"{last['peak_rss_mib']:.0f} MiB, under {PEAK_TARGET_MIB:.0f}: "
+              f"{'met' if last['peak_rss_mib'] < PEAK_TARGET_MIB else 'NOT met'}; time per node "
+              f"{last['ratio_to_first_size']:.2f}x the {sizes[0]:,}-node run's, within {RATIO_TARGET}x: "
+              f"{'met' if last['ratio_to_first_size'] <= RATIO_TARGET else 'NOT met'}")
+    return figures
 
 
 if __name__ == "__main__":
