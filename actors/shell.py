@@ -577,7 +577,8 @@ class ExecutorShell:
             self.totals["settled"] += 1
             if run.options.want_events or run.watchers:
                 node_id = instruction.op_id
-                node = run.state.graph.nodes[node_id]
+                # The signal's own node: the run's graph is let go once the run has ended.
+                node = instruction.node if instruction.node is not None else run.state.graph.nodes[node_id]
                 event = FlowEvent(node_id, node.metadata.get("reference_id") or node.operation,
                                   _TERMINAL_SIGNALS[kind], run.state.results.get(node_id),
                                   bool(node.metadata.get("spawned")))
