@@ -196,6 +196,7 @@ class ExecutorMemory:
         self.pid: int | None = None
         self.peak_mib = 0.0
         self.peak_doing = ""  # the actor's process title at the peak: which method was running
+        self.peak_shared_mib = 0.0  # of the peak, pages shared with Ray's object store (RssShmem)
         self.samples = 0
         self.timeline: list[tuple[float, float, str]] | None = [] if keep_timeline else None
         self._stop = threading.Event()
@@ -214,16 +215,7 @@ class ExecutorMemory:
     @property
     def high_water_mib(self) -> float | None:
         """The kernel's peak RSS of the executor since the last reset (VmHWM), if readable."""
-        if self.pid is None:
-            return None
-        try:
-            with open(f"/proc/{self.pid}/status") as handle:
-                for line in handle:
-                    if line.startswith("VmHWM:"):
-                        return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
+        return None if self.pid is None else _status_mib(self.pid, "VmHWM:")
 
     def _sample(self) -> None:
         next_lookup = 0.0
@@ -237,16 +229,29 @@ class ExecutorMemory:
                 try:
                     process = psutil.Process(self.pid)
                     rss = process.memory_info().rss / 2**20
+                    shared = _status_mib(self.pid, "RssShmem:")
                     doing = " ".join(process.cmdline())  # Ray titles an actor by the method it runs
                 except psutil.Error:
                     self.pid = None  # replaced: look it up again
                     continue
                 self.samples += 1
                 if self.timeline is not None:
-                    self.timeline.append((time.monotonic(), rss, doing))
+                    self.timeline.append((time.monotonic(), rss, f"shmem {shared:.0f} {doing}"))
                 if rss > self.peak_mib:
-                    self.peak_mib, self.peak_doing = rss, doing
+                    self.peak_mib, self.peak_doing, self.peak_shared_mib = rss, doing, shared
             self._stop.wait(self.interval)
+
+
+def _status_mib(pid: int, field: str) -> float | None:
+    """A ``kB`` field of /proc/PID/status (VmHWM, RssShmem...) in MiB, if readable."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith(field):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 def find_executor_pid(head: LocalHead) -> int | None:
@@ -355,14 +360,15 @@ def main(argv: list[str] | None = None) -> int:
                            "per_node_us": elapsed / size * 1e6, "peak_rss_mib": sampler.peak_mib,
                            "vmhwm_mib": sampler.high_water_mib, "samples": sampler.samples,
                            "status": job["summary"]["status"], "messages": job["summary"].get("scheduler_messages"),
-                           "peak_during": sampler.peak_doing}
+                           "peak_during": sampler.peak_doing, "peak_shared_mib": sampler.peak_shared_mib}
                     if sampler.timeline is not None:
                         _write_timeline(arguments.timeline, label, size, round_index, sampler.timeline)
                     rows[(label, size)].append(row)
                     print(f"round {round_index + 1} {label}: {size:>9,} nodes  run {elapsed:8.2f} s  job wall "
                           f"{job['wall']:8.2f} s  {row['per_node_us']:7.1f} us/node  executor peak RSS "
                           f"{row['peak_rss_mib']:7.0f} MiB (VmHWM {row['vmhwm_mib'] or float('nan'):.0f})  "
-                          f"[{row['samples']} samples, peak in {sampler.peak_doing}]", flush=True)
+                          f"[{row['samples']} samples; at the peak {sampler.peak_shared_mib or 0:.0f} MiB shared "
+                          f"with the object store, running {sampler.peak_doing.strip()}]", flush=True)
     finally:
         survivors = head.stop()
         if survivors:
