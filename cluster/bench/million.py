@@ -4,7 +4,8 @@ Owns starting a `ray start --head` of its own (its own temp dir, free ports, tok
 ``OPGRAPH_DB`` in that dir, so the runs are durable as by default), submitting each
 fan-out through ``opgraph job submit`` as a user does, sampling the GraphExecutor
 actor's resident memory while the job runs, and stopping every process of that head by
-pid at the end (never `ray stop`: other Rays on the machine are not ours).
+pid at the end (never `ray stop`: other Rays on the machine are not ours). Linux only: it
+reads processes and memory from /proc.
 
     python -m opgraph.cluster.bench.million [--sizes 100000,1000000] [--repeat 1] [--max-concurrent 1000]
         [--variant 'LABEL=JOB ARGS' ...]
@@ -34,8 +35,6 @@ import time
 import urllib.error
 import urllib.request
 from typing import Any
-
-import psutil
 
 __all__ = ["LocalHead", "main"]
 
@@ -103,33 +102,19 @@ class LocalHead:
 
     def pids(self) -> set[int]:
         """Every live process of this head: its session, their descendants, anything naming its temp dir."""
+        table = _processes()
         own = os.getpid()
-        found: set[int] = {self.process.pid}
-        for process in psutil.process_iter(["pid", "cmdline"]):
-            try:
-                if process.pid != own and (os.getsid(process.pid) == self.process.pid
-                                           or self.temp_dir in " ".join(process.info["cmdline"] or ())):
-                    found.add(process.pid)
-            except (ProcessLookupError, psutil.Error):
-                continue
-        for pid in list(found):
-            try:
-                found.update(child.pid for child in psutil.Process(pid).children(recursive=True))
-            except psutil.Error:
-                continue
-        found.discard(own)
-        return {pid for pid in found if psutil.pid_exists(pid)}
+        found = {pid for pid, (_, session, _, command) in table.items()
+                 if pid != own and (session == self.process.pid or self.temp_dir in command)}
+        found.add(self.process.pid)
+        return {pid for pid in _descendants(table, found) - {own} if pid in table and table[pid][2] != "Z"}
 
     def stop(self) -> set[int]:
         """Workers (actors, jobs) first, then `ray start`, then whatever is left; returns survivors."""
         mine = self.pids()
-        raylets = {pid for pid in mine if _command(pid).find("/raylet/raylet") >= 0}
-        workers = set()
-        for pid in raylets:
-            try:
-                workers.update(child.pid for child in psutil.Process(pid).children(recursive=True))
-            except psutil.Error:
-                continue
+        table = _processes()
+        raylets = {pid for pid in mine if pid in table and "/raylet/raylet" in table[pid][3]}
+        workers = _descendants(table, raylets) - raylets
         _signal(workers, signal.SIGTERM)
         _wait_gone(workers, 5.0)
         _signal({self.process.pid}, signal.SIGTERM)
@@ -139,7 +124,7 @@ class LocalHead:
             pass
         left = mine
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            left = {pid for pid in left | self.pids() if psutil.pid_exists(pid)}
+            left = {pid for pid in left | self.pids() if _running(pid)}
             _signal(left, sig)
             left = _wait_gone(left, 5.0)
             if not left:
@@ -156,10 +141,38 @@ def _listening(port: int) -> bool:
         return False
 
 
+def _processes() -> dict[int, tuple[int, int, str, str]]:
+    """Live processes from /proc (this script is for Linux): pid -> (parent, session, state, command line)."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as handle:
+                stat = handle.read()
+            command = _command(int(name))
+        except OSError:  # exited while we looked
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        table[int(name)] = (int(fields[1]), int(fields[3]), fields[0], command)
+    return table
+
+
+def _descendants(table: dict[int, tuple[int, int, str, str]], roots: set[int]) -> set[int]:
+    found, grew = set(roots), True
+    while grew:
+        children = {pid for pid, (parent, _, _, _) in table.items() if parent in found and pid not in found}
+        found |= children
+        grew = bool(children)
+    return found
+
+
 def _command(pid: int) -> str:
+    """The command line of ``pid`` ("" once it has gone); Ray sets an actor's to the method it runs."""
     try:
-        return " ".join(psutil.Process(pid).cmdline())
-    except psutil.Error:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
         return ""
 
 
@@ -182,9 +195,11 @@ def _wait_gone(pids: set[int], seconds: float) -> set[int]:
 
 def _running(pid: int) -> bool:
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat") as handle:
+            stat = handle.read()
+    except OSError:
         return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
 class ExecutorMemory:
@@ -226,13 +241,11 @@ class ExecutorMemory:
                 if self.pid is not None:
                     _reset_high_water_mark(self.pid)
             if self.pid is not None:
-                try:
-                    process = psutil.Process(self.pid)
-                    rss = process.memory_info().rss / 2**20
-                    shared = _status_mib(self.pid, "RssShmem:")
-                    doing = " ".join(process.cmdline())  # Ray titles an actor by the method it runs
-                except psutil.Error:
-                    self.pid = None  # replaced: look it up again
+                rss = _status_mib(self.pid, "VmRSS:")
+                shared = _status_mib(self.pid, "RssShmem:") or 0.0
+                doing = _command(self.pid)
+                if rss is None:
+                    self.pid = None  # gone (replaced): look it up again
                     continue
                 self.samples += 1
                 if self.timeline is not None:
