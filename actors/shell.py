@@ -83,7 +83,7 @@ class _Run:
         self.pending_branch_work: list[Any] = []  # coroutines of store calls a dispatch must wait for
         self.pending_dispatch: list[Any] = []
         self.flush_scheduled = False
-        self.node_worker: dict[str, int] = {}
+        self.node_worker: dict[str, int] = {}  # node id -> worker index, while its call is in flight
         self.inject_waiters: dict[int, asyncio.Future] = {}
         self.started = time.time()
         self.messages = 0
@@ -627,7 +627,8 @@ class ExecutorShell:
             self.totals["settled"] += 1
             if run.options.want_events or run.watchers:
                 node_id = instruction.op_id
-                node = run.state.graph.nodes[node_id]
+                # The signal's own node: the run's graph is let go once the run has ended.
+                node = instruction.node if instruction.node is not None else run.state.graph.nodes[node_id]
                 event = FlowEvent(node_id, node.metadata.get("reference_id") or node.operation,
                                   _TERMINAL_SIGNALS[kind], run.state.results.get(node_id),
                                   bool(node.metadata.get("spawned")))
@@ -743,9 +744,10 @@ class ExecutorShell:
     async def _settle_rows(self, run: _Run, pending: dict[str, int], rows: list[OutcomeRow]) -> None:
         """One worker message of outcome rows: observed, then fed to the run as events."""
         run.messages += 1
-        histograms = self.node_latency
+        histograms, node_worker = self.node_latency, run.node_worker
         for row in rows:
             pending.pop(row[0], None)
+            node_worker.pop(row[0], None)  # a settled call is never cancelled; kept, this grew by a node each
             if row[5] == BRANCH_STORE_LOST:  # a worker met a dead store: have it noticed now
                 self.stores.check(PROBE_TIMEOUT_SECONDS)
             histogram = histograms.get(row[2])

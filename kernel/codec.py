@@ -160,10 +160,7 @@ def _ext_hook(code: int, data: bytes) -> Any:
     for node in payload["nodes"]:
         graph.add_node(node)
     for fields in payload["edges"]:
-        edge = _edge_from(fields)
-        graph.edges[edge.id] = edge
-        graph._out[edge.head].append(edge.id)
-        graph._in[edge.tail].append(edge.id)
+        graph._attach(_edge_from(fields))
     return graph
 
 

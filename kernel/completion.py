@@ -1,7 +1,8 @@
 """Completion: the end of a run and its result (ADR-0023 D4, D6).
 
 Owns finishing once nothing is open or in flight, writing each node's final status,
-response and error back onto its Operation, and the result envelope. A mixin of
+response and error back onto its Operation (or, for a graph nobody reads afterwards,
+letting it go), and the result envelope. A mixin of
 FlowState: it keeps no state of its own, and ``envelope()`` only reads.
 """
 
@@ -11,6 +12,7 @@ from operator import countOf
 from typing import Any
 
 from . import events as ev
+from .graph import Graph
 from .results import validate_envelope
 from .states import _PUBLIC_STATUS, CANCELLED, COMPLETED, FAILED, SKIPPED
 
@@ -29,6 +31,13 @@ class RunCompletion:
         if self.write_back:
             self._write_back()
         self._out.append(ev.FinishRun(self.envelope()))
+        if not self.write_back:
+            # The graph is then the shell's own copy, and nothing reads a node of it once the
+            # run has ended (the last signals carry their nodes; the envelope is built): let it
+            # go before the shell writes and ships the envelope. For a million-node fan-out it
+            # was most of the executor's memory, just when the envelope needed more (issue #18).
+            self.graph = Graph(self.graph.name)
+            self.graph_released = True
 
     def _write_back(self) -> None:
         """Record final status, response and error on each Operation, once, at the end.

@@ -53,9 +53,12 @@ class InvariantChecks:
         if open_nodes != self.open_nodes:
             fail(f"open node count {self.open_nodes} != {open_nodes}")
         registered, in_graph = self.state.keys(), self.graph.nodes.keys()
-        if self.started and registered != in_graph:
+        if self.graph_released:  # a finished run whose graph nobody reads any more (completion.py)
+            if not self.finished or in_graph:
+                fail("the graph was let go before the run finished, or holds nodes again")
+        elif self.started and registered != in_graph:
             fail("scheduler state and graph disagree on the node set")
-        if not registered <= in_graph:  # before the start: early admissions only
+        elif not registered <= in_graph:  # before the start: early admissions only
             fail("the scheduler holds a node the graph does not")
         for node_id, state in self.state.items():
             unsettled = sum(1 for dep in self.deps[node_id] if self.state.get(dep, WAITING) not in TERMINAL)

@@ -140,6 +140,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.known_branches = None if known_branches is None else set(known_branches)
         self.shared = SharedContext(context, reducers)
         self.write_back = write_back
+        self.graph_released = False  # set once a finished run let its graph go (write_back off)
         self.progress_signals = progress_signals
 
         self.state: dict[str, str] = {}

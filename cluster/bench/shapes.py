@@ -1,21 +1,23 @@
-"""`opgraph bench`: the standard shapes on the embedded local Ray, optionally beside lionagi.
+"""`opgraph bench`: the standard shapes on the embedded local Ray, optionally beside lionagi and LangGraph.
 
 Owns the shape catalogue, the timing loop (median of ``--repeat`` runs of ``flow()``, Ray
 start excluded), the ratios to the ideal makespan, the table and the JSON file, and the
-adapter that runs the same shapes on the in-process reference library lionagi. It must
+adapters that run the same shapes on the in-process libraries lionagi and LangGraph. It must
 not tune or reach into the runtime (only ``Session.flow`` with registered operations),
 and it never hides a failed or timed-out run: each is printed as such.
 
     opgraph bench [--shapes fanout-50ms,chain] [--nodes 10000] [--repeat 3]
-                  [--compare lionagi] [--compare-timeout 120] [--json PATH]
+                  [--compare lionagi,langgraph] [--compare-timeout 120] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import math
+import operator
 import os
 import platform
 import statistics
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
-from typing import Any
+from typing import Annotated, Any, TypedDict
 
 import ray
 
@@ -237,6 +239,116 @@ class LionagiRunner:
         return elapsed
 
 
+# -- LangGraph, the other in-process peer ---------------------------------------------------
+
+class LangGraphState(TypedDict, total=False):
+    """A LangGraph run's state: every node's result (appended, in settling order), the root's requests."""
+
+    results: Annotated[list, operator.add]
+    requests: list[str]
+
+
+def _langgraph_node(results_key: str = "results") -> Callable[[dict[str, Any]], Any]:
+    """A LangGraph node that sleeps the ``seconds`` it is sent and adds its ``result`` to the state."""
+
+    async def sleep(arguments: dict[str, Any]) -> dict[str, Any]:
+        await asyncio.sleep(arguments["seconds"])
+        return {results_key: [arguments["result"]]}
+
+    return sleep
+
+
+class LangGraphRunner:
+    """Runs shapes as LangGraph ``StateGraph``s, in this process and event loop.
+
+    The same work in LangGraph's own terms: a fan-out is one ``Send`` per node from the
+    start (what LangGraph offers for a map of unknown width); a chain is N nodes joined
+    by edges; the aggregation node follows every sent node; the returned spawns are the
+    root's ``Send``s, each child handed the root's result (its requests), as the other two
+    libraries hand it. Capacity is LangGraph's ``max_concurrency``. Every node adds its
+    result to one list (an ``operator.add`` reducer), which is how completion is checked.
+    The graph is built and compiled before the clock starts, as the others' graphs are.
+    """
+
+    name = "langgraph"
+
+    def __init__(self, timeout: float) -> None:
+        from langgraph.graph import END, START, StateGraph
+        from langgraph.types import Send
+
+        self.StateGraph, self.Send, self.START, self.END = StateGraph, Send, START, END
+        self.timeout = timeout
+
+    def unsupported(self, shape: Shape) -> str | None:
+        if shape.kind == "spawns-emitted":
+            return "a LangGraph node starts others only through what it returns (Send), not while it runs"
+        return None
+
+    def compile(self, shape: Shape) -> Any:
+        graph, Send, START, END = self.StateGraph(LangGraphState), self.Send, self.START, self.END
+        sleep = _langgraph_node()
+        if shape.kind == "chain":
+            names = [f"link-{index}" for index in range(shape.width)]
+            for index, name in enumerate(names):
+                graph.add_node(name, _langgraph_link(sleep, shape.latency, index))
+            graph.add_edge(START, names[0])
+            for head, tail in zip(names, names[1:], strict=False):
+                graph.add_edge(head, tail)
+            graph.add_edge(names[-1], END)
+        elif shape.kind == "spawns-returned":
+            async def root(state: dict[str, Any]) -> dict[str, Any]:
+                return {"requests": [f"spawned {index}" for index in range(shape.width)], "results": ["root"]}
+
+            def children(state: dict[str, Any]) -> list[Any]:
+                requests = state["requests"]
+                return [Send("child", {"seconds": shape.latency, "result": request, "context": requests})
+                        for request in requests]
+
+            graph.add_node("root", root)
+            graph.add_node("child", sleep)
+            graph.add_edge(START, "root")
+            graph.add_conditional_edges("root", children, ["child"])
+            graph.add_edge("child", END)
+        else:
+            def leaves(state: dict[str, Any]) -> list[Any]:
+                return [Send("leaf", {"seconds": shape.latency, "result": index}) for index in range(shape.width)]
+
+            graph.add_node("leaf", sleep)
+            graph.add_conditional_edges(START, leaves, ["leaf"])
+            if shape.kind == "aggregation":
+                graph.add_node("aggregate", _langgraph_link(sleep, shape.latency, "aggregate"))
+                graph.add_edge("leaf", "aggregate")
+                graph.add_edge("aggregate", END)
+            else:
+                graph.add_edge("leaf", END)
+        return graph.compile()
+
+    async def run(self, shape: Shape) -> float:
+        compiled = self.compile(shape)
+        config = {"max_concurrency": shape.capacity, "recursion_limit": shape.width + 10}
+        start = time.perf_counter()
+        try:
+            state = await asyncio.wait_for(compiled.ainvoke({"results": []}, config=config), self.timeout)
+        except TimeoutError:
+            raise
+        except Exception as exc:  # the foreign library's own error, translated once here
+            raise RunNotCompleted(f"{type(exc).__name__}: {exc}") from exc
+        elapsed = time.perf_counter() - start
+        settled = len(state.get("results", ()))
+        if settled != shape.nodes:
+            raise RunNotCompleted(f"{settled} of {shape.nodes} nodes completed")
+        return elapsed
+
+
+def _langgraph_link(sleep: Callable[[dict[str, Any]], Any], seconds: float, result: Any) -> Callable[..., Any]:
+    """A node of a fixed graph (a chain link, the aggregation): sleeps ``seconds``, adds ``result``."""
+
+    async def link(state: dict[str, Any]) -> dict[str, Any]:
+        return await sleep({"seconds": seconds, "result": result})
+
+    return link
+
+
 # -- measuring ----------------------------------------------------------------------------
 
 @dataclass
@@ -296,8 +408,7 @@ def table(shapes: Sequence[Shape], results: list[dict[str, Outcome]], names: Seq
     header = ["shape", "nodes", "ideal s"]
     for name in names:
         header += [f"{name} s", f"{name} nodes/s", f"{name}/ideal"]
-    if len(names) == 2:
-        header.append(f"{names[0]}/{names[1]}")
+    header += [f"{names[0]}/{peer}" for peer in names[1:]]
     rows, notes = [header], []
     for shape, outcomes in zip(shapes, results, strict=True):
         row = [shape.label, f"{shape.nodes:,}", f"{shape.ideal:.2f}" if shape.ideal else "-"]
@@ -311,8 +422,9 @@ def table(shapes: Sequence[Shape], results: list[dict[str, Outcome]], names: Seq
             ratio = figures["ratio_to_ideal"]
             row += [f"{outcome.median:.2f}", f"{figures['nodes_per_second']:,.0f}",
                     f"{ratio:.2f}x" if ratio else "-"]
-        if len(names) == 2:
-            first, second = (outcomes[name].median for name in names)
+        first = outcomes[names[0]].median
+        for peer in names[1:]:
+            second = outcomes[peer].median
             row.append(f"{first / second:.2f}x" if first and second else "-")
         rows.append(row)
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
@@ -324,8 +436,9 @@ def table(shapes: Sequence[Shape], results: list[dict[str, Outcome]], names: Seq
 def machine() -> dict[str, Any]:
     described = {"cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
                  "ray": ray.__version__, "opgraph": version("opgraph")}
-    if "lionagi" in sys.modules:
-        described["lionagi"] = version("lionagi")
+    for peer in ("lionagi", "langgraph"):
+        if peer in sys.modules:
+            described[peer] = version(peer)
     return described
 
 
@@ -334,16 +447,19 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
     if args.compare == "durability":  # the same runtime, each run logged or not: the cost of durability
         runners = [OpgraphRunner(session, args.timeout, name="durable"),
                    OpgraphRunner(session, args.timeout, name="volatile", durable=False)]
-    if args.compare == "lionagi":
-        runners.append(LionagiRunner(args.compare_timeout))
+    for peer in args.compare if isinstance(args.compare, list) else ():
+        if peer == "lionagi":
+            runners.append(LionagiRunner(args.compare_timeout))
+        elif peer == "langgraph":
+            runners.append(LangGraphRunner(args.compare_timeout))
     names = [runner.name for runner in runners]
     described = machine()
     print(f"opgraph bench: median of {args.repeat} run(s) per shape, wall seconds of flow(); "
           f"embedded Ray start excluded ({ray_start:.1f} s)")
     print("machine: " + ", ".join(f"{key} {value}" for key, value in described.items()))
-    if len(names) == 2:
-        print(f"{names[0]}/{names[1]}: ratio of median wall times (below 1: {names[0]} is faster); "
-              f"budget per {names[1]} run {args.compare_timeout:g} s")
+    for peer in names[1:]:
+        print(f"{names[0]}/{peer}: ratio of median wall times (below 1: {names[0]} is faster); "
+              f"budget per {peer} run {args.compare_timeout:g} s")
     # Warm-up, not timed: the first runs ship operations and warm every actor and import.
     for kind in ("fanout", "spawns-emitted", "spawns-returned"):
         await measure_shape(Shape("warm-up", kind, 100, 0.0, 100), runners, 1)
@@ -366,20 +482,36 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
     return 0 if all(outcomes[names[0]].status == "ok" for outcomes in results) else 1
 
 
+PEERS = ("lionagi", "langgraph")  # in-process libraries --compare runs beside opgraph
+
+
+def _peers(text: str) -> list[str] | str:
+    """``--compare``: 'durability' alone, or one or more of PEERS, comma-separated, in that order."""
+    chosen = [name.strip() for name in text.split(",") if name.strip()]
+    if chosen == ["durability"]:
+        return "durability"
+    unknown = [name for name in chosen if name not in PEERS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"choose 'durability', or one or more of {', '.join(PEERS)} "
+                                         f"(comma-separated); got {text!r}")
+    return list(dict.fromkeys(chosen))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="opgraph bench",
         description="Benchmark the standard graph shapes on the embedded local Ray (median of --repeat runs), "
-                    "optionally beside lionagi in the same process.")
+                    "optionally beside lionagi and LangGraph in the same process.")
     keys = [shape.key for shape in standard_shapes()]
     parser.add_argument("--shapes", default=",".join(keys),
                         help=f"comma-separated subset of: {', '.join(keys)} (default: all)")
     parser.add_argument("--nodes", type=int, default=10_000,
                         help="fan-out width; the chain and the spawns are a tenth of it (default 10000)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per shape, median reported (default 3)")
-    parser.add_argument("--compare", choices=["lionagi", "durability"], default=None,
-                        help=f"also run every shape on lionagi, in this process ({INSTALL_HINT}); or "
-                             f"'durability': every shape with its run logged and without, side by side")
+    parser.add_argument("--compare", type=_peers, default=None, metavar="PEERS",
+                        help=f"also run every shape on lionagi and/or langgraph (comma-separated, side by side), in "
+                             f"this process ({INSTALL_HINT}); or 'durability': every shape with its run logged and "
+                             f"without, side by side")
     parser.add_argument("--compare-timeout", type=float, default=120.0,
                         help="seconds one run of a shape may take on the compared library (default 120)")
     parser.add_argument("--timeout", type=float, default=600.0,
@@ -398,12 +530,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [key for key in wanted if key not in catalogue]
     if unknown or not wanted:
         parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}")
-    if args.compare == "lionagi":
-        try:
-            import lionagi  # noqa: F401
-        except ImportError:
-            print(f"opgraph bench: --compare lionagi needs the lionagi package: {INSTALL_HINT}", file=sys.stderr)
-            return 2
+    for peer in args.compare if isinstance(args.compare, list) else ():
+        if peer in PEERS:
+            try:
+                importlib.import_module(peer)
+            except ImportError:
+                print(f"opgraph bench: --compare {peer} needs the {peer} package: {INSTALL_HINT}", file=sys.stderr)
+                return 2
     # Join a Ray that is already up (a test's shared one) and leave it up; stop only our own.
     started_ray = not ray.is_initialized()
     start = time.perf_counter()

@@ -25,8 +25,9 @@ EXIT_USAGE = 2  # bad arguments or store, or a workflow definition that does not
 
 
 class ProgressLog:
-    """The ``on_progress`` callback of a job: counts node lifecycle signals, prints a line
-    whenever another ``step`` of the nodes has settled or ``interval`` seconds have passed.
+    """A job's progress lines: counts node lifecycle signals (as an ``on_progress``
+    callback) or takes the run's counters (``observe``, from a polled status), and prints a
+    line whenever another ``step`` of the nodes has settled or ``interval`` seconds have passed.
 
     Settled counts completed, failed and skipped nodes (cancelled nodes send no signal);
     in flight is started minus finished. A line looks like
@@ -61,6 +62,18 @@ class ProgressLog:
     def __call__(self, op_id: str, name: str, status: str, elapsed: float) -> None:
         if status in self.counts:
             self.counts[status] += 1
+        now = self.clock()
+        if (self.settled - self._last_line_settled >= self.step_nodes
+                or now - self._last_line_at >= self.interval):
+            self.report(now)
+
+    def observe(self, status: dict[str, Any]) -> None:
+        """Take the run's counters from a ``RunControl.status()`` snapshot (polled, instead of a
+        signal per node): settled by status as the run counts them, in flight as running."""
+        by_status = status.get("settled_by_status", {})
+        for kind in ("completed", "failed", "skipped", "cancelled"):
+            self.counts[kind] = by_status.get(kind, 0)
+        self.counts["started"] = self.settled + status.get("running", 0)
         now = self.clock()
         if (self.settled - self._last_line_settled >= self.step_nodes
                 or now - self._last_line_at >= self.interval):

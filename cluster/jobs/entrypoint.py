@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     fanout.add_argument("--metrics-linger", type=float, default=None, metavar="SECONDS",
                         help="after the run, keep --metrics-port open until one more scrape has read the final "
                              "values, at most SECONDS (30; 0: close at once). Nothing scraped: it closes at once")
+    fanout.add_argument("--progress-from", choices=("status", "signals"), default="status",
+                        help="where progress lines come from: the run's status, polled (status, the default: one "
+                             "message whatever the size), or a lifecycle signal per node (signals)")
     _add_runtime_arguments(fanout, run_id_default="fanout-<uuid>")
     fanout.set_defaults(handler=run_fanout_job)
     workflow = modes.add_parser("workflow", help="run a fixed-workflow JSON file (ADR-0073), recorded in SQLite")

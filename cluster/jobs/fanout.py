@@ -16,7 +16,7 @@ import time
 import uuid
 from typing import Any
 
-from opgraph.kernel import Graph, create_operation
+from opgraph.kernel import Graph, OpGraphError, create_operation
 
 from .driver import EXIT_RUN_NOT_COMPLETED, EXIT_USAGE, ProgressLog, detach_problem, job_address, job_detached
 
@@ -68,8 +68,18 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
               f"{arguments.max_concurrent} on {where} (namespace {arguments.namespace!r}, "
               f"{'detached' if detached else 'job-owned'} actors)", flush=True)
         progress = ProgressLog(len(graph.nodes), interval=arguments.progress_interval)
-        envelope = await session.flow(graph, max_concurrent=arguments.max_concurrent, on_progress=progress,
-                                      run_id=run_id, isolated=True)
+        if arguments.progress_from == "signals":
+            envelope = await session.flow(graph, max_concurrent=arguments.max_concurrent, on_progress=progress,
+                                          run_id=run_id, isolated=True)
+        else:
+            control: dict[str, Any] = {}
+            poller = asyncio.ensure_future(_poll_progress(control, progress, min(arguments.progress_interval, 1.0)))
+            try:
+                envelope = await session.flow(graph, max_concurrent=arguments.max_concurrent, executor_ref=control,
+                                              run_id=run_id, isolated=True)
+            finally:
+                poller.cancel()
+                await asyncio.gather(poller, return_exceptions=True)
         progress.close(envelope)
         return envelope, time.monotonic() - progress.started_at
     finally:
@@ -84,6 +94,28 @@ async def _run_fanout(arguments: argparse.Namespace) -> tuple[dict[str, Any], fl
         # A detached runtime outlives this job: leave none of the job's branches in it.
         await session.aclose()
         ray.shutdown()
+
+
+async def _poll_progress(control: dict[str, Any], progress: ProgressLog, period: float) -> None:
+    """Feed ``progress`` from the run's status every ``period`` seconds, from its admission on.
+
+    Polled rather than subscribed: a signal per node lifecycle step is three messages a
+    node, built, pickled and read one by one, which for a million nodes cost the executor
+    and this driver more than the run itself (issue #18). A status is one message of
+    counters whatever the run's size. A line is printed once the run is admitted."""
+    while "executor" not in control:
+        await asyncio.sleep(min(period, 0.05))
+    run = control["executor"]
+    progress.report()
+    while True:
+        await asyncio.sleep(period)
+        try:
+            status = await run.status()
+        except OpGraphError:
+            # Settled and forgotten (flow() is returning, and cancels this), or between an
+            # executor and its replacement (flow() follows the run there, and so does ``run``).
+            continue
+        progress.observe(status)
 
 
 async def _submit_fanout(arguments: argparse.Namespace, address: str) -> str:

@@ -1,4 +1,4 @@
-"""`opgraph bench` end to end: tiny shapes through the real runtime, and beside real lionagi.
+"""`opgraph bench` end to end: tiny shapes through the real runtime, and beside real lionagi and LangGraph.
 
 The runs join the shared Ray of ``session`` (the bench leaves a Ray it did not start
 running). Shapes at ``--nodes 20``: fan-outs of 20 (+ 1 aggregation node), a chain of 2,
@@ -72,6 +72,34 @@ def test_compare_lionagi_runs_the_same_shapes_in_the_same_run(session, tmp_path,
     assert f"lionagi spawns: n/a: {unsupported['reason']}" in output
 
 
+def test_compare_langgraph_beside_lionagi_runs_each_kind_of_shape(session, tmp_path, capsys):
+    """Three libraries in one run: fan-out 20 x 0 ms, chain of 2, fan-out 20 + 1 aggregation, root -> 2
+    returned spawns; emitted spawns are n/a on both peers. opgraph's ratio to each peer is a column."""
+    path = tmp_path / "figures.json"
+
+    status = main(["--shapes", "fanout-0ms,chain,aggregation,spawns-returned,spawns", "--nodes", "20",
+                   "--repeat", "1", "--compare", "lionagi,langgraph", "--json", str(path)])
+
+    assert status == 0
+    output = capsys.readouterr().out
+    header = next(line for line in output.splitlines() if line.startswith("shape"))
+    for column in ("langgraph s", "langgraph nodes/s", "langgraph/ideal", "opgraph/lionagi", "opgraph/langgraph"):
+        assert column in header
+    document = json.loads(path.read_text())
+    assert document["libraries"] == ["opgraph", "lionagi", "langgraph"]
+    assert document["machine"]["langgraph"]
+    results = {shape["key"]: shape["results"] for shape in document["shapes"]}
+    for key in ("fanout-0ms", "chain", "aggregation", "spawns-returned"):
+        figures = results[key]["langgraph"]
+        assert figures["status"] == "ok", (key, figures["reason"])
+        assert figures["median_seconds"] > 0
+        if figures["ratio_to_ideal"] is not None:
+            assert figures["ratio_to_ideal"] >= 0.95
+    unsupported = results["spawns"]["langgraph"]
+    assert unsupported["status"] == "n/a"
+    assert f"langgraph spawns: n/a: {unsupported['reason']}" in output
+
+
 def test_compare_lionagi_without_the_package_exits_2_naming_the_extra(monkeypatch, capsys):
     """No lionagi importable: exit 2 before any Ray work, with the install command."""
     monkeypatch.setitem(sys.modules, "lionagi", None)  # makes `import lionagi` raise ImportError
@@ -80,6 +108,14 @@ def test_compare_lionagi_without_the_package_exits_2_naming_the_extra(monkeypatc
 
     assert status == 2
     assert "pip install 'opgraph[bench]'" in capsys.readouterr().err
+
+
+def test_compare_takes_durability_alone_or_known_peers(capsys):
+    for wrong in ("lionagi,durability", "crewai"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--compare", wrong])
+        assert exit_info.value.code == 2
+        assert "choose 'durability', or one or more of lionagi, langgraph" in capsys.readouterr().err
 
 
 def test_unknown_shape_is_a_usage_error(capsys):

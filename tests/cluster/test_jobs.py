@@ -157,6 +157,21 @@ def test_progress_log_prints_every_step_and_at_most_every_interval():
     assert progress.lines == 2
 
 
+def test_progress_log_takes_a_polled_status_as_the_run_counts_it():
+    """A status snapshot sets the counts (running is in flight); a line per 20% or per 5 s, as with signals."""
+    now = [0.0]
+    out = io.StringIO()
+    progress = ProgressLog(10, out=out, interval=5.0, step=0.2, clock=lambda: now[0])
+    progress.observe({"settled_by_status": {"completed": 1, "failed": 0, "skipped": 0, "cancelled": 0},
+                      "running": 3})
+    assert progress.lines == 0
+    progress.observe({"settled_by_status": {"completed": 2, "failed": 1}, "running": 4})
+    assert out.getvalue().splitlines() == ["progress: settled 3/10 (30%), in flight 4, failed 1, 0.0 s"]
+    now[0] = 6.0
+    progress.observe({"settled_by_status": {"completed": 3, "failed": 1}, "running": 2})
+    assert out.getvalue().splitlines()[-1] == "progress: settled 4/10 (40%), in flight 2, failed 1, 6.0 s"
+
+
 def test_fanout_graph_places_failing_nodes():
     graph = fanout_graph(10, 0.0, fail_every=5)
     assert [node.operation for node in graph.nodes.values()].count("fail") == 2

@@ -119,3 +119,27 @@ def test_a_graph_whose_edge_names_a_missing_node_unpickles_and_is_refused_with_u
     assert caught.value.node_id == "missing" and caught.value.edge_id == edge.id
     with pytest.raises(UnknownNodeError):
         FlowState(copied)
+
+
+def test_nodes_built_alike_share_a_fields_set_until_one_is_assigned():
+    """Unpickled nodes a, b (built alike) share one fields-set and the empty adjacency; assigning
+    a field of a gives a its own set, and b's fields-set, its dump and pickled shape stay as they were."""
+    graph = Graph("fan-out")
+    for index in range(2):
+        graph.add_node(create_operation("sleep", {"result": index}))
+    a, b = round_trip(graph).nodes.values()
+    assert a.__pydantic_fields_set__ is b.__pydantic_fields_set__
+    a.status = "completed"
+    assert a.model_fields_set == {"operation", "parameters", "status"}
+    assert b.model_fields_set == {"operation", "parameters"}
+    assert b.model_dump(exclude_unset=True) == {"operation": "sleep", "parameters": {"result": 1}}
+    copied = b.model_copy(update={"status": "failed"})
+    assert copied.model_fields_set == {"operation", "parameters", "status"}
+    assert b.model_fields_set == {"operation", "parameters"}
+    restored = round_trip(graph)
+    edge = restored.add_edge(*restored.nodes)  # the first edge of each end gets a list of its own
+    head, tail = restored.nodes
+    assert restored._out[head] == [edge.id] and restored._in[tail] == [edge.id]
+    assert restored._in[head] == () and restored._out[tail] == ()
+    restored.remove_edge(edge.id)
+    assert restored._out == round_trip(graph)._out and restored._in == round_trip(graph)._in

@@ -60,6 +60,9 @@ def test_results_are_written_back_onto_the_graph_unless_turned_off(drive):
         assert driver.envelope["operation_statuses"] == {a.id: "completed"}
         assert driver.envelope["operation_results"] == {a.id: {"answer": 42}}
         assert (a.status, a.response) == (("completed", {"answer": 42}) if write_back else ("pending", None))
+        # Turned off, the graph is nobody's to read once the run has ended: the state lets it go.
+        assert driver.state.graph_released is not write_back
+        assert list(driver.state.graph.nodes) == ([a.id] if write_back else [])
 
 
 class Unserializable(BaseModel):
