@@ -25,7 +25,7 @@ from .errors import UnknownBranchError
 from .memory import current_rss_mib
 from .persistence import Database, Writer
 from .persistence.branchlog import BranchJournal, ShardRows, load_shard, read_branch, release_branch
-from .persistence.database import Checkpointer, DatabaseError
+from .persistence.database import Checkpointer
 
 __all__ = ["BranchStore", "BranchTable", "UnknownBranchError", "shard_for"]
 
@@ -261,10 +261,7 @@ class BranchStore:
         """On the writer thread: the ops in one transaction, then a checkpoint if the WAL ran long."""
         written = journal.write(self.database, ops)
         if self.checkpointer is not None and self.checkpointer.written(written):
-            try:
-                self.database.checkpoint()
-            except DatabaseError:  # the commits are in the WAL: only the copy failed, and is tried again
-                self.checkpointer.failures += 1
+            self.checkpointer.checkpoint_writer()
 
     async def create(self, branch_id: str, messages: list[Any] | None = None, exist_ok: bool = False) -> bool:
         created = self.table.create(branch_id, messages or (), exist_ok=exist_ok)

@@ -18,7 +18,6 @@ from ray import cloudpickle
 
 from .persistence import RunLog, Writer
 from .persistence.codec import encode
-from .persistence.database import DatabaseError
 
 if TYPE_CHECKING:
     from .shell import _Run
@@ -138,7 +137,7 @@ class RunLogger:
         self.inline += 1
         self._count(rows, count)
         if self.checkpointer.written(count):
-            self.writer.submit(self._checkpoint)
+            self.writer.submit(self.checkpointer.checkpoint_writer)
         return True
 
     def _commit(self, rows: list[tuple[str, int, bytes]], headers: list[tuple[str, str, float, bytes]],
@@ -157,20 +156,14 @@ class RunLogger:
         """On the writer thread: tell the checkpointer (SQLite) what went in; checkpoint here if it
         says the WAL is too long."""
         if self.checkpointer is not None and self.checkpointer.written(count):
-            self._checkpoint()
-
-    def _checkpoint(self) -> None:
-        try:
-            self.log.database.checkpoint()
-        except DatabaseError:  # the commits are in the WAL: only the copy failed, and is tried again
-            self.checkpointer.failures += 1
+            self.checkpointer.checkpoint_writer()
 
     async def finish(self, run: _Run, status: str, envelope: dict[str, Any] | None, error: str | None = None) -> None:
         await self.durable(run, run.log_seq)
         await self.writer.run(self._finish, run.run_id, status, envelope, error)
 
     def _finish(self, run_id: str, status: str, envelope: dict[str, Any] | None, error: str | None) -> None:
-        """On the writer thread, as every write whose bytes the checkpointer counts."""
+        """On the writer thread: a large write, never made on the loop."""
         self._written(self.log.finish(run_id, status, envelope, error))
 
     def statistics(self) -> dict[str, Any]:

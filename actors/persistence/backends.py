@@ -118,15 +118,19 @@ class Connection(abc.ABC):
         """``(sql, parameters)`` in one transaction, a list of rows as ``executemany``; rolled back on error."""
         try:
             self.begin(write=write)
-            for sql, parameters in statements:
-                if parameters and isinstance(parameters, list):
-                    self.executemany(sql, parameters)
-                else:
-                    self.execute(sql, parameters)
+            self.execute_all(statements)
             self.commit()
         except BaseException:
             self.rollback()
             raise
+
+    def execute_all(self, statements: Sequence[tuple[str, Any]]) -> None:
+        """``(sql, parameters)`` in order, a list of rows as ``executemany``, in the open transaction."""
+        for sql, parameters in statements:
+            if parameters and isinstance(parameters, list):
+                self.executemany(sql, parameters)
+            else:
+                self.execute(sql, parameters)
 
     @abc.abstractmethod
     def begin(self, *, write: bool = False) -> None:

@@ -220,11 +220,7 @@ class Database:
             finally:
                 connection.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS:d}")
             try:
-                for sql, parameters in statements:
-                    if parameters and isinstance(parameters, list):
-                        connection.executemany(sql, parameters)
-                    else:
-                        connection.execute(sql, parameters)
+                connection.execute_all(statements)
                 connection.commit()
             except BaseException as exc:
                 connection.rollback()
@@ -261,7 +257,7 @@ class Database:
             # A WAL restarted after a checkpoint shrinks back to this (SQLite keeps it at its
             # largest otherwise), so its size keeps saying how far checkpoints lag.
             self.connection.execute(f"PRAGMA journal_size_limit = {2 * CHECKPOINT_BYTES:d}")
-        return Checkpointer(self.path)
+        return Checkpointer(self)
 
     def checkpoint(self) -> None:
         """Checkpoint the SQLite WAL on this connection, between two of its transactions."""
@@ -279,12 +275,15 @@ class Checkpointer:
     checkpoint, one runs (PASSIVE: it copies what it can without waiting for, or blocking,
     the writer). A failed checkpoint is counted and tried again later: the WAL keeps every
     commit either way. Should the WAL still pass ``WAL_LIMIT_BYTES``, ``written`` returns
-    True: the writer's turn to checkpoint, on its own connection.
+    True: the writer's turn to checkpoint, on its own connection (``checkpoint_writer``,
+    run where the writer's writes run).
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.wal = f"{path}-wal"
+    def __init__(self, writer: Database) -> None:
+        self.writer = writer
+        self.path = writer.path
+        self.wal = f"{writer.path}-wal"
+        self._lock = threading.Lock()  # written() is told by the writer thread and by a loop's commits
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="opgraph-checkpoint")
         self._connection: Connection | None = None
         self._running: Future | None = None
@@ -293,11 +292,12 @@ class Checkpointer:
         self.failures = 0
 
     def written(self, count: int) -> bool:
-        """Count ``count`` bytes committed (on the writer's thread); True if the writer must checkpoint."""
-        self._since += count
-        if self._since < CHECKPOINT_BYTES:
-            return False
-        self._since = 0
+        """Count ``count`` bytes committed; True if the writer must checkpoint (``checkpoint_writer``)."""
+        with self._lock:
+            self._since += count
+            if self._since < CHECKPOINT_BYTES:
+                return False
+            self._since = 0
         try:
             if os.path.getsize(self.wal) > WAL_LIMIT_BYTES:
                 return True
@@ -306,6 +306,13 @@ class Checkpointer:
         if self._running is None or self._running.done():
             self._running = self._pool.submit(self._checkpoint)
         return False
+
+    def checkpoint_writer(self) -> None:
+        """Checkpoint on the writer's own connection, between two of its commits; a failure is counted."""
+        try:
+            self.writer.checkpoint()
+        except DatabaseError:  # the commits are in the WAL: only the copy failed, and is tried again
+            self.failures += 1
 
     def _checkpoint(self) -> None:
         try:
