@@ -16,6 +16,8 @@ import ray
 from opgraph.kernel import ExecutionError, OpGraphError
 from opgraph.kernel.failures import OUTCOME_LOST, WORKER_DIED, WORKER_ERROR
 
+from .channel import ChannelLost, WorkerRaised
+
 __all__ = [
     "BranchStoreLostError",
     "CallFailure",
@@ -116,16 +118,17 @@ class CallFailure(NamedTuple):
     text: str
 
 
-def call_failure(exc: BaseException, worker: str, what: str) -> CallFailure:
+def call_failure(exc: BaseException, worker: str, what: str, *, died: bool | None = None) -> CallFailure:
     """Classify the failure of a call that carried ``what`` to ``worker``.
 
     A death is ``WorkerDied``; a worker that is alive but whose own loop raised is
     ``WorkerError`` (an opgraph bug, not a death); anything else means the outcome
-    could not be received (``OutcomeLost``).
+    could not be received (``OutcomeLost``). A broken direct channel (``ChannelLost``)
+    says neither: the caller asks Ray and passes ``died``.
     """
-    if is_actor_death(exc):
+    if is_actor_death(exc) or (isinstance(exc, ChannelLost) and died):
         return CallFailure(True, WORKER_DIED, f"operation worker {worker} died while running {what}")
-    if isinstance(exc, ray.exceptions.RayTaskError):
+    if isinstance(exc, (ray.exceptions.RayTaskError, WorkerRaised)):
         return CallFailure(False, WORKER_ERROR, clean_text(f"operation worker {worker} failed: {exc}"))
     return CallFailure(False, OUTCOME_LOST, clean_text(
         f"the outcome of {what} from operation worker {worker} could not be received: {type(exc).__name__}: {exc}"))

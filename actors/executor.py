@@ -584,6 +584,7 @@ class GraphExecutor:
             "worker_deaths": shell.worker_deaths,
             "workers": len(self.worker_pool),
             "worker_pool": self.worker_pool.statistics(),
+            "channels": shell.channels.statistics(),
             "store_pool": self.store_pool.statistics(),
             "branches": shell.branches.statistics(),
             "probes": self.probes,

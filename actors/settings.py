@@ -25,6 +25,7 @@ __all__ = [
     "newest_generation",
     "cancel_grace_seconds",
     "default_max_concurrency",
+    "direct_calls",
     "executor_pool_size",
     "tune_garbage_collector",
 ]
@@ -54,6 +55,12 @@ def tune_garbage_collector() -> None:
     """
     _, second, third = gc.get_threshold()
     gc.set_threshold(50_000, second, third)
+
+
+def direct_calls() -> bool:
+    """Whether executors send calls to workers on direct sockets (actors/channel.py): on
+    unless ``OPGRAPH_DIRECT_CALLS=0``, which sends them through Ray's actor calls."""
+    return os.environ.get("OPGRAPH_DIRECT_CALLS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def cancel_grace_seconds() -> float:

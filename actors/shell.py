@@ -49,12 +49,13 @@ from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
 from . import settings
 from .branch_registry import BranchRegistry
+from .channel import ChannelLost, WorkerChannels
 from .durability import RunLogger, decode_header, encode_header
 from .errors import call_failure, is_actor_death
 from .histogram import LatencyHistogram
 from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources
 from .settings import PROBE_TIMEOUT_SECONDS
-from .supervision import ActorPool
+from .supervision import ActorPool, ping
 from .watchers import RunWatcher, envelope_summary
 
 __all__ = ["DISPATCH_BATCH", "DISPATCH_WINDOW", "ExecutorShell"]
@@ -147,6 +148,12 @@ def _request_event(kind: str, now: float, emitter_id: str, request: Any, key: An
     return event_type(now=now, emitter_id=emitter_id, request=request, dedupe_key=key, redelivery=redelivery)
 
 
+async def _received(stream: Any):
+    """The items of a Ray object-ref stream, each awaited in turn."""
+    async for ref in stream:
+        yield await ref
+
+
 def _finished_event(row: OutcomeRow) -> OperationFinished:
     node_id, attempt, status, response, error, error_type, requests, started, finished = row
     if requests:  # most outcomes carry none: no generator on the common path
@@ -163,6 +170,10 @@ class ExecutorShell:
     def __init__(self, workers: ActorPool, stores: ActorPool, logger: RunLogger | None = None,
                  slot: int = 0) -> None:
         self.workers = workers
+        # Calls and outcomes travel on direct sockets (actors/channel.py), Ray's calls where
+        # none can be opened. A worker found dead has its channel closed at once.
+        self.channels = WorkerChannels(settings.direct_calls())
+        workers.on_dead = lambda index, handle: self.channels.close(handle, "the worker was found dead")
         self.slot = slot  # this executor's place in the runtime's pool: workers reach it by that
         self.logger = logger
         self.branches = BranchRegistry(stores)
@@ -688,7 +699,12 @@ class ExecutorShell:
         pending = {call[0]: call[1]}
         run.messages += 1
         try:
-            await self._settle_rows(run, pending, await worker.run_one.remote(run.run_id, call, self.slot))
+            channel = await self.channels.get(worker, self.workers.name_of(index))
+            if channel is not None:
+                rows = await channel.call_one(run.run_id, call, self.slot)
+            else:
+                rows = await worker.run_one.remote(run.run_id, call, self.slot)
+            await self._settle_rows(run, pending, rows)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
             await self._batch_failed(run, index, worker, pending, exc, acknowledged=True)
 
@@ -709,9 +725,13 @@ class ExecutorShell:
         run.messages += 1
         acknowledged = False
         try:
-            stream = worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls, self.slot)
-            async for ref in stream:
-                rows = await ref
+            channel = await self.channels.get(worker, self.workers.name_of(index))
+            if channel is not None:
+                stream = channel.stream(run.run_id, calls, self.slot)
+            else:
+                stream = _received(worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls,
+                                                                                             self.slot))
+            async for rows in stream:
                 if not acknowledged:
                     acknowledged = True  # the first item: ACKNOWLEDGED
                     continue
@@ -726,8 +746,12 @@ class ExecutorShell:
         """A call or stream to worker ``index`` failed: tell the kernel what that means for each call."""
         if not pending:
             return
+        died = None
+        if isinstance(exc, ChannelLost):  # the socket says nothing of why: ask Ray whether the worker lives
+            answer = await ping(worker, PROBE_TIMEOUT_SECONDS)
+            died = answer is not None and is_actor_death(answer)
         now = time.time()
-        failure = call_failure(exc, self.workers.name_of(index), f"the operation (run {run.run_id})")
+        failure = call_failure(exc, self.workers.name_of(index), f"the operation (run {run.run_id})", died=died)
         if failure.died:
             if self.workers.mark_dead(index, worker, f"while running run {run.run_id}"):
                 self.worker_deaths += 1

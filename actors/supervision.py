@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import RuntimeLostError, is_actor_death
 
-__all__ = ["REPLACEMENT_ATTEMPTS", "ActorPool"]
+__all__ = ["REPLACEMENT_ATTEMPTS", "ActorPool", "ping"]
 
 log = logging.getLogger(__name__)
 REPLACEMENT_ATTEMPTS = 20  # starts tried for one slot (about half a minute) before it is given up
@@ -54,6 +54,8 @@ class ActorPool:
         self.deaths = 0
         self.replacements = 0
         self.probe_failures = 0
+        # Told ``(index, handle)`` when a death is first noticed, before the replacement starts.
+        self.on_dead: Callable[[int, Any], Any] | None = None
 
     def __len__(self) -> int:
         return len(self.handles)
@@ -74,6 +76,8 @@ class ActorPool:
         self.deaths += 1
         log.warning("opgraph %s %s died%s; starting a replacement", self.kind, self.names[index],
                     f": {reason}" if reason else "")
+        if self.on_dead is not None:
+            self.on_dead(index, handle)
         self._replacement(index)
         return True
 
@@ -175,7 +179,7 @@ class ActorPool:
         slots = [(index, handle) for index, handle in enumerate(self.handles) if self.alive[index]]
         if not slots:
             return 0
-        results = await asyncio.gather(*(_ping(handle, timeout) for _, handle in slots))
+        results = await asyncio.gather(*(ping(handle, timeout) for _, handle in slots))
         died = 0
         for (index, handle), error in zip(slots, results, strict=True):
             if error is None:
@@ -191,7 +195,8 @@ class ActorPool:
                 "replacements": self.replacements, "names": list(self.names)}
 
 
-async def _ping(handle: Any, timeout: float) -> BaseException | None:
+async def ping(handle: Any, timeout: float) -> BaseException | None:
+    """None when ``handle`` answers a ping within ``timeout``; else what the ping raised."""
     try:
         await asyncio.wait_for(_await(handle.ping.remote()), timeout)
     except TimeoutError as exc:  # alive but busy, or hung: not taken for dead

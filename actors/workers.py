@@ -35,6 +35,7 @@ from opgraph.kernel.failures import (
     UNSERIALISABLE_OUTCOME,
 )
 
+from .channel import ChannelServer
 from .errors import BranchStoreLostError, clean_text, translate
 from .memory import current_rss_mib, peak_rss_mib
 from .models import parse_model_id
@@ -245,6 +246,7 @@ class OperationWorker:
         # counted as orphaned. Other slots' streams go on.
         self.epochs: dict[int, int] = {}
         self.orphaned = 0
+        self.channel: ChannelServer | None = None  # opened by the first executor that asks
 
     async def ping(self) -> int:
         self.loop = asyncio.get_running_loop()
@@ -394,6 +396,19 @@ class OperationWorker:
         before that item is out, the executor knows none of them ran. ``slot``: the pool
         slot of the executor that owns the run.
         """
+        async for item in self.batches(run_id, calls, slot):
+            yield item
+        await asyncio.sleep(STREAM_LINGER_SECONDS)
+
+    async def channel_address(self) -> tuple[str, int, bytes]:
+        """Where an executor reaches this worker directly, and the secret it must show
+        (actors/channel.py); handed out over Ray's own authenticated channel."""
+        if self.channel is None:
+            self.channel = ChannelServer(self)
+        return await self.channel.address()
+
+    async def batches(self, run_id: str, calls: list[CallRow], slot: int = 0):
+        """``run_batch``'s items, for Ray's stream and the direct channel alike (ACKNOWLEDGED first)."""
         yield ACKNOWLEDGED
         resources = await self._resources_or_failure(run_id, calls, slot)
         if isinstance(resources, list):
@@ -425,7 +440,6 @@ class OperationWorker:
                 self.orphaned += len(batch) + remaining
                 break
             yield batch
-        await asyncio.sleep(STREAM_LINGER_SECONDS)
 
     async def run_turn(self, key: str, call: CallRow, slot: int = 0) -> tuple[OutcomeRow, dict[str, Any]]:
         """One call outside any graph (``Session.turn``): its outcome row and its token usage."""
@@ -461,6 +475,9 @@ class OperationWorker:
             "pid": os.getpid(),
             "in_flight": self.in_flight,
             "orphaned": self.orphaned,
+            "channel": None if self.channel is None else {
+                "connections": self.channel.connections, "refused": self.channel.refused,
+                "unanswered": self.channel.unanswered},
             "peak_in_flight": self.peak_in_flight,
             "executed": self.executed,
             "failed": self.failed,
