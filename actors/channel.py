@@ -36,6 +36,7 @@ import pickle
 import secrets
 import struct
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import ray
@@ -127,6 +128,8 @@ class ChannelServer:
             self.connections += 1
             while True:
                 request_id, kind, args = pickle.loads(await _read_frame(reader))
+                if kind == ONE and self.worker.start_one(*args, partial(self._answered, writer, request_id)):
+                    continue
                 task = asyncio.ensure_future(self._answer(writer, request_id, kind, args))
                 answers.add(task)
                 task.add_done_callback(answers.discard)
@@ -134,6 +137,19 @@ class ChannelServer:
             pass  # the executor closed the channel (or died); its calls still run to their end
         finally:
             writer.close()
+
+    def _answered(self, writer: asyncio.StreamWriter, request_id: int, rows: Any) -> None:
+        """A single call's outcome rows (or the worker's own exception), sent as it ends."""
+        if isinstance(rows, BaseException):
+            rows = WorkerRaised(f"{type(rows).__name__}: {rows}")
+        try:
+            frame = _encode((request_id, rows, True))
+        except Exception as exc:  # noqa: BLE001 - the caller must hear something: the worker's failure
+            frame = _encode((request_id, WorkerRaised(f"the outcome could not be encoded: {exc}"), True))
+        if writer.is_closing():
+            self.unanswered += 1
+            return
+        writer.write(frame)
 
     async def _answer(self, writer: asyncio.StreamWriter, request_id: int, kind: int, args: tuple) -> None:
         try:

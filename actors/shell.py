@@ -494,8 +494,10 @@ class ExecutorShell:
                 # nothing else is in flight no outcome can arrive to join the batch, so
                 # waiting would only add latency (a chain's every link): send at once.
                 run.flush_scheduled = True
-                window = DISPATCH_WINDOW if len(run.state.running) > len(run.pending_dispatch) else 0.0
-                self.loop.call_later(window, self._spawn_task, run, self._flush(run))
+                if len(run.state.running) > len(run.pending_dispatch):
+                    self.loop.call_later(DISPATCH_WINDOW, self._spawn_task, run, self._flush(run))
+                else:  # its first step runs after every callback already queued: they still join
+                    self._spawn_task(run, self._flush(run))
 
     def _finish(self, run: _Run, envelope: dict[str, Any]) -> None:
         if run.options.durable:
@@ -598,7 +600,9 @@ class ExecutorShell:
                     self._fail_run(run, ExecutionError(f"the run log could not be written: {exc}",
                                                        run_id=run.run_id))
                     return
-            self._dispatch(run, dispatches)
+            single = self._dispatch(run, dispatches)
+            if single is not None:
+                await single
 
     async def _await_branch_work(self, run: _Run) -> None:
         work, run.pending_branch_work = run.pending_branch_work, []
@@ -654,9 +658,11 @@ class ExecutorShell:
             run.post("signal", instruction.signal)
 
     # -- dispatch ------------------------------------------------------------------------------
-    def _dispatch(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
+    def _dispatch(self, run: _Run, dispatches: list[DispatchOperation]) -> Any:
+        """Send ``dispatches`` out, each batch in a task of the run's. A run's only call in
+        flight is returned instead (a coroutine), for the flush to await in its own task."""
         if run.done.is_set():
-            return
+            return None
         registry, default_shard = self.branches, self.branches.shard_of(run.options.default_branch_id)
         location = registry.location
         calls: list[CallRow] = [(*d, location.get(d.branch_id, default_shard)) for d in dispatches]
@@ -664,14 +670,16 @@ class ExecutorShell:
         if len(calls) == 1 and len(run.state.running) == 1:
             # The run's only call in flight (a chain's every link): a plain call answers in
             # one message, where a stream costs its acknowledgement, item and end.
-            self._spawn_task(run, self._drive_single(run, calls[0]))
+            single = self._drive_single(run, calls[0])
         else:
+            single = None
             live = max(1, sum(self.workers.alive))
             per_worker = max(1, min(DISPATCH_BATCH, -(-len(calls) // live)))
             for start in range(0, len(calls), per_worker):
                 self._spawn_task(run, self._drive_batch(run, calls[start:start + per_worker]))
         if run.options.want_events and run.undelivered_events >= run.options.stream_buffer and not run.state.held:
             self._spawn_task(run, self.feed(run, [DispatchHeld(now=time.time(), held=True)]))
+        return single
 
     def _spawn_task(self, run: _Run, coroutine) -> None:
         task = self.loop.create_task(coroutine)

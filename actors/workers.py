@@ -13,6 +13,7 @@ import asyncio
 import os
 import pickle
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -388,6 +389,30 @@ class OperationWorker:
             return [await _settled(task, call)]
         finally:
             self.tasks.pop((run_id, call[0]), None)
+
+    def start_one(self, run_id: str, call: CallRow, slot: int, answer: Callable[[Any], None]) -> bool:
+        """Start a single call now, when its run's resources are already here: ``answer`` is
+        called with its outcome rows as it ends, from the call's own task. False (nothing
+        started) when they must be fetched first: use ``run_one``.
+
+        The direct channel's path for ``run_one``: no task of its own to wait in, so the
+        outcome goes out in the same turn of the loop as the call ends (a chain's every link).
+        """
+        resources = self.resources.get(run_id)
+        if resources is None:
+            return False
+        task = self._start_call(run_id, call, resources, slot=slot)
+        task.add_done_callback(partial(self._answer_one, run_id, call, answer))
+        return True
+
+    def _answer_one(self, run_id: str, call: CallRow, answer: Callable[[Any], None], task: asyncio.Task) -> None:
+        self.tasks.pop((run_id, call[0]), None)
+        if task.cancelled():
+            now = time.time()
+            answer([(call[0], call[1], "cancelled", None, "cancelled", CANCELLED, [], now, now)])
+            return
+        error = task.exception()
+        answer(error if error is not None else [task.result()])
 
     async def run_batch(self, run_id: str, calls: list[CallRow], slot: int = 0):
         """Run calls concurrently; yield lists of outcome rows as they finish (a streaming generator).

@@ -35,6 +35,13 @@ class StandIn:
     async def channel_address(self):
         return await self.server.address()
 
+    def start_one(self, run_id: str, call: tuple, slot: int, answer) -> bool:
+        """The worker's fast path: only for "direct" calls here; the others go through run_one."""
+        if call[0] != "direct":
+            return False
+        asyncio.get_running_loop().call_soon(answer, [row("direct", run_id)])
+        return True
+
     async def run_one(self, run_id: str, call: tuple, slot: int = 0) -> list:
         if call[0] == "raise":
             raise KeyError("a bug in the worker")
@@ -66,6 +73,7 @@ def test_calls_and_streams_travel_both_ways_and_a_worker_bug_comes_back_typed():
         channels = WorkerChannels()
         channel = await channels.get(Handle(worker), "stand-in")
         rows = await channel.call_one("run-1", ("n1", 1, "op", {}, None, 0), 3)
+        direct = await channel.call_one("run-2", ("direct", 1, "op", {}, None, 0), 0)
         streamed = [item async for item in channel.stream("run-1", [("a", 1, "op", "A"), ("b", 1, "op", "B")], 0)]
         try:
             await channel.call_one("run-1", ("raise",), 0)
@@ -75,9 +83,10 @@ def test_calls_and_streams_travel_both_ways_and_a_worker_bug_comes_back_typed():
         stats = channels.statistics()
         channels.close_all("the test is over")
         worker.server.close()
-        return rows, streamed, raised, again is channel, stats
+        return rows, direct, streamed, raised, again is channel, stats
 
-    rows, streamed, raised, reused, stats = asyncio.run(go())
+    rows, direct, streamed, raised, reused, stats = asyncio.run(go())
+    assert direct == [row("direct", "run-2")]
     node_id, _, status, (run_id, slot, made), *_ = rows[0]
     assert (node_id, status, run_id, slot, made()) == ("n1", "completed", "run-1", 3, "a lambda travels by cloudpickle")
     assert streamed == [ACKNOWLEDGED, [row("a", "A")], [row("b", "B")]]
