@@ -77,7 +77,7 @@ from .expressions import (
 from .failures import FAILURE_KINDS, RETRYABLE_KINDS, RetryPolicy
 from .graph import BRANCH_OPERATIONS, Edge, EdgeCondition, Graph, Operation, create_operation
 from .patterns import build_dag_graph, build_fanout_graph, normalise_dependency_ordinals
-from .results import FlowEvent
+from .results import FlowEvent, compact_envelope, expand_envelope
 from .scheduler import DEFAULT_MAX_CONCURRENCY, TRANSITIONS, FlowState
 from .signals import (
     NODE_PROGRESS_KINDS,
@@ -121,6 +121,8 @@ __all__ = [
     "FAILURE_KINDS",
     "FinishRun",
     "FlowEvent",
+    "compact_envelope",
+    "expand_envelope",
     "FlowStarted",
     "FlowState",
     "Graph",

@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from opgraph.kernel import compact_envelope, expand_envelope
+
 from .backends import upsert
 from .codec import decode, encode
 from .database import Database, database_path
@@ -49,11 +51,16 @@ class LoggedRun:
 
 
 def encode_envelope(envelope: dict[str, Any]) -> bytes:
-    return encode([[envelope]])
+    """The envelope compacted (kernel ``compact_envelope``): one record of two values, (rest, columns).
+
+    A million-node run's envelope stored whole was the executor's peak memory (issue #18)."""
+    return encode([compact_envelope(envelope)])
 
 
 def decode_envelope(data: bytes) -> dict[str, Any]:
-    return decode(data)[0][0]
+    """The envelope ``encode_envelope`` stored; a record of one value is a whole envelope (written before)."""
+    record = decode(data)[0]
+    return record[0] if len(record) == 1 else expand_envelope(*record)
 
 
 class RunLog:

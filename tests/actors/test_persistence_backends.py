@@ -42,6 +42,29 @@ def test_the_run_log_keeps_headers_batches_and_ends(database_target):
     assert log.entry("ghost") is None and log.load("ghost") is None
 
 
+def test_an_envelope_is_stored_compact_and_read_back_whole_by_another_reader(database_target):
+    """Each node id once in the stored envelope (issue #18's million-node peak); any reader gets the
+    envelope back equal, and an envelope stored whole before this still reads."""
+    from opgraph.actors.persistence.codec import encode
+
+    ids = [f"node-{index:04d}" for index in range(300)]
+    envelope = {"completed_operations": ids, "operation_results": {node_id: {"n": i} for i, node_id in
+                                                                    enumerate(ids)},
+                "final_context": {}, "skipped_operations": [], "failed_operations": [],
+                "cancelled_operations": [], "operation_statuses": dict.fromkeys(ids, "completed"),
+                "context_collisions": [], "status": "completed", "run_id": "big", "scheduler_messages": 7}
+    log = RunLog(database_target)
+    log.begin("big", "executor-0", b"h", 1.0)
+    written = log.finish("big", "completed", envelope=dict(envelope))
+    whole = encode([[envelope]])
+    assert written < len(whole) * 0.6  # the ids once, not three times
+    assert RunLog(database_target).envelope("big") == envelope
+    log.begin("old", "executor-0", b"h", 1.0)
+    log.database.transaction([("UPDATE runtime_runs SET status = ?, envelope = ? WHERE run_id = ?",
+                               ("completed", whole, "old"))])
+    assert RunLog(database_target).load("old").envelope == envelope
+
+
 def test_a_version_2_file_keeps_its_runs_with_their_headers_moved_out_of_the_run_rows(tmp_path):
     """Schema 3 keeps headers in a table of their own (a status change no longer rewrites a
     megabyte): a file written by schema 2 opens migrated, every run readable and resumable."""

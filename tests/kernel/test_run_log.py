@@ -36,9 +36,11 @@ from opgraph.kernel import (
     Restored,
     SpawnRequest,
     SpawnRequested,
+    compact_envelope,
     create_operation,
     decode_records,
     encode_records,
+    expand_envelope,
 )
 
 STEP_LIMIT = 5_000
@@ -283,3 +285,62 @@ def test_a_restored_event_from_anywhere_but_a_rebuild_is_refused():
         assert "run log" in refused.message
     else:
         raise AssertionError("a Restored event was applied to a live run")
+
+
+# -- the envelope as the run log stores it (compact_envelope / expand_envelope) ------------------
+
+_STATUSES = ("completed", "failed", "skipped", "cancelled", "pending", "running")
+
+
+@st.composite
+def _envelopes(draw: Any) -> dict[str, Any]:
+    """Envelopes as the kernel builds them, then perhaps with one field that no longer matches its derivation."""
+    ids = [f"n{index}" for index in range(draw(st.integers(0, 12)))]
+    statuses = {node_id: draw(st.sampled_from(_STATUSES)) for node_id in ids}
+    with_result = [node_id for node_id in ids if draw(st.booleans())]
+    results = {node_id: draw(st.one_of(st.none(), st.integers(), st.text(max_size=3))) for node_id in with_result}
+    envelope = {
+        "completed_operations": [node_id for node_id in results if statuses[node_id] != "skipped"],
+        "operation_results": results,
+        "final_context": {"k": 1},
+        "skipped_operations": [node_id for node_id in ids if statuses[node_id] == "skipped"],
+        "failed_operations": [node_id for node_id in ids if statuses[node_id] == "failed"],
+        "cancelled_operations": [node_id for node_id in ids if statuses[node_id] == "cancelled"],
+        "operation_statuses": statuses,
+        "status": "completed",
+    }
+    if draw(st.booleans()):  # a field edited after the kernel built it: kept as it is
+        key = draw(st.sampled_from(["completed_operations", "skipped_operations", "failed_operations"]))
+        envelope[key] = [*envelope[key], "extra"]
+    if draw(st.booleans()):
+        envelope["operation_results"] = dict([*reversed(list(results.items())), ("elsewhere", 1)])
+    return envelope
+
+
+@settings(max_examples=150, deadline=None)
+@given(_envelopes())
+def test_a_compacted_envelope_expands_to_the_same_envelope(envelope):
+    rest, columns = compact_envelope(envelope)
+    back = expand_envelope(*decode_records(encode_records([[rest, columns]]))[0])
+    assert back == envelope and list(back) == list(envelope)  # equal, keys in their order
+
+
+def test_an_all_completed_run_stores_each_node_id_once():
+    """The common large run: every list and map of nodes is derived from the ids, the results one list."""
+    graph = Graph("fan")
+    for index in range(20):
+        graph.add_node(create_operation("noop", {"instruction": str(index)}))
+    state = FlowState(graph, run_id="r", write_back=False)
+    instructions = state.handle(FlowStarted(now=1.0))
+    while not any(type(i) is FinishRun for i in instructions):
+        instructions = state.handle(*[OperationFinished(2.0, i.node_id, i.attempt, "completed", int(
+            i.parameters["instruction"])) for i in instructions if type(i) is DispatchOperation])
+    envelope = next(i for i in instructions if type(i) is FinishRun).envelope
+    rest, columns = compact_envelope(envelope)
+    assert columns["ids"] == list(graph.nodes) and columns["statuses"] == "completed"
+    assert columns["results"] == list(range(20))
+    assert sorted(columns["derived"]) == ["cancelled_operations", "completed_operations", "failed_operations",
+                                          "skipped_operations"]
+    assert all(rest[key] is None for key in (*columns["derived"], "operation_results", "operation_statuses"))
+    assert expand_envelope(rest, columns) == envelope
+    assert compact_envelope({"status": "error"}) == ({"status": "error"}, {})  # nothing per node: kept whole
