@@ -9,7 +9,9 @@ the same database. No Ray, no event loop; the dialects differ only in backends.p
 from __future__ import annotations
 
 import os
+import sqlite3
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from .backends import Connection, describe, driver_errors, is_postgres, location
 __all__ = ["RUNTIME_SCHEMA_VERSION", "Checkpointer", "Database", "DatabaseError", "database_exists", "database_path"]
 
 BUSY_TIMEOUT_MS = 30_000  # how long a write waits for another process's SQLite write lock
+WAL_RETRY_SECONDS = 0.01  # between tries of the switch to WAL (see _enter_wal)
 
 # SQLite's own default: its writers checkpoint once the WAL passes 1,000 pages of 4 KiB.
 CHECKPOINT_BYTES = 4 << 20
@@ -134,6 +137,24 @@ def database_exists(target: Path | str) -> bool:
     return is_postgres(target) or Path(target).is_file()
 
 
+def _enter_wal(connection: Connection) -> None:
+    """Switch a SQLite file to write-ahead logging, waiting for another process that holds it.
+
+    Two processes opening one new file at once (an executor and a branch store starting
+    together) race to switch it: the loser is told "database is locked" at once, as SQLite
+    does not call the busy handler for this switch, and failed to open 1 time in 10. It
+    tries again until the busy timeout, as any write would wait."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            connection.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+        time.sleep(WAL_RETRY_SECONDS)
+
+
 class Database:
     """One connection to the runtime's tables at ``path`` (a file or a URL), used from one thread at a time.
 
@@ -152,7 +173,7 @@ class Database:
                 Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             self.connection = open_connection(self.path, timeout=BUSY_TIMEOUT_MS / 1000)
             if not self.postgres:
-                self.connection.execute("PRAGMA journal_mode = WAL")
+                _enter_wal(self.connection)
                 self.connection.execute("PRAGMA synchronous = NORMAL")
             self._migrate()
         except (*driver_errors(), OSError) as exc:
