@@ -558,12 +558,13 @@ class Session:
             node = graph.nodes.get(node_id)
             if node is None:
                 continue
-            node.status = status
             if status == "completed":
-                node.response = results.get(node_id)
+                node.settle(status, response=results.get(node_id))
             elif status == "failed":
                 result = results.get(node_id)
-                node.error = str(result.get("error")) if isinstance(result, dict) else None
+                node.settle(status, error=str(result.get("error")) if isinstance(result, dict) else None)
+            else:
+                node.settle(status)
 
     def run_control(self, run_id: str) -> RunControl:
         """Control of a run of this session's runtime, by id (started here or elsewhere): on the

@@ -143,3 +143,28 @@ def test_nodes_built_alike_share_a_fields_set_until_one_is_assigned():
     assert restored._in[head] == () and restored._out[tail] == ()
     restored.remove_edge(edge.id)
     assert restored._out == round_trip(graph)._out and restored._in == round_trip(graph)._in
+
+
+def test_settling_a_node_writes_what_assignment_would_and_leaves_its_twin_alone():
+    """a, b share a fields-set; a.settle("completed", response=...) stores and marks both fields as
+    assignment does, b is untouched; a subclass is settled through its own assignments."""
+    graph = Graph("fan-out")
+    for index in range(2):
+        graph.add_node(create_operation("sleep", {"result": index}))
+    a, b = round_trip(graph).nodes.values()
+    twin = a.model_copy()
+    a.settle("completed", response={"answer": 42})
+    twin.status, twin.response = "completed", {"answer": 42}
+    assert a.model_dump() == twin.model_dump() and a.model_fields_set == twin.model_fields_set
+    assert a.model_fields_set == {"operation", "parameters", "status", "response"}
+    assert b.model_fields_set == {"operation", "parameters"} and b.status == "pending"
+    b.settle("failed", error="boom")
+    assert (b.status, b.error, b.response) == ("failed", "boom", None)
+
+    class Guarded(Operation):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value.upper() if name == "error" else value)
+
+    guarded = Guarded(operation="sleep")
+    guarded.settle("failed", error="boom")
+    assert (guarded.status, guarded.error) == ("failed", "BOOM")
