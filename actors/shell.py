@@ -508,6 +508,11 @@ class ExecutorShell:
                     self.loop.call_later(DISPATCH_WINDOW, self._spawn_task, run, self._flush(run))
                 else:  # its first step runs after every callback already queued: they still join
                     self._spawn_task(run, self._flush(run))
+            elif len(run.pending_dispatch) >= DISPATCH_BATCH:
+                # A full batch gains nothing by waiting: it goes now, and the window's flush
+                # takes what follows. A wave's outcomes arrive as several messages; held back
+                # until the last was handled, every call of the next wave started late.
+                self._spawn_task(run, self._flush(run))
 
     def _finish(self, run: _Run, envelope: dict[str, Any]) -> None:
         if run.options.durable:
