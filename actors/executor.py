@@ -478,12 +478,14 @@ class GraphExecutor:
     async def has_run(self, run_id: str) -> bool:
         return run_id in self.shell.runs
 
-    async def load(self) -> tuple[int, int]:
-        """(live runs, their nodes not yet settled): what placing a new run on this member weighs.
+    async def load(self, exclude: list[str] | tuple[str, ...] = ()) -> tuple[int, int]:
+        """(live runs, their nodes not yet settled): what placing a new run on this member weighs;
+        runs in ``exclude`` (the asking client's admissions in flight, which it counts itself) aside.
 
         On the main loop, like the data path, so it reads the runs between two ``handle``
         calls; the cost is one pass over the live runs, not their graphs."""
-        live = [run.state for run in self.shell.runs.values() if not run.state.finished]
+        skip = set(exclude)
+        live = [run.state for run_id, run in self.shell.runs.items() if not run.state.finished and run_id not in skip]
         return len(live), sum(state.open_nodes for state in live)
 
     @ray.method(concurrency_group="control")

@@ -344,7 +344,7 @@ class Session:
         runtime = self.runtime
         if member is None:
             member = await runtime.place()
-        with runtime.admitting(member):
+        with runtime.admitting(member, run_id):
             admission = asyncio.ensure_future(runtime.call("start_run", run_id, shipped, options, run_id=run_id,
                                                            retry_if_dead=True, member=member))
             try:
