@@ -344,3 +344,34 @@ def test_an_all_completed_run_stores_each_node_id_once():
     assert all(rest[key] is None for key in (*columns["derived"], "operation_results", "operation_statuses"))
     assert expand_envelope(rest, columns) == envelope
     assert compact_envelope({"status": "error"}) == ({"status": "error"}, {})  # nothing per node: kept whole
+
+
+def test_an_inheriting_node_in_flight_when_its_executor_died_takes_its_primary_history_again():
+    """root -> reply (inherit_context). The log holds reply's dispatch, whose ReplaceHistory may never
+    have reached the store before the kill: recovered, reply's new attempt replaces its history again."""
+    from opgraph.kernel import OperationGraphBuilder, ReplaceHistory
+
+    builder = OperationGraphBuilder("threads")
+    root = builder.add_operation("opening")
+    reply = builder.add_operation("reply", depends_on=[root], inherit_context=True)
+    graph = builder.get_graph()
+    settings_ = {"run_id": "r", "durable": True, "default_branch_id": "d", "clone_source_branch_id": "d"}
+    state = FlowState(graph, **settings_)
+    batches = []
+
+    def handle(*events: Any) -> list[Any]:
+        out = state.handle(*events)
+        batches.extend(i.records for i in out if isinstance(i, AppendRecords))
+        return out
+
+    (first,) = [i for i in handle(FlowStarted(now=0.0)) if isinstance(i, DispatchOperation)]
+    out = handle(OperationFinished(now=1.0, node_id=first.node_id, attempt=first.attempt, status="completed",
+                                   response="opened"))
+    assert [i.node_id for i in out if isinstance(i, ReplaceHistory)] == [reply]
+    (second,) = [i for i in out if isinstance(i, DispatchOperation)]
+
+    rebuilt = FlowState.rebuild(graph, stored(batches), **settings_)
+    recovered = rebuilt.recover(now=2.0)
+    replaced = [i for i in recovered if isinstance(i, ReplaceHistory)]
+    (again,) = [i for i in recovered if isinstance(i, DispatchOperation)]
+    assert [(i.node_id, i.attempt) for i in replaced] == [(reply, again.attempt)] and again.attempt > second.attempt
