@@ -184,7 +184,8 @@ def test_a_resumed_run_adopts_the_dead_owners_branches_in_a_runtime_that_was_alr
     assert len(replies) == 40
     assert all(seen[:1] == ["ticket 7: refund"] for seen in replies), [seen for seen in replies if seen[:1] != [
         "ticket 7: refund"]]
-    # A reply in flight at the kill (2 at a time) runs again, and sees its first attempt's own append.
+    # A reply in flight at the kill (2 at a time) runs again on its primary's history, which
+    # recover() has it take again: a first attempt's own append is replaced with it.
     assert sum(len(seen) > 1 for seen in replies) <= 2
     default = asyncio.run(session.messages(envelope["default_branch"]))
     assert [message["content"] for message in default] == ["ticket 7: refund"]
