@@ -268,26 +268,6 @@ class Edge(BaseModel):
         _own_fields_set(self)
         super().__setattr__(name, value)
 
-    def settle(self, status: NodeStatus, **outcome: Any) -> None:
-        """Write a run's outcome back: ``status``, and ``response`` or ``error`` if given.
-
-        What assigning each field does (the value stored, the field marked set), without
-        pydantic's assignment path per field: a driver writes back every node of a run,
-        and for 10,000 nodes that path cost 22-26 ms of ``flow()`` (issue #18). A subclass
-        may guard its fields on assignment: it is assigned to, field by field."""
-        if type(self) is not Operation:
-            self.status = status
-            for name, value in outcome.items():
-                setattr(self, name, value)
-            return
-        _own_fields_set(self)
-        fields = self.__dict__
-        fields["status"] = status
-        fields.update(outcome)
-        marked = self.__pydantic_fields_set__
-        marked.add("status")
-        marked.update(outcome)
-
 
 _EDGE_ARGUMENTS = ("head", "tail", "label", "condition")
 
