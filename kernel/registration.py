@@ -197,15 +197,22 @@ class NodeRegistration:
         if branch_id is not None and self._branch_is_known(branch_id):  # most nodes name none
             self.branch[node_id] = branch_id
             return
-        inherits = bool(node.metadata.get("inherit_context"))
-        if self.deps[node_id] or inherits:
+        if self.deps[node_id] or node.metadata.get("inherit_context"):
             # From the session's default branch, not the flow's (ADR-0023 D3): the flow's
             # default branch serves roots only.
             self._clone_branch(node_id, self.clone_source_branch_id)
-            if inherits and node.metadata.get("primary_dependency"):
+            if self._inherits_into_clone(node):
                 self.pending_inheritance.add(node_id)
         else:
             self.branch[node_id] = self.default_branch_id
+
+    def _inherits_into_clone(self, node: Operation) -> bool:
+        """ADR-0023 D3: ``node`` runs on a clone of its own, which takes its primary's
+        messages before it is dispatched (``pending_inheritance``); a node on an explicit
+        branch keeps that branch as it is."""
+        metadata = node.metadata
+        return (bool(metadata.get("inherit_context")) and bool(metadata.get("primary_dependency"))
+                and self.branch.get(node.id) != node.branch_id)
 
 
 def _with_sources(deps: list[str], sources: Any, node_id: str, known: Any) -> list[str]:

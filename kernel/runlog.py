@@ -89,8 +89,7 @@ class DurableRecords:
             # The log says the attempt went out, not that its branch had taken the primary's
             # history first (that write and the log's are not one): an inheriting node takes
             # it again, or may run on an empty clone (ADR-0023 D3).
-            metadata = nodes[node_id].metadata
-            if metadata.get("inherit_context") and metadata.get("primary_dependency"):
+            if self._inherits_into_clone(nodes[node_id]):
                 self.pending_inheritance.add(node_id)
         lost = [ev.DispatchUndelivered(now, node_id, attempt, "the executor that ran it was replaced")
                 for node_id, (attempt, _, _) in self.running.items()]

@@ -375,3 +375,31 @@ def test_an_inheriting_node_in_flight_when_its_executor_died_takes_its_primary_h
     replaced = [i for i in recovered if isinstance(i, ReplaceHistory)]
     (again,) = [i for i in recovered if isinstance(i, DispatchOperation)]
     assert [(i.node_id, i.attempt) for i in replaced] == [(reply, again.attempt)] and again.attempt > second.attempt
+
+
+def test_an_inheriting_node_on_an_explicit_branch_keeps_it_when_recovered():
+    """root -> reply (inherit_context, branch "mine"): reply runs on its own branch, never a replaced
+    clone, neither when first dispatched nor when recovered."""
+    from opgraph.kernel import OperationGraphBuilder, ReplaceHistory
+
+    builder = OperationGraphBuilder("threads")
+    root = builder.add_operation("opening")
+    builder.add_operation("reply", depends_on=[root], inherit_context=True, branch="mine")
+    graph = builder.get_graph()
+    settings_ = {"run_id": "r", "durable": True, "default_branch_id": "d", "clone_source_branch_id": "d"}
+    state = FlowState(graph, **settings_)
+    batches = []
+
+    def handle(*events: Any) -> list[Any]:
+        out = state.handle(*events)
+        batches.extend(i.records for i in out if isinstance(i, AppendRecords))
+        return out
+
+    (first,) = [i for i in handle(FlowStarted(now=0.0)) if isinstance(i, DispatchOperation)]
+    out = handle(OperationFinished(now=1.0, node_id=first.node_id, attempt=first.attempt, status="completed",
+                                   response="opened"))
+    assert not [i for i in out if isinstance(i, ReplaceHistory)]
+    assert [i.branch_id for i in out if isinstance(i, DispatchOperation)] == ["mine"]
+    recovered = FlowState.rebuild(graph, stored(batches), **settings_).recover(now=2.0)
+    assert not [i for i in recovered if isinstance(i, ReplaceHistory)]
+    assert [i.branch_id for i in recovered if isinstance(i, DispatchOperation)] == ["mine"]
