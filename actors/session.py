@@ -35,7 +35,7 @@ from .models import ModelProvider, parse_model_id
 from .persistence import database_path
 from .protocol import RegisteredOperation, RunOptions, RunResources, TurnResult
 from .runtime import Runtime, connect, joined_with_address
-from .settings import DEFAULT_NAMESPACE, cancel_grace_seconds, default_max_concurrency
+from .settings import DEFAULT_NAMESPACE, cancel_grace_seconds, default_max_concurrency, durable_by_default
 
 __all__ = ["BranchView", "EventsDropped", "RunControl", "RunFinished", "RuntimeLostError", "Session", "flow_stream"]
 
@@ -122,7 +122,7 @@ class Session:
         self.id = str(uuid.uuid4())
         self.scope = f"session-{self.id}"
         if durable is None:
-            durable = os.environ.get("OPGRAPH_DURABLE", "1").strip().lower() not in ("0", "false", "off", "no")
+            durable = durable_by_default()
         self.runtime = Runtime.get_or_start(workers=workers, branch_stores=branch_stores, detached=detached,
                                             namespace=namespace, executors=executors,
                                             database=str(database_path()) if durable else None)

@@ -26,6 +26,7 @@ __all__ = [
     "cancel_grace_seconds",
     "default_max_concurrency",
     "direct_calls",
+    "durable_by_default",
     "executor_pool_size",
     "tune_garbage_collector",
 ]
@@ -60,7 +61,17 @@ def tune_garbage_collector() -> None:
 def direct_calls() -> bool:
     """Whether executors send calls to workers on direct sockets (actors/channel.py): on
     unless ``OPGRAPH_DIRECT_CALLS=0``, which sends them through Ray's actor calls."""
-    return os.environ.get("OPGRAPH_DIRECT_CALLS", "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on("OPGRAPH_DIRECT_CALLS")
+
+
+def durable_by_default() -> bool:
+    """Whether a Session logs its runs when it is not told: on unless ``OPGRAPH_DURABLE=0``."""
+    return switched_on("OPGRAPH_DURABLE")
+
+
+def switched_on(variable: str) -> bool:
+    """An on/off setting that is on unless set to 0, false, no or off (any case)."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def cancel_grace_seconds() -> float:
