@@ -169,3 +169,30 @@ def test_an_ended_run_no_driver_takes_is_let_go_after_the_unclaimed_time(monkeyp
 
     shell = asyncio.run(go())
     assert shell.runs == {} and shell.totals["unclaimed"] == 1
+
+
+def test_a_run_its_driver_forgot_is_freed_at_once_not_held_by_its_unclaimed_timer():
+    """The timer that lets an unclaimed run go held the run, and with it the whole graph and
+    state, for ``UNCLAIMED_RUN_SECONDS`` after its driver had forgotten it: a reused
+    executor grew by a whole run's memory with every run."""
+    import gc
+    import weakref
+
+    async def go():
+        shell = shell_with([])
+        graph = Graph()
+        graph.add_node(create_operation("chat"))
+        run = _Run("run-12", FlowState(graph), RunOptions())
+        shell.runs[run.run_id] = run
+        shell._settle(run, {"status": "completed", "operation_statuses": {}})
+        state = weakref.ref(run.state)
+        timer = run.unclaimed_timer
+        assert timer is not None and not timer.cancelled()  # armed while no driver has taken it
+        assert shell.forget_run("run-12")
+        del run
+        gc.collect()
+        return state, timer
+
+    state, timer = asyncio.run(go())
+    assert timer.cancelled()
+    assert state() is None
