@@ -45,7 +45,7 @@ def _size_of(message: Any) -> int:
 class _Record:
     """One branch: a frozen view of a parent record's first ``parent_len`` messages + own."""
 
-    __slots__ = ("parent", "parent_len", "own", "own_bytes", "record_id", "__weakref__")
+    __slots__ = ("parent", "parent_len", "own", "own_bytes", "record_id", "tokens", "__weakref__")
 
     def __init__(self, parent: _Record | None, parent_len: int, own: list[Any] | None = None) -> None:
         self.parent = parent
@@ -53,6 +53,7 @@ class _Record:
         self.own: list[Any] = own if own is not None else []
         self.own_bytes = sum(_size_of(m) for m in self.own)
         self.record_id = 0  # durable tables only: the record's row
+        self.tokens: set[Any] | None = None  # the tokens of the appends made to this record
 
     def __len__(self) -> int:
         return self.parent_len + len(self.own)
@@ -93,6 +94,7 @@ class BranchTable:
         by_id: dict[int, _Record] = {}
         for record_id, parent_id, parent_len in rows.records:  # parents first: ids grow
             record = _Record(by_id.get(parent_id), parent_len, rows.messages.get(record_id, []))
+            record.tokens = rows.tokens.get(record_id)
             table._adopt(record, record_id)
             by_id[record_id] = record
         for branch_id, record_id in rows.heads.items():
@@ -157,14 +159,29 @@ class BranchTable:
         self._set(destination, self._new(parent, len(parent), []))
         return True
 
-    def append(self, branch_id: str, messages: Iterable[Any]) -> int:
+    def append(self, branch_id: str, messages: Iterable[Any], token: Any = None) -> int:
+        """Append ``messages``; returns the branch's length.
+
+        ``token`` (any hashable the caller makes once per append) makes the append happen at
+        most once: the same token again appends nothing. A caller whose store died after the
+        append was written, but before it answered, sends the append again to the store's
+        replacement, which loaded it, token and all, from the database."""
         record = self._get(branch_id)
+        if token is not None:
+            if record.tokens is not None and token in record.tokens:
+                return len(record)
+            messages = list(messages)
         journal = self.journal
-        for message in messages:
+        last = len(messages) - 1 if token is not None else -1
+        for index, message in enumerate(messages):
             if journal is not None:
-                journal.message(record.record_id, len(record.own), message)
+                journal.message(record.record_id, len(record.own), message, token if index == last else None)
             record.own.append(message)
             record.own_bytes += _size_of(message)
+        if token is not None and messages:
+            if record.tokens is None:
+                record.tokens = set()
+            record.tokens.add(token)
         return len(record)
 
     def messages(self, branch_id: str) -> list[Any]:
@@ -352,8 +369,9 @@ class BranchStore:
         await self._durable()
         return replaced
 
-    async def append(self, branch_id: str, messages: list[Any]) -> int:
-        length = self.table.append(branch_id, messages)
+    async def append(self, branch_id: str, messages: list[Any], token: Any = None) -> int:
+        """See ``BranchTable.append``: with a ``token``, sending it twice appends once."""
+        length = self.table.append(branch_id, messages, token)
         await self._durable()
         return length
 

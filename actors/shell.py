@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import time
 from collections import deque
 from typing import Any
@@ -861,7 +862,7 @@ class _SetupBranch:
         self._run_id = run_id
 
     def append(self, *messages: Any) -> None:
-        self._pending.append(self._registry.call(self._shard, "append", self.id, list(messages),
+        self._pending.append(self._registry.call(self._shard, "append", self.id, list(messages), os.urandom(8),
                                                  run_id=self._run_id, branch_id=self.id))
 
 

@@ -107,7 +107,9 @@ class RemoteBranch:
     async def append(self, *messages: Any) -> int:
         if self.id is None:
             return 0
-        return await self._call("append", self.id, list(messages))
+        # One token for this append, kept if ``_call`` sends it again to a replaced store:
+        # an append the dead store had written before it could answer is not made twice.
+        return await self._call("append", self.id, list(messages), os.urandom(8))
 
     async def _call(self, method: str, *args: Any) -> Any:
         """A store call, with Ray's errors translated at this boundary.

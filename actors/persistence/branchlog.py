@@ -58,8 +58,12 @@ class BranchJournal:
     def unhead(self, branch_id: str) -> None:
         self.ops.append(("unhead", branch_id))
 
-    def message(self, record_id: int, seq: int, message: Any) -> None:
-        self.ops.append(("message", record_id, seq, message))
+    def message(self, record_id: int, seq: int, message: Any, token: Any = None) -> None:
+        """``token``: on an append's last message, the append's token (BranchTable.append)."""
+        if token is None:
+            self.ops.append(("message", record_id, seq, message))
+        else:
+            self.ops.append(("message", record_id, seq, message, token))
 
     def forget(self, record_id: int) -> None:
         """The record is unreachable (no branch, no clone sees it): its rows go."""
@@ -77,7 +81,9 @@ class BranchJournal:
             if kind == "record":
                 statements.append((_RECORD, (owner, shard, op[1], op[2], op[3])))
             elif kind == "message":
-                message = encode([[op[3]]])
+                # The token rides in the message's own row, a second field beside it: no
+                # column to add, and a reader that does not know it still finds the message.
+                message = encode([[op[3], op[4]]] if len(op) > 4 else [[op[3]]])
                 size += len(message)
                 statements.append((_MESSAGE, (owner, shard, op[1], op[2], message)))
             elif kind == "head":
@@ -102,10 +108,11 @@ class ShardRows:
     """What a shard holds on disk: records (parents first), their messages, and the heads."""
 
     def __init__(self, records: list[tuple[int, int | None, int]], messages: dict[int, list[Any]],
-                 heads: dict[str, int]) -> None:
+                 heads: dict[str, int], tokens: dict[int, set[Any]] | None = None) -> None:
         self.records = records
         self.messages = messages
         self.heads = heads
+        self.tokens = tokens or {}  # record id -> the tokens of the appends it holds
 
     @property
     def next_id(self) -> int:
@@ -117,13 +124,22 @@ def load_shard(database: Database, shard: int, owner: str = "") -> ShardRows:
         "SELECT record_id, parent_id, parent_len FROM runtime_branch_records WHERE owner = ? AND shard = ? "
         "ORDER BY record_id", (owner, shard))]
     messages: dict[int, list[Any]] = {}
+    tokens: dict[int, set[Any]] = {}
     for record_id, _, blob in database.query(
             "SELECT record_id, seq, message FROM runtime_branch_messages WHERE owner = ? AND shard = ? "
             "ORDER BY record_id, seq", (owner, shard)):
-        messages.setdefault(record_id, []).append(decode(blob)[0][0])
+        row = decode(blob)[0]
+        messages.setdefault(record_id, []).append(row[0])
+        if len(row) > 1:
+            tokens.setdefault(record_id, set()).add(_hashable(row[1]))
     heads = dict(database.query("SELECT branch_id, record_id FROM runtime_branch_heads WHERE owner = ? AND shard = ?",
                                 (owner, shard)))
-    return ShardRows(records, messages, heads)
+    return ShardRows(records, messages, heads, tokens)
+
+
+def _hashable(token: Any) -> Any:
+    """A token as it was given: msgpack hands a tuple back as a list."""
+    return tuple(_hashable(part) for part in token) if isinstance(token, list) else token
 
 
 def read_branch(database: Database, branch_id: str, besides: str) -> tuple[str, list[Any]] | None:

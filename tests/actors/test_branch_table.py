@@ -247,3 +247,14 @@ def test_a_version_1_file_keeps_its_branches_under_nobodys_owner(tmp_path):
     assert load_shard(database, 0, "").heads == {"old": 1}
     assert read_branch(database, "old", besides="ns/new") == ("", ["kept"])
     assert Database(path).query("SELECT count(*) FROM runtime_branch_heads") == [(1,)]  # opened twice: once migrated
+
+
+def test_an_append_with_a_token_happens_once_however_often_it_is_sent():
+    table = table_with()
+    assert table.append("root", ["q", "a"], token=b"t1") == 4
+    assert table.append("root", ["q", "a"], token=b"t1") == 4  # sent again: nothing appended
+    assert table.append("root", ["q", "a"], token=b"t2") == 6  # another append, same words
+    assert table.append("root", ["x"]) == 7 and table.append("root", ["x"]) == 8  # no token: every time
+    table.clone("root", "copy")
+    assert table.append("copy", ["q", "a"], token=b"t1") == 10  # a token counts for its own branch only
+    assert table.messages("root") == ["m1", "m2", "q", "a", "q", "a", "x", "x"]

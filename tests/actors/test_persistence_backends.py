@@ -115,6 +115,25 @@ def test_branches_reload_from_either_backend_with_clones_and_dropped_records(dat
     assert load_shard(database, 4).records == []  # another shard's rows are its own
 
 
+def test_an_appends_token_is_written_with_it_and_reloads(database_target):
+    """Reloaded (a replacement store), the table still knows the append's token: the same
+    append sent again appends nothing; a tuple token comes back as a tuple, not a list."""
+    database = Database(database_target)
+    journal = BranchJournal(1)
+    table = BranchTable(journal)
+    table.create("b", ["s"])
+    table.append("b", ["q", "a"], token=b"bytes-token")
+    table.append("b", ["q2", "a2"], token=("run", "node", 1))
+    journal.write(database, journal.take())
+
+    rows = load_shard(database, 1)
+    reloaded = BranchTable.loaded(BranchJournal(1, rows.next_id), rows)
+    assert reloaded.append("b", ["q", "a"], token=b"bytes-token") == 5
+    assert reloaded.append("b", ["q2", "a2"], token=("run", "node", 1)) == 5
+    assert reloaded.messages("b") == ["s", "q", "a", "q2", "a2"]
+    assert read_branch(database, "b", besides="another owner") == ("", ["s", "q", "a", "q2", "a2"])
+
+
 def test_another_owners_branch_is_adopted_from_its_newest_head_and_released(database_target):
     """Owners a and b both hold branch x (b wrote later); then a writes x again: a's is the newest.
     Adopted by c, a lets go; a, left with no branch, loses its rows."""
