@@ -162,6 +162,7 @@ class LiveEmissions:
     def __init__(self, worker: OperationWorker) -> None:
         self._worker = worker
         self._pending: dict[str, tuple[Any, list[tuple[str, str, Any, Any]]]] = {}
+        self.withdrawn = 0  # requests not sent live, since their emitter's outcome carried them
 
     def add(self, run_id: str, executor: Any, item: tuple[str, str, Any, Any]) -> bool:
         """Queue ``(emitter_id, kind, request, key)``; False off the worker's event loop
@@ -179,7 +180,20 @@ class LiveEmissions:
 
     def _send(self, run_id: str) -> None:
         executor, items = self._pending.pop(run_id)
-        self._worker.tell(executor.receive_requests.remote(run_id, items))
+        if items:
+            self._worker.tell(executor.receive_requests.remote(run_id, items))
+
+    def withdraw(self, run_id: str, node_id: str, attempt: int) -> None:
+        """Take back what one call emitted and is not sent yet: the call has ended, and its
+        outcome carries every request it emitted anyway. Sent live as well, each arrived
+        twice, and the second copy cost a pass through admission only to be dropped; an
+        operation that emits and returns at once (a planner fanning out) paid that for all."""
+        entry = self._pending.get(run_id)
+        if entry is not None:
+            items = entry[1]
+            kept = [item for item in items if item[0] != node_id or item[3][1] != attempt]
+            self.withdrawn += len(items) - len(kept)
+            items[:] = kept
 
 
 def _collect(done: list[OutcomeRow], wake: asyncio.Event, call: CallRow, task: asyncio.Task) -> None:
@@ -507,6 +521,7 @@ class OperationWorker:
                 "unanswered": self.channel.unanswered},
             "peak_in_flight": self.peak_in_flight,
             "executed": self.executed,
+            "live_withdrawn": self.live.withdrawn,
             "failed": self.failed,
             "runs": len(self.resources),
             "tell_failures": self.tell_failures,
@@ -575,6 +590,8 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
             return (node_id, attempt, "failed", None, f"node {node_id}: {problem}", UNSERIALISABLE_OUTCOME,
                     [], started, time.time())
         worker.executed += 1
+        if emitted:
+            worker.live.withdraw(run_id, node_id, attempt)
         return (node_id, attempt, "completed", response, None, None, requests, started, time.time())
     except asyncio.CancelledError:
         return (node_id, attempt, "cancelled", None, "cancelled", CANCELLED, _sendable(emitted), started, time.time())

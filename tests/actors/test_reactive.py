@@ -12,6 +12,7 @@ import asyncio
 from typing import Any
 
 import pytest
+import ray
 
 from opgraph.kernel import (
     EscalationRequest,
@@ -184,6 +185,34 @@ def test_a_request_emitted_from_a_thread_is_sent_at_once_and_admitted_live(sessi
     assert order.index((child, "started")) < order.index((emitter, "completed"))
     assert envelope["spawned_operations"] == 1
     assert envelope["dropped_spawns"] == []  # the outcome's redelivered copy is no duplicate
+
+
+def test_requests_emitted_by_an_operation_that_returns_at_once_travel_once_in_its_outcome(session):
+    """emitter => 50 children emitted live, and it returns in the same turn of the loop: the
+    live message is taken back before it leaves, since the outcome carries every request,
+    and the 50 are admitted once from there."""
+    width = 50
+
+    async def emit_and_return(branch: Any, **parameters: Any) -> int:
+        for index in range(width):
+            branch.emit(SpawnRequest(instruction=f"planned {index}"))
+        return width
+
+    def withdrawn() -> int:
+        return sum(ray.get(worker.statistics.remote())["live_withdrawn"] for worker in session.runtime.workers)
+
+    session.register_operation("operate", operate, record_turn=False)
+    session.register_operation("emit_and_return", emit_and_return, record_turn=False)
+    graph, emitter = single_node("emit_and_return")
+    before = withdrawn()
+
+    envelope = run(session.flow(graph, reactive=True, max_spawn=width))
+
+    children = children_of(envelope, graph)
+    assert envelope["spawned_operations"] == width and envelope["dropped_spawns"] == []
+    assert sorted(envelope["operation_results"][child]["handled"] for child in children) == sorted(
+        f"planned {index}" for index in range(width))
+    assert withdrawn() - before == width
 
 
 def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session, gauge):
