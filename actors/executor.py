@@ -21,6 +21,7 @@ import ray
 from opgraph.kernel import (
     CancelRequested,
     DispatchHeld,
+    ExecutionError,
     FlowEvent,
     InjectRequested,
     OperatorMessageReceived,
@@ -321,6 +322,16 @@ class GraphExecutor:
         if resources is None:
             raise UnknownRunError(f"nothing registered under {key!r} on {self.name}", run_id=key, actor=self.name)
         return resources
+
+    async def shared_result(self, run_id: str, node_id: str) -> Any:
+        """The settled result of ``node_id`` as its dependents' contexts hold it, for a worker
+        that was sent a ``SharedResult`` in its place."""
+        run = self._run(run_id)
+        try:
+            return run.state.dependency_result(node_id)
+        except KeyError:
+            raise ExecutionError(f"node {node_id} of run {run_id} has no settled result on {self.name}",
+                                 run_id=run_id, node_id=node_id, actor=self.name) from None
 
     async def register_resources(self, key: str, resources: RunResources | None) -> None:
         """What a Session's turns run with (``Session.turn``), under ``key``; None removes it."""

@@ -24,6 +24,7 @@ __all__ = [
     "RegisteredOperation",
     "RunOptions",
     "RunResources",
+    "SharedResult",
     "TurnResult",
 ]
 
@@ -33,6 +34,26 @@ __all__ = [
 # (node_id, attempt, ordinal): the same object keeps its ordinal on both routes.
 CallRow = tuple[str, int, str, dict[str, Any], "str | None", int]
 OutcomeRow = tuple[str, int, str, Any, "str | None", "str | None", list, float, float]
+
+class SharedResult:
+    """In a call's context, in place of a large result its run's dependents share: the worker
+    fetches it from the run's executor once and keeps it for the run (OperationWorker.shared).
+
+    Ideal over retrospective: a planner's result of N spawn requests went to each of its
+    N children in full, N times over the wire and N unpicklings on the workers.
+    """
+
+    __slots__ = ("node_id",)
+
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return SharedResult, (self.node_id,)
+
+    def __repr__(self) -> str:
+        return f"SharedResult({self.node_id!r})"
+
 
 # The first item a worker's batch stream yields: "every call of this batch has started".
 # A batch whose stream fails before it never reached a live worker, so its calls are

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import pickle
 import time
 from collections import deque
 from typing import Any
@@ -54,7 +55,7 @@ from .channel import ChannelLost, WorkerChannels
 from .durability import RunLogger, decode_header, encode_header
 from .errors import call_failure, is_actor_death
 from .histogram import LatencyHistogram
-from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources
+from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources, SharedResult
 from .settings import PROBE_TIMEOUT_SECONDS
 from .supervision import ActorPool, ping
 from .watchers import RunWatcher, envelope_summary
@@ -64,6 +65,9 @@ __all__ = ["DISPATCH_BATCH", "DISPATCH_WINDOW", "ExecutorShell"]
 _TERMINAL_SIGNALS = {NodeCompleted: "completed", NodeFailed: "failed", NodeSkipped: "skipped"}
 DISPATCH_BATCH = 256  # calls per message; measured flat between 64 and 512 on 2 cores
 DISPATCH_WINDOW = 0.001  # seconds; bounds added latency, amortises message cost (1 ms: see OUTCOME_WINDOW)
+# A dependency result its dependents share goes to workers as a SharedResult, fetched once
+# per worker and run, from this size (pickled) on; a smaller one travels in each call.
+SHARED_RESULT_BYTES = 16 * 1024
 LAG_PROBE_SECONDS = 0.25  # period of the loop-lag probe (metric opgraph_executor_loop_lag_seconds)
 LARGE_RUN_NODES = 10_000  # forgetting a run this large triggers a full garbage collection
 COLLECT_DELAY_SECONDS = 0.05  # ... this long after, once the forgetting call has been answered
@@ -91,6 +95,10 @@ class _Run:
         self.started = time.time()
         self.messages = 0
         self.grace_timer: asyncio.TimerHandle | None = None
+        # Dependency results the dependents share (FlowState.shared_results): each one looked
+        # at, kept here so that its id stays its own, and id -> node id for the large ones.
+        self.shared_checked: dict[str, Any] = {}
+        self.shared_marks: dict[int, str] = {}
         self.unclaimed_timer: asyncio.TimerHandle | None = None  # lets it go if no driver forgets it
         self.hook_errors: list[dict[str, Any]] = []
         self.lost_branches: list[dict[str, Any]] = []
@@ -688,6 +696,9 @@ class ExecutorShell:
         registry, default_shard = self.branches, self.branches.shard_of(run.options.default_branch_id)
         location = registry.location
         calls: list[CallRow] = [(*d, location.get(d.branch_id, default_shard)) for d in dispatches]
+        shared = run.state.shared_results()
+        if shared:
+            calls = _share_large_results(run, shared, calls)
         self.totals["dispatched"] += len(calls)
         if len(calls) == 1 and len(run.state.running) == 1:
             # The run's only call in flight (a chain's every link): a plain call answers in
@@ -864,6 +875,37 @@ class _SetupBranch:
     def append(self, *messages: Any) -> None:
         self._pending.append(self._registry.call(self._shard, "append", self.id, list(messages), os.urandom(8),
                                                  run_id=self._run_id, branch_id=self.id))
+
+
+def _share_large_results(run: _Run, shared: dict[str, Any], calls: list[CallRow]) -> list[CallRow]:
+    """``calls`` with each large shared dependency result in a context replaced by a
+    ``SharedResult``: a planner's 1,000 spawn requests went to each of its 1,000 children,
+    pickled again for every message and unpickled again on the worker for each."""
+    if len(shared) != len(run.shared_checked):
+        for node_id, value in shared.items():
+            if node_id not in run.shared_checked:
+                run.shared_checked[node_id] = value
+                if _pickled_size(value) >= SHARED_RESULT_BYTES:
+                    run.shared_marks[id(value)] = node_id
+    marks = run.shared_marks
+    if not marks:
+        return calls
+    marked = []
+    for call in calls:
+        context = call[3].get("context")
+        if context and any(id(value) in marks for value in context.values()):
+            context = {key: SharedResult(marks[id(value)]) if id(value) in marks else value
+                       for key, value in context.items()}
+            call = (call[0], call[1], call[2], {**call[3], "context": context}, call[4], call[5])
+        marked.append(call)
+    return marked
+
+
+def _pickled_size(value: Any) -> int:
+    try:
+        return len(pickle.dumps(value, protocol=5))
+    except Exception:  # noqa: BLE001 - one that will not pickle travels as it is, and fails as it would
+        return 0
 
 
 def _flow_options(run_id: str, options: RunOptions) -> dict[str, Any]:

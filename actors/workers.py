@@ -40,7 +40,7 @@ from .channel import ChannelServer
 from .errors import BranchStoreLostError, clean_text, translate
 from .memory import current_rss_mib, peak_rss_mib
 from .models import parse_model_id
-from .protocol import ACKNOWLEDGED, CallRow, OutcomeRow, RunResources
+from .protocol import ACKNOWLEDGED, CallRow, OutcomeRow, RunResources, SharedResult
 from .settings import tune_garbage_collector
 from .usage import CallUsage, open_usage
 
@@ -246,6 +246,11 @@ class OperationWorker:
         self.executors: dict[int, Any] = {} if executor is None else {slot: executor}
         self.resources: dict[str, RunResources] = {}
         self._fetching: dict[str, asyncio.Future] = {}
+        # Run id -> node id -> a large result the run's dependents share (SharedResult),
+        # fetched from the run's executor once; let go with the run's resources.
+        self.shared: dict[str, dict[str, Any]] = {}
+        self._fetching_shared: dict[tuple[str, str], asyncio.Future] = {}
+        self.shared_fetches = 0
         self.tasks: dict[tuple[str, str], asyncio.Task] = {}
         # Cancels that arrived before their call did (it was still fetching resources, or
         # in transit): the call is cancelled as soon as it arrives.
@@ -294,6 +299,7 @@ class OperationWorker:
     async def forget(self, key: str) -> None:
         self.resources.pop(key, None)
         self.cancelled_early.pop(key, None)
+        self.shared.pop(key, None)
 
     async def cancel(self, run_id: str, node_ids: list[str]) -> int:
         cancelled = 0
@@ -389,6 +395,44 @@ class OperationWorker:
             return resources
         finally:
             self._fetching.pop(key, None)
+
+    # -- results shared by a run's dependents, fetched once per run ---------------------------
+    async def with_shared_results(self, run_id: str, node_id: str, parameters: dict[str, Any],
+                                  executor: Any) -> dict[str, Any]:
+        """``parameters`` with each SharedResult in its context replaced by the value."""
+        context = dict(parameters["context"])
+        for key, value in context.items():
+            if type(value) is SharedResult:
+                context[key] = await self._shared_result(run_id, node_id, value.node_id, executor)
+        return {**parameters, "context": context}
+
+    async def _shared_result(self, run_id: str, node_id: str, source: str, executor: Any) -> Any:
+        kept = self.shared.get(run_id)
+        if kept is not None and source in kept:
+            return kept[source]
+        key = (run_id, source)
+        fetching = self._fetching_shared.get(key)
+        if fetching is None:
+            fetching = self._fetching_shared[key] = asyncio.ensure_future(
+                self._fetch_shared(run_id, node_id, source, executor))
+        return await asyncio.shield(fetching)
+
+    async def _fetch_shared(self, run_id: str, node_id: str, source: str, executor: Any) -> Any:
+        try:
+            if executor is None:
+                raise ExecutionError(f"no executor to fetch the result of {source} from", run_id=run_id,
+                                     node_id=node_id, actor=self.name)
+            try:
+                value = await executor.shared_result.remote(run_id, source)
+            except Exception as exc:  # noqa: BLE001 - translated: the node fails, typed
+                raise translate(exc, actor="executor", run_id=run_id, node_id=node_id,
+                                doing=f"fetching the result of {source} it depends on") from None
+            self.shared_fetches += 1
+            if run_id in self.resources:  # not kept for a run already let go
+                self.shared.setdefault(run_id, {})[source] = value
+            return value
+        finally:
+            self._fetching_shared.pop((run_id, source), None)
 
     # -- calls -------------------------------------------------------------------------------
     async def run_one(self, run_id: str, call: CallRow, slot: int = 0) -> list[OutcomeRow]:
@@ -522,6 +566,7 @@ class OperationWorker:
             "peak_in_flight": self.peak_in_flight,
             "executed": self.executed,
             "live_withdrawn": self.live.withdrawn,
+            "shared_fetches": self.shared_fetches,
             "failed": self.failed,
             "runs": len(self.resources),
             "tell_failures": self.tell_failures,
@@ -553,6 +598,12 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
             return (node_id, attempt, "failed", None,
                     f"operation {operation!r} is not registered (known: {known})", NOT_REGISTERED, [],
                     started, time.time())
+        context = parameters.get("context")
+        if context:
+            for value in context.values():
+                if type(value) is SharedResult:
+                    parameters = await worker.with_shared_results(run_id, node_id, parameters, executor)
+                    break
         branch = RemoteBranch(branch_id, worker, store_index, run_id, node_id, attempt,
                               executor, emitted, identities, resources)
         if registered.timeout is None:

@@ -136,6 +136,18 @@ class OperationDispatch:
                 context[key] = value if type(value) in PLAIN_TYPES else copy.deepcopy(value)
         return context
 
+    def shared_results(self) -> dict[str, Any]:
+        """Node id -> the one mapping of its result that its dependents' contexts share
+        (``_mapped_result``); read-only for the caller. The runtime ships a large one to
+        each worker once, instead of once per dependent."""
+        return self._mapped_results
+
+    def dependency_result(self, dep: str) -> Any:
+        """What a dependent's context holds under ``dep + "_result"``: the shared mapping of a
+        settled node's result (made now if none is kept yet, as after a rebuild)."""
+        result = self.results[dep]
+        return result if type(result) in PLAIN_TYPES else self._mapped_result(dep, result)
+
     def _mapped_result(self, dep: str, result: Any) -> Any:
         """``to_mapping(result)`` of a settled node, made once for all of its dependents.
 

@@ -215,6 +215,42 @@ def test_requests_emitted_by_an_operation_that_returns_at_once_travel_once_in_it
     assert withdrawn() - before == width
 
 
+@pytest.mark.parametrize("width, words, fetched", [(200, 40, True), (20, 1, False)], ids=["large", "small"])
+def test_a_planners_result_reaches_each_child_whole_and_large_ones_cross_to_a_worker_once(session, width, words,
+                                                                                          fetched):
+    """planner => N children, each given the planner's result in its context. A large result
+    (200 requests of 40 words, over 16 KiB pickled) is fetched by each worker once for the
+    run, not sent in every call; a small one travels in the calls. Either way every child
+    sees all N requests."""
+
+    async def plan(branch: Any, **parameters: Any) -> list[SpawnRequest]:
+        return [SpawnRequest(instruction=" ".join([f"step-{index}"] * words)) for index in range(width)]
+
+    async def look(branch: Any, instruction: str = "", context: Any = None, **parameters: Any) -> int:
+        [result] = [value for key, value in context.items() if key.endswith("_result")]
+        assert [request["instruction"] for request in result] == [
+            " ".join([f"step-{index}"] * words) for index in range(width)]
+        return len(result)
+
+    def fetches() -> int:
+        return sum(ray.get(worker.statistics.remote())["shared_fetches"] for worker in session.runtime.workers)
+
+    session.register_operation("operate", look, record_turn=False)
+    session.register_operation("plan", plan, record_turn=False)
+    graph, planner = single_node("plan")
+    before = fetches()
+
+    envelope = run(session.flow(graph, reactive=True, max_spawn=width, max_concurrent=50))
+
+    children = children_of(envelope, graph)
+    assert len(children) == width
+    assert {envelope["operation_results"][child] for child in children} == {width}
+    if fetched:
+        assert 1 <= fetches() - before <= len(session.runtime.workers)
+    else:
+        assert fetches() == before
+
+
 def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session, gauge):
     """root (held) + injected: inject -> True; the same op again -> False (duplicate); after -> False."""
     session.register_operation("operate", operate, record_turn=False)

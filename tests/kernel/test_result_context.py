@@ -27,6 +27,23 @@ def test_children_spawned_from_one_result_share_one_converted_mapping(drive):
     assert all(context is contexts[0] for context in contexts)  # one conversion, not thirty
 
 
+def test_the_shared_mapping_is_named_for_the_runtime_and_made_again_after_a_rebuild(drive):
+    """``shared_results`` names the mapping the children share (what the runtime ships once per
+    worker); ``dependency_result`` hands out that same object, and makes it when none is kept."""
+    graph = Graph()
+    root = graph.add_node(create_operation("chat", {"instruction": "plan"}))
+    driver = drive(graph, reactive=True, max_spawn=10, max_concurrent=10)
+    driver.complete(root.id, [SpawnRequest(instruction=f"task {i}") for i in range(3)])
+    context = next(iter(driver.dispatched().values())).parameters["context"][f"{root.id}_result"]
+    assert driver.state.shared_results() == {root.id: context}
+    assert driver.state.dependency_result(root.id) is context
+    driver.state._mapped_results.clear()  # as a rebuilt run starts: nothing converted yet
+    again = driver.state.dependency_result(root.id)
+    assert again == context and driver.state.shared_results() == {root.id: again}
+    with pytest.raises(KeyError):
+        driver.state.dependency_result("not-a-node")
+
+
 def test_a_single_dependent_gets_a_fresh_mapping_and_nothing_is_kept(drive):
     graph = Graph()
     a = graph.add_node(create_operation("chat"))
