@@ -52,6 +52,11 @@ def single_node(operation: str, **parameters: Any) -> tuple[Graph, str]:
     return graph, node.id
 
 
+def workers_counted(session: Any, counter: str) -> int:
+    """A counter of the workers' ``statistics()``, summed over the runtime's workers."""
+    return sum(ray.get(worker.statistics.remote())[counter] for worker in session.runtime.workers)
+
+
 def children_of(envelope: dict[str, Any], graph: Graph) -> list[str]:
     """Node ids the run added to the graph (the caller's graph keeps only its own nodes)."""
     return [node_id for node_id in envelope["operation_statuses"] if node_id not in graph.nodes]
@@ -198,13 +203,10 @@ def test_requests_emitted_by_an_operation_that_returns_at_once_travel_once_in_it
             branch.emit(SpawnRequest(instruction=f"planned {index}"))
         return width
 
-    def withdrawn() -> int:
-        return sum(ray.get(worker.statistics.remote())["live_withdrawn"] for worker in session.runtime.workers)
-
     session.register_operation("operate", operate, record_turn=False)
     session.register_operation("emit_and_return", emit_and_return, record_turn=False)
-    graph, emitter = single_node("emit_and_return")
-    before = withdrawn()
+    graph, _ = single_node("emit_and_return")
+    before = workers_counted(session, "live_withdrawn")
 
     envelope = run(session.flow(graph, reactive=True, max_spawn=width))
 
@@ -212,7 +214,7 @@ def test_requests_emitted_by_an_operation_that_returns_at_once_travel_once_in_it
     assert envelope["spawned_operations"] == width and envelope["dropped_spawns"] == []
     assert sorted(envelope["operation_results"][child]["handled"] for child in children) == sorted(
         f"planned {index}" for index in range(width))
-    assert withdrawn() - before == width
+    assert workers_counted(session, "live_withdrawn") - before == width
 
 
 @pytest.mark.parametrize("width, words, fetched", [(200, 40, True), (20, 1, False)], ids=["large", "small"])
@@ -232,13 +234,10 @@ def test_a_planners_result_reaches_each_child_whole_and_large_ones_cross_to_a_wo
             " ".join([f"step-{index}"] * words) for index in range(width)]
         return len(result)
 
-    def fetches() -> int:
-        return sum(ray.get(worker.statistics.remote())["shared_fetches"] for worker in session.runtime.workers)
-
     session.register_operation("operate", look, record_turn=False)
     session.register_operation("plan", plan, record_turn=False)
-    graph, planner = single_node("plan")
-    before = fetches()
+    graph, _ = single_node("plan")
+    before = workers_counted(session, "shared_fetches")
 
     envelope = run(session.flow(graph, reactive=True, max_spawn=width, max_concurrent=50))
 
@@ -246,9 +245,9 @@ def test_a_planners_result_reaches_each_child_whole_and_large_ones_cross_to_a_wo
     assert len(children) == width
     assert {envelope["operation_results"][child] for child in children} == {width}
     if fetched:
-        assert 1 <= fetches() - before <= len(session.runtime.workers)
+        assert 1 <= workers_counted(session, "shared_fetches") - before <= len(session.runtime.workers)
     else:
-        assert fetches() == before
+        assert workers_counted(session, "shared_fetches") == before
 
 
 def test_inject_admits_a_prebuilt_operation_once_and_only_while_running(session, gauge):
