@@ -124,6 +124,7 @@ class Runtime:
     _members: dict[Any, int] = field(default_factory=dict, repr=False)  # actor id of every handle -> member
     _admitting: list[set[str]] = field(default_factory=list, repr=False)  # ids of runs being placed, per member
     _placed: int = field(default=0, repr=False)
+    _placing: tuple[Any, asyncio.Lock] | None = field(default=None, repr=False)  # (its loop, the lock)
     standbys: dict[int, Any] = field(default_factory=dict, repr=False)  # member -> its warm spare
     executor_names: list[str] = field(default_factory=list)
 
@@ -387,32 +388,50 @@ class Runtime:
                 first = first or exc
         raise first
 
-    async def place(self) -> int:
+    async def place(self, run_id: str | None = None) -> int:
         """The member a new run goes to: the least loaded (fewest live runs, then fewest unsettled
         nodes), counting the runs this process is admitting there right now; ties go round robin.
+        ``run_id`` is counted as admitting there from the moment it is placed (see ``admitting``).
+
+        One placement at a time in this process, and each counts exactly the runs it asked the
+        members to leave out: a run whose admission ended while the loads were on their way
+        was in neither the loads nor the admitting count, and four runs placed together went
+        3 and 1 (CI, tests/actors/test_executor_pool.py).
 
         A member that does not answer is passed over (its death is remembered; it is replaced
         when a run is sent to it)."""
         size = self.pool_size
         if size == 1:
             return 0
-        loads = await asyncio.gather(*(self._load(member) for member in range(size)))
-        self._placed += 1
-        start = self._placed
+        async with self._placement_lock():
+            left_out = [set(admitting) for admitting in self._admitting]
+            loads = await asyncio.gather(*(self._load(member, left_out[member]) for member in range(size)))
+            self._placed += 1
+            start = self._placed
 
-        def weight(member: int) -> tuple:
-            runs, nodes = loads[member]
-            return runs + len(self._admitting[member]), nodes, (member - start) % size
+            def weight(member: int) -> tuple:
+                runs, nodes = loads[member]
+                return runs + len(left_out[member] | self._admitting[member]), nodes, (member - start) % size
 
-        return min(range(size), key=weight)
+            member = min(range(size), key=weight)
+            if run_id is not None:
+                self._admitting[member].add(run_id)
+            return member
 
-    async def _load(self, member: int) -> tuple[float, float]:
-        """A member's load without the runs this process is admitting there, which ``place`` adds:
-        one already live on the member counted twice, and runs placed together piled up on
-        the other member (3 of 4 on one, in a loaded test session)."""
+    def _placement_lock(self) -> asyncio.Lock:
+        """The lock of ``place`` on the running loop (a Session may be driven by one loop, then another)."""
+        loop = asyncio.get_running_loop()
+        if self._placing is None or self._placing[0] is not loop:
+            self._placing = (loop, asyncio.Lock())
+        return self._placing[1]
+
+    async def _load(self, member: int, left_out: set[str]) -> tuple[float, float]:
+        """A member's load without ``left_out``, the runs this process is admitting there, which
+        ``place`` counts itself: one already live on the member counted twice, and runs placed
+        together piled up on the other member (3 of 4 on one, in a loaded test session)."""
         executor = await self.live_executor(member)
         try:
-            return tuple(await executor.load.remote(sorted(self._admitting[member])))
+            return tuple(await executor.load.remote(sorted(left_out)))
         except ray.exceptions.RayError as exc:
             if is_actor_death(exc):
                 self._dead[member] = executor

@@ -343,7 +343,7 @@ class Session:
         shipped = cloudpickle.dumps(graph) if options.durable else graph
         runtime = self.runtime
         if member is None:
-            member = await runtime.place()
+            member = await runtime.place(run_id)
         with runtime.admitting(member, run_id):
             admission = asyncio.ensure_future(runtime.call("start_run", run_id, shipped, options, run_id=run_id,
                                                            retry_if_dead=True, member=member))
