@@ -346,18 +346,20 @@ def test_an_all_completed_run_stores_each_node_id_once():
     assert compact_envelope({"status": "error"}) == ({"status": "error"}, {})  # nothing per node: kept whole
 
 
-def test_an_inheriting_node_in_flight_when_its_executor_died_takes_its_primary_history_again():
-    """root -> reply (inherit_context). The log holds reply's dispatch, whose ReplaceHistory may never
-    have reached the store before the kill: recovered, reply's new attempt replaces its history again."""
-    from opgraph.kernel import OperationGraphBuilder, ReplaceHistory
+_THREAD_SETTINGS = {"run_id": "r", "durable": True, "default_branch_id": "d", "clone_source_branch_id": "d"}
+
+
+def _reply_after_the_opening(**reply_options: Any) -> tuple[Graph, str, list[Any], list[Any]]:
+    """root -> reply (inherit_context, and ``reply_options``), run durably until root completes:
+    (graph, reply's id, the log's batches so far, what root's completion gave out)."""
+    from opgraph.kernel import OperationGraphBuilder
 
     builder = OperationGraphBuilder("threads")
     root = builder.add_operation("opening")
-    reply = builder.add_operation("reply", depends_on=[root], inherit_context=True)
+    reply = builder.add_operation("reply", depends_on=[root], inherit_context=True, **reply_options)
     graph = builder.get_graph()
-    settings_ = {"run_id": "r", "durable": True, "default_branch_id": "d", "clone_source_branch_id": "d"}
-    state = FlowState(graph, **settings_)
-    batches = []
+    state = FlowState(graph, **_THREAD_SETTINGS)
+    batches: list[Any] = []
 
     def handle(*events: Any) -> list[Any]:
         out = state.handle(*events)
@@ -367,10 +369,19 @@ def test_an_inheriting_node_in_flight_when_its_executor_died_takes_its_primary_h
     (first,) = [i for i in handle(FlowStarted(now=0.0)) if isinstance(i, DispatchOperation)]
     out = handle(OperationFinished(now=1.0, node_id=first.node_id, attempt=first.attempt, status="completed",
                                    response="opened"))
+    return graph, reply, batches, out
+
+
+def test_an_inheriting_node_in_flight_when_its_executor_died_takes_its_primary_history_again():
+    """root -> reply (inherit_context). The log holds reply's dispatch, whose ReplaceHistory may never
+    have reached the store before the kill: recovered, reply's new attempt replaces its history again."""
+    from opgraph.kernel import ReplaceHistory
+
+    graph, reply, batches, out = _reply_after_the_opening()
     assert [i.node_id for i in out if isinstance(i, ReplaceHistory)] == [reply]
     (second,) = [i for i in out if isinstance(i, DispatchOperation)]
 
-    rebuilt = FlowState.rebuild(graph, stored(batches), **settings_)
+    rebuilt = FlowState.rebuild(graph, stored(batches), **_THREAD_SETTINGS)
     recovered = rebuilt.recover(now=2.0)
     replaced = [i for i in recovered if isinstance(i, ReplaceHistory)]
     (again,) = [i for i in recovered if isinstance(i, DispatchOperation)]
@@ -380,26 +391,11 @@ def test_an_inheriting_node_in_flight_when_its_executor_died_takes_its_primary_h
 def test_an_inheriting_node_on_an_explicit_branch_keeps_it_when_recovered():
     """root -> reply (inherit_context, branch "mine"): reply runs on its own branch, never a replaced
     clone, neither when first dispatched nor when recovered."""
-    from opgraph.kernel import OperationGraphBuilder, ReplaceHistory
+    from opgraph.kernel import ReplaceHistory
 
-    builder = OperationGraphBuilder("threads")
-    root = builder.add_operation("opening")
-    builder.add_operation("reply", depends_on=[root], inherit_context=True, branch="mine")
-    graph = builder.get_graph()
-    settings_ = {"run_id": "r", "durable": True, "default_branch_id": "d", "clone_source_branch_id": "d"}
-    state = FlowState(graph, **settings_)
-    batches = []
-
-    def handle(*events: Any) -> list[Any]:
-        out = state.handle(*events)
-        batches.extend(i.records for i in out if isinstance(i, AppendRecords))
-        return out
-
-    (first,) = [i for i in handle(FlowStarted(now=0.0)) if isinstance(i, DispatchOperation)]
-    out = handle(OperationFinished(now=1.0, node_id=first.node_id, attempt=first.attempt, status="completed",
-                                   response="opened"))
+    graph, _, batches, out = _reply_after_the_opening(branch="mine")
     assert not [i for i in out if isinstance(i, ReplaceHistory)]
     assert [i.branch_id for i in out if isinstance(i, DispatchOperation)] == ["mine"]
-    recovered = FlowState.rebuild(graph, stored(batches), **settings_).recover(now=2.0)
+    recovered = FlowState.rebuild(graph, stored(batches), **_THREAD_SETTINGS).recover(now=2.0)
     assert not [i for i in recovered if isinstance(i, ReplaceHistory)]
     assert [i.branch_id for i in recovered if isinstance(i, DispatchOperation)] == ["mine"]
