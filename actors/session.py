@@ -27,6 +27,7 @@ from opgraph.kernel import (
     OperationError,
     OpGraphError,
     RetryPolicy,
+    settle_completed,
 )
 
 from .control import EventsDropped, RunControl, RunFinished
@@ -421,17 +422,23 @@ class Session:
             following.control = RunControl(executor, run_id, self.runtime.name_of(executor), self.runtime.namespace)
             executor_ref["executor"] = following.control
             executor_ref["run_id"] = run_id
+        forgetting = None
         try:
-            envelope = await self._drain(following, graph, on_progress, on_branch_created, verbose,
+            envelope = await self._drain(following, on_progress, on_branch_created, verbose,
                                          on_event=on_settled, on_signal=on_signal)
+            # Asked before the write-back, which it waits beside: forgetting waits for the log
+            # to record the end (6 ms of a 10,000-node run), mirroring costs as long again.
+            forgetting = self._forget(following)
+            self._write_back(graph, envelope)
         except BaseException:
             # Stop the run's remaining work, then re-raise; a dead executor has nothing to stop.
-            with contextlib.suppress(OpGraphError):
-                await asyncio.shield(self._executor_call(following.executor, "cancel", run_id))
+            if forgetting is None:
+                with contextlib.suppress(OpGraphError):
+                    await asyncio.shield(self._executor_call(following.executor, "cancel", run_id))
             raise
         finally:
             with contextlib.suppress(OpGraphError):
-                await asyncio.shield(self._executor_call(following.executor, "forget_run", run_id))
+                await asyncio.shield(forgetting if forgetting is not None else self._forget(following))
         return envelope
 
     async def submit(self, graph: Graph, *, run_id: str | None = None, context: dict[str, Any] | None = None,
@@ -477,11 +484,10 @@ class Session:
                                  f"{reasons.get(run_id, 'unknown reason')}", run_id=run_id)
         following = _Following(executor, run_id, True)
         try:
-            return await self._drain(following, Graph("resumed"), on_progress, on_branch_created, False,
-                                     on_signal=on_signal)
+            return await self._drain(following, on_progress, on_branch_created, False, on_signal=on_signal)
         finally:
             with contextlib.suppress(OpGraphError):
-                await asyncio.shield(self._executor_call(following.executor, "forget_run", run_id))
+                await asyncio.shield(self._forget(following))
 
     async def release_run(self, run_id: str) -> int:
         """Drop the branches of a finished ``isolated`` run (once recorded); returns how many.
@@ -525,9 +531,15 @@ class Session:
                                        "from the run log", run_id=following.run_id,
                                        actor=self.runtime.name_of(following.executor)) from None
 
-    async def _drain(self, following: _Following, graph: Graph, on_progress, on_branch_created, verbose,
+    def _forget(self, following: _Following) -> asyncio.Future:
+        """``forget_run`` of the followed run, sent now: a future of its answer."""
+        return asyncio.ensure_future(self._executor_call(following.executor, "forget_run", following.run_id))
+
+    async def _drain(self, following: _Following, on_progress, on_branch_created, verbose,
                      on_event: Callable[[FlowEvent], Any] | None = None,
                      on_signal: Callable[[Any], Any] | None = None) -> dict[str, Any]:
+        """The run's items handed to the callbacks as they come, until its envelope (returned)
+        or its error (raised)."""
         while True:
             items, done, result = await self._next_events(following)
             for kind, item in items:
@@ -547,19 +559,18 @@ class Session:
             if done:
                 if isinstance(result, BaseException):
                     raise result
-                self._write_back(graph, result)
                 return result
 
     @staticmethod
     def _write_back(graph: Graph, envelope: dict[str, Any]) -> None:
         """Mirror final statuses and results onto the caller's graph objects."""
-        results = envelope.get("operation_results", {})
+        results, nodes = envelope.get("operation_results", {}), graph.nodes
         for node_id, status in envelope.get("operation_statuses", {}).items():
-            node = graph.nodes.get(node_id)
+            node = nodes.get(node_id)
             if node is None:
                 continue
             if status == "completed":
-                node.settle(status, response=results.get(node_id))
+                settle_completed(node, results.get(node_id))
             elif status == "failed":
                 result = results.get(node_id)
                 node.settle(status, error=str(result.get("error")) if isinstance(result, dict) else None)

@@ -75,7 +75,7 @@ from .expressions import (
     parse_expression,
 )
 from .failures import FAILURE_KINDS, RETRYABLE_KINDS, RetryPolicy
-from .graph import BRANCH_OPERATIONS, Edge, EdgeCondition, Graph, Operation, create_operation
+from .graph import BRANCH_OPERATIONS, Edge, EdgeCondition, Graph, Operation, create_operation, settle_completed
 from .patterns import build_dag_graph, build_fanout_graph, normalise_dependency_ordinals
 from .results import FlowEvent, compact_envelope, expand_envelope
 from .scheduler import DEFAULT_MAX_CONCURRENCY, TRANSITIONS, FlowState
@@ -179,6 +179,7 @@ __all__ = [
     "request_sightings",
     "render_operator_messages",
     "role_node_builder",
+    "settle_completed",
     "to_mapping",
     "CONDITION_NAMES",
     "CompiledExpression",

@@ -25,6 +25,7 @@ __all__ = [
     "NodeStatus",
     "Operation",
     "create_operation",
+    "settle_completed",
 ]
 
 BranchOperations = Literal[
@@ -96,6 +97,10 @@ class _SharedFieldsSet(set):
 
 
 _SHARED_FIELDS_SETS: dict[Any, _SharedFieldsSet] = {}  # one per shape: a fields tuple, or a frozenset
+# id of a shared fields-set -> the shared set of the same shape once settled. The keys are
+# ids of sets that ``_SHARED_FIELDS_SETS`` holds for good, so an id is never reused.
+_SETTLED_FIELDS_SETS: dict[int, _SharedFieldsSet] = {}
+_SETTLED_FIELDS = frozenset({"status", "response"})
 
 
 def _own_fields_set(model: BaseModel) -> None:
@@ -176,6 +181,29 @@ class Operation(BaseModel):
     @property
     def is_terminal(self) -> bool:
         return self.status in TERMINAL_STATUSES
+
+
+def settle_completed(node: Operation, response: Any) -> None:
+    """``node.settle("completed", response=response)``, for the outcome most nodes of a run have.
+
+    Inlined, with no keyword dict: 5.7 ms of a 10,000-node write-back where ``settle`` cost
+    13 ms (issue #18). A node sharing its fields-set gets the shared set of its settled
+    shape, so a write-back allocates no set per node either."""
+    if type(node) is not Operation:
+        node.settle("completed", response=response)
+        return
+    fields = node.__dict__
+    fields["status"] = "completed"
+    fields["response"] = response
+    marked = node.__pydantic_fields_set__
+    if type(marked) is _SharedFieldsSet:
+        settled = _SETTLED_FIELDS_SETS.get(id(marked))
+        if settled is None:
+            settled = _SETTLED_FIELDS_SETS[id(marked)] = _SharedFieldsSet(marked | _SETTLED_FIELDS)
+        _set_fields_set(node, settled)
+    else:
+        marked.add("status")
+        marked.add("response")
 
 
 def create_operation(

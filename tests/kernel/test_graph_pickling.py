@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import pickle
 
-from opgraph.kernel import Edge, EdgeCondition, Graph, Operation, create_operation
+from opgraph.kernel import Edge, EdgeCondition, Graph, Operation, create_operation, settle_completed
 
 
 class AlwaysTrue(EdgeCondition):
@@ -168,3 +168,36 @@ def test_settling_a_node_writes_what_assignment_would_and_leaves_its_twin_alone(
     guarded = Guarded(operation="sleep")
     guarded.settle("failed", error="boom")
     assert (guarded.status, guarded.error) == ("failed", "BOOM")
+
+
+def test_settle_completed_is_settle_for_a_completed_node_and_shares_the_settled_fields_set():
+    """Nodes a, b, c built alike share a fields-set. ``settle_completed`` on a and b writes what
+    ``settle("completed", response=...)`` writes (dump and fields-set); a and b then share one
+    settled set, c keeps the unsettled one, and assigning to a afterwards leaves b alone. A node
+    with a set of its own, and a subclass, settle as ``settle`` does."""
+    graph = Graph("fan-out")
+    for index in range(3):
+        graph.add_node(create_operation("sleep", {"result": index}))
+    a, b, c = round_trip(graph).nodes.values()
+    twin = a.model_copy()
+    twin.settle("completed", response={"answer": 42})
+    settle_completed(a, {"answer": 42})
+    settle_completed(b, 7)
+    assert a.model_dump() == twin.model_dump() and a.model_fields_set == twin.model_fields_set
+    assert a.__pydantic_fields_set__ is b.__pydantic_fields_set__
+    assert (b.status, b.response) == ("completed", 7)
+    assert c.model_fields_set == {"operation", "parameters"} and c.status == "pending"
+    a.error = "late"
+    assert "error" in a.model_fields_set and "error" not in b.model_fields_set
+
+    own = Operation(operation="sleep", branch_id=None)
+    settle_completed(own, "done")
+    assert own.model_fields_set == {"operation", "branch_id", "status", "response"}
+
+    class Guarded(Operation):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value.upper() if name == "response" else value)
+
+    guarded = Guarded(operation="sleep")
+    settle_completed(guarded, "yes")
+    assert (guarded.status, guarded.response) == ("completed", "YES")
