@@ -26,6 +26,7 @@ __all__ = ["RunLogger", "decode_header", "encode_header"]
 
 # The largest flush committed on the executor's loop (SQLite); a larger one goes to the writer thread.
 INLINE_BYTES = 256 << 10
+YIELD_BEFORE_RECORDS = 256  # a flush of this many records lets the loop's ready tasks go first
 
 
 def encode_header(graph: Any, options: Any, started: float) -> bytes:
@@ -97,6 +98,11 @@ class RunLogger:
 
     async def _flush(self) -> None:
         try:
+            if sum(len(records) for _, _, records in self._pending) >= YIELD_BEFORE_RECORDS:
+                # A large batch is tens of milliseconds to encode: what handling it started
+                # (the clones of 1,000 spawned children) goes out first, and the stores work
+                # while this loop encodes, instead of after.
+                await asyncio.sleep(0)
             while self._pending:
                 pending, self._pending = self._pending, []
                 headers, self._headers = self._headers, []

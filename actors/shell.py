@@ -87,7 +87,7 @@ class _Run:
         self.envelope: dict[str, Any] | None = None
         self.error: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
-        self.pending_branch_work: list[Any] = []  # coroutines of store calls a dispatch must wait for
+        self.pending_branch_work: list[Any] = []  # store calls (tasks, coroutines) a dispatch must wait for
         self.pending_dispatch: list[Any] = []
         self.flush_scheduled = False
         self.node_worker: dict[str, int] = {}  # node id -> worker index, while its call is in flight
@@ -498,12 +498,12 @@ class ExecutorShell:
         if clones and options.branch_scope is not None:
             registry.adopt(options.branch_scope, [pair[1] for pairs in clones.values() for pair in pairs])
         for shard, pairs in clones.items():
-            run.pending_branch_work.append(self._clone(run, shard, pairs))
+            self._start_branch_work(run, self._clone(run, shard, pairs))
             run.messages += 1
         for replace in replaces:
             source = replace.source if replace.source is not None else options.default_branch_id
             shard = registry.shard_of(replace.branch_id, default_shard)
-            run.pending_branch_work.append(self._replace_history(run, shard, replace.branch_id, source))
+            self._start_branch_work(run, self._replace_history(run, shard, replace.branch_id, source))
             run.messages += 1
         if reactive_clones and options.spawn_branch_setup is not None:
             await self._await_branch_work(run)
@@ -633,6 +633,16 @@ class ExecutorShell:
             single = self._dispatch(run, dispatches)
             if single is not None:
                 await single
+
+    def _start_branch_work(self, run: _Run, coroutine: Any) -> None:
+        """A store call the run's next dispatches wait for, sent now rather than when the flush
+        gets to it: the stores work while this loop goes on. For 1,000 spawns, the clones (30 ms
+        in the store) waited for the loop to encode the batch that admitted them (19 ms)."""
+        task = self.loop.create_task(coroutine)
+        run.tasks.add(task)
+        task.add_done_callback(_branch_work_done)
+        task.add_done_callback(run.tasks.discard)
+        run.pending_branch_work.append(task)
 
     async def _await_branch_work(self, run: _Run) -> None:
         work, run.pending_branch_work = run.pending_branch_work, []
@@ -859,6 +869,13 @@ class ExecutorShell:
                 self.workers.mark_dead(worker_index, worker, "could not be told of a new branch store")
             else:
                 self.tell_failures += 1
+
+
+def _branch_work_done(task: asyncio.Task) -> None:
+    """Its error is the flush's to raise (``_await_branch_work``); taken here as well, so a run
+    that ends before any flush awaits it logs no "exception was never retrieved"."""
+    if not task.cancelled():
+        task.exception()
 
 
 class _SetupBranch:
