@@ -37,12 +37,21 @@ _STEER_FOOTER = "[/OPERATOR STEER]"
 Reducer = Callable[[Any, Any], Any]
 
 
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
 def to_mapping(value: Any) -> Any:
     """Recursively turn models into mappings; str, int, float and bool stay scalars."""
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, BaseModel):
-        return to_mapping(value.model_dump())
+        dumped = value.model_dump()
+        for item in dumped.values():
+            if type(item) not in _SCALARS:
+                return to_mapping(dumped)
+        # Every field a scalar (a SpawnRequest): the walk would only copy the dump. A planner's
+        # 1,000 requests became their children's context 5 ms sooner without it (issue #18).
+        return dumped
     if isinstance(value, Mapping):
         return {key: to_mapping(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):

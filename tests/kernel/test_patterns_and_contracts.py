@@ -19,7 +19,9 @@ from opgraph.kernel import (
     default_node_builder,
     extract_requests,
     normalise_dependency_ordinals,
+    request_problem,
     role_node_builder,
+    to_mapping,
 )
 from opgraph.kernel.patterns import DependencyReferenceWarning
 
@@ -267,3 +269,60 @@ def test_decorate_instruction_receives_the_request_and_its_spawn_id():
     child = role_node_builder(ROLES, decorate_instruction=decorate)(request, None)
     assert seen == [(request, "spawn-1")]
     assert child.parameters == {"instruction": "[spawn-1] go"}
+
+
+# -- the fast paths of request validation and to_mapping agree with the slow ones ------------------
+class _Text(str):
+    pass
+
+
+class _TaggedRequest(SpawnRequest):
+    tag: int = 0
+
+
+@pytest.mark.parametrize("fields", [
+    {"instruction": "go", "assignee": None, "operation": "operate", "independent": False, "reason": None},
+    {"instruction": "go", "assignee": "writer", "operation": "ReAct", "independent": True, "reason": "why"},
+    {"instruction": _Text("go"), "assignee": None, "operation": "chat", "independent": False, "reason": None},
+    {"instruction": "go", "assignee": None, "operation": "operate", "independent": 1, "reason": None},
+    {"instruction": "go", "assignee": None, "operation": "custom_op", "independent": False, "reason": None},
+    {"instruction": None, "assignee": None, "operation": "operate", "independent": False, "reason": None},
+    {"instruction": "go", "assignee": 5, "operation": "operate", "independent": False, "reason": None},
+    {"instruction": "go", "assignee": None, "operation": "operate", "independent": "maybe", "reason": None},
+])
+def test_a_spawn_request_is_refused_exactly_when_validating_its_fields_fails(fields):
+    """Built with model_construct (no validation): request_problem finds a problem if and only if
+    SpawnRequest.model_validate of the same fields raises, whichever path it takes."""
+    request = SpawnRequest.model_construct(**fields)
+    try:
+        SpawnRequest.model_validate(fields)
+        valid = True
+    except ValueError:
+        valid = False
+    problem = request_problem(request, SpawnRequest)
+    assert (problem is None) == valid, problem
+
+
+def test_a_subclass_of_spawn_request_is_validated_whole():
+    """Its own field is checked too: a tag that is no int is a problem, though the rest is valid."""
+    good = _TaggedRequest.model_construct(instruction="go", assignee=None, operation="operate",
+                                          independent=False, reason=None, tag=3)
+    bad = _TaggedRequest.model_construct(instruction="go", assignee=None, operation="operate",
+                                         independent=False, reason=None, tag="three")
+    assert request_problem(good, SpawnRequest) is None
+    assert "tag" in request_problem(bad, SpawnRequest)
+
+
+class _Pair(BaseModel):
+    name: str
+    pair: tuple[int, int]
+    inner: SpawnRequest | None = None
+
+
+def test_to_mapping_of_a_model_of_scalars_is_its_dump_and_nested_values_are_still_walked():
+    request = SpawnRequest(instruction="go", assignee="writer")
+    mapped = to_mapping(request)
+    assert mapped == request.model_dump() and type(mapped) is dict
+    assert to_mapping(_Pair(name="x", pair=(1, 2), inner=request)) == {
+        "name": "x", "pair": [1, 2], "inner": request.model_dump()}  # the tuple became a list, as ever
+    assert to_mapping([request, {"k": (3,)}]) == [request.model_dump(), {"k": [3]}]
