@@ -201,3 +201,23 @@ def test_settle_completed_is_settle_for_a_completed_node_and_shares_the_settled_
     guarded = Guarded(operation="sleep")
     settle_completed(guarded, "yes")
     assert (guarded.status, guarded.response) == ("completed", "YES")
+
+
+def test_an_operation_pickles_as_its_fields_and_comes_back_equal_with_the_same_fields_set():
+    """A plain Operation (what a spawn admits and the run log records) round-trips at every pickle
+    protocol, equal and with its fields-set; two alike share one fields-set after; a subclass
+    still pickles whole, its own field included."""
+    node = create_operation("sleep", {"seconds": 0.05, "pair": (1, 2)})
+    node.metadata["spawned"] = True
+    twin = create_operation("sleep", {"seconds": 0.05})
+    for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+        restored, restored_twin = pickle.loads(pickle.dumps([node, twin], protocol=protocol))
+        assert type(restored) is Operation and restored == node
+        assert restored.model_fields_set == node.model_fields_set
+        assert restored.parameters["pair"] == (1, 2)
+        assert restored.__pydantic_fields_set__ is restored_twin.__pydantic_fields_set__
+        restored.status = "completed"  # assigning gives it a set of its own
+        assert "status" not in restored_twin.model_fields_set
+    tagged = pickle.loads(pickle.dumps(TaggedOperation(operation="sleep", tag="y")))
+    assert type(tagged) is TaggedOperation and tagged.tag == "y"
+    assert tagged.model_fields_set == {"operation", "tag"}
