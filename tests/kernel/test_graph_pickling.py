@@ -221,3 +221,31 @@ def test_an_operation_pickles_as_its_fields_and_comes_back_equal_with_the_same_f
     tagged = pickle.loads(pickle.dumps(TaggedOperation(operation="sleep", tag="y")))
     assert type(tagged) is TaggedOperation and tagged.tag == "y"
     assert tagged.model_fields_set == {"operation", "tag"}
+
+
+def test_plain_edges_travel_as_columns_and_come_back_equal_in_order_each_with_a_label_of_its_own():
+    """A fan-in of plain edges (no condition): pickled as columns, not rows; restored, every edge
+    equals its original with the same fields-set, the adjacency is in the original order, and two
+    edges that had equal labels hold separate lists. An edge built by hand (a fields-set of its
+    own, another label) travels in the same columns."""
+    graph = Graph("fan-in")
+    sources = [graph.add_node(create_operation("sleep", {"result": index})).id for index in range(5)]
+    sink = graph.add_node(create_operation("merge")).id
+    for source in sources:
+        graph.add_edge(source, sink, label=["aggregate"])
+    by_hand = Edge(head=sources[0], tail=sources[1], label=["note", "extra"])
+    graph._attach(by_hand)
+    graph.add_edge(sources[2], sources[3])
+    assert type(graph.__reduce__()[1][3]) is tuple  # columns
+    restored = round_trip(graph)
+    assert list(restored.edges) == list(graph.edges)
+    for edge_id, edge in graph.edges.items():
+        twin = restored.edges[edge_id]
+        assert type(twin) is Edge and twin.model_dump() == edge.model_dump()
+        assert twin.model_fields_set == edge.model_fields_set
+    assert restored._in == graph._in and restored._out == graph._out
+    assert restored.predecessors(sink) == sources
+    first, second = (restored.edges[edge_id] for edge_id in restored._in[sink][:2])
+    first.label.append("changed")
+    assert second.label == ["aggregate"]
+    assert restored.is_acyclic() and restored.check_references() is None
