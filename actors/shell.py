@@ -291,6 +291,11 @@ class ExecutorShell:
         self.runs[run_id] = run
         self.resources[run_id] = options.resources
         self.totals["runs"] += 1
+        # Each worker fetches the run's operations now, while the run's first batch is made
+        # durable, instead of when its first calls arrive and wait for the round trip.
+        for index, worker in enumerate(self.workers.handles):
+            if self.workers.alive[index]:
+                self.tell(worker.prefetch.remote(run_id, self.slot), self.workers, index, worker)
         await self._carry_out(run, instructions)
 
     async def report(self, run_id: str, outcomes: list[Outcome]) -> None:

@@ -10,6 +10,7 @@ unpicklable result) fails only its own node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import time
@@ -235,7 +236,8 @@ class OperationWorker:
 
     Every executor of the runtime's pool uses it (and supervises it). A call carries the
     pool slot of the executor that owns its run: the worker fetches a run's resources from
-    that executor the first time a call of the run arrives, and sends the run's live
+    that executor when it admits the run (``prefetch``), or else the first time a call of
+    the run arrives, and sends the run's live
     emissions there. ``executor`` is slot ``slot``'s handle when the worker is started by it.
     """
 
@@ -250,6 +252,9 @@ class OperationWorker:
         self.executors: dict[int, Any] = {} if executor is None else {slot: executor}
         self.resources: dict[str, RunResources] = {}
         self._fetching: dict[str, asyncio.Future] = {}
+        self._forgotten_fetches: set[str] = set()  # keys forgotten while their fetch was out
+        self.resource_fetches = 0  # round trips to an executor for a run's resources
+        self.prefetches = 0  # of them, asked for by the executor as it admitted the run
         # Run id -> node id -> a large result the run's dependents share (SharedResult),
         # fetched from the run's executor once; let go with the run's resources.
         self.shared: dict[str, dict[str, Any]] = {}
@@ -304,6 +309,18 @@ class OperationWorker:
         self.resources.pop(key, None)
         self.cancelled_early.pop(key, None)
         self.shared.pop(key, None)
+        if key in self._fetching:  # answered after this: handed to its waiters, not kept
+            self._forgotten_fetches.add(key)
+
+    async def prefetch(self, key: str, slot: int = 0) -> None:
+        """Fetch a run's resources now, before its first call arrives (a tell from the executor
+        admitting it): the fetch, a round trip to that executor, was on the path of the run's
+        first calls. A fetch that fails is not kept: the first call fetches again, and fails typed."""
+        if key in self.resources or key in self._fetching:
+            return
+        self.prefetches += 1
+        with contextlib.suppress(Exception):
+            await self._resources_for(key, slot)
 
     async def cancel(self, run_id: str, node_ids: list[str]) -> int:
         cancelled = 0
@@ -391,14 +408,18 @@ class OperationWorker:
             executor = self.executors.get(slot)
             if executor is None:
                 return RunResources()
+            self.resource_fetches += 1
             try:
                 resources = await executor.resources.remote(key)
             except Exception as exc:  # noqa: BLE001 - translated; every call of the run then fails typed
                 raise translate(exc, actor="executor", run_id=key, doing="fetching the run's operations") from None
+            if key in self._forgotten_fetches:  # forgotten meanwhile: kept, they would never be let go
+                return resources
             self.resources[key] = resources
             return resources
         finally:
             self._fetching.pop(key, None)
+            self._forgotten_fetches.discard(key)
 
     # -- results shared by a run's dependents, fetched once per run ---------------------------
     async def with_shared_results(self, run_id: str, node_id: str, parameters: dict[str, Any],
@@ -571,6 +592,8 @@ class OperationWorker:
             "executed": self.executed,
             "live_withdrawn": self.live.withdrawn,
             "shared_fetches": self.shared_fetches,
+            "resource_fetches": self.resource_fetches,
+            "prefetches": self.prefetches,
             "failed": self.failed,
             "runs": len(self.resources),
             "tell_failures": self.tell_failures,

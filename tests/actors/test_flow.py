@@ -345,3 +345,26 @@ def test_operation_failures_are_typed_outcomes_not_raises(session):
     assert "'never_registered_anywhere' is not registered" in results[unregistered.id]["error"]
     assert progress == {node_id: ["queued", "started", "failed"] for node_id in graph.nodes}
     assert graph.nodes[raising.id].status == "failed"
+
+
+def test_each_worker_fetches_a_runs_operations_once_when_the_run_is_admitted(session):
+    """A fan-out of 40 over every worker: each live worker was told to prefetch the run once and
+    made exactly one round trip for its operations (its calls found them there), and kept
+    none of them once the run was forgotten."""
+    session.register_operation("timed", timed, record_turn=False)
+
+    def counters() -> list[tuple[int, int, int]]:
+        return [(stats["prefetches"], stats["resource_fetches"], stats["runs"])
+                for stats in ray.get([worker.statistics.remote() for worker in session.runtime.workers])]
+
+    before = counters()
+    graph = Graph("prefetched")
+    for _ in range(40):
+        graph.add_node(create_operation("timed", {"seconds": 0.02}))
+    envelope = run(session.flow(graph, max_concurrent=40))
+    deadline = time.monotonic() + 5.0  # the executor's "forget" tells and this process's reads race
+    while (after := counters()) and [a[2] for a in after] != [b[2] for b in before] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert envelope["status"] == "completed" and len(envelope["completed_operations"]) == 40
+    assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)] == [(1, 1)] * len(before)
+    assert [a[2] for a in after] == [b[2] for b in before]  # the run's operations let go with it
