@@ -254,7 +254,7 @@ class OperationWorker:
         self._fetching: dict[str, asyncio.Future] = {}
         self._forgotten_fetches: set[str] = set()  # keys forgotten while their fetch was out
         self.resource_fetches = 0  # round trips to an executor for a run's resources
-        self.prefetches = 0  # of them, asked for by the executor as it admitted the run
+        self.prefetches = 0  # prefetches the executors asked for as they admitted runs
         # Run id -> node id -> a large result the run's dependents share (SharedResult),
         # fetched from the run's executor once; let go with the run's resources.
         self.shared: dict[str, dict[str, Any]] = {}
@@ -316,9 +316,9 @@ class OperationWorker:
         """Fetch a run's resources now, before its first call arrives (a tell from the executor
         admitting it): the fetch, a round trip to that executor, was on the path of the run's
         first calls. A fetch that fails is not kept: the first call fetches again, and fails typed."""
-        if key in self.resources or key in self._fetching:
-            return
         self.prefetches += 1
+        if key in self.resources or key in self._fetching:
+            return  # its first calls came first (the executor's direct channel can be faster than Ray)
         with contextlib.suppress(Exception):
             await self._resources_for(key, slot)
 

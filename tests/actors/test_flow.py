@@ -349,8 +349,8 @@ def test_operation_failures_are_typed_outcomes_not_raises(session):
 
 def test_each_worker_fetches_a_runs_operations_once_when_the_run_is_admitted(session):
     """A fan-out of 40 over every worker: each live worker was told to prefetch the run once and
-    made exactly one round trip for its operations (its calls found them there), and kept
-    none of them once the run was forgotten."""
+    made exactly one round trip for its operations (its calls, or the prefetch should they come
+    first, found it under way), and kept none of them once the run was forgotten."""
     session.register_operation("timed", timed, record_turn=False)
 
     def counters() -> list[tuple[int, int, int]]:
