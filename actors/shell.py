@@ -90,6 +90,9 @@ class _Run:
         self.error: BaseException | None = None
         self.tasks: set[asyncio.Task] = set()
         self.pending_branch_work: list[Any] = []  # store calls (tasks, coroutines) a dispatch must wait for
+        # Branch id -> the task cloning it, for clones no dispatch needed when they were decided:
+        # awaited only by the flush that dispatches that branch's node.
+        self.deferred_clones: dict[str, asyncio.Task] = {}
         self.pending_dispatch: list[Any] = []
         self.flush_scheduled = False
         self.node_worker: dict[str, int] = {}  # node id -> worker index, while its call is in flight
@@ -504,9 +507,22 @@ class ExecutorShell:
                 self._finish(run, instruction.envelope)
         if clones and options.branch_scope is not None:
             registry.adopt(options.branch_scope, [pair[1] for pairs in clones.values() for pair in pairs])
+        # The clones this batch's dispatches need go first; the rest (a planner's 900 children
+        # beyond the capacity, a chain's every later link) follow in the background, each
+        # awaited by the flush that dispatches its node. A spawn setup hook writes to every
+        # new branch at once, so with one they all go first.
+        needed = {dispatch.branch_id for dispatch in dispatches} if options.spawn_branch_setup is None else None
         for shard, pairs in clones.items():
-            self._start_branch_work(run, self._clone(run, shard, pairs))
-            run.messages += 1
+            now, later = pairs, ()
+            if needed is not None:
+                now = [pair for pair in pairs if pair[1] in needed]
+                later = [pair for pair in pairs if pair[1] not in needed]
+            first = self._start_branch_work(run, self._clone(run, shard, now)) if now else None
+            if later:
+                deferred = self._spawn_task(run, self._clone_after(run, first, shard, later))
+                deferred.add_done_callback(_branch_work_done)
+                run.deferred_clones.update(dict.fromkeys([pair[1] for pair in later], deferred))
+            run.messages += 1 + bool(now and later)
         for replace in replaces:
             source = replace.source if replace.source is not None else options.default_branch_id
             shard = registry.shard_of(replace.branch_id, default_shard)
@@ -630,6 +646,8 @@ class ExecutorShell:
         dispatches, run.pending_dispatch = run.pending_dispatch, []
         if dispatches:
             await self._await_branch_work(run)
+            if run.deferred_clones:
+                await self._await_deferred_clones(run, dispatches)
             if run.options.durable and run.flushed_seq < run.log_seq:
                 try:  # what decided these dispatches must outlive this process before they go out
                     await self.logger.durable(run, run.log_seq)
@@ -641,15 +659,34 @@ class ExecutorShell:
             if single is not None:
                 await single
 
-    def _start_branch_work(self, run: _Run, coroutine: Any) -> None:
+    def _start_branch_work(self, run: _Run, coroutine: Any) -> asyncio.Task:
         """A store call the run's next dispatches wait for, sent now rather than when the flush
         gets to it: the stores work while this loop goes on. For 1,000 spawns, the clones (30 ms
         in the store) waited for the loop to encode the batch that admitted them (19 ms)."""
-        task = self.loop.create_task(coroutine)
-        run.tasks.add(task)
+        task = self._spawn_task(run, coroutine)
         task.add_done_callback(_branch_work_done)
-        task.add_done_callback(run.tasks.discard)
         run.pending_branch_work.append(task)
+        return task
+
+    async def _clone_after(self, run: _Run, first: asyncio.Task | None, shard: int,
+                           pairs: list[tuple[str, str]]) -> None:
+        """Clones no dispatch waits for yet, sent once ``first`` (the ones one does) is done, so
+        the store and the database's write lock serve those first."""
+        if first is not None:
+            await asyncio.wait([first])  # its end, not its outcome: a failure is its flush's to raise
+        await self._clone(run, shard, pairs)
+
+    async def _await_deferred_clones(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
+        """Wait for the deferred clones of the branches ``dispatches`` run on."""
+        deferred = run.deferred_clones
+        waits = {deferred.pop(dispatch.branch_id) for dispatch in dispatches if dispatch.branch_id in deferred}
+        if waits:
+            try:
+                await asyncio.gather(*waits)
+            except OpGraphError as exc:  # a store failed for good (its replacement too): the run ends, typed
+                if exc.run_id is None:
+                    exc.run_id = run.run_id
+                self._fail_run(run, exc)
 
     async def _await_branch_work(self, run: _Run) -> None:
         work, run.pending_branch_work = run.pending_branch_work, []
@@ -731,10 +768,12 @@ class ExecutorShell:
             self._spawn_task(run, self.feed(run, [DispatchHeld(now=time.time(), held=True)]))
         return single
 
-    def _spawn_task(self, run: _Run, coroutine) -> None:
+    def _spawn_task(self, run: _Run, coroutine) -> asyncio.Task:
+        """``coroutine`` as a task of the run's (cancelled when the run is forgotten)."""
         task = self.loop.create_task(coroutine)
         run.tasks.add(task)
         task.add_done_callback(run.tasks.discard)
+        return task
 
     async def _live_worker(self, run: _Run, calls: list[CallRow]) -> tuple[int, Any] | None:
         """A live worker for ``calls``; None (the calls failed, typed) when none can come back."""
