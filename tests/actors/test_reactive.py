@@ -356,3 +356,32 @@ def test_higher_tier_escalation_runs_an_independent_retry_with_the_notice(sessio
     notice = envelope["operation_results"][retry]["solved_with"]
     assert "too hard" in notice
     assert notice.endswith("prove the lemma")
+
+
+def test_children_past_the_capacity_run_on_clones_of_their_emitters_branch_made_before_they_start(session):
+    """emitter (writes a note to its branch) => 12 children at max_concurrent=2: only the first
+    children's clones are waited for before the first dispatch, the rest are made behind them.
+    Every child, the last one dispatched too, reads the emitter's note on a branch of its own
+    and appends to it without reaching another child's branch."""
+
+    async def note_and_spawn(branch: Any, **parameters: Any) -> list[SpawnRequest]:
+        await branch.append({"role": "assistant", "content": "note from the emitter"})
+        return [SpawnRequest(instruction=f"task {index}") for index in range(12)]
+
+    async def read_and_write(branch: Any, instruction: str = "", **parameters: Any) -> dict[str, Any]:
+        seen = [message["content"] for message in await branch.messages()]
+        await branch.append({"role": "assistant", "content": instruction})
+        return {"branch": branch.id, "seen": seen}
+
+    session.register_operation("note_and_spawn", note_and_spawn, record_turn=False)
+    session.register_operation("operate", read_and_write, record_turn=False)
+    graph, emitter = single_node("note_and_spawn")
+    graph.nodes[emitter].branch_id = None
+
+    envelope = run(session.flow(graph, reactive=True, max_spawn=12, max_concurrent=2, isolated=True))
+
+    children = children_of(envelope, graph)
+    results = [envelope["operation_results"][child] for child in children]
+    assert len(children) == 12 and all(envelope["operation_statuses"][child] == "completed" for child in children)
+    assert all(result["seen"] == ["note from the emitter"] for result in results)
+    assert len({result["branch"] for result in results}) == 12
