@@ -679,20 +679,18 @@ class ExecutorShell:
     async def _await_deferred_clones(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
         """Wait for the deferred clones of the branches ``dispatches`` run on."""
         deferred = run.deferred_clones
-        waits = {deferred.pop(dispatch.branch_id) for dispatch in dispatches if dispatch.branch_id in deferred}
-        if waits:
-            try:
-                await asyncio.gather(*waits)
-            except OpGraphError as exc:  # a store failed for good (its replacement too): the run ends, typed
-                if exc.run_id is None:
-                    exc.run_id = run.run_id
-                self._fail_run(run, exc)
+        await self._await_store_calls(run, {deferred.pop(dispatch.branch_id) for dispatch in dispatches
+                                            if dispatch.branch_id in deferred})
 
     async def _await_branch_work(self, run: _Run) -> None:
         work, run.pending_branch_work = run.pending_branch_work, []
-        if work:
+        await self._await_store_calls(run, work)
+
+    async def _await_store_calls(self, run: _Run, calls: Any) -> None:
+        """Wait for ``calls`` (tasks, coroutines) to the stores; one that failed for good ends the run."""
+        if calls:
             try:
-                await asyncio.gather(*work)
+                await asyncio.gather(*calls)
             except OpGraphError as exc:  # a store failed for good (its replacement too): the run ends, typed
                 if exc.run_id is None:
                     exc.run_id = run.run_id
