@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
+
+from crash import kill_session
 
 from opgraph.actors import RunControl
 from opgraph.actors.persistence import RunLog, database_path
@@ -102,7 +103,7 @@ def test_a_run_whose_owner_was_killed_is_finished_from_the_log_without_rerunning
             assert line, "the owner stopped before 100 nodes settled"
             lines.append(line.strip())
     finally:
-        os.killpg(owner.pid, signal.SIGKILL)  # the owner and the Ray it started
+        kill_session(owner)  # the owner and the Ray it started, every process of it
         owner.communicate()
     log = RunLog(database_path())
     logged = log.load("owned-run-1")
@@ -173,7 +174,7 @@ def test_a_resumed_run_adopts_the_dead_owners_branches_in_a_runtime_that_was_alr
             pass
         assert line, "the owner stopped before 11 nodes settled"
     finally:
-        os.killpg(owner.pid, signal.SIGKILL)
+        kill_session(owner)
         owner.communicate()
     before = held()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 from api_server import serve
+from crash import kill_session
 
 from opgraph.cluster.cli import main as cli_main
 from opgraph.cluster.cli.client import job_submit_command
@@ -157,7 +157,7 @@ def test_run_resume_continues_an_orphaned_fixed_run_and_refuses_a_changed_source
             assert line, f"the owner stopped before n1 settled: {seen}"
             seen.append(line)
     finally:
-        os.killpg(owner.pid, signal.SIGKILL)  # the owner and the Ray it started
+        kill_session(owner)  # the owner and the Ray it started, every process of it
         owner.communicate(timeout=DEADLINE)
     (record,) = store.list_runs()
     assert record.orphaned and record.error["error_type"] == "OwnerProcessLost"

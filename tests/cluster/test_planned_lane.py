@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import planned_scripts
 import pytest
+from crash import kill_session
 from planned_scripts import PlannedScript, calls
 from ray import cloudpickle
 
@@ -245,7 +245,7 @@ def test_a_killed_planned_run_is_resumed_from_its_checkpoint(store, tmp_path):
             if {"1:researcher", "2:analyst"} <= set(settled) and len(settled) >= 4:
                 break
     finally:
-        os.killpg(owner.pid, signal.SIGKILL)  # the owner and the Ray it started
+        kill_session(owner)  # the owner and the Ray it started, every process of it
         owner.communicate(timeout=DEADLINE)
     assert run_id is not None
     record = store.get_run(run_id)
