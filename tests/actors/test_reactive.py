@@ -163,8 +163,10 @@ def test_live_emissions_are_admitted_while_the_emitter_runs_and_travel_together(
     # while the emitter still ran: admitted live, not from its outcome.
     emitter_done = order.index((emitter, "completed"))
     assert all(order.index((child, "started")) < emitter_done for child in children)
-    # Live requests, dispatches and outcome streams together: far fewer than one per child.
-    assert envelope["scheduler_messages"] < width // 4
+    # Live requests, dispatches and outcome streams together: far fewer than one per child (sent
+    # one per request, the live requests alone would be 200). Outcomes leave a worker each turn
+    # of its loop rather than each millisecond, so a few more messages than before: 57 once.
+    assert envelope["scheduler_messages"] < width // 2
 
 
 def test_a_request_emitted_from_a_thread_is_sent_at_once_and_admitted_live(session, gauge):
