@@ -511,7 +511,8 @@ class ExecutorShell:
         # beyond the capacity, a chain's every later link) follow in the background, each
         # awaited by the flush that dispatches its node. A spawn setup hook writes to every
         # new branch at once, so with one they all go first.
-        needed = {dispatch.branch_id for dispatch in dispatches} if options.spawn_branch_setup is None else None
+        needed = ({dispatch.branch_id for dispatch in dispatches}
+                  if clones and options.spawn_branch_setup is None else None)
         for shard, pairs in clones.items():
             now, later = pairs, ()
             if needed is not None:
@@ -519,8 +520,7 @@ class ExecutorShell:
                 later = [pair for pair in pairs if pair[1] not in needed]
             first = self._start_branch_work(run, self._clone(run, shard, now)) if now else None
             if later:
-                deferred = self._spawn_task(run, self._clone_after(run, first, shard, later))
-                deferred.add_done_callback(_branch_work_done)
+                deferred = self._store_task(run, self._clone_after(run, first, shard, later))
                 run.deferred_clones.update(dict.fromkeys([pair[1] for pair in later], deferred))
             run.messages += 1 + bool(now and later)
         for replace in replaces:
@@ -663,9 +663,14 @@ class ExecutorShell:
         """A store call the run's next dispatches wait for, sent now rather than when the flush
         gets to it: the stores work while this loop goes on. For 1,000 spawns, the clones (30 ms
         in the store) waited for the loop to encode the batch that admitted them (19 ms)."""
+        task = self._store_task(run, coroutine)
+        run.pending_branch_work.append(task)
+        return task
+
+    def _store_task(self, run: _Run, coroutine: Any) -> asyncio.Task:
+        """A task of the run's for a store call, whose error its flush raises (``_branch_work_done``)."""
         task = self._spawn_task(run, coroutine)
         task.add_done_callback(_branch_work_done)
-        run.pending_branch_work.append(task)
         return task
 
     async def _clone_after(self, run: _Run, first: asyncio.Task | None, shard: int,
@@ -679,8 +684,10 @@ class ExecutorShell:
     async def _await_deferred_clones(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
         """Wait for the deferred clones of the branches ``dispatches`` run on."""
         deferred = run.deferred_clones
-        await self._await_store_calls(run, {deferred.pop(dispatch.branch_id) for dispatch in dispatches
-                                            if dispatch.branch_id in deferred})
+        waits = {deferred.pop(dispatch.branch_id) for dispatch in dispatches if dispatch.branch_id in deferred}
+        # Done and fine (a chain's later links, cloned long before): no turn of the loop to wait for them.
+        if any(not task.done() or task.cancelled() or task.exception() is not None for task in waits):
+            await self._await_store_calls(run, waits)
 
     async def _await_branch_work(self, run: _Run) -> None:
         work, run.pending_branch_work = run.pending_branch_work, []
