@@ -201,6 +201,15 @@ class LiveEmissions:
             items[:] = kept
 
 
+async def _once(fetching: dict[Any, asyncio.Future], key: Any, fetch: Callable[[], Any]) -> Any:
+    """``fetch()``'s answer, asked for once while it is out: callers meanwhile share it (and
+    one caller cancelled does not cancel it for the others). ``fetch`` removes its key when done."""
+    future = fetching.get(key)
+    if future is None:
+        future = fetching[key] = asyncio.ensure_future(fetch())
+    return await asyncio.shield(future)
+
+
 def _collect(done: list[OutcomeRow], wake: asyncio.Event, call: CallRow, task: asyncio.Task) -> None:
     """A call's task finished: queue its outcome row (a task cancelled before it ran yields one too)."""
     if task.cancelled():
@@ -317,9 +326,7 @@ class OperationWorker:
         admitting it): the fetch, a round trip to that executor, was on the path of the run's
         first calls. A fetch that fails is not kept: the first call fetches again, and fails typed."""
         self.prefetches += 1
-        if key in self.resources or key in self._fetching:
-            return  # its first calls came first (the executor's direct channel can be faster than Ray)
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # its first calls may have come first: then this joins their fetch
             await self._resources_for(key, slot)
 
     async def cancel(self, run_id: str, node_ids: list[str]) -> int:
@@ -398,10 +405,7 @@ class OperationWorker:
         resources = self.resources.get(key)
         if resources is not None:
             return resources
-        fetching = self._fetching.get(key)
-        if fetching is None:
-            fetching = self._fetching[key] = asyncio.ensure_future(self._fetch(key, slot))
-        return await asyncio.shield(fetching)
+        return await _once(self._fetching, key, lambda: self._fetch(key, slot))
 
     async def _fetch(self, key: str, slot: int) -> RunResources:
         try:
@@ -435,12 +439,8 @@ class OperationWorker:
         kept = self.shared.get(run_id)
         if kept is not None and source in kept:
             return kept[source]
-        key = (run_id, source)
-        fetching = self._fetching_shared.get(key)
-        if fetching is None:
-            fetching = self._fetching_shared[key] = asyncio.ensure_future(
-                self._fetch_shared(run_id, node_id, source, executor))
-        return await asyncio.shield(fetching)
+        return await _once(self._fetching_shared, (run_id, source),
+                           lambda: self._fetch_shared(run_id, node_id, source, executor))
 
     async def _fetch_shared(self, run_id: str, node_id: str, source: str, executor: Any) -> Any:
         try:
