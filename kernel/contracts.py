@@ -151,6 +151,8 @@ def request_sightings(
 
 _SPAWN_OPERATIONS = frozenset(SpawnRequest.model_fields["operation"].annotation.__args__)
 _TEXT_OR_NONE = (str, type(None))
+# The fields ``_spawn_fields_valid`` checks: every field of SpawnRequest (a test holds them equal).
+_SPAWN_FIELDS_CHECKED = ("instruction", "assignee", "operation", "independent", "reason")
 
 
 def _spawn_fields_valid(fields: dict[str, Any]) -> bool:

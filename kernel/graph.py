@@ -106,8 +106,9 @@ def _shared_fields_set(names: Any) -> _SharedFieldsSet:
         shared = _SHARED_FIELDS_SETS[names] = _SharedFieldsSet(names)
     return shared
 
-# id of a shared fields-set -> the shared set of the same shape once settled. The keys are
-# ids of sets that ``_SHARED_FIELDS_SETS`` holds for good, so an id is never reused.
+
+# id of a shared fields-set -> the shared set of the same shape once settled. Both are sets
+# ``_SHARED_FIELDS_SETS`` holds for good, so an id is never reused.
 _SETTLED_FIELDS_SETS: dict[int, _SharedFieldsSet] = {}
 _SETTLED_FIELDS = frozenset({"status", "response"})
 
@@ -223,7 +224,7 @@ def settle_completed(node: Operation, response: Any) -> None:
     if type(marked) is _SharedFieldsSet:
         settled = _SETTLED_FIELDS_SETS.get(id(marked))
         if settled is None:
-            settled = _SETTLED_FIELDS_SETS[id(marked)] = _SharedFieldsSet(marked | _SETTLED_FIELDS)
+            settled = _SETTLED_FIELDS_SETS[id(marked)] = _shared_fields_set(_SETTLED_FIELDS.union(marked))
         _set_fields_set(node, settled)
     else:
         marked.add("status")

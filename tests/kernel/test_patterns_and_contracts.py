@@ -303,6 +303,13 @@ def test_a_spawn_request_is_refused_exactly_when_validating_its_fields_fails(fie
     assert (problem is None) == valid, problem
 
 
+def test_the_short_path_checks_every_field_a_spawn_request_has():
+    """A field added to SpawnRequest must be added to the short path too, or it would go unchecked."""
+    from opgraph.kernel.contracts import _SPAWN_FIELDS_CHECKED
+
+    assert _SPAWN_FIELDS_CHECKED == tuple(SpawnRequest.model_fields)
+
+
 def test_a_subclass_of_spawn_request_is_validated_whole():
     """Its own field is checked too: a tag that is no int is a problem, though the rest is valid."""
     good = _TaggedRequest.model_construct(instruction="go", assignee=None, operation="operate",
