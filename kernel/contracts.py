@@ -86,28 +86,9 @@ def extract_requests(
     identity) is returned once.
     """
     found: list[Any] = []
-    seen: set[int] = set()
-
-    def walk(item: Any, depth: int) -> None:
-        if isinstance(item, kinds):
-            if id(item) not in seen:
-                seen.add(id(item))
-                found.append(item)
-            return
-        if depth >= max_depth:
-            return
-        if isinstance(item, (list, tuple)):
-            children = item
-        elif isinstance(item, Mapping):
-            children = item.values()
-        elif isinstance(item, BaseModel):
-            children = [getattr(item, name) for name in type(item).model_fields]
-        else:
-            return
-        for child in children:
-            walk(child, depth + 1)
-
-    walk(value, 0)
+    for item, ordinal in request_sightings(value, kinds, max_depth=max_depth):
+        if ordinal == len(found):  # its first sighting: ordinals count distinct objects in order
+            found.append(item)
     return found
 
 
@@ -125,28 +106,31 @@ def request_sightings(
     into the de-duplication key, so the key means the same after a restart.
     """
     sightings: list[tuple[Any, int]] = []
-    ordinals: dict[int, int] = {}
-
-    def walk(item: Any, depth: int) -> None:
-        if isinstance(item, kinds):
-            ordinal = ordinals.setdefault(id(item), len(ordinals))
-            sightings.append((item, ordinal))
-            return
-        if depth >= max_depth:
-            return
-        if isinstance(item, (list, tuple)):
-            children = item
-        elif isinstance(item, Mapping):
-            children = item.values()
-        elif isinstance(item, BaseModel):
-            children = [getattr(item, name) for name in type(item).model_fields]
-        else:
-            return
-        for child in children:
-            walk(child, depth + 1)
-
-    walk(value, 0)
+    _walk_requests(value, 0, kinds, max_depth, {}, sightings)
     return sightings
+
+
+def _walk_requests(item: Any, depth: int, kinds: tuple[type, ...], max_depth: int,
+                   ordinals: dict[int, int], sightings: list[tuple[Any, int]]) -> None:
+    """``request_sightings``' walk, depth first in order. A function of the module, not a
+    closure that calls itself: such a closure is a reference cycle, and one left behind by
+    every non-plain response made a worker's collector stop it for 7-12 ms in each
+    10,000-call run (issue #18)."""
+    if isinstance(item, kinds):
+        sightings.append((item, ordinals.setdefault(id(item), len(ordinals))))
+        return
+    if depth >= max_depth:
+        return
+    if isinstance(item, (list, tuple)):
+        children = item
+    elif isinstance(item, Mapping):
+        children = item.values()
+    elif isinstance(item, BaseModel):
+        children = [getattr(item, name) for name in type(item).model_fields]
+    else:
+        return
+    for child in children:
+        _walk_requests(child, depth + 1, kinds, max_depth, ordinals, sightings)
 
 
 _SPAWN_OPERATIONS = frozenset(SpawnRequest.model_fields["operation"].annotation.__args__)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from pydantic import BaseModel
 
@@ -20,6 +22,7 @@ from opgraph.kernel import (
     extract_requests,
     normalise_dependency_ordinals,
     request_problem,
+    request_sightings,
     role_node_builder,
     to_mapping,
 )
@@ -197,6 +200,29 @@ def test_a_request_five_levels_deep_is_not_found():
 def test_the_same_object_is_returned_once():
     request = SpawnRequest(instruction="twice")
     assert extract_requests([request, {"again": request}]) == [request]
+
+
+def test_sightings_keep_order_and_first_ordinals_and_extract_agrees():
+    first, second = SpawnRequest(instruction="1"), EscalationRequest(reason="2")
+    value = {"a": [first, (second, first)], "b": Envelope(more=[second])}
+    assert request_sightings(value) == [(first, 0), (second, 1), (first, 0), (second, 1)]
+    assert extract_requests(value) == [first, second]
+
+
+def test_walking_a_response_leaves_no_reference_cycle():
+    """Every non-plain response is walked on a worker; a cycle left per walk (a closure that
+    called itself) filled the collector's youngest generation and stalled the worker."""
+    value = {"text": "plain", "items": [{"n": i} for i in range(3)], "spawn": SpawnRequest(instruction="x")}
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(100):
+            request_sightings(value)
+            extract_requests(value)
+        unreachable = gc.collect()
+    finally:
+        gc.enable()
+    assert unreachable == 0
 
 
 def test_equal_but_distinct_requests_are_both_returned():
