@@ -373,8 +373,10 @@ class GraphExecutor:
         """One spawn or escalation sent live (an operation emitting off its worker's loop)."""
         await self.shell.receive_requests(run_id, [(emitter_id, kind, request, key)])
 
-    async def next_events(self, run_id: str, max_items: int = 2048, timeout: float = 5.0) -> tuple[list, bool, Any]:
-        """Long-poll for the driver: (items, done, envelope-or-error)."""
+    async def next_events(self, run_id: str, max_items: int = 2048, timeout: float = 5.0,
+                          compact: bool = False) -> tuple[list, bool, Any]:
+        """Long-poll for the driver: (items, done, envelope-or-error). ``compact``: the envelope
+        comes as a ``CompactEnvelope``, for a driver that holds the submitted graph."""
         run = self._run(run_id)
         if not run.outbox and not run.done.is_set():
             run.wakeup.clear()
@@ -392,7 +394,10 @@ class GraphExecutor:
         done = run.done.is_set() and not run.outbox
         result = None
         if done:
-            result = run.error if run.error is not None else run.envelope
+            if run.error is not None:
+                result = run.error
+            else:
+                result = self.shell.compact_result(run) if compact else run.envelope
         return items, done, result
 
     async def forget_run(self, run_id: str) -> bool:

@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from opgraph.kernel import RetryPolicy
+from opgraph.kernel import RetryPolicy, expand_envelope
 
 __all__ = [
     "ACKNOWLEDGED",
     "CallRow",
+    "CompactEnvelope",
     "Outcome",
     "OutcomeRow",
     "RegisteredOperation",
@@ -59,6 +60,31 @@ class SharedResult:
 # A batch whose stream fails before it never reached a live worker, so its calls are
 # re-dispatched instead of failed (DESIGN.md, "Supervision").
 ACKNOWLEDGED: list = []
+
+
+@dataclass(slots=True)
+class CompactEnvelope:
+    """A finished run's envelope as its driver receives it: kernel ``compact_envelope``'s
+    (rest, columns), without the node ids when they are the submitted graph's, in its
+    order (``columns["ids"]`` None, ``columns["count"]`` how many), for the driver to
+    put back from its own graph.
+
+    Why: the envelope names every node three times. For 10,000 nodes it was a 560 KB
+    answer, which Ray sends through its object store: 14-17 ms from the executor's
+    answer to the driver's, against 1.6 ms for this one (issue #18)."""
+
+    rest: dict[str, Any]
+    columns: dict[str, Any]
+
+    def expand(self, node_ids: list[str] | None) -> dict[str, Any]:
+        """The envelope, equal to the executor's; ``node_ids``: the submitted graph's, in order."""
+        columns = self.columns
+        if columns and columns["ids"] is None:
+            if node_ids is None or len(node_ids) != columns["count"]:
+                raise ValueError(f"the envelope left out its {columns['count']} node ids, and "
+                                 f"{'none' if node_ids is None else len(node_ids)} were known here")
+            columns = dict(columns, ids=node_ids)
+        return expand_envelope(self.rest, columns)
 
 
 @dataclass(slots=True)

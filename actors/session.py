@@ -34,7 +34,7 @@ from .control import EventsDropped, RunControl, RunFinished
 from .errors import RuntimeLostError, TurnError, UnknownRunError
 from .models import ModelProvider, parse_model_id
 from .persistence import database_path
-from .protocol import RegisteredOperation, RunOptions, RunResources, TurnResult
+from .protocol import CompactEnvelope, RegisteredOperation, RunOptions, RunResources, TurnResult
 from .runtime import Runtime, connect, joined_with_address
 from .settings import DEFAULT_NAMESPACE, cancel_grace_seconds, default_max_concurrency, durable_by_default
 
@@ -53,6 +53,9 @@ class _Following:
         self.durable = durable
         self.recoveries = 0
         self.control: RunControl | None = None
+        # The submitted graph's node ids, in order, when this driver has them: its envelope
+        # then comes without them (protocol ``CompactEnvelope``).
+        self.node_ids: list[str] | None = None
 
 
 class BranchView:
@@ -339,9 +342,11 @@ class Session:
         to settle, then cancel and forget the run before re-raising.
         """
         graph.check_references()  # an edge to a missing node is refused before anything is shipped
-        # A durable run's graph is shipped pickled: the executor logs those very bytes as the run's
-        # header instead of pickling the graph again (for 10,000 nodes, tens of ms of its loop).
-        shipped = cloudpickle.dumps(graph) if options.durable else graph
+        # Shipped pickled: the executor logs a durable run's very bytes as its header instead of
+        # pickling the graph again (for 10,000 nodes, tens of ms of its loop). Pickled here, with
+        # no await since the caller's call, the graph shipped is the one ``flow()`` read its
+        # node ids from.
+        shipped = cloudpickle.dumps(graph)
         runtime = self.runtime
         if member is None:
             member = await runtime.place(run_id)
@@ -416,8 +421,10 @@ class Session:
             want_signals=bool(on_progress or verbose or on_branch_created or on_signal),
             want_events=on_settled is not None, stream_buffer=1 << 30, isolated=isolated, durable=durable,
         )
+        node_ids = list(graph.nodes)  # as shipped: ``_start`` pickles the graph before it first yields
         executor = await self._start(run_id, graph, options)
         following = _Following(executor, run_id, options.durable)
+        following.node_ids = node_ids
         if executor_ref is not None:
             following.control = RunControl(executor, run_id, self.runtime.name_of(executor), self.runtime.namespace)
             executor_ref["executor"] = following.control
@@ -496,12 +503,12 @@ class Session:
         may come from a process that does not know which member that was."""
         return await self.runtime.drop_scope(f"run-{run_id}")
 
-    async def _executor_call(self, executor: Any, method: str, run_id: str, *args: Any) -> Any:
+    async def _executor_call(self, executor: Any, method: str, run_id: str, *args: Any, **keywords: Any) -> Any:
         """A call to the executor that owns ``run_id``; its death is told to the runtime."""
         from .errors import translate  # local: only this error path needs it
 
         try:
-            return await getattr(executor, method).remote(run_id, *args)
+            return await getattr(executor, method).remote(run_id, *args, **keywords)
         except Exception as exc:  # translated here, at the boundary
             error = translate(exc, actor=self.runtime.name_of(executor), run_id=run_id, doing=method)
             if isinstance(error, RuntimeLostError):
@@ -515,7 +522,8 @@ class Session:
         (started here, or by another client) rebuilds the run from the log: keep following it there."""
         while True:
             try:
-                return await self._executor_call(following.executor, "next_events", following.run_id)
+                return await self._executor_call(following.executor, "next_events", following.run_id,
+                                                 compact=following.node_ids is not None)
             except RuntimeLostError:
                 if not following.durable or following.recoveries >= MAX_RECOVERIES:
                     raise
@@ -559,6 +567,12 @@ class Session:
             if done:
                 if isinstance(result, BaseException):
                     raise result
+                if isinstance(result, CompactEnvelope):
+                    try:
+                        return result.expand(following.node_ids)
+                    except ValueError as exc:
+                        raise ExecutionError(f"the run's result could not be read: {exc}",
+                                             run_id=following.run_id) from None
                 return result
 
     @staticmethod

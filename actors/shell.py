@@ -46,6 +46,7 @@ from opgraph.kernel import (
     OpGraphError,
     ReplaceHistory,
     SpawnRequested,
+    compact_envelope,
 )
 from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
@@ -55,7 +56,7 @@ from .channel import ChannelLost, WorkerChannels
 from .durability import RunLogger, decode_header, encode_header
 from .errors import call_failure, is_actor_death
 from .histogram import LatencyHistogram
-from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources, SharedResult
+from .protocol import CallRow, CompactEnvelope, Outcome, OutcomeRow, RunOptions, RunResources, SharedResult
 from .settings import PROBE_TIMEOUT_SECONDS
 from .supervision import ActorPool, ping
 from .watchers import RunWatcher, envelope_summary
@@ -122,6 +123,10 @@ class _Run:
         self.log_error: BaseException | None = None
         self.result_waiters: list[asyncio.Future] = []
         self.ending: asyncio.Task | None = None  # the envelope's write, after the driver was answered
+        # How many nodes the submitted graph had (-1: not known). The kernel registers them first,
+        # in the graph's order, and only ever adds nodes: while it holds this many, the envelope's
+        # node ids are the submitted graph's, which its driver has (``compact_result``).
+        self.submitted_nodes = -1
 
     def post(self, kind: str, item: Any) -> None:
         """Hand ``item`` to the driver (or, ``kind`` "watch", to the watchers); held back until the
@@ -235,6 +240,7 @@ class ExecutorShell:
             if options.durable else b""
         state = FlowState(graph, **_flow_options(run_id, options))
         run = _Run(run_id, state, options)
+        run.submitted_nodes = len(graph.nodes)
         instructions = state.handle(FlowStarted(now=run.started))  # raises OperationError on a bad graph
         if not options.durable:
             await self._admit(run, instructions)
@@ -260,9 +266,10 @@ class ExecutorShell:
         graph, options, started = decode_header(header)
         for name, value in (overrides or {}).items():
             setattr(options, name, value)
+        submitted = len(graph.nodes)
         state = FlowState.rebuild(graph, batches, started_at=started, **_flow_options(run_id, options))
         run = _Run(run_id, state, options)
-        run.started = started
+        run.started, run.submitted_nodes = started, submitted
         await self.logger.begin(run, header)
         if options.isolated:  # its own default branch: back with the other durable branches, or recreated
             options.known_branches = {**options.known_branches, options.default_branch_id: 0}
@@ -611,6 +618,15 @@ class ExecutorShell:
             self.forget_run(run.run_id)
         else:  # its driver forgets it once it has the result; one that never comes is not waited for
             run.unclaimed_timer = self.loop.call_later(settings.UNCLAIMED_RUN_SECONDS, self._forget_unclaimed, run)
+
+    @staticmethod
+    def compact_result(run: _Run) -> CompactEnvelope:
+        """``run``'s envelope as its driver receives it (protocol ``CompactEnvelope``): without the
+        node ids when they are the submitted graph's, in its order."""
+        rest, columns = compact_envelope(run.envelope)
+        if columns and len(columns["ids"]) == run.submitted_nodes:
+            columns["count"], columns["ids"] = run.submitted_nodes, None
+        return CompactEnvelope(rest, columns)
 
     def _forget_unclaimed(self, run: _Run) -> None:
         """Let an ended run go that no driver took (``settings.UNCLAIMED_RUN_SECONDS`` after its

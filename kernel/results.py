@@ -105,7 +105,7 @@ def expand_envelope(rest: dict[str, Any], columns: dict[str, Any]) -> dict[str, 
         return envelope
     ids, uniform, first = columns["ids"], columns["uniform"], columns["statuses"]
     values = [first] * len(ids) if uniform else first
-    statuses = dict(zip(ids, values, strict=True))
+    statuses = dict.fromkeys(ids, first) if uniform else dict(zip(ids, values, strict=True))
     envelope["operation_statuses"] = statuses
     if "results" in columns:
         envelope["operation_results"] = dict(zip(ids, columns["results"], strict=True))

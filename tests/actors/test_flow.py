@@ -19,6 +19,7 @@ from opgraph.kernel import (
     OperationError,
     OperationGraphBuilder,
     OpGraphError,
+    SpawnRequest,
     create_operation,
 )
 
@@ -368,3 +369,41 @@ def test_each_worker_fetches_a_runs_operations_once_when_the_run_is_admitted(ses
     assert envelope["status"] == "completed" and len(envelope["completed_operations"]) == 40
     assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)] == [(1, 1)] * len(before)
     assert [a[2] for a in after] == [b[2] for b in before]  # the run's operations let go with it
+
+
+@pytest.mark.parametrize("spawning", [False, True])
+def test_the_envelope_flow_returns_is_the_one_the_run_log_recorded(session, spawning):
+    """flow() receives the envelope without the node ids its graph holds (CompactEnvelope) and
+    puts them back: what it returns must equal what the executor recorded, node for node,
+    with a completed, a failed and a skipped node, or when the run grew by spawned nodes the
+    caller's graph does not hold (then the ids travel)."""
+
+    async def parts(branch: Any, spawn: bool = False, fail: bool = False, n: int = 0, **parameters: Any) -> Any:
+        if fail:
+            raise ValueError("this one fails")
+        if spawn:
+            return {"verdict": "yes", "spawn": [SpawnRequest(instruction=f"child {index}") for index in range(3)]}
+        return {"verdict": "yes", "n": n}
+
+    session.register_operation("parts", parts, record_turn=False)
+    graph = Graph("compact")
+    first = graph.add_node(create_operation("parts"))
+    failing = graph.add_node(create_operation("parts", {"fail": True}))
+    skipped = graph.add_node(create_operation("parts", {"n": 2}))
+    graph.add_edge(first, skipped, condition=ResultSays("no"))
+    plain = [graph.add_node(create_operation("parts", {"n": index, "spawn": spawning and index == 3}))
+             for index in range(3, 8)]
+    ids = [first.id, failing.id, skipped.id, *(node.id for node in plain)]
+    run_id = f"compact-{spawning}"
+
+    async def both() -> tuple[dict[str, Any], dict[str, Any]]:
+        envelope = await session.flow(graph, run_id=run_id, reactive=spawning, max_concurrent=4)
+        return envelope, await session.run_control(run_id).result(timeout=30)
+
+    envelope, recorded = run(both())
+    assert envelope == recorded
+    statuses = envelope["operation_statuses"]
+    assert list(statuses)[:8] == ids and len(statuses) == 8 + (3 if spawning else 0)
+    assert [statuses[node_id] for node_id in ids[:3]] == ["completed", "failed", "skipped"]
+    assert envelope["operation_results"][plain[-1].id] == {"verdict": "yes", "n": 7}
+    assert plain[1].response == {"verdict": "yes", "n": 4} and failing.status == "failed"
