@@ -42,6 +42,7 @@ __all__ = ["BranchView", "EventsDropped", "RunControl", "RunFinished", "RuntimeL
 
 
 MAX_RECOVERIES = 3  # executor replacements one flow() follows its run through
+FORGET_HEAD_START_SECONDS = 0.0005  # how long flow() lets its forget_run call leave before the write-back
 
 
 class _Following:
@@ -434,8 +435,13 @@ class Session:
             envelope = await self._drain(following, on_progress, on_branch_created, verbose,
                                          on_event=on_settled, on_signal=on_signal)
             # Asked before the write-back, which it waits beside: forgetting waits for the log
-            # to record the end (6 ms of a 10,000-node run), mirroring costs as long again.
+            # to record the end (8-10 ms of a 10,000-node run), mirroring costs 7-8 ms.
             forgetting = self._forget(following)
+            # A short pause lets the call leave first: its task's first step submits it, and
+            # Ray sends it from a thread of its own that needs this thread's GIL, which the
+            # write-back holds throughout. Traced without the pause, forget_run reached the
+            # executor only after the write-back; with it, 0.2-2.6 ms after the pause.
+            await asyncio.sleep(FORGET_HEAD_START_SECONDS)
             self._write_back(graph, envelope)
         except BaseException:
             # Stop the run's remaining work, then re-raise; a dead executor has nothing to stop.
