@@ -44,6 +44,7 @@ def test_ids_of_the_submitted_graph_are_left_out_and_put_back_equal(statuses):
     ids = [f"node-{index}" for index in range(len(statuses))]
     envelope = _envelope(ids, statuses)
     compact = ExecutorShell.compact_result(_run(envelope, len(ids)))
+    assert isinstance(compact, CompactEnvelope)
     assert compact.columns["ids"] is None and compact.columns["count"] == len(ids)
     if "skipped" not in statuses:  # every node has a result: no id travels at all
         assert not any(node_id in pickle.dumps(compact).decode("latin-1") for node_id in ids)
