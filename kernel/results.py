@@ -104,8 +104,12 @@ def expand_envelope(rest: dict[str, Any], columns: dict[str, Any]) -> dict[str, 
     if not columns:
         return envelope
     ids, uniform, first = columns["ids"], columns["uniform"], columns["statuses"]
-    values = [first] * len(ids) if uniform else first
-    statuses = dict.fromkeys(ids, first) if uniform else dict(zip(ids, values, strict=True))
+    if uniform:  # one status for every node: ``_with_status`` then reads no per-node list
+        values: list[Any] = []
+        statuses = dict.fromkeys(ids, first)
+    else:
+        values = first
+        statuses = dict(zip(ids, values, strict=True))
     envelope["operation_statuses"] = statuses
     if "results" in columns:
         envelope["operation_results"] = dict(zip(ids, columns["results"], strict=True))
