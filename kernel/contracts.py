@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from .errors import OperationError, RoutingError
-from .graph import Operation, _plain_operation, create_operation
+from .graph import Operation, _plain_operation, _restored, create_operation
 
 __all__ = [
     "MAX_REQUEST_TEXT",
@@ -52,7 +52,24 @@ class TaskAssignment(BaseModel):
     modes: list[str] = Field(default_factory=list)
 
 
-class SpawnRequest(BaseModel):
+class _CompactlyPickled(BaseModel):
+    """Pickles as its field dict and set names, rebuilt by ``_restored`` (graph.py).
+
+    A planner returns its requests as its result, and each is pickled three times before
+    its children can run: the worker's check that the outcome can travel, the message,
+    the run log. pydantic's own pickling wraps the state in a dict and names the
+    fields-set's class: 1,000 requests took 2.7 ms a pickle, 1.3 ms so (issue #18). A
+    subclass, or a request with extras or private attributes, pickles the usual way.
+    """
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        cls = type(self)
+        if cls not in _COMPACTLY_PICKLED or self.__pydantic_extra__ or self.__pydantic_private__:
+            return super().__reduce_ex__(protocol)
+        return _restored, (cls, self.__dict__, tuple(self.__pydantic_fields_set__))
+
+
+class SpawnRequest(_CompactlyPickled):
     """A live request to grow the running graph; not authority to execute."""
 
     instruction: str
@@ -62,7 +79,7 @@ class SpawnRequest(BaseModel):
     reason: str | None = None
 
 
-class EscalationRequest(BaseModel):
+class EscalationRequest(_CompactlyPickled):
     """A request to hand the emitter's work to a different tier or to a human.
 
     ``route="higher_tier"`` schedules an independent retry of the emitter's operation
@@ -72,6 +89,9 @@ class EscalationRequest(BaseModel):
     reason: str
     route: str = "higher_tier"
     summary: str | None = None
+
+
+_COMPACTLY_PICKLED = frozenset({SpawnRequest, EscalationRequest})
 
 
 def extract_requests(

@@ -83,6 +83,18 @@ def _built(cls: type[BaseModel], fields: dict[str, Any], fields_set: Iterable[st
     return model
 
 
+def _restored(cls: type[BaseModel], fields: dict[str, Any], names: Iterable[str]) -> Any:
+    """A model pickled by a kernel ``__reduce_ex__`` as its field dict and set names (see
+    ``SpawnRequest``): ``_built``, with a fields-set of its own, for a model that does not
+    copy a shared one before an assignment."""
+    model = cls.__new__(cls)
+    _set_dict(model, fields)
+    _set_fields_set(model, set(names))
+    _set_extra(model, None)
+    _set_private(model, None)
+    return model
+
+
 class _SharedFieldsSet(set):
     """The fields-set of every model ``_built`` alike, one object for all of them.
 

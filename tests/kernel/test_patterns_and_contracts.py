@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 
 import pytest
 from pydantic import BaseModel
@@ -26,6 +28,7 @@ from opgraph.kernel import (
     role_node_builder,
     to_mapping,
 )
+from opgraph.kernel.graph import _restored
 from opgraph.kernel.patterns import DependencyReferenceWarning
 
 ROLES = {"writer": "br-writer", "critic": None}
@@ -223,6 +226,41 @@ def test_walking_a_response_leaves_no_reference_cycle():
     finally:
         gc.enable()
     assert unreachable == 0
+
+
+class LabelledRequest(SpawnRequest):
+    label: str = "mine"
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_requests_pickle_compactly_and_come_back_equal_with_their_own_fields_set(protocol):
+    spawn = SpawnRequest(instruction="go", assignee="coder")
+    escalation = EscalationRequest(reason="stuck", summary=None)
+    blob = pickle.dumps([spawn, escalation, spawn], protocol=protocol)
+    again, escalated, same = pickle.loads(blob)
+    assert again == spawn and escalated == escalation and same is again
+    assert type(again) is SpawnRequest and type(escalated) is EscalationRequest
+    assert again.model_fields_set == {"instruction", "assignee"}
+    assert escalated.model_fields_set == {"reason", "summary"}
+    # The compact form, not pydantic's (which carries a state dict and the fields-set's class).
+    assert spawn.__reduce_ex__(protocol)[0] is _restored
+    assert b"__pydantic_fields_set__" not in blob
+    # Each request owns its fields: an assignment marks its own set and leaves the original be.
+    other = pickle.loads(blob)[0]
+    again.reason = "later"
+    assert "reason" in again.model_fields_set and "reason" not in other.model_fields_set
+    assert spawn.reason is None and "reason" not in spawn.model_fields_set
+    assert again.__dict__ is not spawn.__dict__ and again.__pydantic_fields_set__ is not other.__pydantic_fields_set__
+
+
+def test_a_subclassed_request_pickles_whole_and_copies_are_independent():
+    labelled = LabelledRequest(instruction="go", label="kept")
+    again = pickle.loads(pickle.dumps(labelled))
+    assert type(again) is LabelledRequest and again.label == "kept" and again == labelled
+    spawn = SpawnRequest(instruction="go")
+    for twin in (copy.copy(spawn), copy.deepcopy(spawn)):
+        twin.instruction = "changed"
+        assert spawn.instruction == "go" and "changed" == twin.instruction
 
 
 def test_equal_but_distinct_requests_are_both_returned():
