@@ -249,3 +249,110 @@ def test_plain_edges_travel_as_columns_and_come_back_equal_in_order_each_with_a_
     first.label.append("changed")
     assert second.label == ["aggregate"]
     assert restored.is_acyclic() and restored.check_references() is None
+
+
+# -- nodes as columns (issue #18) -------------------------------------------------------------
+class RaisingEquality:
+    """A response that will not be compared (as a numpy array would answer ``== None``)."""
+
+    def __init__(self, value=0):
+        self.value = value
+
+    def __eq__(self, other):
+        raise ValueError("the truth value is ambiguous")
+
+    __hash__ = object.__hash__
+
+
+class Status(str):
+    pass
+
+
+def _pickled_nodes(graph: Graph):
+    """What ``Graph.__reduce__`` sends for the nodes: columns (a tuple) or rows (a list)."""
+    return graph.__reduce__()[1][2]
+
+
+def test_plain_nodes_travel_as_columns_and_come_back_equal_each_with_its_own_metadata():
+    graph = Graph("fan-out")
+    for index in range(3):
+        graph.add_node(create_operation("sleep", {"result": index}))
+    columns = _pickled_nodes(graph)
+    assert type(columns) is tuple and columns[4] == {}  # nothing but the defaults beyond the three columns
+    restored = round_trip(graph)
+    assert list(restored.nodes) == list(graph.nodes)
+    for node_id, node in graph.nodes.items():
+        twin = restored.nodes[node_id]
+        assert twin == node and twin.model_fields_set == node.model_fields_set
+        assert list(twin.__dict__) == list(node.__dict__)  # field order, as pydantic keeps it
+    a, b, _ = restored.nodes.values()
+    a.metadata["seen"] = True
+    assert b.metadata == {} and a.metadata is not b.metadata
+
+
+def test_columns_carry_only_the_fields_some_node_holds_other_than_at_its_default():
+    graph = Graph("mixed")
+    plain = graph.add_node(create_operation("chat", {"instruction": "a"}))
+    placed = graph.add_node(create_operation("chat", {"instruction": "b"}, branch_id="br-1"))
+    tagged = graph.add_node(create_operation("chat", metadata={"reference_id": "c"}))
+    done = graph.add_node(Operation(operation="chat", status="completed", response={"ok": [1]}))
+    failed = graph.add_node(Operation(operation="chat", status="failed", error="boom"))
+    assert set(_pickled_nodes(graph)[4]) == {"branch_id", "metadata", "status", "response", "error"}
+    restored = round_trip(graph)
+    assert list(restored.nodes) == list(graph.nodes)
+    for node in (plain, placed, tagged, done, failed):
+        twin = restored.nodes[node.id]
+        assert twin == node and twin.model_fields_set == node.model_fields_set
+    assert restored.nodes[placed.id].branch_id == "br-1" and restored.nodes[plain.id].branch_id is None
+    assert restored.nodes[tagged.id].metadata == {"reference_id": "c"} and restored.nodes[plain.id].metadata == {}
+    only_branch = Graph("one field")
+    only_branch.add_node(create_operation("chat", branch_id="br-2"))
+    only_branch.add_node(create_operation("chat"))
+    assert set(_pickled_nodes(only_branch)[4]) == {"branch_id"}
+
+
+def test_a_value_is_never_compared_to_its_default_nor_replaced_by_an_equal_one():
+    graph = Graph("odd values")
+    odd = graph.add_node(Operation(operation="chat", status="completed", response=RaisingEquality(7)))
+    kept = graph.add_node(create_operation("chat"))
+    kept.status = Status("pending")  # equal to the default, not of its type
+    restored = round_trip(graph)
+    assert type(restored.nodes[odd.id].response) is RaisingEquality
+    assert restored.nodes[odd.id].response.value == 7
+    assert type(restored.nodes[kept.id].status) is Status
+
+
+def test_a_graph_with_a_subclassed_node_sends_its_nodes_as_rows_and_rows_still_load():
+    graph = sample_graph()
+    assert type(_pickled_nodes(graph)) is tuple
+    graph.add_node(TaggedOperation(operation="chat", tag="keep"))
+    assert type(_pickled_nodes(graph)) is list
+    # A run-log header written before nodes travelled as columns holds rows: it still loads.
+    from opgraph.kernel.graph import _graph_from_rows, _model_row
+
+    plain = sample_graph()
+    shapes: dict = {}
+    rows = [_model_row(node, Operation, shapes) for node in plain.nodes.values()]
+    edges = [_model_row(edge, Edge, shapes) for edge in plain.edges.values()]
+    loaded = _graph_from_rows(Graph, plain.name, rows, edges, list(shapes), {})
+    assert list(loaded.nodes) == list(plain.nodes)
+    assert all(loaded.nodes[node_id] == node for node_id, node in plain.nodes.items())
+    assert loaded._in == plain._in and loaded._out == plain._out
+
+
+def test_an_empty_graph_and_a_graph_of_one_node_round_trip():
+    empty = round_trip(Graph("empty"))
+    assert (empty.name, empty.nodes, empty.edges, empty._in, empty._out) == ("empty", {}, {}, {}, {})
+    single = Graph("single")
+    node = single.add_node(create_operation("chat"))
+    assert round_trip(single).nodes == {node.id: node}
+
+
+def test_nodes_with_different_fields_sets_keep_each_its_own_after_columns():
+    graph = Graph("shapes")
+    nodes = [graph.add_node(create_operation("chat")), graph.add_node(Operation(operation="chat", branch_id=None)),
+             graph.add_node(create_operation("chat"))]
+    restored = round_trip(graph)
+    assert [node.model_fields_set for node in restored.nodes.values()] == [node.model_fields_set for node in nodes]
+    first, _, third = restored.nodes.values()
+    assert first.__pydantic_fields_set__ is third.__pydantic_fields_set__  # alike: one shared set
