@@ -58,8 +58,9 @@ class _CompactlyPickled(BaseModel):
     A planner returns its requests as its result, and each is pickled three times before
     its children can run: the worker's check that the outcome can travel, the message,
     the run log. pydantic's own pickling wraps the state in a dict and names the
-    fields-set's class: 1,000 requests took 2.7 ms a pickle, 1.3 ms so (issue #18). A
-    subclass, or a request with extras or private attributes, pickles the usual way.
+    fields-set's class: 1,000 requests took 2.7 ms a pickle (59 KB), 1.5 ms so (45 KB),
+    issue #18. A subclass, or a request with extras or private attributes, pickles the
+    usual way.
     """
 
     def __reduce_ex__(self, protocol: Any) -> Any:
