@@ -210,6 +210,36 @@ async def _once(fetching: dict[Any, asyncio.Future], key: Any, fetch: Callable[[
     return await asyncio.shield(future)
 
 
+def _start_call(worker: OperationWorker, run_id: str, call: CallRow, resources: RunResources,
+                usage: dict[str, Any] | None = None, slot: int = 0) -> asyncio.Task:
+    """The call's task, registered for ``cancel``; cancelled at once if its cancel came first.
+
+    A function, not a method, like ``_execute``: Ray wraps every method of an actor class
+    in a tracing shim, and this runs once per call. The loop's ``create_task`` is what
+    ``asyncio.ensure_future`` ends in for a coroutine, without its checks on the way.
+    """
+    task = asyncio.get_running_loop().create_task(_execute(worker, run_id, call, resources, usage=usage,
+                                                           executor=worker.executors.get(slot)))
+    worker.tasks[(run_id, call[0])] = task
+    early = worker.cancelled_early.get(run_id)
+    if early and call[0] in early:
+        early.discard(call[0])
+        task.cancel()
+    return task
+
+
+def _answer_one(tasks: dict[tuple[str, str], asyncio.Task], run_id: str, call: CallRow,
+                answer: Callable[[Any], None], task: asyncio.Task) -> None:
+    """``start_one``'s call ended: its outcome rows (or the worker's own exception) to ``answer``."""
+    tasks.pop((run_id, call[0]), None)
+    if task.cancelled():
+        now = time.time()
+        answer([(call[0], call[1], "cancelled", None, "cancelled", CANCELLED, [], now, now)])
+        return
+    error = task.exception()
+    answer(error if error is not None else [task.result()])
+
+
 def _collect(done: list[OutcomeRow], wake: asyncio.Event, call: CallRow, task: asyncio.Task) -> None:
     """A call's task finished: queue its outcome row (a task cancelled before it ran yields one too)."""
     if task.cancelled():
@@ -340,18 +370,6 @@ class OperationWorker:
                 cancelled += 1
         return cancelled
 
-    def _start_call(self, run_id: str, call: CallRow, resources: RunResources,
-                    usage: dict[str, Any] | None = None, slot: int = 0) -> asyncio.Task:
-        """The call's task, registered for ``cancel``; cancelled at once if its cancel came first."""
-        task = asyncio.ensure_future(_execute(self, run_id, call, resources, usage=usage,
-                                              executor=self.executors.get(slot)))
-        self.tasks[(run_id, call[0])] = task
-        early = self.cancelled_early.get(run_id)
-        if early and call[0] in early:
-            early.discard(call[0])
-            task.cancel()
-        return task
-
     async def replacement_store(self, index: int, dead_name: str, executor: Any = None) -> tuple[Any, str] | None:
         """The store that replaced ``dead_name`` (waited for, from ``executor``, the asking run's),
         or None when none can be had."""
@@ -469,7 +487,7 @@ class OperationWorker:
         resources = await self._resources_or_failure(run_id, [call], slot)
         if isinstance(resources, list):
             return resources
-        task = self._start_call(run_id, call, resources, slot=slot)
+        task = _start_call(self, run_id, call, resources, slot=slot)
         try:
             return [await _settled(task, call)]
         finally:
@@ -486,18 +504,9 @@ class OperationWorker:
         resources = self.resources.get(run_id)
         if resources is None:
             return False
-        task = self._start_call(run_id, call, resources, slot=slot)
-        task.add_done_callback(partial(self._answer_one, run_id, call, answer))
+        task = _start_call(self, run_id, call, resources, slot=slot)
+        task.add_done_callback(partial(_answer_one, self.tasks, run_id, call, answer))
         return True
-
-    def _answer_one(self, run_id: str, call: CallRow, answer: Callable[[Any], None], task: asyncio.Task) -> None:
-        self.tasks.pop((run_id, call[0]), None)
-        if task.cancelled():
-            now = time.time()
-            answer([(call[0], call[1], "cancelled", None, "cancelled", CANCELLED, [], now, now)])
-            return
-        error = task.exception()
-        answer(error if error is not None else [task.result()])
 
     async def run_batch(self, run_id: str, calls: list[CallRow], slot: int = 0):
         """Run calls concurrently; yield lists of outcome rows as they finish (a streaming generator).
@@ -520,17 +529,19 @@ class OperationWorker:
     async def batches(self, run_id: str, calls: list[CallRow], slot: int = 0):
         """``run_batch``'s items, for Ray's stream and the direct channel alike (ACKNOWLEDGED first)."""
         yield ACKNOWLEDGED
-        resources = await self._resources_or_failure(run_id, calls, slot)
-        if isinstance(resources, list):
-            yield resources
-            return
+        resources = self.resources.get(run_id)
+        if resources is None:  # only a run's first calls here wait for a fetch
+            resources = await self._resources_or_failure(run_id, calls, slot)
+            if isinstance(resources, list):
+                yield resources
+                return
         done: list[OutcomeRow] = []
         wake = asyncio.Event()
         tasks = self.tasks
         epochs = self.epochs
         epoch = epochs.get(slot, 0)
         for call in calls:
-            self._start_call(run_id, call, resources, slot=slot).add_done_callback(partial(_collect, done, wake, call))
+            _start_call(self, run_id, call, resources, slot=slot).add_done_callback(partial(_collect, done, wake, call))
         remaining = len(calls)
         while remaining:
             if not done:
@@ -557,7 +568,7 @@ class OperationWorker:
         if isinstance(resources, list):
             return resources[0], CallUsage().as_dict()
         usage: dict[str, Any] = {}
-        task = self._start_call(key, call, resources, usage, slot)
+        task = _start_call(self, key, call, resources, usage, slot)
         try:
             row = await _settled(task, call)
         finally:
