@@ -128,7 +128,7 @@ class ChannelServer:
             self.connections += 1
             while True:
                 request_id, kind, args = pickle.loads(await _read_frame(reader))
-                if kind == ONE and self.worker.start_one(*args, partial(self._answered, writer, request_id)):
+                if kind == ONE and self.worker.start_one(*args, answer=partial(self._answered, writer, request_id)):
                     continue
                 task = asyncio.ensure_future(self._answer(writer, request_id, kind, args))
                 answers.add(task)
@@ -269,13 +269,14 @@ class WorkerChannels:
         self.failed = 0
 
     @staticmethod
-    def _key(handle: Any) -> Any:
+    def key(handle: Any) -> Any:
+        """What tells worker actors apart: a replacement has a key of its own."""
         return getattr(handle, "_actor_id", None) or id(handle)
 
     async def get(self, handle: Any, name: str) -> _Channel | None:
         if not self.enabled:
             return None
-        key = self._key(handle)
+        key = self.key(handle)
         channel = self._open.get(key)
         if channel is not None and channel.lost is None:
             return channel
@@ -306,7 +307,7 @@ class WorkerChannels:
 
     def close(self, handle: Any, why: str) -> None:
         """Fail what waits on ``handle``'s channel (supervision found the worker dead)."""
-        key = self._key(handle)
+        key = self.key(handle)
         self._unreachable.discard(key)
         channel = self._open.pop(key, None)
         if channel is not None:

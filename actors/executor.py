@@ -317,7 +317,8 @@ class GraphExecutor:
         return run_id
 
     async def resources(self, key: str) -> RunResources:
-        """A run's (or a Session's turn key's) operations, providers and settings, for a worker."""
+        """A run's (or a Session's turn key's) operations, providers and settings, for a worker
+        that lacks them: a run's come with its first call to each worker (``ExecutorShell._ship``)."""
         resources = self.shell.resources.get(key)
         if resources is None:
             raise UnknownRunError(f"nothing registered under {key!r} on {self.name}", run_id=key, actor=self.name)

@@ -10,7 +10,6 @@ unpicklable result) fails only its own node.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import pickle
 import time
@@ -60,6 +59,7 @@ OUTCOME_BATCH = 256  # outcomes per streamed message
 # 1-2 s after an executor's death, and with it every run). Its outcomes all arrived, so
 # the executor stops reading at once; the stream ends once a dead one is long known dead.
 STREAM_LINGER_SECONDS = 10.0
+FORGOTTEN_KEPT = 1024  # run keys a worker remembers having forgotten (see OperationWorker._take)
 
 
 class RemoteBranch:
@@ -274,10 +274,10 @@ class OperationWorker:
     """An async actor; thousands of I/O-bound operations share its event loop.
 
     Every executor of the runtime's pool uses it (and supervises it). A call carries the
-    pool slot of the executor that owns its run: the worker fetches a run's resources from
-    that executor when it admits the run (``prefetch``), or else the first time a call of
-    the run arrives, and sends the run's live
-    emissions there. ``executor`` is slot ``slot``'s handle when the worker is started by it.
+    pool slot of the executor that owns its run: a run's resources (its operations,
+    providers, settings) come with its first call here, or else are fetched from that
+    executor, and the run's live emissions go there. ``executor`` is slot ``slot``'s handle
+    when the worker is started by it.
     """
 
     def __init__(self, index: int = 0, stores: list[Any] | None = None, store_names: list[str] | None = None,
@@ -293,7 +293,10 @@ class OperationWorker:
         self._fetching: dict[str, asyncio.Future] = {}
         self._forgotten_fetches: set[str] = set()  # keys forgotten while their fetch was out
         self.resource_fetches = 0  # round trips to an executor for a run's resources
-        self.prefetches = 0  # prefetches the executors asked for as they admitted runs
+        self.resources_shipped = 0  # runs whose resources came with their first call here
+        # Keys forgotten lately, oldest first: resources shipped with a call that was on its
+        # way when its run was forgotten (the call and the forget travel apart) are not kept.
+        self.forgotten: dict[str, None] = {}
         # Run id -> node id -> a large result the run's dependents share (SharedResult),
         # fetched from the run's executor once; let go with the run's resources.
         self.shared: dict[str, dict[str, Any]] = {}
@@ -348,16 +351,11 @@ class OperationWorker:
         self.resources.pop(key, None)
         self.cancelled_early.pop(key, None)
         self.shared.pop(key, None)
+        self.forgotten[key] = None
+        if len(self.forgotten) > FORGOTTEN_KEPT:
+            del self.forgotten[next(iter(self.forgotten))]
         if key in self._fetching:  # answered after this: handed to its waiters, not kept
             self._forgotten_fetches.add(key)
-
-    async def prefetch(self, key: str, slot: int = 0) -> None:
-        """Fetch a run's resources now, before its first call arrives (a tell from the executor
-        admitting it): the fetch, a round trip to that executor, was on the path of the run's
-        first calls. A fetch that fails is not kept: the first call fetches again, and fails typed."""
-        self.prefetches += 1
-        with contextlib.suppress(Exception):  # its first calls may have come first: then this joins their fetch
-            await self._resources_for(key, slot)
 
     async def cancel(self, run_id: str, node_ids: list[str]) -> int:
         cancelled = 0
@@ -416,7 +414,21 @@ class OperationWorker:
         finally:
             self.told.discard(ref)
 
-    # -- resources, fetched once per run ------------------------------------------------
+    # -- resources: shipped with a run's first call here, else fetched once per run ------
+    def _take(self, key: str, shipped: bytes) -> RunResources:
+        """The resources an executor shipped with a call (pickled), kept for the run's later calls
+        unless the run was forgotten meanwhile."""
+        resources = self.resources.get(key)
+        if resources is not None:  # another call brought them first
+            return resources
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        resources = cloudpickle.loads(shipped)
+        self.resources_shipped += 1
+        if key not in self.forgotten:
+            self.resources[key] = resources
+        return resources
+
     async def _resources_for(self, key: str, slot: int = 0) -> RunResources:
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
@@ -478,13 +490,15 @@ class OperationWorker:
             self._fetching_shared.pop((run_id, source), None)
 
     # -- calls -------------------------------------------------------------------------------
-    async def run_one(self, run_id: str, call: CallRow, slot: int = 0) -> list[OutcomeRow]:
+    async def run_one(self, run_id: str, call: CallRow, slot: int = 0,
+                      shipped: bytes | None = None) -> list[OutcomeRow]:
         """Run a single call and answer with its outcome row (a plain call, not a stream).
 
         Used for a run's only call in flight (a chain's every link), where a stream's
-        extra messages would cost about a millisecond per link.
+        extra messages would cost about a millisecond per link. ``shipped``: the run's
+        resources, pickled, when this is the run's first call here.
         """
-        resources = await self._resources_or_failure(run_id, [call], slot)
+        resources = await self._resources_or_failure(run_id, [call], slot, shipped)
         if isinstance(resources, list):
             return resources
         task = _start_call(self, run_id, call, resources, slot=slot)
@@ -493,29 +507,37 @@ class OperationWorker:
         finally:
             self.tasks.pop((run_id, call[0]), None)
 
-    def start_one(self, run_id: str, call: CallRow, slot: int, answer: Callable[[Any], None]) -> bool:
-        """Start a single call now, when its run's resources are already here: ``answer`` is
-        called with its outcome rows as it ends, from the call's own task. False (nothing
-        started) when they must be fetched first: use ``run_one``.
+    def start_one(self, run_id: str, call: CallRow, slot: int = 0, shipped: bytes | None = None, *,
+                  answer: Callable[[Any], None]) -> bool:
+        """Start a single call now, when its run's resources are here or came with it
+        (``shipped``): ``answer`` is called with its outcome rows as it ends, from the call's
+        own task. False (nothing started) when they must be fetched first, or will not
+        unpickle: use ``run_one``, which fails the call typed.
 
         The direct channel's path for ``run_one``: no task of its own to wait in, so the
         outcome goes out in the same turn of the loop as the call ends (a chain's every link).
         """
         resources = self.resources.get(run_id)
         if resources is None:
-            return False
+            if shipped is None:
+                return False
+            try:
+                resources = self._take(run_id, shipped)
+            except Exception:  # noqa: BLE001 - run_one tries again, and fails the call typed
+                return False
         task = _start_call(self, run_id, call, resources, slot=slot)
         task.add_done_callback(partial(_answer_one, self.tasks, run_id, call, answer))
         return True
 
-    async def run_batch(self, run_id: str, calls: list[CallRow], slot: int = 0):
+    async def run_batch(self, run_id: str, calls: list[CallRow], slot: int = 0, shipped: bytes | None = None):
         """Run calls concurrently; yield lists of outcome rows as they finish (a streaming generator).
 
         The first item is ``ACKNOWLEDGED``: every call has started. Should the worker die
         before that item is out, the executor knows none of them ran. ``slot``: the pool
-        slot of the executor that owns the run.
+        slot of the executor that owns the run. ``shipped``: the run's resources, pickled,
+        when these are the run's first calls here.
         """
-        async for item in self.batches(run_id, calls, slot):
+        async for item in self.batches(run_id, calls, slot, shipped):
             yield item
         await asyncio.sleep(STREAM_LINGER_SECONDS)
 
@@ -526,12 +548,12 @@ class OperationWorker:
             self.channel = ChannelServer(self)
         return await self.channel.address()
 
-    async def batches(self, run_id: str, calls: list[CallRow], slot: int = 0):
+    async def batches(self, run_id: str, calls: list[CallRow], slot: int = 0, shipped: bytes | None = None):
         """``run_batch``'s items, for Ray's stream and the direct channel alike (ACKNOWLEDGED first)."""
         yield ACKNOWLEDGED
         resources = self.resources.get(run_id)
-        if resources is None:  # only a run's first calls here wait for a fetch
-            resources = await self._resources_or_failure(run_id, calls, slot)
+        if resources is None:  # a run's first calls here: shipped with them, or fetched
+            resources = await self._resources_or_failure(run_id, calls, slot, shipped)
             if isinstance(resources, list):
                 yield resources
                 return
@@ -575,9 +597,11 @@ class OperationWorker:
             self.tasks.pop((key, call[0]), None)
         return row, usage
 
-    async def _resources_or_failure(self, run_id: str, calls: list[CallRow],
-                                    slot: int = 0) -> RunResources | list[OutcomeRow]:
+    async def _resources_or_failure(self, run_id: str, calls: list[CallRow], slot: int = 0,
+                                    shipped: bytes | None = None) -> RunResources | list[OutcomeRow]:
         try:
+            if shipped is not None:
+                return self._take(run_id, shipped)
             return await self._resources_for(run_id, slot)
         except Exception as exc:  # noqa: BLE001 - every call fails with it, typed; the worker goes on
             now = time.time()
@@ -604,7 +628,7 @@ class OperationWorker:
             "live_withdrawn": self.live.withdrawn,
             "shared_fetches": self.shared_fetches,
             "resource_fetches": self.resource_fetches,
-            "prefetches": self.prefetches,
+            "resources_shipped": self.resources_shipped,
             "failed": self.failed,
             "runs": len(self.resources),
             "tell_failures": self.tell_failures,

@@ -35,14 +35,14 @@ class StandIn:
     async def channel_address(self):
         return await self.server.address()
 
-    def start_one(self, run_id: str, call: tuple, slot: int, answer) -> bool:
+    def start_one(self, run_id: str, call: tuple, slot: int = 0, shipped: bytes | None = None, *, answer) -> bool:
         """The worker's fast path: only for "direct" calls here; the others go through run_one."""
         if call[0] != "direct":
             return False
         asyncio.get_running_loop().call_soon(answer, [row("direct", run_id)])
         return True
 
-    async def run_one(self, run_id: str, call: tuple, slot: int = 0) -> list:
+    async def run_one(self, run_id: str, call: tuple, slot: int = 0, shipped: bytes | None = None) -> list:
         if call[0] == "raise":
             raise KeyError("a bug in the worker")
         if call[0] == "hold":

@@ -348,18 +348,18 @@ def test_operation_failures_are_typed_outcomes_not_raises(session):
     assert graph.nodes[raising.id].status == "failed"
 
 
-def test_each_worker_fetches_a_runs_operations_once_when_the_run_is_admitted(session):
-    """A fan-out of 40 over every worker: each live worker was told to prefetch the run once and
-    made exactly one round trip for its operations (its calls, or the prefetch should they come
-    first, found it under way), and kept none of them once the run was forgotten."""
+def test_each_worker_receives_a_runs_operations_with_its_first_call(session):
+    """A fan-out of 40: every worker that ran calls of the run received its operations once,
+    with its first call, fetched nothing from the executor, and kept none of them once the
+    run was forgotten."""
     session.register_operation("timed", timed, record_turn=False)
 
-    def counters() -> list[tuple[int, int, int]]:
-        return [(stats["prefetches"], stats["resource_fetches"], stats["runs"])
+    def counters() -> list[tuple[int, int, int, int]]:
+        return [(stats["resources_shipped"], stats["resource_fetches"], stats["runs"], stats["executed"])
                 for stats in ray.get([worker.statistics.remote() for worker in session.runtime.workers])]
 
     before = counters()
-    graph = Graph("prefetched")
+    graph = Graph("shipped")
     for _ in range(40):
         graph.add_node(create_operation("timed", {"seconds": 0.02}))
     envelope = run(session.flow(graph, max_concurrent=40))
@@ -367,7 +367,10 @@ def test_each_worker_fetches_a_runs_operations_once_when_the_run_is_admitted(ses
     while (after := counters()) and [a[2] for a in after] != [b[2] for b in before] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert envelope["status"] == "completed" and len(envelope["completed_operations"]) == 40
-    assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)] == [(1, 1)] * len(before)
+    ran = [a[3] - b[3] for a, b in zip(after, before, strict=True)]
+    assert sum(ran) == 40
+    assert [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True)] == \
+        [(1 if calls else 0, 0) for calls in ran]
     assert [a[2] for a in after] == [b[2] for b in before]  # the run's operations let go with it
 
 

@@ -99,7 +99,7 @@ class _Unreadable:
         self.forgotten.append(key)
         return _value(None)
 
-    async def _stream(self, run_id: str, calls: list, slot: int = 0):
+    async def _stream(self, run_id: str, calls: list, slot: int = 0, shipped: bytes | None = None):
         async def unreadable():
             raise ValueError("the outcome would not unpickle")
 

@@ -84,7 +84,7 @@ def test_a_single_call_costs_only_its_own_entry_point():
 
     async def go() -> list:
         answered = asyncio.get_running_loop().create_future()
-        assert worker.start_one("run-1", _calls(1, first=7)[0], 0, answered.set_result)
+        assert worker.start_one("run-1", _calls(1, first=7)[0], 0, answer=answered.set_result)
         return await answered
 
     rows = asyncio.run(go())
