@@ -36,7 +36,7 @@ from .events import new_record as _new_record
 from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION_ERROR, RetryPolicy
 from .graph import Graph, Operation, condition_is_async, validate_condition
 from .invariants import InvariantChecks
-from .registration import NodeRegistration
+from .registration import NodeRegistration, plain_roots
 from .runlog import DurableRecords
 from .states import (
     _ALLOWED_FROM,
@@ -266,7 +266,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         # announced and given their clone then (ADR-0023 D6); the start leaves them be.
         early = set(self.state)
         fresh = not early
-        in_order, roots = self._register_initial_nodes(early)
+        plain = fresh and plain_roots(graph)
+        in_order, roots = self._register_initial_nodes(early, plain)
         # One topological pass both ranks the nodes and detects cycles (edges plus
         # aggregation sources); edge conditions are validated before any work.
         self._rank_initial_nodes(in_order)
@@ -280,19 +281,22 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         progress, cancelling = self.progress_signals, self.cancelling
         # Registration filled ``deps`` in node order when nothing was registered before.
         deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
-        for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order, strict=True):
-            if early and node_id in early:
-                continue
-            if node.status not in TERMINAL:
-                if cancelling:  # cancelled before the start: not queued, and no branch to clone
+        # Plain roots (registration.plain_roots) have no branch to make and none is restored:
+        # only their progress signals need this pass over the nodes.
+        if not plain or progress:
+            for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order, strict=True):
+                if early and node_id in early:
                     continue
-                if progress:
-                    out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
-                if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
-                    self._preallocate_branch(node)
-                # else the common root: it runs on the default branch, which ``branch`` leaves implicit
-            else:
-                restored.append(node)
+                if node.status not in TERMINAL:
+                    if cancelling:  # cancelled before the start: not queued, and no branch to clone
+                        continue
+                    if progress:
+                        out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
+                    if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
+                        self._preallocate_branch(node)
+                    # else the common root: it runs on the default branch, which ``branch`` leaves implicit
+                else:
+                    restored.append(node)
         # Restored terminal nodes short-circuit without invocation (ADR-0023 D5). All
         # of them settle before any is released, so no restored node is ever gated.
         for node in restored:
@@ -307,8 +311,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             # Nothing has settled, so exactly the nodes without dependencies are ready, in
             # insertion order: ``_make_ready`` for each, in bulk. No story is recorded yet
             # (registration starts them afresh), so the step is implied, as for one node.
-            for node_id in roots:
-                state[node_id] = READY
+            state.update(dict.fromkeys(roots, READY))
             self.ready.extend(roots)
             if self.paused:
                 for node_id in roots:

@@ -572,3 +572,81 @@ def test_without_progress_signals_only_settling_signals_are_emitted_and_the_run_
     assert envelope["spawned_operations"] == loud_envelope["spawned_operations"] == 1
     assert [type(i) for i in quiet.instructions if not isinstance(i, EmitSignal)] == \
         [type(i) for i in loud.instructions if not isinstance(i, EmitSignal)]
+
+
+# -- the start of a plain fan-out (registration.plain_roots) ---------------------------------
+def _started(graph: Any, monkeypatch: Any = None, **options: Any) -> tuple[FlowState, list]:
+    """``graph`` started (the long way when ``monkeypatch`` is given), checked."""
+    from opgraph.kernel import scheduler
+
+    if monkeypatch is not None:
+        monkeypatch.setattr(scheduler, "plain_roots", lambda graph: False)
+    state = FlowState(graph, **options)
+    out = state.handle(FlowStarted(now=1.0))
+    state.validate()
+    return state, out
+
+
+def _fan_out(change=None):
+    def factory():
+        from opgraph.kernel import Graph, create_operation
+
+        graph = Graph("fan")
+        for index in range(6):
+            node = create_operation("leaf", {"index": index})
+            if change is not None and index == 3:
+                change(node)
+            graph.add_node(node)
+        return graph
+    return factory
+
+
+def _with_edge():
+    graph = _fan_out()()
+    first, second = list(graph.nodes)[:2]
+    graph.add_edge(first, second)
+    return graph
+
+
+def _snapshot(state: FlowState, out: list) -> tuple:
+    return (dict(state.state), {k: list(v) for k, v in state.deps.items()}, dict(state.unsettled),
+            dict(state.attempt), list(state.ready), {k: v[0] for k, v in state.running.items()},
+            dict(state.branch), state.open_nodes, {k: list(v) for k, v in state.dependents.items()},
+            state.story(next(iter(state.state))), out)
+
+
+@pytest.mark.parametrize("factory, plain", [
+    (_fan_out(), True),
+    (_fan_out(lambda node: node.metadata.update({"note": "x"})), False),
+    (_fan_out(lambda node: node.metadata.update({"inherit_context": True})), False),
+    (_fan_out(lambda node: setattr(node, "branch_id", "own-branch")), False),
+    (_fan_out(lambda node: node.settle("completed", response=3)), False),
+    (_with_edge, False),
+], ids=["plain", "metadata", "inherit-context", "own-branch", "restored", "edge"])
+@pytest.mark.parametrize("options", [{"max_concurrent": 2}, {"max_concurrent": 10, "progress_signals": True},
+                                     {"max_concurrent": 2, "durable": True}], ids=["capacity-2", "signals", "durable"])
+def test_a_plain_fan_out_starts_exactly_as_the_long_way_does(monkeypatch, factory, plain, options):
+    """Every node a root with nothing to make or restore: registered at once, and the run is in
+    the very state (and says the very things) that registering node by node gives."""
+    import pickle
+
+    from opgraph.kernel.registration import plain_roots
+
+    graph = factory()
+    assert plain_roots(graph) is plain
+    fast = _snapshot(*_started(pickle.loads(pickle.dumps(graph)), **options))
+    slow = _snapshot(*_started(pickle.loads(pickle.dumps(graph)), monkeypatch, **options))
+    assert fast == slow
+
+
+def test_a_plain_fan_out_then_runs_to_its_end(unstarted):
+    """Started the short way, the run dispatches in insertion order, refills as nodes settle,
+    and ends with every result."""
+    graph = _fan_out()()
+    run = unstarted(graph, max_concurrent=4)
+    dispatched = [i.node_id for i in run.start() if isinstance(i, DispatchOperation)]
+    assert dispatched == list(graph.nodes)[:4]
+    for node_id in list(graph.nodes):
+        run.complete(node_id, node_id)
+    assert run.envelope["status"] == "completed"
+    assert run.envelope["operation_results"] == {node_id: node_id for node_id in graph.nodes}
