@@ -798,12 +798,12 @@ class ExecutorShell:
     def _ship(self, run: _Run, worker: Any) -> bytes | None:
         """The run's operations, pickled, for the first call ``worker`` is sent; None after that.
 
-        Ideal over the record's round trip: they travel with that call, where the worker used
-        to be told to fetch them from here when the run was admitted. The fetch (a Ray call
-        each way) finished after the run's first calls arrived, and they waited for it: about
-        3 ms of a one-node run's 16, and of a 10,000-node fan-out's first call. A worker that
-        misses them still fetches them (a call lost with its channel, a worker restarted).
-        Cloudpickle, as Ray would: an operation defined in the caller's script travels by value.
+        They travel with that call. Workers used to be told to fetch them from here when the
+        run was admitted; the fetch (a Ray call each way) ended after the run's first calls had
+        arrived, and those waited for it: about 3 ms of a one-node run's path, and of a
+        10,000-node fan-out's first call. A worker that misses them still fetches them (a
+        call lost with its channel). Cloudpickle, as Ray would: an operation defined in the
+        caller's script travels by value.
         """
         key = WorkerChannels.key(worker)
         if key in run.shipped_to:

@@ -372,6 +372,9 @@ class Outcome:
             "median_seconds": median,
             "nodes_per_second": shape.nodes / median if median else None,
             "ratio_to_ideal": median / shape.ideal if median and shape.ideal else None,
+            # A chain's time beyond its ideal, per link: what each hop from one call to the next costs.
+            "per_link_overhead_ms": 1000 * (median - shape.ideal) / shape.width
+            if median and shape.kind == "chain" else None,
         }
 
 
@@ -427,6 +430,12 @@ def table(shapes: Sequence[Shape], results: list[dict[str, Outcome]], names: Seq
             second = outcomes[peer].median
             row.append(f"{first / second:.2f}x" if first and second else "-")
         rows.append(row)
+        if shape.kind == "chain":
+            overheads = [f"{name} {outcomes[name].figures(shape)['per_link_overhead_ms']:.2f} ms" for name in names
+                         if outcomes[name].median is not None]
+            if overheads:
+                notes.append(f"{shape.label}: per-link overhead (wall time beyond the ideal, per link): "
+                             + ", ".join(overheads))
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
     lines = ["  ".join(cell.ljust(width) if column == 0 else cell.rjust(width)
                        for column, (cell, width) in enumerate(zip(row, widths, strict=True))) for row in rows]

@@ -42,6 +42,13 @@ def test_every_standard_shape_reports_positive_figures_at_or_above_the_ideal(ses
             assert figures["ratio_to_ideal"] >= 0.95
         else:
             assert figures["ratio_to_ideal"] is None  # 0 ms: nodes/s stands in for a ratio
+        if shape["kind"] == "chain":  # what each link costs beyond its sleep, printed too
+            overhead = figures["per_link_overhead_ms"]
+            assert overhead == pytest.approx(1000 * (figures["median_seconds"] - shape["ideal_seconds"])
+                                             / shape["width"])
+            assert f"per-link overhead (wall time beyond the ideal, per link): opgraph {overhead:.2f} ms" in output
+        else:
+            assert figures["per_link_overhead_ms"] is None
 
 
 def test_compare_lionagi_runs_the_same_shapes_in_the_same_run(session, tmp_path, capsys):
