@@ -56,8 +56,8 @@ class NodeRegistration:
 
         ``plain`` (``plain_roots``: nothing registered early, no edges, no node with
         metadata, a branch or a settled status) registers every node as a root at once,
-        with no pass over the nodes in Python: a fan-out of 10,000 is registered in a
-        tenth of a millisecond, not four.
+        with no pass over the nodes in Python: a fan-out of 10,000 is registered in
+        1.6 ms instead of 4.2 (in process, issue #18).
 
         ``early`` holds the nodes registered already, on admission before the start:
         they are left as they are, so none is listed or counted twice.
@@ -71,16 +71,6 @@ class NodeRegistration:
         """
         graph = self.graph
         nodes, edges, incoming = graph.nodes, graph.edges, graph._in
-        if plain:
-            self.state.update(dict.fromkeys(nodes, WAITING))
-            self.unsettled = dict.fromkeys(nodes, 0)
-            self.deps = dict.fromkeys(nodes, NO_DEPENDENCIES)
-            self.attempt = dict.fromkeys(nodes, 0)
-            if self._stories:  # registration starts a node's story afresh
-                for node_id in nodes:
-                    self._stories.pop(node_id, None)
-            self.open_nodes += len(nodes)
-            return True, list(nodes)
         state, all_deps, dependents, unsettled = self.state, self.deps, self.dependents, self.unsettled
         # Nothing registered before the start (a node spawned early may sit anywhere):
         # every dependency is then waiting, so a node waits on all of them.
@@ -91,14 +81,18 @@ class NodeRegistration:
             # at a time rebuilds its table over and over. ``deps`` is None until a node's
             # turn below, which is how a dependency not registered yet shows. The empty
             # internal indexes are replaced outright; ``state`` is public, so it is filled.
+            # Plain roots have no dependencies: each holds its final, empty ones at once.
             state.update(dict.fromkeys(nodes, WAITING))
             self.unsettled = unsettled = dict.fromkeys(nodes, 0)
-            self.deps = all_deps = dict.fromkeys(nodes)
+            self.deps = all_deps = dict.fromkeys(nodes, NO_DEPENDENCIES if plain else None)
             self.attempt = dict.fromkeys(nodes, 0)
         items = nodes.items() if fresh else [(node_id, node) for node_id, node in nodes.items() if node_id not in early]
         if self._stories:  # registration starts a node's story afresh
             for node_id, _ in items:
                 self._stories.pop(node_id, None)
+        if plain:  # every node a root, registered above
+            self.open_nodes += len(nodes)
+            return True, list(nodes)
         roots, terminal = [], TERMINAL
         for node_id, node in items:
             edge_ids = incoming[node_id]
