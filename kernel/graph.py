@@ -549,12 +549,13 @@ class Graph:
         waits on (issue #18).
         """
         shapes: dict[frozenset[str], int] = {}
+        shared_shapes: dict[int, int] = {}  # see ``_shape_index``
         nodes = _node_columns(self.nodes, shapes)
         if nodes is None:
-            nodes = [_model_row(node, Operation, shapes) for node in self.nodes.values()]
+            nodes = [_model_row(node, Operation, shapes, shared_shapes) for node in self.nodes.values()]
         edges = _edge_columns(self.edges, shapes)
         if edges is None:
-            edges = [_model_row(edge, Edge, shapes) for edge in self.edges.values()]
+            edges = [_model_row(edge, Edge, shapes, shared_shapes) for edge in self.edges.values()]
         extra = {k: v for k, v in self.__dict__.items() if k not in _GRAPH_ATTRIBUTES}
         return _graph_from_rows, (type(self), self.name, nodes, edges, list(shapes), extra)
 
@@ -568,15 +569,12 @@ class Graph:
 _GRAPH_ATTRIBUTES = frozenset({"name", "nodes", "edges", "_out", "_in"})
 
 
-def _model_row(model: BaseModel, exact: type[BaseModel], shapes: dict[frozenset[str], int]) -> Any:
+def _model_row(model: BaseModel, exact: type[BaseModel], shapes: dict[frozenset[str], int],
+               shared_shapes: dict[int, int]) -> Any:
     """(field dict, fields-set index) for an exact ``exact`` without extras; else the model."""
     if type(model) is not exact or model.__pydantic_extra__ or model.__pydantic_private__:
         return model
-    fields_set = frozenset(model.__pydantic_fields_set__)
-    index = shapes.get(fields_set)
-    if index is None:
-        index = shapes[fields_set] = len(shapes)
-    return (model.__dict__, index)
+    return (model.__dict__, _shape_index(model.__pydantic_fields_set__, shapes, shared_shapes))
 
 
 def _shape_index(marked: set[str], shapes: dict[frozenset[str], int], shared_shapes: dict[int, int]) -> int:

@@ -332,8 +332,9 @@ def test_a_graph_with_a_subclassed_node_sends_its_nodes_as_rows_and_rows_still_l
 
     plain = sample_graph()
     shapes: dict = {}
-    rows = [_model_row(node, Operation, shapes) for node in plain.nodes.values()]
-    edges = [_model_row(edge, Edge, shapes) for edge in plain.edges.values()]
+    shared: dict = {}
+    rows = [_model_row(node, Operation, shapes, shared) for node in plain.nodes.values()]
+    edges = [_model_row(edge, Edge, shapes, shared) for edge in plain.edges.values()]
     loaded = _graph_from_rows(Graph, plain.name, rows, edges, list(shapes), {})
     assert list(loaded.nodes) == list(plain.nodes)
     assert all(loaded.nodes[node_id] == node for node_id, node in plain.nodes.items())
