@@ -4,21 +4,37 @@ Owns the GraphExecutor (runs the kernel's state machine), BranchStore shards (co
 conversation branches), the OperationWorker pool (model and tool calls) and ``Session``.
 Names load lazily (PEP 562): importing ``opgraph.actors.models`` for a model id does
 not import Ray.
+
+The rooms, each a folder:
+
+    driver/       Session, RunControl and Runtime: the caller's side, in the caller's process
+    executor/     the GraphExecutor actor, its shell (instructions out, outcomes in), the
+                  durable run log's append path, and watchers of its runs
+    branches/     the copy-on-write branch table, the BranchStore actor, the branch registry
+    workers/      the OperationWorker actor, its call channel, single turns, usage
+                  tallies, and the supervision of both actor pools
+    persistence/  the runtime's database: run log, durable branches, SQL backends
+    providers/    model providers (openai, anthropic, sim, scripted) and shared rate limits
+    verbs/        the branch verbs (chat, operate, communicate, parse, ReAct, ...)
+
+and, beside them, what every room shares: ``errors`` (the actor errors and the one
+translation of Ray's), ``settings``, ``protocol`` (the wire rows), ``models`` (the
+model-call contract) and ``statistics`` (histograms and memory for snapshots).
 """
 
 from importlib import import_module
 from typing import Any
 
 _SOURCES = {
-    "branches": ("BranchStore", "BranchTable"),
-    "control": ("EventsDropped", "RunControl", "RunFinished"),
+    "branches.store": ("BranchStore", "BranchTable"),
+    "driver.control": ("EventsDropped", "RunControl", "RunFinished"),
     "errors": ("BranchStoreLostError", "RuntimeLostError", "TurnError", "UnknownBranchError", "UnknownRunError"),
-    "executor": ("GraphExecutor",),
+    "executor.actor": ("GraphExecutor",),
     "protocol": ("Outcome", "RegisteredOperation", "RunOptions", "RunResources", "TurnResult"),
-    "runtime": ("Runtime", "connect", "find_executors"),
-    "session": ("BranchView", "Session", "flow_stream"),
-    "watchers": ("UnknownWatcherError", "envelope_summary"),
-    "workers": ("OperationWorker", "RemoteBranch"),
+    "driver.runtime": ("Runtime", "connect", "find_executors"),
+    "driver.session": ("BranchView", "Session", "flow_stream"),
+    "executor.watchers": ("UnknownWatcherError", "envelope_summary"),
+    "workers.worker": ("OperationWorker", "RemoteBranch"),
 }
 _MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 

@@ -16,7 +16,7 @@ import ray
 from opgraph.kernel import ExecutionError, OpGraphError
 from opgraph.kernel.failures import OUTCOME_LOST, WORKER_DIED, WORKER_ERROR
 
-from .channel import ChannelLost, WorkerRaised
+from .workers.channel import ChannelLost, WorkerRaised
 
 __all__ = [
     "BranchStoreLostError",

@@ -59,7 +59,7 @@ def tune_garbage_collector() -> None:
 
 
 def direct_calls() -> bool:
-    """Whether executors send calls to workers on direct sockets (actors/channel.py): on
+    """Whether executors send calls to workers on direct sockets (actors/workers/channel.py): on
     unless ``OPGRAPH_DIRECT_CALLS=0``, which sends them through Ray's actor calls."""
     return switched_on("OPGRAPH_DIRECT_CALLS")
 

@@ -32,7 +32,7 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │       ├── ProviderResponseError  an answer that cannot be read
     │       └── ProviderRefusal      the model declined to answer; ``refusal`` holds its words
     ├── UnknownRunError              no live run with this id on the namespace's executors (actors/errors.py)
-    ├── UnknownWatcherError          no such watcher: finished, closed or idle (actors/watchers.py)
+    ├── UnknownWatcherError          no such watcher: finished, closed or idle (actors/executor/watchers.py)
     ├── RoutingError (ValueError)    a spawn request cannot be routed (unknown assignee)
     ├── StateTransitionError         an illegal scheduler transition (a kernel bug)
     ├── InvariantViolation           ``FlowState.validate()`` found broken invariants

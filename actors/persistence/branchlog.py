@@ -1,6 +1,6 @@
 """Durable branches: the journal of a branch table's changes, and loading a shard back.
 
-Owns the rows of the runtime's branch tables. A branch table (actors/branches.py) with a
+Owns the rows of the runtime's branch tables. A branch table (actors/branches/store.py) with a
 journal notes every record it makes (a copy-on-write node: its parent and the length of
 the parent it sees), every branch head pointed at a record, every message appended to a
 record, and every record nothing references any more; the store flushes the journal in

@@ -21,8 +21,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
-from ..histogram import LatencyHistogram
 from ..models import ProviderConfigError, ProviderUnavailable, Usage
+from ..statistics import LatencyHistogram
 from .adaptive import AdaptiveGate, RateBudget
 
 __all__ = [

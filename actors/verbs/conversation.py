@@ -16,7 +16,7 @@ from typing import Any
 from opgraph.kernel import Graph, to_mapping
 
 from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderError, ToolCall, Usage
-from ..usage import record_usage
+from ..workers.usage import record_usage
 from .errors import VerbParameterError
 
 __all__ = [

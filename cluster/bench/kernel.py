@@ -6,9 +6,9 @@ show linear cost. It lives in cluster/ because it reads the clock; the kernel ma
 
     python -m opgraph.cluster.bench.kernel [--scale 1.0] [--repeat 3] [--only chain,spawns]
 
-The driver feeds the kernel the way the GraphExecutor does (actors/shell.py). A
+The driver feeds the kernel the way the GraphExecutor does (actors/executor/shell.py). A
 worker streams outcomes back in messages of at most ``OUTCOME_BATCH`` (256, from
-actors/workers.py, gathered over a 2 ms window), and the executor turns each message
+actors/workers/worker.py, gathered over a 2 ms window), and the executor turns each message
 into one ``handle(*events)`` call of ``OperationFinished`` events built positionally,
 requests already extracted (``extracted=True``), each stamped with a later ``now``.
 Here every operation finishes at once, so outcomes are settled oldest dispatch first in
@@ -50,10 +50,10 @@ from opgraph.kernel import (
 
 __all__ = ["main"]
 
-# actors/workers.py OUTCOME_BATCH: outcomes per streamed worker message, so per handle()
+# actors/workers/worker.py OUTCOME_BATCH: outcomes per streamed worker message, so per handle()
 # call. Not imported: that would load Ray into a benchmark of the pure kernel.
 OUTCOME_BATCH = 256
-OUTCOME_WINDOW = 0.002  # seconds between a worker's messages (actors/workers.py)
+OUTCOME_WINDOW = 0.002  # seconds between a worker's messages (actors/workers/worker.py)
 
 
 def roots_graph(n: int, name: str = "roots") -> Graph:

@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from opgraph.actors import Runtime, connect, find_executors
-from opgraph.actors.histogram import LatencyHistogram
+from opgraph.actors.statistics import LatencyHistogram
 from opgraph.engines import engine_statistics
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 

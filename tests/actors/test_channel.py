@@ -1,4 +1,4 @@
-"""The direct call channel (actors/channel.py): frames both ways, the secret, and failure.
+"""The direct call channel (actors/workers/channel.py): frames both ways, the secret, and failure.
 
 Most tests run a ChannelServer in this process against a stand-in worker (no Ray actor):
 what is under test is the wire, not the operations. The last test checks that a real
@@ -14,9 +14,9 @@ from typing import Any
 
 import ray
 
-from opgraph.actors.channel import ChannelLost, ChannelServer, WorkerChannels, WorkerRaised
 from opgraph.actors.errors import call_failure
 from opgraph.actors.protocol import ACKNOWLEDGED
+from opgraph.actors.workers.channel import ChannelLost, ChannelServer, WorkerChannels, WorkerRaised
 from opgraph.kernel import OperationGraphBuilder
 from opgraph.kernel.failures import OUTCOME_LOST, WORKER_DIED, WORKER_ERROR
 

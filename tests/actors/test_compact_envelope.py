@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from opgraph.actors.executor.shell import ExecutorShell
 from opgraph.actors.protocol import CompactEnvelope
-from opgraph.actors.shell import ExecutorShell
 
 
 def _envelope(ids: list[str], statuses: list[str]) -> dict:

@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from opgraph.actors.durability import RunLogger
+from opgraph.actors.executor.durability import RunLogger
+from opgraph.actors.executor.shell import _Run
 from opgraph.actors.persistence import RunLog, Writer
 from opgraph.actors.persistence.database import DatabaseError
 from opgraph.actors.protocol import RunOptions
-from opgraph.actors.shell import _Run
 from opgraph.kernel import FlowState, Graph, create_operation
 
 

@@ -11,9 +11,9 @@ import asyncio
 
 import pytest
 
+from opgraph.actors.executor.shell import ExecutorShell, _Run
 from opgraph.actors.protocol import ACKNOWLEDGED, RunOptions
-from opgraph.actors.shell import ExecutorShell, _Run
-from opgraph.actors.supervision import ActorPool
+from opgraph.actors.workers.supervision import ActorPool
 from opgraph.kernel import (
     ExecutionError,
     FlowState,

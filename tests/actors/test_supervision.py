@@ -495,7 +495,7 @@ def test_a_worker_adopted_by_another_executor_stops_streaming_to_the_one_before(
     """Two calls of a stream are held; the same executor introduces itself again (nothing changes),
     then another adopts the worker: once released, the old stream ends without sending its outcomes
     (a dead executor's stream would hold the worker's loop), and the worker counts them orphaned."""
-    from opgraph.actors.workers import OperationWorker
+    from opgraph.actors.workers.worker import OperationWorker
 
     key = f"orphaned-{uuid.uuid4().hex[:6]}"
     first = StandInExecutor.remote({"held": held_operation(gauge)})

@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any
 
 from opgraph.actors.protocol import ACKNOWLEDGED, RegisteredOperation, RunResources
-from opgraph.actors.workers import OperationWorker
+from opgraph.actors.workers.worker import OperationWorker
 
 Worker = OperationWorker.__ray_actor_class__
 

@@ -14,7 +14,7 @@ import pytest
 from ray import cloudpickle
 
 from opgraph.actors.protocol import RegisteredOperation, RunResources
-from opgraph.actors.workers import OperationWorker
+from opgraph.actors.workers.worker import OperationWorker
 
 Worker = OperationWorker.__ray_actor_class__
 
@@ -114,7 +114,7 @@ def test_resources_shipped_for_a_forgotten_run_serve_its_call_but_are_not_kept()
 
 
 def test_a_worker_remembers_a_bounded_number_of_forgotten_runs():
-    from opgraph.actors.workers import FORGOTTEN_KEPT
+    from opgraph.actors.workers.worker import FORGOTTEN_KEPT
 
     async def go():
         worker = _worker(_HeldExecutor({}))

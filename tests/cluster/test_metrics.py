@@ -27,7 +27,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from opgraph.actors import BranchStore, Runtime
-from opgraph.actors.histogram import LatencyHistogram
+from opgraph.actors.statistics import LatencyHistogram
 from opgraph.cluster.metrics.exporter import _executor_families, _pool_snapshot, _worker_families, serve_metrics
 from opgraph.kernel import Graph, SpawnRequest, create_operation
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS

@@ -45,7 +45,7 @@ CODE = "def load(path):\n    return eval(open(path).read())\n"
     (["engine", "run", "planning", "a prompt", "--model", "gpt-4"], "provider prefix"),
 ])
 def test_bad_input_exits_2_before_anything_starts(argv, message, capsys, monkeypatch, tmp_path):
-    import opgraph.actors.session as session_module
+    import opgraph.actors.driver.session as session_module
 
     def no_session(*args, **kwargs):
         raise AssertionError("a Session was started for bad input")

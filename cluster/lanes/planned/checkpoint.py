@@ -73,7 +73,7 @@ def _operation(value: Any) -> Operation:
 
 def read_checkpoint(record: RunRecord) -> Checkpoint:
     """What the run log keeps of ``record``'s run (``CheckpointRefusedError`` when it keeps nothing)."""
-    from opgraph.actors.durability import decode_header  # local: only a replay reads the log
+    from opgraph.actors.executor.durability import decode_header  # local: only a replay reads the log
     from opgraph.actors.persistence import RunLog, database_exists, database_path
 
     path = database_path()

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .branches import shard_for
-from .errors import UnknownBranchError, is_actor_death, translate
-from .supervision import ActorPool
+from ..errors import UnknownBranchError, is_actor_death, translate
+from ..workers.supervision import ActorPool
+from .store import shard_for
 
 __all__ = ["BranchRegistry"]
 

@@ -1,7 +1,9 @@
-"""A bounded latency histogram whose snapshot is already in Prometheus's shape.
+"""What the actors' ``statistics()`` snapshots measure: latency histograms and resident memory.
 
-Owns the bucket bounds shared by node latency (executor) and model-call latency
-(providers). Plain Python: the metrics library is imported only by cluster/metrics/.
+Owns the latency bucket bounds shared by node latency (executor) and model-call latency
+(providers), and the one way the runtime reads its processes' resident memory now (not
+only the peak), so that a long-lived runtime can be shown to stay flat run after run.
+Plain Python: the metrics library is imported only by cluster/metrics/.
 
 The bounds are 26% apart from 50 ms to 20 s, where model calls and tool calls fall, so
 a quantile interpolated inside one bucket is off by about a quarter at most (a 1 s node
@@ -12,9 +14,13 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
+import resource
 from typing import Any
 
-__all__ = ["LATENCY_BUCKETS", "LatencyHistogram"]
+__all__ = ["LATENCY_BUCKETS", "LatencyHistogram", "current_rss_mib", "peak_rss_mib"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 # Below 50 ms: coarse. From 50 ms to 20 s: the R10 preferred numbers (1, 1.25, 1.6, 2,
 # 2.5, 3.2, 4, 5, 6.3, 8 per decade), each bound 1.26 times the last. Above: to 10 minutes.
@@ -54,3 +60,17 @@ class LatencyHistogram:
             cumulative += count
             buckets.append((bound, cumulative))
         return {"buckets": buckets, "sum": self.sum, "count": self.count}
+
+
+def current_rss_mib() -> float:
+    """Resident memory of this process now, in MiB (from /proc; the peak where there is none)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            resident_pages = int(handle.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return peak_rss_mib()
+    return resident_pages * _PAGE / (1024 * 1024)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

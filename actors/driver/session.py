@@ -30,13 +30,13 @@ from opgraph.kernel import (
     settle_completed,
 )
 
+from ..errors import RuntimeLostError, TurnError, UnknownRunError
+from ..models import ModelProvider, parse_model_id
+from ..persistence import database_path
+from ..protocol import CompactEnvelope, RegisteredOperation, RunOptions, RunResources, TurnResult
+from ..settings import DEFAULT_NAMESPACE, cancel_grace_seconds, default_max_concurrency, durable_by_default
 from .control import EventsDropped, RunControl, RunFinished
-from .errors import RuntimeLostError, TurnError, UnknownRunError
-from .models import ModelProvider, parse_model_id
-from .persistence import database_path
-from .protocol import CompactEnvelope, RegisteredOperation, RunOptions, RunResources, TurnResult
 from .runtime import Runtime, connect, joined_with_address
-from .settings import DEFAULT_NAMESPACE, cancel_grace_seconds, default_max_concurrency, durable_by_default
 
 __all__ = ["BranchView", "EventsDropped", "RunControl", "RunFinished", "RuntimeLostError", "Session", "flow_stream"]
 
@@ -133,7 +133,7 @@ class Session:
                                             database=str(database_path()) if durable else None)
         self.branches: dict[str, str] = {}
         self._locations: dict[str, int] = {}
-        from .verbs import VERB_OPERATIONS  # local: verbs pull in the tool machinery
+        from ..verbs import VERB_OPERATIONS  # local: verbs pull in the tool machinery
 
         self.operations: dict[str, RegisteredOperation] = {
             **VERB_OPERATIONS,
@@ -511,7 +511,7 @@ class Session:
 
     async def _executor_call(self, executor: Any, method: str, run_id: str, *args: Any, **keywords: Any) -> Any:
         """A call to the executor that owns ``run_id``; its death is told to the runtime."""
-        from .errors import translate  # local: only this error path needs it
+        from ..errors import translate  # local: only this error path needs it
 
         try:
             return await getattr(executor, method).remote(run_id, *args, **keywords)

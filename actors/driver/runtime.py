@@ -23,10 +23,10 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from .branches import BranchStore
-from .errors import RuntimeLostError, UnknownBranchError, is_actor_death, translate
-from .executor import GraphExecutor
-from .settings import (
+from ..branches.store import BranchStore
+from ..errors import RuntimeLostError, UnknownBranchError, is_actor_death, translate
+from ..executor.actor import GraphExecutor
+from ..settings import (
     DEFAULT_NAMESPACE,
     EXECUTOR_CONCURRENCY,
     EXECUTOR_PREFIX,
@@ -36,7 +36,7 @@ from .settings import (
     names_in,
     newest_generation,
 )
-from .workers import OperationWorker
+from ..workers.worker import OperationWorker
 
 __all__ = ["DEFAULT_NAMESPACE", "Runtime", "connect", "find_executors", "joined_with_address"]
 

@@ -36,12 +36,12 @@ from opgraph.kernel.failures import (
     UNSERIALISABLE_OUTCOME,
 )
 
+from ..errors import BranchStoreLostError, clean_text, translate
+from ..models import parse_model_id
+from ..protocol import ACKNOWLEDGED, CallRow, OutcomeRow, RunResources, SharedResult
+from ..settings import tune_garbage_collector
+from ..statistics import current_rss_mib, peak_rss_mib
 from .channel import ChannelServer
-from .errors import BranchStoreLostError, clean_text, translate
-from .memory import current_rss_mib, peak_rss_mib
-from .models import parse_model_id
-from .protocol import ACKNOWLEDGED, CallRow, OutcomeRow, RunResources, SharedResult
-from .settings import tune_garbage_collector
 from .usage import CallUsage, open_usage
 
 __all__ = ["LiveEmissions", "OperationWorker", "RemoteBranch"]
@@ -100,7 +100,7 @@ class RemoteBranch:
         registered = self._run.providers.get(model) or self._run.providers.get(provider_name)
         if registered is not None:
             return registered
-        from .providers import builtin_provider  # local: providers import httpx lazily
+        from ..providers import builtin_provider  # local: providers import httpx lazily
 
         return builtin_provider(provider_name)
 
@@ -543,7 +543,7 @@ class OperationWorker:
 
     async def channel_address(self) -> tuple[str, int, bytes]:
         """Where an executor reaches this worker directly, and the secret it must show
-        (actors/channel.py); handed out over Ray's own authenticated channel."""
+        (actors/workers/channel.py); handed out over Ray's own authenticated channel."""
         if self.channel is None:
             self.channel = ChannelServer(self)
         return await self.channel.address()
@@ -609,7 +609,7 @@ class OperationWorker:
             return [(call[0], call[1], "failed", None, text, type(exc).__name__, [], now, now) for call in calls]
 
     async def statistics(self) -> dict[str, Any]:
-        from .providers.limits import (  # local: providers import httpx lazily
+        from ..providers.limits import (  # local: providers import httpx lazily
             latency_totals,
             usage_totals,
         )

@@ -50,15 +50,15 @@ from opgraph.kernel import (
 )
 from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
-from . import settings
-from .branch_registry import BranchRegistry
-from .channel import ChannelLost, WorkerChannels
+from .. import settings
+from ..branches.registry import BranchRegistry
+from ..errors import call_failure, is_actor_death
+from ..protocol import CallRow, CompactEnvelope, Outcome, OutcomeRow, RunOptions, RunResources, SharedResult
+from ..settings import PROBE_TIMEOUT_SECONDS
+from ..statistics import LatencyHistogram
+from ..workers.channel import ChannelLost, WorkerChannels
+from ..workers.supervision import ActorPool, ping
 from .durability import RunLogger, decode_header, encode_header
-from .errors import call_failure, is_actor_death
-from .histogram import LatencyHistogram
-from .protocol import CallRow, CompactEnvelope, Outcome, OutcomeRow, RunOptions, RunResources, SharedResult
-from .settings import PROBE_TIMEOUT_SECONDS
-from .supervision import ActorPool, ping
 from .watchers import RunWatcher, envelope_summary
 
 __all__ = ["DISPATCH_BATCH", "DISPATCH_WINDOW", "ExecutorShell"]
@@ -195,7 +195,7 @@ class ExecutorShell:
     def __init__(self, workers: ActorPool, stores: ActorPool, logger: RunLogger | None = None,
                  slot: int = 0) -> None:
         self.workers = workers
-        # Calls and outcomes travel on direct sockets (actors/channel.py), Ray's calls where
+        # Calls and outcomes travel on direct sockets (actors/workers/channel.py), Ray's calls where
         # none can be opened. A worker found dead has its channel closed at once.
         self.channels = WorkerChannels(settings.direct_calls())
         workers.on_dead = lambda index, handle: self.channels.close(handle, "the worker was found dead")

@@ -17,10 +17,10 @@ import ray
 
 from opgraph.kernel import ExecutionError, FlowEvent, Operation, OpGraphError
 
-from .errors import RuntimeLostError, UnknownRunError, translate
+from ..errors import RuntimeLostError, UnknownRunError, translate
+from ..executor.watchers import UnknownWatcherError
+from ..settings import DEFAULT_NAMESPACE
 from .runtime import connect, find_executors
-from .settings import DEFAULT_NAMESPACE
-from .watchers import UnknownWatcherError
 
 __all__ = ["EventsDropped", "Reconnected", "RunControl", "RunFinished"]
 
@@ -237,7 +237,7 @@ class RunControl:
 
 def _logged(run_id: str) -> tuple[str, dict[str, Any] | None, str | None] | None:
     """(status, envelope, error) of ``run_id`` in this process's run log (``OPGRAPH_DB``), or None."""
-    from .persistence import RunLog, database_exists, database_path  # local: only a finished run's reader needs it
+    from ..persistence import RunLog, database_exists, database_path  # local: only a finished run's reader needs it
 
     if not database_exists(database_path()):
         return None

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from .errors import call_failure
-from .protocol import CallRow, OutcomeRow
+from ..errors import call_failure
+from ..protocol import CallRow, OutcomeRow
 
 if TYPE_CHECKING:
-    from .shell import ExecutorShell
+    from ..executor.shell import ExecutorShell
 
 __all__ = ["run_turn"]
 

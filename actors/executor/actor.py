@@ -1,7 +1,7 @@
 """GraphExecutor: the actor that owns runs and supervises the workers and stores they use.
 
 Owns the remote surface, the watcher registry and the supervision of its actor pools;
-the data path (instructions out, outcomes in) is the shell's, in actors/shell.py. All
+the data path (instructions out, outcomes in) is the shell's, in actors/executor/shell.py. All
 state changes happen on the actor's main event loop, one ``handle`` call at a time, so
 admission is atomic without a lock. Control calls (pause, inject, cancel, status...)
 arrive on their own concurrency group and are marshalled onto that loop, so they stay
@@ -29,14 +29,11 @@ from opgraph.kernel import (
     ResumeRequested,
 )
 
-from .branches import BranchStore
-from .durability import RunLogger
-from .errors import RuntimeLostError, UnknownRunError, is_actor_death
-from .histogram import LATENCY_BUCKETS, LatencyHistogram
-from .memory import current_rss_mib, peak_rss_mib
-from .persistence import RunLog, Writer
-from .protocol import CallRow, Outcome, RunOptions, RunResources
-from .settings import (
+from ..branches.store import BranchStore
+from ..errors import RuntimeLostError, UnknownRunError, is_actor_death
+from ..persistence import RunLog, Writer
+from ..protocol import CallRow, Outcome, RunOptions, RunResources
+from ..settings import (
     PROBE_INTERVAL_SECONDS,
     PROBE_TIMEOUT_SECONDS,
     WORKER_CONCURRENCY,
@@ -45,16 +42,18 @@ from .settings import (
     newest_generation,
     tune_garbage_collector,
 )
+from ..statistics import LATENCY_BUCKETS, LatencyHistogram, current_rss_mib, peak_rss_mib
+from ..workers.supervision import REPLACEMENT_ATTEMPTS, ActorPool
+from ..workers.turns import run_turn
+from ..workers.worker import OperationWorker
+from .durability import RunLogger
 from .shell import ExecutorShell, _Run
-from .supervision import REPLACEMENT_ATTEMPTS, ActorPool
-from .turns import run_turn
 from .watchers import (
     WATCHER_IDLE_SECONDS,
     RunWatcher,
     UnknownWatcherError,
     envelope_summary,
 )
-from .workers import OperationWorker
 
 __all__ = [
     "LATENCY_BUCKETS",

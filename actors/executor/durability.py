@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from ray import cloudpickle
 
-from .persistence import RunLog, Writer
-from .persistence.codec import encode
+from ..persistence import RunLog, Writer
+from ..persistence.codec import encode
 
 if TYPE_CHECKING:
     from .shell import _Run

@@ -21,11 +21,11 @@ import ray
 
 from opgraph.kernel import ExecutionError
 
-from .errors import UnknownBranchError
-from .memory import current_rss_mib
-from .persistence import Database, Writer
-from .persistence.branchlog import BranchJournal, ShardRows, load_shard, read_branch, release_branch
-from .persistence.database import Checkpointer
+from ..errors import UnknownBranchError
+from ..persistence import Database, Writer
+from ..persistence.branchlog import BranchJournal, ShardRows, load_shard, read_branch, release_branch
+from ..persistence.database import Checkpointer
+from ..statistics import current_rss_mib
 
 __all__ = ["BranchStore", "BranchTable", "UnknownBranchError", "shard_for"]
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .errors import RuntimeLostError, is_actor_death
+from ..errors import RuntimeLostError, is_actor_death
 
 __all__ = ["REPLACEMENT_ATTEMPTS", "ActorPool", "ping"]
 
