@@ -1,15 +1,32 @@
 """opgraph.engines: Engine/EngineRun and the domain engines (ADR-0034), run through a Session.
 
 Owns the engine core (hard budgets, typed emissions with bounded repair, the advisory
-judge, EngineResult, run_dag) and the planning and review engines. An engine never has a
+judge, EngineResult, run_dag) and the planning, review and coding engines (coding with
+its workspace sandbox: a copy on a worker, confined writes, gates, an offered patch). An engine never has a
 scheduler of its own: agent turns run on OperationWorkers, and a DAG goes to
 ``Session.flow``. Imports kernel/ and actors/ only; cluster/ supplies the durable sink.
 """
 
 from .agents import Agent, emission_bundle, emission_key, repair_instruction, role_profile
 from .budget import BUDGET_REASONS, DEFAULT_PRICES, BudgetLimits, ModelPrice, PriceTable, RunBudget
+from .coding import (
+    ChangeProposed,
+    CodeResultRecorded,
+    CodingEngine,
+    CodingRun,
+    CodingSpec,
+    TestsRan,
+    WorkPlanned,
+)
 from .engine import PARTIAL_EXPORT_TIMEOUT_S, Engine
-from .errors import EngineBudgetError, EngineError, EngineInputError, EventSinkError, PlanError
+from .errors import (
+    EngineBudgetError,
+    EngineError,
+    EngineInputError,
+    EventSinkError,
+    PlanError,
+    WorkspaceConflictError,
+)
 from .events import (
     DEFAULT_MAX_RETAINED_EVENTS,
     DEFAULT_MAX_RETAINED_NOTIFICATIONS,
@@ -27,6 +44,7 @@ from .result import DEGRADE_REASONS, EngineResult
 from .review import DimensionReviewed, IssueFound, ReviewEngine, ReviewRun, ReviewVerdict, VerifyResult
 from .run import EngineRun, EventCallback
 from .statistics import engine_statistics, reset_engine_statistics
+from .workspace import FileChange, FileEdit, Sandbox, apply_changes
 
 __all__ = [
     "BUDGET_REASONS",
@@ -39,6 +57,11 @@ __all__ = [
     "Agent",
     "AgentPort",
     "BudgetLimits",
+    "ChangeProposed",
+    "CodeResultRecorded",
+    "CodingEngine",
+    "CodingRun",
+    "CodingSpec",
     "DimensionReviewed",
     "Engine",
     "EngineBudgetError",
@@ -52,6 +75,8 @@ __all__ = [
     "EventRecord",
     "EventSink",
     "EventSinkError",
+    "FileChange",
+    "FileEdit",
     "IssueFound",
     "JudgeVerdict",
     "MemorySink",
@@ -64,9 +89,14 @@ __all__ = [
     "ReviewRun",
     "ReviewVerdict",
     "RunBudget",
+    "Sandbox",
     "SessionPort",
     "TaskSettled",
+    "TestsRan",
     "VerifyResult",
+    "WorkPlanned",
+    "WorkspaceConflictError",
+    "apply_changes",
     "emission_bundle",
     "emission_key",
     "engine_for",

@@ -1,9 +1,9 @@
 """Agents and their emissions: the agent handle, role profiles, emission bundles and repair text.
 
 Owns what an agent is on the driver side (a branch id in the BranchStore, its role,
-model and profile; its turns run on workers), the structured-output model that asks a
-turn for typed emissions (an "emission bundle"), and the wording of a repair prompt.
-Nothing here calls the runtime.
+model, profile and tool permissions; its turns run on workers), the structured-output
+model that asks a turn for typed emissions (an "emission bundle"), and the wording of a
+repair prompt. Nothing here calls the runtime.
 """
 
 from __future__ import annotations
@@ -16,10 +16,13 @@ from typing import Any
 
 from pydantic import BaseModel, Field, create_model
 
+from opgraph.actors.verbs import ToolPermissions
+
 from .events import EngineEvent
 
 __all__ = [
     "Agent",
+    "agent_permissions",
     "emission_bundle",
     "emission_key",
     "repair_instruction",
@@ -33,9 +36,12 @@ _WORD_BOUNDARY = re.compile(r"(?<!^)(?=[A-Z])")
 class Agent:
     """One engine agent: a branch with a role profile and a model (ADR-0034 D2 ``make_agent``).
 
-    ``id`` is the branch id (so an Agent can be passed wherever a branch is). The
-    record's ``permissions``, ``cwd``, ``secure`` and ``mcp_servers`` are kept on the
-    profile for engines that run tools; the verbs of this runtime do not read them.
+    ``id`` is the branch id (so an Agent can be passed wherever a branch is).
+    ``permissions`` (tool names it may call, a ``{"allow", "deny"}`` mapping, or
+    ToolPermissions), ``cwd`` and ``secure`` are enforced by the runtime: every turn
+    carries them to the worker, where a tool call they exclude is refused, typed, and the
+    tool never runs; with ``secure`` a tool's path arguments must stay inside ``cwd``.
+    ``mcp_servers`` is kept for engines that connect to such servers; no verb reads it.
     """
 
     id: str
@@ -52,6 +58,19 @@ class Agent:
     mcp_servers: tuple[str, ...] = ()
     extra_prompt: str | None = None
     profile: str = field(default="", repr=False)
+
+
+def agent_permissions(agent: Agent, narrower: Any = None) -> ToolPermissions | None:
+    """What ``agent`` may do with tools, as the worker enforces it; None when unrestricted.
+
+    ``narrower`` (a turn's own ``permissions`` parameter) can only take away: the
+    result allows what both allow.
+    """
+    own = ToolPermissions.of(agent.permissions, cwd=agent.cwd, secure=agent.secure)
+    extra = ToolPermissions.of(narrower) if narrower is not None else None
+    if own is None:
+        return extra
+    return own.narrow(extra)
 
 
 def role_profile(role: str, *, name: str, modes: tuple[str, ...] = (), extra_prompt: str | None = None,

@@ -174,6 +174,10 @@ class Engine:
         """The invocation's input as plain data, for the run store."""
         return {"args": [str(arg)[:4000] for arg in args], "kwargs": {k: str(v)[:4000] for k, v in kwargs.items()}}
 
+    def describe_result(self, result: Any) -> str | None:
+        """The result as the run store keeps it: the text of a string result, else its repr."""
+        return str(result) if isinstance(result, str) else (None if result is None else repr(result))
+
     async def _run(self, run: EngineRun, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} must implement _run(run, ...)")
 
@@ -242,7 +246,8 @@ class Engine:
             except EventSinkError as sink_error:
                 error.add_note(f"also, the run's events could not all be recorded: {sink_error}")
             raise
-        status = "degraded" if isinstance(result, EngineResult) and result.degraded else "completed"
+        # An EngineResult, or a structured domain result (coding's) that states its own degradation.
+        status = "degraded" if getattr(result, "degraded", False) is True else "completed"
         await self._close(run, watchdog, status, result, None)
         return result
 
@@ -318,7 +323,7 @@ class Engine:
         sink = run.log.sink
         if sink is None:
             return
-        text = str(result) if isinstance(result, str) else (None if result is None else repr(result))
+        text = self.describe_result(result)
         try:
             await asyncio.shield(asyncio.to_thread(
                 sink.close_run, run.run_id, status, result=text, degrade_reason=run.degrade_reason,

@@ -9,14 +9,22 @@ run; the public result marks it as degradation instead of raising (D5)::
         ├── EngineBudgetError   a hard bound (agents, deadline, tokens, cost) refused more work;
         │                       also a RuntimeError, as in the record
         ├── PlanError           the planner gave no usable plan, even after one retry
-        └── EventSinkError      the run's events could not be recorded durably
+        ├── EventSinkError      the run's events could not be recorded durably
+        └── WorkspaceConflictError  a coding result cannot be applied: the workspace changed since
 """
 
 from __future__ import annotations
 
 from opgraph.kernel import OpGraphError
 
-__all__ = ["EngineBudgetError", "EngineError", "EngineInputError", "EventSinkError", "PlanError"]
+__all__ = [
+    "EngineBudgetError",
+    "EngineError",
+    "EngineInputError",
+    "EventSinkError",
+    "PlanError",
+    "WorkspaceConflictError",
+]
 
 
 class EngineError(OpGraphError):
@@ -45,3 +53,8 @@ class PlanError(EngineError):
 
 class EventSinkError(EngineError):
     """The run's events could not be written to its event sink; the cause is chained."""
+
+
+class WorkspaceConflictError(EngineError):
+    """A coding result's patch cannot be applied: a file changed in the workspace since the copy
+    was made (or the change is not text); nothing was written."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .coding import CodingEngine
 from .engine import Engine
 from .errors import EngineInputError
 from .planning import PlanningEngine
@@ -15,7 +16,7 @@ from .review import ReviewEngine
 
 __all__ = ["ENGINE_KINDS", "engine_for"]
 
-ENGINE_KINDS: dict[str, type[Engine]] = {"planning": PlanningEngine, "review": ReviewEngine}
+ENGINE_KINDS: dict[str, type[Engine]] = {"planning": PlanningEngine, "review": ReviewEngine, "coding": CodingEngine}
 
 
 def engine_for(kind: str, **settings: Any) -> Engine:

@@ -17,11 +17,12 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from opgraph.actors import TurnError, TurnResult
+from opgraph.actors.verbs import ToolPermissionError, ToolPermissions
 from opgraph.kernel import Graph, extract_requests
 
-from .agents import Agent, emission_bundle, emission_key, repair_instruction, role_profile
+from .agents import Agent, agent_permissions, emission_bundle, emission_key, repair_instruction, role_profile
 from .budget import RunBudget
-from .errors import EngineBudgetError
+from .errors import EngineBudgetError, EngineInputError
 from .events import EngineEvent, EventLog, EventRecord
 from .port import AgentPort, SessionPort
 from .tasks import TaskSet
@@ -194,6 +195,10 @@ class EngineRun:
         Without budget a non-exempt call notifies once and raises EngineBudgetError. An
         exempt (terminal) agent bypasses the check but is still counted in ``agents_made``.
         """
+        try:
+            ToolPermissions.of(permissions, cwd=cwd, secure=secure)  # bad permissions: refused before any branch
+        except ToolPermissionError as exc:
+            raise EngineInputError(f"agent {name or role!r}: {exc.message}", run_id=self.run_id) from None
         if not exempt and not self.budget_left():
             raise self._refuse(f"agent {name or role!r}")
         self.budget.agents_made += 1  # before the await: concurrent calls cannot overshoot
@@ -264,6 +269,8 @@ class EngineRun:
 
         A non-exempt agent's turn is refused (EngineBudgetError) once a hard bound is
         spent; exempt terminal agents still run. ``max_concurrent`` turns run at once.
+        The agent's ``permissions``, ``cwd`` and ``secure`` travel with the call and are
+        enforced where its tools run (a ``permissions`` parameter can only narrow them).
         """
         if not agent.exempt and not self.budget_left():
             raise self._refuse(f"turn of {agent.name!r}", agent.id)
@@ -277,6 +284,9 @@ class EngineRun:
                 arguments["response_format"] = response_format
             if agent.tools and "tools" not in arguments:
                 arguments["tools"] = list(agent.tools)
+            permissions = agent_permissions(agent, arguments.get("permissions"))
+            if permissions is not None:
+                arguments["permissions"] = permissions  # enforced on the worker, whatever the model asks
             try:
                 result = await self.port.turn(agent.id, operation, timeout=timeout or self.engine.turn_timeout_s,
                                               **arguments)

@@ -20,8 +20,12 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   ├── VerbError                a branch verb was misused or its answer unusable (actors/verbs/errors.py)
     │   │   ├── VerbParameterError   a verb got parameters it cannot use
     │   │   ├── ToolDefinitionError  a tool cannot be described to a model
-    │   │   └── ParseError           the model's answer does not fit the requested shape
-    │   │       └── SelectionError   the answer picks no offered choice
+    │   │   ├── ToolPermissionError  the caller's permissions exclude a tool call; the tool never ran
+    │   │   ├── ParseError           the model's answer does not fit the requested shape
+    │   │   │   └── SelectionError   the answer picks no offered choice
+    │   │   └── SandboxError         a workspace copy or a gate could not do what was asked
+    │   │       ├── PathEscapeError  a path leads outside its root; refused before any write
+    │   │       └── GateError        a gate command could not be started at all
     │   └── ProviderError            a model provider failed (actors/models.py)
     │       ├── ModelIdentityError   a model id is not "provider/model"
     │       ├── ProviderConfigError  the provider is missing a key, URL or model
@@ -42,7 +46,8 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   ├── EngineInputError (ValueError)     bad engine input, refused before any agent is made
     │   ├── EngineBudgetError (RuntimeError)  a hard bound (agents, deadline, tokens, cost) refused work
     │   ├── PlanError                the planner gave no usable plan, even after one retry
-    │   └── EventSinkError           an engine run's events could not be recorded durably
+    │   ├── EventSinkError           an engine run's events could not be recorded durably
+    │   └── WorkspaceConflictError   a coding patch cannot be applied: the workspace changed since
     ├── WorkflowDefinitionError      a workflow definition is bad; ``.errors`` lists them (cluster/store/errors.py)
     │   ├── WorkflowValidationError  it breaks the rules it is stored under
     │   └── WorkflowCompileError     it cannot compile to a fixed graph (cluster/lanes/fixed/spec.py)

@@ -3,6 +3,8 @@
 Owns the public verb surface and ``VERB_OPERATIONS``, the table the Session registers.
 Each verb is ``async def verb(branch, instruction="", context=None, model=None, ...)``
 and appends its own turns to the branch, so all register with ``record_turn=False``.
+Also the worker-side safety pieces tools and engines share: ``ToolPermissions`` (enforced
+wherever tools run), path confinement, and gates (commands run in their own process group).
 """
 
 from __future__ import annotations
@@ -11,11 +13,24 @@ from opgraph.kernel import Graph
 
 from ..protocol import RegisteredOperation
 from .chat import chat, chat_and_record, communicate, interpret
+from .confinement import check_inside, delete_confined, list_confined, read_confined, write_confined
 from .conversation import MODEL_OPTIONS, UsageTally
 from .conversation import name_predecessor_results as _name_predecessor_results
-from .errors import ParseError, SelectionError, ToolDefinitionError, VerbError, VerbParameterError
+from .errors import (
+    GateError,
+    ParseError,
+    PathEscapeError,
+    SandboxError,
+    SelectionError,
+    ToolDefinitionError,
+    ToolPermissionError,
+    VerbError,
+    VerbParameterError,
+)
+from .gates import GateResult, gate_environment, is_secret_name, run_gate
 from .operate import operate
 from .parse import parse, select
+from .permissions import ToolPermissions
 from .react import ReAct, ReActStream, act, react_stream_rounds
 from .structured import json_candidates
 from .tools import Tool, tool
@@ -23,27 +38,41 @@ from .tools import Tool, tool
 __all__ = [
     "MODEL_OPTIONS",
     "VERB_OPERATIONS",
+    "GateError",
+    "GateResult",
     "ParseError",
+    "PathEscapeError",
     "ReAct",
     "ReActStream",
+    "SandboxError",
     "SelectionError",
     "Tool",
     "ToolDefinitionError",
+    "ToolPermissionError",
+    "ToolPermissions",
     "UsageTally",
     "VerbError",
     "VerbParameterError",
     "act",
     "chat",
     "chat_and_record",
+    "check_inside",
     "communicate",
+    "delete_confined",
+    "gate_environment",
     "interpret",
+    "is_secret_name",
     "json_candidates",
+    "list_confined",
     "name_predecessor_results",
     "operate",
     "parse",
     "react_stream_rounds",
+    "read_confined",
+    "run_gate",
     "select",
     "tool",
+    "write_confined",
 ]
 
 VERB_OPERATIONS: dict[str, RegisteredOperation] = {

@@ -22,6 +22,7 @@ from .errors import VerbParameterError
 __all__ = [
     "GRAPH_PARAMETERS",
     "MODEL_OPTIONS",
+    "RUNTIME_PARAMETERS",
     "BoundModel",
     "UsageTally",
     "assistant_message",
@@ -43,6 +44,11 @@ MODEL_OPTIONS = ("temperature", "max_tokens", "timeout")
 # compiler, ``name_predecessor_results``), accepted by every verb and never sent to the
 # model: ``result_names`` maps a predecessor's node id to the name its result is shown by.
 GRAPH_PARAMETERS = ("aggregation_sources", "aggregation_count", "result_names")
+
+# Parameters the runtime carries with a call and enforces on the worker, accepted by every
+# verb and never sent to the model: ``permissions`` (ToolPermissions) bounds the tools a
+# verb may run for its caller; verbs without tools have nothing to enforce.
+RUNTIME_PARAMETERS = ("permissions",)
 
 # The record ``chat_and_record`` returns: in a prompt, only its text is the step's answer.
 _RECORD_KEYS = frozenset({"text", "model", "provider", "finish_reason", "usage"})
@@ -91,7 +97,7 @@ class UsageTally:
 
 def check_options(branch: Any, options: Mapping[str, Any], verb: str) -> None:
     """Reject options a verb does not know, so a misspelt parameter never passes silently."""
-    unknown = sorted(set(options) - set(MODEL_OPTIONS) - set(GRAPH_PARAMETERS))
+    unknown = sorted(set(options) - set(MODEL_OPTIONS) - set(GRAPH_PARAMETERS) - set(RUNTIME_PARAMETERS))
     if unknown:
         raise VerbParameterError(
             f"{verb} got unknown parameter(s) {', '.join(unknown)}; model options are {', '.join(MODEL_OPTIONS)}",

@@ -16,7 +16,7 @@ from opgraph.kernel import EscalationRequest, SpawnRequest, extract_requests
 from .conversation import BoundModel, model_history, system_messages, user_turn, where
 from .errors import VerbParameterError
 from .structured import converse, require_model_class, schema_guidance
-from .tools import as_tools
+from .tools import as_tools, permissions_of
 
 __all__ = ["operate"]
 
@@ -24,12 +24,15 @@ __all__ = ["operate"]
 async def operate(branch: Any, instruction: str = "", context: Any = None, model: str | None = None, *,
                   response_format: type[BaseModel] | None = None, tools: Any = None,
                   max_tool_rounds: int = 8, parse_retries: int = 2, emit_live: bool = False,
-                  system: str | None = None, **options: Any) -> Any:
+                  system: str | None = None, permissions: Any = None, **options: Any) -> Any:
     """Run one task turn: optional tools, optional structured output, typed emissions.
 
     - ``tools``: Tools or plain callables the model may call. Calls are run (concurrently
       within a turn) and their results, or ``{"error": ...}`` observations, are sent back
       until the model answers without tool calls, for at most ``max_tool_rounds`` rounds.
+    - ``permissions`` (ToolPermissions, a list of tool names, or a mapping): the tools the
+      caller may run; only those are offered, and a call to any other is refused with a
+      typed ``ToolPermissionError`` observation, the tool never invoked.
     - ``response_format``: a pydantic model class. The model is asked for JSON matching
       its schema; a reply that does not validate is returned to the model with the
       error up to ``parse_retries`` times, then ``ParseError`` is raised.
@@ -45,6 +48,7 @@ async def operate(branch: Any, instruction: str = "", context: Any = None, model
         raise VerbParameterError("operate needs max_tool_rounds >= 0 and parse_retries >= 0", **where(branch))
     model_class = None if response_format is None else require_model_class(response_format, "operate", branch)
     tool_set = as_tools(tools)
+    allowed = permissions_of(permissions, branch)
     bound = BoundModel(branch, model, options, "operate")
     history = model_history(await branch.messages())
     guidance = schema_guidance(model_class) if model_class is not None else None
@@ -54,7 +58,7 @@ async def operate(branch: Any, instruction: str = "", context: Any = None, model
         raise VerbParameterError("operate has nothing to do: give an instruction or context", **where(branch))
     exchange = await converse(bound, conversation, recorded=[recorded] if recorded else [], verb="operate",
                               response_format=model_class, tools=tool_set, max_tool_rounds=max_tool_rounds,
-                              parse_retries=parse_retries)
+                              parse_retries=parse_retries, permissions=allowed)
     await branch.append(*exchange.recorded)
     if model_class is None:
         return exchange.text

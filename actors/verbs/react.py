@@ -24,7 +24,7 @@ from .conversation import (
     with_call_ids,
 )
 from .errors import VerbParameterError
-from .tools import as_tools, emit_tool_requests, run_tool_calls, tool_message
+from .tools import as_tools, emit_tool_requests, offered, permissions_of, run_tool_calls, tool_message
 
 __all__ = ["ReAct", "ReActStream", "act", "react_stream_rounds"]
 
@@ -52,7 +52,7 @@ def _actions_as_calls(actions: Any, branch: Any) -> list[ToolCall]:
 
 
 async def act(branch: Any, instruction: str = "", context: Any = None, model: str | None = None, *,
-              tools: Any = None, actions: Any = None, system: str | None = None,
+              tools: Any = None, actions: Any = None, system: str | None = None, permissions: Any = None,
               **options: Any) -> list[dict[str, Any]]:
     """Execute tool calls and return what each produced.
 
@@ -62,9 +62,11 @@ async def act(branch: Any, instruction: str = "", context: Any = None, model: st
     Returns ``[{"function", "arguments", "output"}]``, or ``"error"`` in place of
     ``"output"`` for an unknown tool, invalid arguments or a tool that raised; a failing
     call never fails the operation. The branch records the instruction, the calls and
-    their results, as a model-made tool round would appear.
+    their results, as a model-made tool round would appear. ``permissions`` bounds the
+    calls either way: one they exclude is an ``error`` entry typed ``ToolPermissionError``.
     """
     tool_set = as_tools(tools)
+    allowed = permissions_of(permissions, branch)
     _, recorded = user_turn(instruction, None)
     turn = [recorded] if recorded else []
     if actions is not None:
@@ -79,13 +81,14 @@ async def act(branch: Any, instruction: str = "", context: Any = None, model: st
         history = model_history(await branch.messages())
         seen, _ = user_turn(instruction, context, names=bound.result_names)
         conversation = system_messages(system) + history + ([seen] if seen else [])
-        response = await bound.complete(conversation, tools=[item.schema for item in tool_set.values()])
+        response = await bound.complete(conversation,
+                                        tools=[item.schema for item in offered(tool_set, allowed).values()] or None)
         if not response.tool_calls:
             await branch.append(*turn, assistant_message(response.content or ""))
             return []
         calls = with_call_ids(response.tool_calls, set())
         content = response.content
-    entries = await run_tool_calls(tool_set, calls)
+    entries = await run_tool_calls(tool_set, calls, allowed)
     emit_tool_requests(branch, entries)
     turn.append(assistant_tool_call_message(content, calls))
     turn.extend(tool_message(call.id, entry) for call, entry in zip(calls, entries, strict=True))
@@ -101,7 +104,8 @@ def _usage(usage: Usage) -> dict[str, int]:
 
 async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  # ADR-0023's name
                       model: str | None = None, *, tools: Any = None, max_rounds: int = 4,
-                      system: str | None = None, **options: Any) -> AsyncIterator[dict[str, Any]]:
+                      system: str | None = None, permissions: Any = None,
+                      **options: Any) -> AsyncIterator[dict[str, Any]]:
     """Reason and act in rounds, yielding each round as soon as it completes.
 
     A round is one model call plus the tool calls it proposed, run and answered:
@@ -109,12 +113,14 @@ async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  
     "final": bool, "usage": {...}}``. The loop ends with the first reply without tool
     calls (``final=True``, its thought is the answer) or after ``max_rounds`` rounds; the
     last round's request asks the model to answer without tools. Each round is appended
-    to the branch as it completes. Tools that fail become observations, never errors.
+    to the branch as it completes. Tools that fail become observations, never errors;
+    so does a call ``permissions`` exclude (typed ``ToolPermissionError``, never run).
     """
     if max_rounds < 1:
         raise VerbParameterError("ReAct needs max_rounds >= 1", **where(branch))
     tool_set = as_tools(tools)
-    schemas = [item.schema for item in tool_set.values()] or None
+    allowed = permissions_of(permissions, branch)
+    schemas = [item.schema for item in offered(tool_set, allowed).values()] or None
     bound = BoundModel(branch, model, options, "ReAct")
     history = model_history(await branch.messages())
     seen, recorded = user_turn(instruction, context, guidance=_REACT_GUIDANCE if tool_set else None,
@@ -136,7 +142,7 @@ async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  
                    "usage": _usage(response.usage)}
             return
         calls = with_call_ids(response.tool_calls, call_ids)
-        entries = await run_tool_calls(tool_set, calls)
+        entries = await run_tool_calls(tool_set, calls, allowed)
         emit_tool_requests(branch, entries)
         turn = [assistant_tool_call_message(response.content, calls)]
         turn += [tool_message(call.id, entry) for call, entry in zip(calls, entries, strict=True)]
@@ -149,7 +155,7 @@ async def ReActStream(branch: Any, instruction: str = "", context: Any = None,  
 
 async def ReAct(branch: Any, instruction: str = "", context: Any = None,  # ADR-0023's name
                 model: str | None = None, *, tools: Any = None, max_rounds: int = 4,
-                system: str | None = None, **options: Any) -> dict[str, Any]:
+                system: str | None = None, permissions: Any = None, **options: Any) -> dict[str, Any]:
     """Run the bounded reason/act loop of ``ReActStream`` to the end and summarise it.
 
     Returns ``{"answer": text, "rounds": [...], "stopped": "answered" | "max_rounds",
@@ -158,7 +164,8 @@ async def ReAct(branch: Any, instruction: str = "", context: Any = None,  # ADR-
     usage summed over the rounds.
     """
     rounds = [item async for item in ReActStream(branch, instruction, context, model, tools=tools,
-                                                 max_rounds=max_rounds, system=system, **options)]
+                                                 max_rounds=max_rounds, system=system,
+                                                 permissions=permissions, **options)]
     last = rounds[-1]
     usage = {"calls": len(rounds)}
     for key in ("prompt_tokens", "completion_tokens", "total_tokens", "cache_read_tokens", "cache_creation_tokens"):

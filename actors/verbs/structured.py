@@ -24,7 +24,8 @@ from .conversation import (
     with_call_ids,
 )
 from .errors import ParseError, VerbParameterError
-from .tools import Tool, emit_tool_requests, format_validation_error, run_tool_calls, tool_message
+from .permissions import ToolPermissions
+from .tools import Tool, emit_tool_requests, format_validation_error, offered, run_tool_calls, tool_message
 
 __all__ = [
     "Exchange",
@@ -159,11 +160,14 @@ async def converse(bound: BoundModel, conversation: list[dict[str, Any]], *,
                    recorded: list[dict[str, Any]], verb: str,
                    response_format: type[BaseModel] | None = None,
                    tools: Mapping[str, Tool] | None = None, max_tool_rounds: int = 0,
-                   parse_retries: int = 0, failure: type[ParseError] = ParseError) -> Exchange:
+                   parse_retries: int = 0, failure: type[ParseError] = ParseError,
+                   permissions: ToolPermissions | None = None) -> Exchange:
     """Call the model until it gives a final reply that parses.
 
     Tool calls are run and answered for up to ``max_tool_rounds`` rounds; after that a
-    note asks for an answer and further tool calls are ignored. A reply that does not
+    note asks for an answer and further tool calls are ignored. Only the tools
+    ``permissions`` allow are offered, and a call to any other is refused, typed, without
+    running it (see ``run_tool_call``). A reply that does not
     parse into ``response_format`` is sent back with the validation error, at most
     ``parse_retries`` times, then ``failure`` is raised.
 
@@ -172,7 +176,7 @@ async def converse(bound: BoundModel, conversation: list[dict[str, Any]], *,
     """
     exchange = Exchange(recorded=recorded)
     tools = tools or {}
-    schemas = [item.schema for item in tools.values()] or None
+    schemas = [item.schema for item in offered(tools, permissions).values()] or None
     format_request = response_format_for(response_format) if response_format is not None else None
     call_ids: set[str] = set()
     while True:
@@ -180,7 +184,7 @@ async def converse(bound: BoundModel, conversation: list[dict[str, Any]], *,
         if tools and response.tool_calls and exchange.tool_rounds < max_tool_rounds:
             exchange.tool_rounds += 1
             calls = with_call_ids(response.tool_calls, call_ids)
-            entries = await run_tool_calls(tools, calls)
+            entries = await run_tool_calls(tools, calls, permissions)
             emit_tool_requests(bound.branch, entries)
             turn = [assistant_tool_call_message(response.content, calls)]
             turn += [tool_message(call.id, entry) for call, entry in zip(calls, entries, strict=True)]

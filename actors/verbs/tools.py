@@ -2,7 +2,9 @@
 
 Owns turning a callable into an OpenAI function schema, validating the model's
 arguments, and running tool calls. A failing tool (bad arguments or an exception) is
-returned as an ``{"error": ...}`` observation; it never fails the operation.
+returned as an ``{"error": ...}`` observation; it never fails the operation. A call the
+caller's ``ToolPermissions`` exclude is refused the same way, typed
+(``"error_type": "ToolPermissionError"``), and the tool is never invoked.
 """
 
 from __future__ import annotations
@@ -20,13 +22,16 @@ from opgraph.kernel import EscalationRequest, SpawnRequest, extract_requests
 
 from ..models import ToolCall
 from .conversation import compact_json
-from .errors import ToolDefinitionError
+from .errors import ToolDefinitionError, ToolPermissionError
+from .permissions import ToolPermissions
 
 __all__ = [
     "Tool",
     "as_tools",
     "emit_tool_requests",
     "format_validation_error",
+    "offered",
+    "permissions_of",
     "run_tool_call",
     "run_tool_calls",
     "tool",
@@ -56,20 +61,24 @@ class Tool:
     """
 
     def __init__(self, fn: Callable[..., Any], name: str, description: str,
-                 arguments_model: type[BaseModel], positional_only: tuple[str, ...] = ()) -> None:
+                 arguments_model: type[BaseModel], positional_only: tuple[str, ...] = (),
+                 path_arguments: tuple[str, ...] = ()) -> None:
         self.fn = fn
         self.name = name
         self.description = description
         self.arguments_model = arguments_model
         self._positional_only = positional_only
+        # Arguments that name files: a secure caller's ToolPermissions confine them to its cwd.
+        self.path_arguments = path_arguments
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any], name: str | None = None,
-                      description: str | None = None) -> Tool:
+                      description: str | None = None, *, paths: tuple[str, ...] | None = None) -> Tool:
         if isinstance(fn, Tool):
-            if name is None and description is None:
+            if name is None and description is None and paths is None:
                 return fn
             name, description = name or fn.name, description if description is not None else fn.description
+            paths = fn.path_arguments if paths is None else paths
             fn = fn.fn
         if not callable(fn):
             raise ToolDefinitionError(f"a tool must be callable, got {type(fn).__name__}")
@@ -103,14 +112,19 @@ class Tool:
             arguments_model = create_model(f"{name}_arguments", __config__=ConfigDict(extra=extra), **fields)
         except (TypeError, ValueError) as exc:  # pydantic cannot build a schema for a hint
             raise ToolDefinitionError(f"cannot build an argument model for tool {name!r}: {exc}") from exc
-        return cls(fn, name, description, arguments_model, tuple(positional_only))
+        paths = tuple(paths or ())
+        named = {parameter.name for parameter in signature.parameters.values()}
+        if set(paths) - named:
+            raise ToolDefinitionError(f"tool {name!r} declares path arguments {sorted(set(paths) - named)} "
+                                      "it does not take")
+        return cls(fn, name, description, arguments_model, tuple(positional_only), paths)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
     def __reduce__(self):
         # Rebuilt on the receiving side: dynamic pydantic models do not pickle reliably.
-        return (Tool.from_function, (self.fn, self.name, self.description))
+        return (_rebuild_tool, (self.fn, self.name, self.description, self.path_arguments))
 
     def __repr__(self) -> str:
         return f"Tool({self.name!r})"
@@ -153,12 +167,20 @@ class Tool:
         return result
 
 
+def _rebuild_tool(fn: Callable[..., Any], name: str, description: str, paths: tuple[str, ...]) -> Tool:
+    return Tool.from_function(fn, name, description, paths=paths)
+
+
 def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
-         description: str | None = None) -> Any:
-    """Decorator form of ``Tool.from_function``: ``@tool`` or ``@tool(name=...)``."""
+         description: str | None = None, paths: tuple[str, ...] | None = None) -> Any:
+    """Decorator form of ``Tool.from_function``: ``@tool``, ``@tool(name=...)``, ``@tool(paths=("path",))``.
+
+    ``paths`` names the arguments that are file paths, which a secure caller's
+    permissions confine to its working directory.
+    """
     if fn is None:
-        return lambda inner: Tool.from_function(inner, name=name, description=description)
-    return Tool.from_function(fn, name=name, description=description)
+        return lambda inner: Tool.from_function(inner, name=name, description=description, paths=paths)
+    return Tool.from_function(fn, name=name, description=description, paths=paths)
 
 
 def as_tools(tools: Iterable[Any] | Mapping[str, Any] | None) -> dict[str, Tool]:
@@ -179,14 +201,23 @@ def as_tools(tools: Iterable[Any] | Mapping[str, Any] | None) -> dict[str, Tool]
     return by_name
 
 
-async def run_tool_call(tools: Mapping[str, Tool], name: str, arguments: Any) -> dict[str, Any]:
+async def run_tool_call(tools: Mapping[str, Tool], name: str, arguments: Any,
+                        permissions: ToolPermissions | None = None) -> dict[str, Any]:
     """One tool call as ``{"function", "arguments", "output"}`` or ``{..., "error"}``.
 
     This is the boundary where a tool's failure becomes an observation for the model:
-    an unknown name, invalid arguments or an exception raised by the tool.
+    an unknown name, invalid arguments or an exception raised by the tool. A call that
+    ``permissions`` exclude is refused here, before the tool is looked at or invoked:
+    ``{..., "error", "error_type": "ToolPermissionError"}``.
     """
     entry: dict[str, Any] = {"function": name, "arguments": arguments}
     selected = tools.get(name)
+    if permissions is not None:
+        refused = permissions.refusal(name, selected.path_arguments if selected is not None else (), arguments)
+        if refused is not None:
+            entry["error"] = refused.message
+            entry["error_type"] = type(refused).__name__
+            return entry
     if selected is None:
         known = ", ".join(sorted(tools)) or "none"
         entry["error"] = f"unknown tool {name!r}; available tools: {known}"
@@ -200,18 +231,42 @@ async def run_tool_call(tools: Mapping[str, Tool], name: str, arguments: Any) ->
     return entry
 
 
-async def run_tool_calls(tools: Mapping[str, Tool], calls: Sequence[ToolCall]) -> list[dict[str, Any]]:
+async def run_tool_calls(tools: Mapping[str, Tool], calls: Sequence[ToolCall],
+                         permissions: ToolPermissions | None = None) -> list[dict[str, Any]]:
     """Run the calls one model turn proposed, concurrently (they are independent by contract).
 
     Entries keep the calls' order, so ``zip(calls, entries)`` pairs each with its call id.
+    ``permissions`` is checked for every call (see ``run_tool_call``).
     """
-    return list(await asyncio.gather(*(run_tool_call(tools, call.name, call.arguments) for call in calls)))
+    return list(await asyncio.gather(*(run_tool_call(tools, call.name, call.arguments, permissions)
+                                       for call in calls)))
+
+
+def offered(tools: Mapping[str, Tool], permissions: ToolPermissions | None) -> dict[str, Tool]:
+    """The tools whose schemas are shown to the model: those ``permissions`` let it call.
+
+    A model may still ask for one it was not shown; the call is then refused, typed.
+    """
+    if permissions is None:
+        return dict(tools)
+    return {name: item for name, item in tools.items() if permissions.permits(name)}
+
+
+def permissions_of(value: Any, branch: Any = None) -> ToolPermissions | None:
+    """A verb's ``permissions`` parameter as ToolPermissions (None: unrestricted)."""
+    try:
+        return ToolPermissions.of(value)
+    except ToolPermissionError as exc:
+        exc.node_id = getattr(branch, "node_id", None)
+        exc.branch_id = getattr(branch, "id", None)
+        raise
 
 
 def tool_message(call_id: str, entry: Mapping[str, Any]) -> dict[str, Any]:
     """A tool result as the ``tool`` message that answers the call ``call_id``."""
     if "error" in entry:
-        content = compact_json({"error": entry["error"]})
+        refusal = {"error_type": entry["error_type"]} if "error_type" in entry else {}
+        content = compact_json({"error": entry["error"], **refusal})
     elif isinstance(entry.get("output"), str):
         content = entry["output"]
     else:

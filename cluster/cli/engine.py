@@ -6,7 +6,8 @@ It must not implement engine semantics: opgraph.engines does.
 
 Exit codes: 0 completed, 1 failed (or an unknown run id), 2 bad input (nothing ran),
 3 the runtime could not be started or reached (nothing ran; as for every command),
-4 degraded (budget, deadline or missing emissions; partial result printed), 130 cancelled.
+4 degraded (budget, deadline or missing emissions; partial result printed), 130 cancelled;
+coding adds 5: the run completed, but its change does not pass (cluster/cli/coding.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from opgraph.kernel import OpGraphError
 
 from ..connection import EXIT_RUNTIME, RuntimeStartError
+from .coding import CODING_EXIT_HELP, add_coding_arguments, coding_inputs, coding_settings, finish_coding
 
 __all__ = [
     "EXIT_CANCELLED", "EXIT_DEGRADED", "EXIT_FAILED", "EXIT_INVALID", "EXIT_RUNTIME", "EngineProgress",
@@ -163,6 +165,8 @@ def _settings(arguments: argparse.Namespace) -> dict[str, Any]:
         settings["prices"] = dict(_price(item) for item in arguments.price)
     if arguments.kind == "review" and arguments.dimensions:
         settings["dimensions"] = tuple(d.strip() for d in arguments.dimensions.split(",") if d.strip())
+    if arguments.kind == "coding":
+        settings.update(coding_settings(arguments))
     return settings
 
 
@@ -173,7 +177,8 @@ def _payload(result: Any, run: Any) -> dict[str, Any]:
             "skipped": list(getattr(result, "skipped", [])), "statistics": run.statistics(), "text": str(result)}
 
 
-async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> int:
+async def _execute(arguments: argparse.Namespace, engine: Any, subject: str,
+                   inputs: dict[str, Any] | None = None) -> int:
     from opgraph.actors.providers import SimulatedProvider
 
     from ..connection import open_session
@@ -196,7 +201,7 @@ async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> 
               file=sys.stderr, flush=True)
         try:
             with progress:
-                result = await engine.execute(run, subject)
+                result = await engine.execute(run, subject, **(inputs or {}))
         except OpGraphError as exc:
             print(f"engine run {run.run_id} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             if arguments.json:
@@ -211,6 +216,8 @@ async def _execute(arguments: argparse.Namespace, engine: Any, subject: str) -> 
             print(f"warning: the session could not be closed: {type(exc).__name__}: {exc}", file=sys.stderr)
         finally:
             store.close()
+    if engine.kind == "coding":
+        return finish_coding(arguments, result, run, progress.budget_line())
     payload = _payload(result, run)
     if arguments.json:
         print(json.dumps(payload, indent=2, default=str))
@@ -230,7 +237,8 @@ def run_engine(arguments: argparse.Namespace) -> int:
     try:
         engine = engine_for(arguments.kind, **_settings(arguments))
         subject = read_review_target(arguments.target) if engine.kind == "review" else arguments.target
-        engine.validate(subject)
+        inputs = coding_inputs(arguments) if engine.kind == "coding" else {}
+        engine.validate(subject, **inputs)
         if arguments.sim_items is not None and arguments.sim_items < 0:
             raise EngineInputError(f"--sim-items must be >= 0, got {arguments.sim_items}")
         if arguments.sim_malformed_rate is not None and not 0.0 <= arguments.sim_malformed_rate <= 1.0:
@@ -242,7 +250,7 @@ def run_engine(arguments: argparse.Namespace) -> int:
                               "error_type": type(exc).__name__}, indent=2))
         return EXIT_INVALID
     try:
-        return asyncio.run(_execute(arguments, engine, subject))
+        return asyncio.run(_execute(arguments, engine, subject, inputs))
     except KeyboardInterrupt:
         print("cancelled", file=sys.stderr)
         return EXIT_CANCELLED
@@ -261,18 +269,20 @@ def run_engine(arguments: argparse.Namespace) -> int:
 
 
 def add_engine_parser(subcommands: Any) -> None:
-    engine = subcommands.add_parser("engine", help="run a domain engine (planning, review) on the actor runtime")
+    engine = subcommands.add_parser("engine",
+                                    help="run a domain engine (planning, review, coding) on the actor runtime")
     engine.set_defaults(handler=lambda _: (engine.print_help(), 2)[1])
     actions = engine.add_subparsers(dest="engine_command", metavar="ACTION")
     run = actions.add_parser(
-        "run", help="run an engine: `planning PROMPT` or `review PATH`",
+        "run", help="run an engine: `planning PROMPT`, `review PATH` or `coding TASK --workspace DIR --test-cmd CMD`",
         description="Run a domain engine (ADR-0034) with hard budgets: agents, deadline, tokens, cost. Agent "
                     "turns run on the operation workers; every event is recorded in the store under the printed "
                     "run id (`opgraph run show RUN_ID`). Live progress on a terminal, plain lines elsewhere; the "
                     "result text is printed last.",
-        epilog=_EXIT_HELP)
-    run.add_argument("kind", metavar="KIND", help="planning or review")
-    run.add_argument("target", metavar="PROMPT-OR-PATH", help="the planning prompt, or the file or folder to review")
+        epilog=f"{_EXIT_HELP} {CODING_EXIT_HELP}")
+    run.add_argument("kind", metavar="KIND", help="planning, review or coding")
+    run.add_argument("target", metavar="PROMPT-OR-PATH",
+                     help="the planning prompt, the file or folder to review, or the coding task")
     run.add_argument("--model", default=None,
                      help="provider/model for every agent (default: OPGRAPH_DEFAULT_MODEL or sim/default)")
     run.add_argument("--max-agents", type=int, default=50, help="hard bound on agents made (50)")
@@ -296,7 +306,15 @@ def add_engine_parser(subcommands: Any) -> None:
     run.add_argument("--address", default=None, help="Ray address (default: embedded local Ray)")
     run.add_argument("--json", action="store_true", help="print the result and run statistics as JSON")
     run.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    add_coding_arguments(run)
     run.set_defaults(handler=run_engine)
+    show = actions.add_parser("show", help="print a recorded engine run: its events and result (as `opgraph run show`)")
+    show.add_argument("run_id", metavar="RUN_ID")
+    show.add_argument("--store", default=None, help="store: a SQLite path or a postgresql:// URL "
+                      "(default: OPGRAPH_DB or ~/.opgraph)")
+    show.add_argument("--limit", type=int, default=None, metavar="N", help="print at most N events")
+    show.add_argument("--json", action="store_true", help="print the run and its events as JSON")
+    show.set_defaults(handler=show_run)
 
 
 # -- opgraph run show ----------------------------------------------------------------------
