@@ -59,10 +59,16 @@ def check_inside(root: str, path: str) -> str:
     link that exists now. For checking a tool's argument before the tool runs; the
     writes and reads below do not depend on it staying true.
     """
+    if not isinstance(path, str) or "\0" in path:
+        raise PathEscapeError(f"the path {path!r} is not a usable path", path=repr(path), root=root)
     real_root = os.path.realpath(root)
-    candidate = path if os.path.isabs(path) else os.path.join(real_root, path)
-    if not os.path.isabs(path):
-        relative_parts(path, root)
+    if os.path.isabs(path):
+        candidate = path
+    else:
+        parts = [part for part in path.split("/") if part not in ("", ".")]
+        if ".." in parts:
+            raise PathEscapeError(f"the path {path!r} climbs out of {root} with '..'", path=path, root=root)
+        candidate = os.path.join(real_root, *parts)  # "." or "" is the root itself
     resolved = os.path.realpath(candidate)
     if resolved != real_root and not resolved.startswith(real_root.rstrip(os.sep) + os.sep):
         raise PathEscapeError(f"the path {path!r} leads outside {root} (to {resolved})", path=path, root=root)

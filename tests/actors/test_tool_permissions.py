@@ -143,6 +143,7 @@ def test_path_arguments_are_confined_to_the_working_directory(tmp_path):
         refused = secure.refusal("read_path", reader.path_arguments, {"path": path})
         assert isinstance(refused, ToolPermissionError) and refused.tool == "read_path"
     assert secure.refusal("read_path", reader.path_arguments, json.dumps({"path": "inside.txt"})) is None
+    assert secure.refusal("read_path", reader.path_arguments, {"path": "."}) is None  # the folder itself
     assert secure.refusal("read_path", reader.path_arguments, {"path": str(tmp_path / "inside.txt")}) is None
     assert ToolPermissions(cwd=str(tmp_path), secure=False).refusal("read_path", ("path",), {"path": "/etc"}) is None
     # A secure caller with no working directory may not run a tool that takes paths at all.

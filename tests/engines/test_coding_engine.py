@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from opgraph.actors.verbs import (
     write_confined,
 )
 from opgraph.engines import (
+    ChangeProposed,
     CodeResultRecorded,
     CodingEngine,
     EngineInputError,
@@ -49,8 +51,8 @@ from opgraph.engines.workspace import Sandbox, workspace_gate
 MARK = "31.4159"  # a sleep only these tests start, to find stray processes by
 
 
-def _running(marker: str) -> list[str]:
-    """Live (not zombie) processes whose command line holds ``marker``."""
+def _running(marker: str) -> list[int]:
+    """Live (not zombie) processes whose command line holds ``marker``: their pids."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -63,8 +65,17 @@ def _running(marker: str) -> list[str]:
         except (OSError, IndexError):
             continue
         if marker in command and state not in (b"Z", b"X") and "pytest" not in command:
-            found.append(command)
+            found.append(int(entry))
     return found
+
+
+def _wait_until(condition, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
 
 
 def engine(model: str, **settings) -> CodingEngine:
@@ -120,6 +131,19 @@ def test_a_gate_scrubs_the_environment_and_keeps_a_bounded_tail(tmp_path, monkey
     assert f"HOME={home}" in seen and "HARMLESS_SETTING=kept-when-asked" in seen
     assert result.returncode == 3 and not result.passed
     assert result.output_bytes == 300000 and result.truncated and len(result.output_tail) == 1000
+
+
+def test_a_process_that_leaves_the_group_cannot_hold_the_gate_open(tmp_path):
+    command = f"setsid sleep {MARK} & echo started"
+    started = time.monotonic()
+    try:
+        result = asyncio.run(run_gate(command, str(tmp_path), timeout_s=5.0, kill_grace_s=0.5))
+        assert result.passed and "started" in result.output_tail
+        assert any("left the group" in note for note in result.notes)
+        assert time.monotonic() - started < 5
+    finally:
+        for pid in _running(MARK):  # the escapee is this test's to end, by its pid: the gate says it cannot
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_leftover_processes_of_a_passing_gate_are_ended(tmp_path):
@@ -285,6 +309,85 @@ def test_a_spent_budget_returns_the_structured_record_degraded_and_removes_the_c
     assert result.test_runs == [] and "the tests never ran" in result.caveats
     assert result.run.status == "degraded"
     assert not Path(result.run.sandbox.path).exists()
+
+
+def reads_then_fixes(request):
+    """The implementer reads the copy with its tools (one read leads out), then proposes the fix."""
+    if any(message.get("role") == "tool" for message in request.messages):
+        return change(edit("calc.py", FIXED))
+    return {"tool_calls": [{"id": "r1", "name": "read_file", "arguments": {"path": "calc.py"}},
+                           {"id": "r2", "name": "read_file", "arguments": {"path": "../outside/keep.txt"}},
+                           {"id": "r3", "name": "list_files", "arguments": {"folder": "."}}]}
+
+
+@pytest.mark.ray
+def test_agents_read_the_copy_with_their_tools_and_no_further(session, model, tmp_path):
+    project, _ = make_project(tmp_path)
+    script = CodingScript([reads_then_fixes])
+    result = asyncio.run(engine(model(script), max_fix_rounds=0).run(
+        "make add() add", session=session, workspace=str(project), test_cmd=PYTEST))
+    assert result.verdict == "passed"
+    messages = asyncio.run(session.messages(result.run.agents["implementer"].id))
+    answers = {message["tool_call_id"]: message["content"] for message in messages if message.get("role") == "tool"}
+    assert answers["r1"] == BROKEN
+    assert '"error_type":"ToolPermissionError"' in answers["r2"] and "untouched" not in answers["r2"]
+    assert "calc.py" in answers["r3"] and "test_calc.py" in answers["r3"]
+
+
+@pytest.mark.ray
+def test_a_prose_reply_is_a_missed_emission_never_a_fabricated_change(session, model, tmp_path):
+    project, _ = make_project(tmp_path)
+    script = CodingScript(["I would change calc.py, but here is only prose."])
+    result = asyncio.run(engine(model(script), max_fix_rounds=0).run(
+        "make add() add", session=session, workspace=str(project), test_cmd=PYTEST))
+    assert result.run.by_type(ChangeProposed) == [] and result.skipped == ["implementer x2"]  # one repair turn
+    assert (result.degraded, result.degrade_reason, result.verdict) == (True, "emission_failure", "failed")
+    assert [test.change for test in result.test_runs] == [""]  # the gate still measured the untouched copy
+
+
+@pytest.mark.ray
+def test_the_deadline_stops_a_long_test_and_still_returns_the_record(session, model, tmp_path):
+    project, _ = make_project(tmp_path)
+    script = CodingScript([change(edit("calc.py", FIXED))])
+    coder = engine(model(script), max_fix_rounds=0, test_timeout_s=60.0, deadline_s=3.0)
+    started = time.monotonic()
+    result = asyncio.run(coder.run("make add() add", session=session, workspace=str(project),
+                                   test_cmd=f"sleep {MARK}"))
+    assert (result.degraded, result.degrade_reason, result.verdict) == (True, "deadline", "stopped")
+    assert [(change_.path, change_.status) for change_ in result.files_changed] == [("calc.py", "modified")]
+    assert time.monotonic() - started < 30
+    assert _wait_until(lambda: not _running(MARK), 10)  # the gate's group died with the cancelled turn
+    assert not Path(result.run.sandbox.path).exists()
+
+
+@pytest.mark.ray
+def test_a_callers_cancellation_propagates_after_killing_the_gate_and_removing_the_copy(session, model, tmp_path):
+    project, _ = make_project(tmp_path)
+    script = CodingScript([change(edit("calc.py", FIXED))])
+    coder = engine(model(script), max_fix_rounds=0, test_timeout_s=60.0)
+    copies = []
+
+    def on_event(event):
+        if event["type"] == "workspace_opened":
+            copies.append(Path(event["copy"]))
+
+    async def scenario():
+        task = asyncio.ensure_future(coder.run("make add() add", session=session, workspace=str(project),
+                                               test_cmd=f"sleep {MARK}", on_event=on_event))
+        for _ in range(400):
+            if _running(MARK):
+                break
+            await asyncio.sleep(0.05)
+        assert _running(MARK), "the gate never started"
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(scenario())
+    assert _wait_until(lambda: not _running(MARK), 10)
+    [copy] = copies
+    assert not copy.parent.exists()  # the sandbox (the copy, its home and tmp) is gone
+    assert (project / "calc.py").read_text() == BROKEN
 
 
 @pytest.mark.ray
