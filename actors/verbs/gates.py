@@ -230,8 +230,12 @@ async def run_gate(command: str | Sequence[str], cwd: str, *, timeout_s: float,
     finally:
         os.close(write_end)
     tail = _Tail(max_output_bytes)
-    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-        lambda: tail, os.fdopen(read_end, "rb", buffering=0))
+    try:
+        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: tail, os.fdopen(read_end, "rb", buffering=0))
+    except BaseException:
+        _signal_group(process.pid, signal.SIGKILL)  # nothing may run unwatched
+        raise
     timed_out = killed = False
     notes: list[str] = []
     try:

@@ -133,20 +133,26 @@ class CodingScript:
         return "ok"
 
 
-def coding_case(register_model: Callable[..., str], root: Path, **settings: Any) -> tuple[Any, tuple, dict[str, Any]]:
+def coding_case(register_model: Callable[..., str], root: Path, *, changes: list[Any] | None = None,
+                replies: dict[str, Any] | None = None, test_cmd: str = PYTEST,
+                **settings: Any) -> tuple[Any, tuple, dict[str, Any]]:
     """For the conformance suite: ``(engine, args, kwargs)`` so that ``engine.run(*args, **kwargs)``
     runs a complete coding chain on a fresh tiny project under ``root``.
 
     ``register_model`` is the engine tests' ``model`` fixture (it registers a scripted
-    provider and returns its model id). The script fixes the bug in round 0, so the run
-    uses three agents (planner, implementer, verifier), two of them budgeted, and one
-    test run. ``settings`` override the engine's (max_agents, deadline_s, max_tokens...).
+    provider and returns its model id). By default the script fixes the bug in round 0,
+    so the run makes three agents (planner, implementer; the verifier is exempt) and one
+    test run, and returns a ``CodeResultRecorded`` with verdict ``passed``. ``changes``
+    replaces the implementer's replies per round (say ``["prose only"]`` for a missed
+    emission), ``replies`` any agent's (``{"planner": ...}``), ``test_cmd`` the gate
+    (say ``"sleep 30"`` to have something to cancel or time out); ``settings`` override
+    the engine's (max_agents, deadline_s, max_tokens, max_fix_rounds, test_timeout_s...).
     """
     from opgraph.engines import CodingEngine
 
     project, _ = make_project(root)
-    model = register_model(CodingScript([change(edit("calc.py", FIXED), summary="add adds")]))
-    options = {"model": model, "test_timeout_s": 60.0, "turn_timeout_s": 60.0, "kill_grace_s": 0.5,
+    script = CodingScript(changes or [change(edit("calc.py", FIXED), summary="add adds")], replies=replies)
+    options = {"model": register_model(script), "test_timeout_s": 60.0, "turn_timeout_s": 60.0, "kill_grace_s": 0.5,
                "max_fix_rounds": 1, **settings}
-    engine = CodingEngine(**options)
-    return engine, ("make add() add its arguments",), {"workspace": str(project), "test_cmd": PYTEST}
+    return CodingEngine(**options), ("make add() add its arguments",), {"workspace": str(project),
+                                                                        "test_cmd": test_cmd}
