@@ -134,13 +134,15 @@ def test_a_gate_scrubs_the_environment_and_keeps_a_bounded_tail(tmp_path, monkey
 
 
 def test_a_process_that_leaves_the_group_cannot_hold_the_gate_open(tmp_path):
-    command = f"setsid sleep {MARK} & echo started"
+    # The command waits until its child has left the group (written its pid after setsid), then exits.
+    command = (f"setsid sh -c 'echo $$ > escaped.pid; exec sleep {MARK}' & "
+               "while [ ! -s escaped.pid ]; do sleep 0.01; done; echo started")
     started = time.monotonic()
     try:
         result = asyncio.run(run_gate(command, str(tmp_path), timeout_s=5.0, kill_grace_s=0.5))
         assert result.passed and "started" in result.output_tail
         assert any("left the group" in note for note in result.notes)
-        assert time.monotonic() - started < 5
+        assert time.monotonic() - started < 20  # not held until the escapee's sleep ends (31 s)
     finally:
         for pid in _running(MARK):  # the escapee is this test's to end, by its pid: the gate says it cannot
             os.kill(pid, signal.SIGKILL)
