@@ -75,8 +75,8 @@ class FileEdit(BaseModel):
 class FileChange(BaseModel):
     """One file the result changes, against the original workspace.
 
-    ``status`` is ``added``, ``modified`` or ``deleted``; ``diff`` is its unified diff
-    (``a/`` and ``b/`` prefixes, as ``git apply`` reads); ``base_sha256`` is the original's
+    ``status`` is ``added``, ``modified`` or ``deleted``; ``diff`` is its unified diff with
+    git's header (``git apply`` reads the joined diffs); ``base_sha256`` is the original's
     hash (None for an added file), checked before applying; ``content`` is the new text.
     """
 
@@ -260,6 +260,14 @@ def _lines(text: str) -> list[str]:
     return lines
 
 
+def _git_mode(root: str, path: str) -> str:
+    try:
+        executable = os.lstat(os.path.join(root, path)).st_mode & 0o111
+    except OSError:
+        executable = 0
+    return "100755" if executable else "100644"
+
+
 def _change(source: str, copy: str, path: str, max_diff_chars: int) -> FileChange | None:
     try:
         before = read_confined(source, path)
@@ -274,10 +282,15 @@ def _change(source: str, copy: str, path: str, max_diff_chars: int) -> FileChang
     status = "added" if before is None else "deleted" if after is None else "modified"
     old_text, new_text = _text(before), _text(after)
     binary = (before is not None and old_text is None) or (after is not None and new_text is None)
+    # git's header, so `git apply` takes the patch whole, empty added or deleted files included.
+    header = f"diff --git a/{path} b/{path}\n"
+    if status != "modified":
+        mode = _git_mode(copy if after is not None else source, path)
+        header += f"{'new' if status == 'added' else 'deleted'} file mode {mode}\n"
     if binary:
-        diff = f"Binary files a/{path} and b/{path} differ\n"
+        diff = header + f"Binary files a/{path} and b/{path} differ\n"
     else:
-        diff = "".join(difflib.unified_diff(
+        diff = header + "".join(difflib.unified_diff(
             _lines(old_text or ""), _lines(new_text or ""),
             fromfile="/dev/null" if before is None else f"a/{path}",
             tofile="/dev/null" if after is None else f"b/{path}"))

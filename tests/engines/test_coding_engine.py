@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -205,7 +207,8 @@ def test_a_scripted_fix_turns_a_real_pytest_green_in_the_copy_and_apply_writes_i
     assert [(test.round, test.returncode, test.passed) for test in result.test_runs] == [(0, 1, False), (1, 0, True)]
     assert "assert -1 == 5" in result.test_runs[0].output_tail and "1 passed" in result.test_runs[1].output_tail
     assert [(change_.path, change_.status) for change_ in result.files_changed] == [("calc.py", "modified")]
-    assert "-    return a - b\n+    return a + b\n" in result.patch and result.patch.startswith("--- a/calc.py")
+    assert "-    return a - b\n+    return a + b\n" in result.patch
+    assert result.patch.startswith("diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n")
     assert result.run.by_type(TestsRan) == result.test_runs  # stated by the gate, in the event log
     types = sink.types(result.run_id)
     for kind in ("WorkPlanned", "ChangeProposed", "TestsRan", "VerifyResult", "CodeResultRecorded"):
@@ -213,6 +216,11 @@ def test_a_scripted_fix_turns_a_real_pytest_green_in_the_copy_and_apply_writes_i
     assert sink.runs[result.run_id]["status"] == "completed"
     assert "Coding verdict: passed" in sink.runs[result.run_id]["result"]
     assert snapshot(project) == original  # offered, not applied
+    if shutil.which("git"):  # the patch is what `git apply` takes, as well as what apply() writes
+        checked = tmp_path / "git-applied"
+        shutil.copytree(project, checked)
+        subprocess.run(["git", "apply", "-"], input=result.patch, text=True, cwd=checked, check=True)
+        assert (checked / "calc.py").read_text() == FIXED
     assert not Path(result.run.sandbox.path).exists()  # the copy is gone with the run
     assert result.apply() == ["calc.py"]
     assert (project / "calc.py").read_text() == FIXED and snapshot(outside) == beside
