@@ -270,37 +270,25 @@ def test_flow_run_help_publishes_the_capability_matrix(capsys):
 def test_opgraph_serve_answers_over_http_and_stops_on_sigterm(tmp_path):
     """`opgraph serve` in its own process: create a definition over HTTP, list it, stop cleanly."""
     import signal
-    import socket
-    import time
 
     import httpx
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from opgraph.cluster.processes import free_port, http_body, start_server
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OPGRAPH_DB": str(tmp_path / "served.db")}
-    server = subprocess.Popen([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{base}/api/workflows", timeout=1.0)
-                break
-            except httpx.TransportError:
-                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
-                time.sleep(0.2)
+    log = tmp_path / "serve.log"
+    with start_server([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port)],
+                      ready=lambda: http_body(f"{base}/api/workflows"), timeout=60, what="opgraph serve",
+                      log_path=log, env=env) as server:
         created = httpx.post(f"{base}/api/workflows", json={"name": "served", "spec": _spec()}, timeout=5)
         assert created.status_code == 201, created.text
         assert created.json()["content_hash"].startswith("sha256:")
         listed = httpx.get(f"{base}/api/workflows", timeout=5).json()["workflows"]
         assert [row["name"] for row in listed] == ["served"]
-    finally:
-        server.send_signal(signal.SIGTERM)
-        code = server.wait(timeout=30)
-        output = server.stdout.read()
-        server.stdout.close()
+        code = server.stop(signal.SIGTERM)
+    output = log.read_text()
     # uvicorn shuts down gracefully, then re-raises the signal it caught.
     assert code in (0, -signal.SIGTERM), output
     assert "Finished server process" in output, output
