@@ -5,9 +5,8 @@ log (``OPGRAPH_DB``) once the run ended, or awaited on the cluster while it is l
 run's row settled and presented by its lane; an orphaned run continued from the log after
 its lane's capabilities and pinned source allow it. Lanes are reached through the registry.
 
-Exit codes: 0 completed; 1 failed, cancelled, unknown, not resumable or refused by the
-run's capabilities or changed source (nothing ran); 2 bad arguments or store; 3 the runtime
-could not be started or reached.
+A run that ended other than completed, or one that is unknown, not resumable or refused by
+its capabilities or changed source, is ``ExitCode.FAILED`` (``RESULT_CODES``).
 """
 
 from __future__ import annotations
@@ -21,13 +20,10 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from ..connection import EXIT_RUNTIME, RuntimeStartError
+from ..command_line import CLUSTER_ADDRESS, NAMESPACE, RAY_ADDRESS, STORE, ExitCode, add_options
 from ..lanes import (
     LaneCapabilities,
-    LaneCapabilityError,
-    PinnedSourceChangedError,
     RunHooks,
-    UnknownLaneError,
     check_capabilities,
     lane_adapter,
     logged_end,
@@ -35,14 +31,12 @@ from ..lanes import (
     resume_recorded,
     settle_recorded,
 )
-from ..store import RunNotFoundError, RunNotResumableError, RunRecord, WorkflowStoreError, store_exists, store_location
+from ..store import RunNotFoundError, RunRecord, WorkflowStoreError, store_exists, store_location
+from .spine import refused, subcommand
 
-__all__ = ["EXIT_FAILED", "RESULT_EXIT_CODES", "add_result_parsers", "run_result", "run_resume"]
+__all__ = ["RESULT_CODES", "add_result_parsers", "run_result", "run_resume"]
 
-EXIT_FAILED, EXIT_INVALID = 1, 2
-RESULT_EXIT_CODES = (f"exit status: 0 the run completed; {EXIT_FAILED} it failed or was cancelled, is unknown, or "
-                     f"(resume) may not be resumed: nothing ran; {EXIT_INVALID} bad arguments or store; "
-                     f"{EXIT_RUNTIME} the runtime could not be started or reached")
+RESULT_CODES = (ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE, ExitCode.RUNTIME)
 
 
 def _emit(payload: dict[str, Any]) -> None:
@@ -86,7 +80,7 @@ def run_result(arguments: argparse.Namespace) -> int:
             if record is not None and not record.terminal:
                 store.finish_run(record.run_id, "failed", error={"run": {"error": error, "type": status}})
             print(f"opgraph run result: run {arguments.run_id} ended {status}: {error}", file=sys.stderr)
-            return EXIT_FAILED
+            return ExitCode.FAILED
         if ended is not None:
             envelope = ended[1]
         else:
@@ -96,28 +90,23 @@ def run_result(arguments: argparse.Namespace) -> int:
             from opgraph.actors import envelope_summary
 
             _emit(envelope if arguments.envelope else envelope_summary(envelope))
-            return 0 if envelope["status"] == "completed" else EXIT_FAILED
+            return _ended(envelope["status"])
         adapter = lane_adapter(record.lane, store)
         result = settle_recorded(store, record, envelope, adapter.present)
         _emit({**result.to_dict(), **({"envelope": envelope} if arguments.envelope else {})})
-        return 0 if result.status == "completed" else EXIT_FAILED
-    except RuntimeStartError as exc:
-        print(f"opgraph run result: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except TimeoutError as exc:
-        print(f"opgraph run result: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except WorkflowStoreError as exc:
-        print(f"opgraph run result: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except OpGraphError as exc:  # unknown, failed as a whole, its lane unknown here
-        print(f"opgraph run result: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
+        return _ended(result.status)
+    except (OpGraphError, TimeoutError) as exc:  # unknown, failed as a whole, its lane unknown here; waited too long
+        return refused("opgraph run result", exc)
     finally:
         if store is not None:
             store.close()
         if joined_here:
             ray.shutdown()
+
+
+def _ended(status: str) -> ExitCode:
+    """A run read from another process: done when it completed, else failed (cancelled included)."""
+    return ExitCode.OK if status == "completed" else ExitCode.FAILED
 
 
 def _logged_live(run_id: str) -> bool:
@@ -186,13 +175,12 @@ def run_resume(arguments: argparse.Namespace) -> int:
     try:
         store, record = _recorded(arguments.store, arguments.run_id)
     except WorkflowStoreError as exc:
-        print(f"opgraph run resume: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return refused("opgraph run resume", exc)
     if record is not None and record.terminal and not record.orphaned:
         store.close()
         print(f"opgraph run resume: run {record.run_id} ended {record.status}; there is nothing to resume",
               file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     if (record is None and not _logged_live(arguments.run_id)) or (record is not None and not record.terminal):
         if store is not None:
             store.close()
@@ -209,19 +197,9 @@ def run_resume(arguments: argparse.Namespace) -> int:
         else:
             payload = asyncio.run(_resume_lane_run(arguments, address, store, record))
         _emit(payload)
-        return 0 if payload["status"] in ("completed", "resumed") else EXIT_FAILED
-    except (LaneCapabilityError, PinnedSourceChangedError, RunNotResumableError, UnknownLaneError) as exc:
-        print(f"opgraph run resume: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
-    except RuntimeStartError as exc:
-        print(f"opgraph run resume: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except WorkflowStoreError as exc:
-        print(f"opgraph run resume: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except OpGraphError as exc:  # not in the log, could not be rebuilt, its source unreadable
-        print(f"opgraph run resume: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
+        return _ended("completed" if payload["status"] == "resumed" else payload["status"])
+    except OpGraphError as exc:  # refused by its capabilities or changed source; not in the log, not rebuilt
+        return refused("opgraph run resume", exc)
     finally:
         if store is not None:
             store.close()
@@ -236,17 +214,11 @@ def add_result_parsers(run_commands: Any) -> None:
         ("resume", "dispatch again after pause; or continue a run whose owner process died from the run log "
                    "(settled nodes do not run again)", run_resume),
     ):
-        command = run_commands.add_parser(action, help=help_text, epilog=RESULT_EXIT_CODES[0].upper()
-                                          + RESULT_EXIT_CODES[1:] + ".",
-                                          description=help_text[0].upper() + help_text[1:] + ".")
+        command = subcommand(run_commands, action, help_text, codes=RESULT_CODES,
+                             notes="The run log is read from OPGRAPH_DB; --store holds the record of lane runs.")
         command.add_argument("run_id", metavar="RUN_ID")
-        command.add_argument("--address", default=None,
-                             help='Ray address ("auto", "ray://host:port", "host:port"; default: RAY_ADDRESS, else '
-                                  + ("auto" if action == "result" else "an embedded local Ray") + ")")
-        command.add_argument("--namespace", default="opgraph", help="Ray namespace of the runtime (opgraph)")
-        command.add_argument("--store", default=None,
-                             help="the run store of lane runs (default: OPGRAPH_DB or ~/.opgraph/opgraph.db); the "
-                                  "run log is read from OPGRAPH_DB")
+        # A result is read from a cluster that runs it; a resumed orphan runs where this command starts or joins.
+        add_options(command, CLUSTER_ADDRESS if action == "result" else RAY_ADDRESS, NAMESPACE, STORE)
         if action == "result":
             command.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                                  help="wait at most this long for a live run (default: until it ends)")
