@@ -25,6 +25,7 @@ __all__ = [
     "NAMESPACE",
     "PLAIN",
     "RAY_ADDRESS",
+    "RUN_OPTIONS",
     "STORE",
     "TOKEN",
     "ExitCode",
@@ -142,6 +143,8 @@ NAMESPACE = SharedOption(("--namespace",), "Ray namespace of the opgraph actors 
 DEFAULT_MODEL = SharedOption(
     ("--default-model",), "provider/model for what names none (default: OPGRAPH_DEFAULT_MODEL, else sim/default, "
                           "the built-in simulated provider)", {"default": None})
+# What a command that runs a run takes (`flow run`, `demo`, `o flow`, `play`).
+RUN_OPTIONS = (DEFAULT_MODEL, STORE, RAY_ADDRESS, JSON, PLAIN)
 # The token of an `opgraph serve` server, for the commands that call one: sent as a bearer token.
 TOKEN = SharedOption(("--token",), "the token of the opgraph server (default: OPGRAPH_TOKEN)",
                      {"default": None, "metavar": "TOKEN"}, environment="OPGRAPH_TOKEN")

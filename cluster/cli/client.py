@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..command_line import ExitCode
-from ..connection import RuntimeStartError
 from ..jobs.submission import job_submit_command, ray_cli
 from ..lanes import LaneCapabilities, LaneCapabilityError, check_capabilities
 from ..processes import run_command
 from ..store import RunNotFoundError, RunStore, WorkflowStoreError, store_exists, store_location
+from .spine import leaving_ray_as_found, refused
 
 __all__ = ["CONTROL_ACTIONS", "RUN_ACTIONS", "RUN_EXIT_CODES", "check_recorded_control", "job_submit_command",
            "ray_cli", "run_action", "submit_job"]
@@ -127,14 +127,8 @@ def run_action(action: str, run_id: str, *, address: str | None = None, namespac
         raise ValueError(f"unknown run action {action!r}; expected one of {RUN_ACTIONS}")
     try:
         check_recorded_control(run_id, action, store)
-    except LaneCapabilityError as exc:
-        print(f"opgraph run {action}: {exc.message}", file=sys.stderr)
-        return ExitCode.FAILED
-    except WorkflowStoreError as exc:
-        print(f"opgraph run {action}: {exc}", file=sys.stderr)
-        return ExitCode.USAGE
-
-    import ray  # local: the CLI's other commands must not pay for Ray
+    except (LaneCapabilityError, WorkflowStoreError) as exc:  # refused, or a store that cannot be read
+        return refused(f"opgraph run {action}", exc)
 
     from opgraph.actors import RunControl, UnknownRunError
     from opgraph.kernel import OpGraphError
@@ -142,28 +136,21 @@ def run_action(action: str, run_id: str, *, address: str | None = None, namespac
     from ..connection import probe_cluster
 
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    joined_here = not ray.is_initialized()  # a caller's own Ray connection is left as it was
     try:
-        # Ray would retry an address that does not answer for minutes (or forever), and
-        # report a refused token as "cannot connect": ask the GCS first, for a few seconds.
-        probe_cluster(address)
-        control = RunControl.attach(run_id, address=address, namespace=namespace)
-        return asyncio.run(_act(control, action, text, limit))
-    except RuntimeStartError as exc:
-        print(f"opgraph run {action}: {exc}", file=sys.stderr)
-        return ExitCode.RUNTIME
+        with leaving_ray_as_found():
+            # Ray would retry an address that does not answer for minutes (or forever), and
+            # report a refused token as "cannot connect": ask the GCS first, for a few seconds.
+            probe_cluster(address)
+            control = RunControl.attach(run_id, address=address, namespace=namespace)
+            return asyncio.run(_act(control, action, text, limit))
     except UnknownRunError:
         # The executor knows a run only while its owner waits on it.
         print(f"opgraph run {action}: run {run_id} is unknown or already finished (a run is found only "
               f"while the process that started it waits on it; namespace {namespace!r} at {address})",
               file=sys.stderr)
         return ExitCode.FAILED
-    except OpGraphError as exc:
-        print(f"opgraph run {action}: {exc}", file=sys.stderr)
-        return ExitCode.FAILED
+    except OpGraphError as exc:  # the cluster could not be reached (RUNTIME), or it refused the control
+        return refused(f"opgraph run {action}", exc)
     except ConnectionError as exc:
         print(f"opgraph run {action}: cannot reach a Ray cluster at {address!r}: {exc}", file=sys.stderr)
         return ExitCode.RUNTIME
-    finally:
-        if joined_here:
-            ray.shutdown()

@@ -21,16 +21,7 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from ..command_line import (
-    DEFAULT_MODEL,
-    JSON,
-    PLAIN,
-    RAY_ADDRESS,
-    STORE,
-    ExitCode,
-    add_options,
-    positive_int,
-)
+from ..command_line import JSON, RUN_OPTIONS, STORE, ExitCode, add_options, positive_int
 from ..lanes import FIXED_WORKFLOW, RunHooks, describe_capabilities, lane_adapter, lane_entry, open_store, parse_inputs
 from .progress import ProgressDisplay
 from .spine import command_group, refused, subcommand
@@ -107,7 +98,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-dir", default=None, help="containment root for coding-engine cwd")
     parser.add_argument("--model", default=None, help="provider/model for every chat node, e.g. openai/gpt-4.1-mini")
     parser.add_argument("--max-concurrent", type=positive_int, default=5, help="operations in flight at once (5)")
-    add_options(parser, DEFAULT_MODEL, STORE, RAY_ADDRESS, JSON, PLAIN)
+    add_options(parser, *RUN_OPTIONS)
 
 
 def add_flow_parser(subcommands: Any) -> None:

@@ -18,18 +18,7 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from ..command_line import (
-    DEFAULT_MODEL,
-    JSON,
-    PLAIN,
-    RAY_ADDRESS,
-    STORE,
-    ExitCode,
-    add_options,
-    exit_codes_epilog,
-    nonnegative_int,
-    positive_int,
-)
+from ..command_line import JSON, RUN_OPTIONS, ExitCode, add_options, exit_codes_epilog, nonnegative_int, positive_int
 from ..connection import RuntimeStartError
 from ..lanes import (
     PLANNED_REACTIVE_FLOW,
@@ -73,7 +62,7 @@ def add_flow_options(parser: argparse.ArgumentParser, *, play: bool = False) -> 
     parser.add_argument("--model", default=None, help="provider/model of the planner and every op (default: "
                                                       "--default-model)")
     parser.add_argument("--no-synthesis", action="store_true", help="skip the exempt synthesis after the run")
-    add_options(parser, DEFAULT_MODEL, STORE, RAY_ADDRESS, JSON, PLAIN)
+    add_options(parser, *RUN_OPTIONS)
     parser.add_argument("--resume", default=None, metavar="RUN_ID",
                         help="replay a recorded run (or a unique id prefix) from its checkpoint, with no planner call")
     parser.add_argument("--retry-failed", action="store_true", help="with --resume: run failed ops again, "

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from opgraph.kernel import OpGraphError
@@ -32,7 +34,7 @@ from ..lanes import (
     settle_recorded,
 )
 from ..store import RunNotFoundError, RunRecord, WorkflowStoreError, store_exists, store_location
-from .spine import refused, subcommand
+from .spine import leaving_ray_as_found, refused, subcommand
 
 __all__ = ["RESULT_CODES", "add_result_parsers", "run_result", "run_resume"]
 
@@ -43,16 +45,20 @@ def _emit(payload: dict[str, Any]) -> None:
     print(json.dumps(payload, indent=2, sort_keys=True, default=str))
 
 
-def _recorded(store_path: str | None, run_id: str) -> tuple[Any, RunRecord | None]:
-    """The run store and the lane run it records under ``run_id`` (None: no lane ran it, or no store file)."""
+@contextlib.contextmanager
+def _recorded(store_path: str | None, run_id: str) -> Iterator[tuple[Any, RunRecord | None]]:
+    """The run store and the lane run it records under ``run_id`` (None: no lane ran it, or no store
+    file), the store closed on leaving."""
     path = store_location(store_path)
     if not store_exists(path):
-        return None, None
-    store = open_store(path)
-    try:
-        return store, store.get_run(run_id)  # reading settles an orphan: its owner's death is recorded
-    except RunNotFoundError:
-        return store, None
+        yield None, None
+        return
+    with open_store(path) as store:
+        try:
+            record = store.get_run(run_id)  # reading settles an orphan: its owner's death is recorded
+        except RunNotFoundError:
+            record = None
+        yield store, record
 
 
 async def _awaited(run_id: str, address: str | None, namespace: str, timeout: float | None) -> dict[str, Any]:
@@ -68,40 +74,31 @@ async def _awaited(run_id: str, address: str | None, namespace: str, timeout: fl
 
 def run_result(arguments: argparse.Namespace) -> int:
     """``opgraph run result RUN_ID``: the envelope (a lane run: its lane's result), from the log or the cluster."""
-    import ray  # local: only a live run needs the cluster
-
-    joined_here = not ray.is_initialized()
-    store = None
     try:
-        store, record = _recorded(arguments.store, arguments.run_id)
-        ended = logged_end(arguments.run_id)
-        if ended is not None and ended[1] is None:  # it failed as a whole: there is no envelope to present
-            status, _, error = ended
-            if record is not None and not record.terminal:
-                store.finish_run(record.run_id, "failed", error={"run": {"error": error, "type": status}})
-            print(f"opgraph run result: run {arguments.run_id} ended {status}: {error}", file=sys.stderr)
-            return ExitCode.FAILED
-        if ended is not None:
-            envelope = ended[1]
-        else:
-            envelope = asyncio.run(_awaited(arguments.run_id, arguments.address, arguments.namespace,
-                                            arguments.timeout))
-        if record is None:
-            from opgraph.actors import envelope_summary
+        with leaving_ray_as_found(), _recorded(arguments.store, arguments.run_id) as (store, record):
+            ended = logged_end(arguments.run_id)
+            if ended is not None and ended[1] is None:  # it failed as a whole: there is no envelope to present
+                status, _, error = ended
+                if record is not None and not record.terminal:
+                    store.finish_run(record.run_id, "failed", error={"run": {"error": error, "type": status}})
+                print(f"opgraph run result: run {arguments.run_id} ended {status}: {error}", file=sys.stderr)
+                return ExitCode.FAILED
+            if ended is not None:
+                envelope = ended[1]
+            else:  # live: only now is the cluster needed
+                envelope = asyncio.run(_awaited(arguments.run_id, arguments.address, arguments.namespace,
+                                                arguments.timeout))
+            if record is None:
+                from opgraph.actors import envelope_summary
 
-            _emit(envelope if arguments.envelope else envelope_summary(envelope))
-            return _ended(envelope["status"])
-        adapter = lane_adapter(record.lane, store)
-        result = settle_recorded(store, record, envelope, adapter.present)
-        _emit({**result.to_dict(), **({"envelope": envelope} if arguments.envelope else {})})
-        return _ended(result.status)
+                _emit(envelope if arguments.envelope else envelope_summary(envelope))
+                return _ended(envelope["status"])
+            adapter = lane_adapter(record.lane, store)
+            result = settle_recorded(store, record, envelope, adapter.present)
+            _emit({**result.to_dict(), **({"envelope": envelope} if arguments.envelope else {})})
+            return _ended(result.status)
     except (OpGraphError, TimeoutError) as exc:  # unknown, failed as a whole, its lane unknown here; waited too long
         return refused("opgraph run result", exc)
-    finally:
-        if store is not None:
-            store.close()
-        if joined_here:
-            ray.shutdown()
 
 
 def _ended(status: str) -> ExitCode:
@@ -171,40 +168,36 @@ def run_resume(arguments: argparse.Namespace) -> int:
     """
     from .client import run_action
 
-    store, record = None, None
     try:
-        store, record = _recorded(arguments.store, arguments.run_id)
+        with _recorded(arguments.store, arguments.run_id) as (store, record):
+            if record is not None and record.terminal and not record.orphaned:
+                print(f"opgraph run resume: run {record.run_id} ended {record.status}; there is nothing to resume",
+                      file=sys.stderr)
+                return ExitCode.FAILED
+            live = (record is None and not _logged_live(arguments.run_id)) or (record is not None
+                                                                               and not record.terminal)
+            if not live:
+                return _resume_from_log(arguments, store, record)
     except WorkflowStoreError as exc:
         return refused("opgraph run resume", exc)
-    if record is not None and record.terminal and not record.orphaned:
-        store.close()
-        print(f"opgraph run resume: run {record.run_id} ended {record.status}; there is nothing to resume",
-              file=sys.stderr)
-        return ExitCode.FAILED
-    if (record is None and not _logged_live(arguments.run_id)) or (record is not None and not record.terminal):
-        if store is not None:
-            store.close()
-        # A live run: the control "resume" after a pause (checked against a lane run's matrix there).
-        return run_action("resume", arguments.run_id, address=arguments.address, namespace=arguments.namespace,
-                          store=arguments.store)
-    import ray  # local: the checks above come first, without Ray
+    # A live run: the control "resume" after a pause (checked against a lane run's matrix there).
+    return run_action("resume", arguments.run_id, address=arguments.address, namespace=arguments.namespace,
+                      store=arguments.store)
 
-    joined_here = not ray.is_initialized()
+
+def _resume_from_log(arguments: argparse.Namespace, store: Any, record: RunRecord | None) -> int:
+    """A run whose owner died, continued from the run log on this command's runtime."""
     address = arguments.address or os.environ.get("RAY_ADDRESS") or None
     try:
-        if record is None:
-            payload = asyncio.run(_resume_logged(arguments, address))
-        else:
-            payload = asyncio.run(_resume_lane_run(arguments, address, store, record))
+        with leaving_ray_as_found():
+            if record is None:
+                payload = asyncio.run(_resume_logged(arguments, address))
+            else:
+                payload = asyncio.run(_resume_lane_run(arguments, address, store, record))
         _emit(payload)
         return _ended("completed" if payload["status"] == "resumed" else payload["status"])
     except OpGraphError as exc:  # refused by its capabilities or changed source; not in the log, not rebuilt
         return refused("opgraph run resume", exc)
-    finally:
-        if store is not None:
-            store.close()
-        if joined_here:
-            ray.shutdown()
 
 
 def add_result_parsers(run_commands: Any) -> None:

@@ -3,15 +3,18 @@
 Owns what every command module shares beyond its own options: a command group that, run
 without an action, shows its actions and exits as a usage error; a subcommand whose help
 ends with the exit codes it can return (drawn from the one table, ``ExitCode``); and
-``refused``, which prints why a command stops and gives the exit code that error means. The
-options themselves are declared once in ``opgraph.cluster.command_line``.
+``refused``, which prints why a command stops and gives the exit code that error means; and
+leaving Ray as a command found it. The options themselves are declared once in
+``opgraph.cluster.command_line``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from ..command_line import ExitCode, exit_codes_epilog
@@ -24,7 +27,7 @@ from ..store import (
     WorkflowStoreError,
 )
 
-__all__ = ["command_group", "refused", "subcommand"]
+__all__ = ["command_group", "leaving_ray_as_found", "refused", "subcommand"]
 
 # Store errors that refuse a run asked for by id (unknown, not resumable): the command was refused, not misused.
 _RUN_REFUSALS = (RunNotFoundError, RunNotResumableError, EngineRunNotFoundError)
@@ -75,3 +78,17 @@ def refused(prefix: str, exc: BaseException, otherwise: ExitCode = ExitCode.FAIL
         return ExitCode.USAGE
     print(f"{prefix}: {type(exc).__name__ + ': ' if typed else ''}{exc}", file=sys.stderr)
     return otherwise
+
+
+@contextlib.contextmanager
+def leaving_ray_as_found() -> Iterator[None]:
+    """Shut Ray down on leaving when this block was the first to join it: a caller's own Ray
+    connection (a test's, a script's) is left as it was. Ray is imported only when it runs."""
+    import ray
+
+    joined_here = not ray.is_initialized()
+    try:
+        yield
+    finally:
+        if joined_here:
+            ray.shutdown()

@@ -9,14 +9,17 @@ never with `ray stop` (which would also stop the embedded Ray of this pytest pro
 
 from __future__ import annotations
 
+import contextlib
 import shutil
+import sys
+from collections.abc import Iterator
 
 import pytest
 
 # First: sets the test clusters' Ray options before Ray is imported anywhere.
 from ray_session import _pickle_test_module_by_value, _restore_registrations, session  # noqa: F401
 
-from opgraph.cluster.local_head import start_local_head
+from opgraph.cluster.local_head import LocalHead, start_local_head
 from opgraph.cluster.metrics import serve_metrics
 
 
@@ -31,12 +34,23 @@ def metrics_server(session):  # noqa: F811 - the fixture imported above, request
 # -- a real local head, for jobs and for clients in other processes ----------------------
 # The head itself (its own temp dir, free ports, token; stopped by pid) is
 # opgraph.cluster.local_head's, shared with the million-node benchmark.
+@contextlib.contextmanager
+def running_local_head(python: str = sys.executable) -> Iterator[LocalHead]:
+    """A head run by ``python`` for the block; then stopped, by pid, and its temp dir removed.
+    A process of it that survives SIGKILL fails the test that used it."""
+    head = start_local_head(python)
+    try:
+        yield head
+    finally:
+        survivors = head.stop()
+        shutil.rmtree(head.temp_dir)
+        assert not survivors, f"processes of the local head survived SIGKILL: {sorted(survivors)}"
 
 
 @pytest.fixture(scope="session")
 def local_head_starter():
-    """``start_local_head`` itself, for a test module that needs a head of its own (another Python)."""
-    return start_local_head
+    """``running_local_head`` itself, for a test module that needs a head of its own (another Python)."""
+    return running_local_head
 
 
 @pytest.fixture(scope="session")
@@ -47,10 +61,5 @@ def ray_head():
     Nothing in this pytest process calls ray.init against it: its ray_current_cluster
     file lives in its own temp dir, so the embedded Ray of ``session`` never finds it.
     """
-    head = start_local_head()
-    try:
+    with running_local_head() as head:
         yield head
-    finally:
-        survivors = head.stop()
-        shutil.rmtree(head.temp_dir)
-        assert not survivors, f"processes of the local head survived SIGKILL: {sorted(survivors)}"
