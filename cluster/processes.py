@@ -1,12 +1,9 @@
 """Other programs started and ended: a server waited for, a command under a timeout, a crashed owner.
 
-Owns the few ways opgraph's commands, benchmarks and tests start another process and end it,
-so each of them waits with a deadline and cleans up on failure the same way: a server
-started in a session of its own and waited for (a port, an HTTP answer or a line of its
-output), a command run under a timeout, a line awaited on a child's output, a process group
-ended (a polite signal, a grace period, then SIGKILL), and a whole session killed at once as
-a power cut would. Also the /proc view (Linux) of what a process left running. It runs
-programs and knows none of them: it imports neither Ray nor opgraph's runtime.
+Owns how opgraph's commands, benchmarks and tests start a process and end it, so each waits
+with a deadline and cleans up on failure the same way (a process group: polite signal, grace,
+SIGKILL; a crashed owner: its whole session at once), and the /proc view (Linux) of what a
+process left running. It runs programs and knows none of them: no Ray, no opgraph runtime.
 """
 
 from __future__ import annotations

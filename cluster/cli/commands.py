@@ -1,6 +1,8 @@
-"""The `opgraph` command line: argument parsing and subcommand dispatch.
-Each subcommand imports what it needs lazily, so `opgraph --version` stays fast
-and does not start Ray."""
+"""The `opgraph` command line: the parser of every command, its exit-code table, and dispatch.
+
+Each subcommand imports what it needs lazily, so `opgraph --version` stays fast and does not
+start Ray; `opgraph bench` is handed over whole to opgraph.cluster.bench (which never imports
+the CLI back)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from ..command_line import (
     CLUSTER_ADDRESS,
@@ -131,7 +134,7 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_serve_parser(subcommands: argparse._SubParsersAction) -> None:
+def _add_serve_parser(subcommands: Any) -> None:
     api = subcommand(
         subcommands, "serve", "serve the workflow HTTP API (definitions CRUD, 202-admitted runs) until Ctrl-C",
         codes=(ExitCode.OK, ExitCode.USAGE, ExitCode.RUNTIME),
@@ -149,7 +152,7 @@ def _add_serve_parser(subcommands: argparse._SubParsersAction) -> None:
     api.set_defaults(handler=_serve_api)
 
 
-def _add_metrics_parser(subcommands: argparse._SubParsersAction) -> None:
+def _add_metrics_parser(subcommands: Any) -> None:
     actions = command_group(subcommands, "metrics", "Prometheus metrics of a running runtime")
     serve = subcommand(actions, "serve", "serve /metrics for the executor, workers and branch stores until Ctrl-C",
                        codes=(ExitCode.OK, ExitCode.FAILED, ExitCode.RUNTIME))
@@ -161,7 +164,7 @@ def _add_metrics_parser(subcommands: argparse._SubParsersAction) -> None:
     serve.set_defaults(handler=_serve_metrics)
 
 
-def _add_job_parser(subcommands: argparse._SubParsersAction) -> None:
+def _add_job_parser(subcommands: Any) -> None:
     actions = command_group(subcommands, "job", "Ray jobs running opgraph")
     submit = subcommand(
         actions, "submit", "ray job submit --working-dir . -- python -m opgraph.cluster.job ARGS..., shipping opgraph",
@@ -197,7 +200,7 @@ def _add_job_parser(subcommands: argparse._SubParsersAction) -> None:
     runtime_env.set_defaults(handler=_job_runtime_env)
 
 
-def _add_run_parser(subcommands: argparse._SubParsersAction) -> None:
+def _add_run_parser(subcommands: Any) -> None:
     run_commands = command_group(
         subcommands, "run", "find a live run by id on a running cluster and control it", dest="action",
         description="Attach to a run that a process on the cluster is running, by its id. A cluster with "
