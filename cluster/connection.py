@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 
 from opgraph.kernel import OpGraphError
 
+from .command_line import ExitCode
+
 __all__ = [
     "CONNECT_TIMEOUT",
     "EXIT_RUNTIME",
@@ -36,7 +38,7 @@ __all__ = [
 CONNECT_TIMEOUT = 5.0  # seconds the probe waits for the GCS to answer
 # The exit status of every command whose runtime could not be started or reached: no
 # run exists, so it is neither "the run failed" (1) nor "bad arguments" (2).
-EXIT_RUNTIME = 3
+EXIT_RUNTIME = ExitCode.RUNTIME
 
 T = TypeVar("T")
 

@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,11 +27,14 @@ import ray
 from opgraph.actors import RuntimeLostError, Session
 from opgraph.kernel import Graph, OperationGraphBuilder, create_operation
 
+from ..processes import descendants, free_port, http_body, process_table, start_server
 from . import chaos_durable
+from .chaos_durable import kill_pid, teardown
 
 __all__ = ["main"]
 
 SCENARIO_TIMEOUT = 300.0
+SERVE_DEADLINE = 120.0  # seconds for `opgraph serve` to answer
 SCENARIOS = ["worker", "idle", "store", "executor", "memory", "serve", "recovery", "branches", "owner", "submit"]
 
 
@@ -75,24 +77,8 @@ def _statistics(session: Session) -> dict[str, Any]:
     return ray.get(session.runtime.executor.statistics.remote())
 
 
-def _kill(handle: Any, how: str = "SIGKILL") -> None:
-    if how == "ray.kill":
-        ray.kill(handle, no_restart=True)
-    else:
-        os.kill(ray.get(handle.statistics.remote())["pid"], signal.SIGKILL)
-
-
 def _own_session(label: str, **options: Any) -> Session:
     return Session(namespace=f"chaos-{label}-{uuid.uuid4().hex[:6]}", **options)
-
-
-def _teardown(session: Session) -> None:
-    spare = [session.runtime.standby] if session.runtime.standby is not None else []
-    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores, *spare]:
-        try:
-            ray.kill(handle)
-        except ValueError:  # already gone
-            continue
 
 
 # -- 1: a worker killed mid-run ------------------------------------------------------------------
@@ -108,7 +94,7 @@ async def worker_mid_run(nodes: int, latency: float, concurrency: float, kill_af
                                                 max_concurrent=int(concurrency)))
         await asyncio.sleep(kill_after)
         starts_at_kill, finished_at_kill = await ledger.snapshot.remote()
-        _kill(victim)
+        kill_pid(victim)
         envelope = await flow
         elapsed = time.monotonic() - started
         starts, finished = await ledger.snapshot.remote()
@@ -131,7 +117,7 @@ async def worker_mid_run(nodes: int, latency: float, concurrency: float, kill_af
         }
     finally:
         ray.kill(ledger)
-        _teardown(session)
+        teardown(session)
 
 
 # -- 2: a worker killed while idle -----------------------------------------------------------------
@@ -140,7 +126,7 @@ async def worker_idle() -> dict[str, Any]:
     try:
         before = _statistics(session)["worker_pool"]
         killed_at = time.monotonic()
-        _kill(session.runtime.workers[1])
+        kill_pid(session.runtime.workers[1])
         noticed = replaced = None
         while time.monotonic() - killed_at < 30:
             pool = _statistics(session)["worker_pool"]
@@ -157,7 +143,7 @@ async def worker_idle() -> dict[str, Any]:
                 "targets": {"noticed within 5 s": noticed is not None and noticed <= 5.0,
                             "next run completes": envelope["status"] == "completed"}}
     finally:
-        _teardown(session)
+        teardown(session)
 
 
 # -- 3: the branch store killed mid-run ---------------------------------------------------------------
@@ -173,7 +159,7 @@ async def store_mid_run(chains: int, length: int) -> dict[str, Any]:
                                                  instruction=f"chain {chain} step {step}", model="sim/slow")
         flow = asyncio.create_task(session.flow(builder.get_graph(), max_concurrent=chains))
         await asyncio.sleep(1.0)
-        _kill(session.runtime.stores[0])
+        kill_pid(session.runtime.stores[0])
         first = await flow
         after_builder = OperationGraphBuilder("after")
         head = after_builder.add_operation("chat", instruction="after the store died")
@@ -186,7 +172,7 @@ async def store_mid_run(chains: int, length: int) -> dict[str, Any]:
                 "next_run_status": after["status"],
                 "targets": {"next run completes": after["status"] == "completed"}}
     finally:
-        _teardown(session)
+        teardown(session)
 
 
 # -- 4: the executor killed mid-run ---------------------------------------------------------------------
@@ -196,7 +182,7 @@ async def executor_mid_run() -> dict[str, Any]:
         flow = asyncio.create_task(session.flow(_fan_out("sleep", 200, seconds=0.5), max_concurrent=50))
         await asyncio.sleep(1.0)
         killed_at = time.monotonic()
-        _kill(session.runtime.executor)
+        kill_pid(session.runtime.executor)
         error = None
         try:
             await flow
@@ -209,7 +195,7 @@ async def executor_mid_run() -> dict[str, Any]:
                 "targets": {"typed error within 10 s": error is not None and seconds < 10.0,
                             "next run completes": after["status"] == "completed"}}
     finally:
-        _teardown(session)
+        teardown(session)
 
 
 # -- 5: memory over runs on one long-lived runtime ------------------------------------------------------
@@ -239,7 +225,7 @@ async def memory_over_sessions(runs: int, dependents: int) -> dict[str, Any]:
         return {"runs": rows, "targets": _flat(rows)}
     finally:
         keeper.close()
-        _teardown(keeper)
+        teardown(keeper)
 
 
 def _flat(rows: list[dict[str, Any]]) -> dict[str, bool]:
@@ -252,31 +238,8 @@ def _flat(rows: list[dict[str, Any]]) -> dict[str, bool]:
     return result
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as handle:
-                    stat = handle.read()
-            except OSError:
-                continue
-            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(name))
-    found, stack = [], [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def _rss_of(pids: list[int], title: str) -> float:
+def _rss_of(pids: set[int], title: str) -> float:
+    """MiB resident in those of ``pids`` whose command line starts with ``title`` (a Ray actor's class)."""
     total = 0.0
     for pid in pids:
         try:
@@ -303,42 +266,29 @@ def memory_under_serve(runs: int) -> dict[str, Any]:
     from opgraph.cluster.lanes import FIXED_WORKFLOW, lane_entry
 
     spec = json.loads(lane_entry(FIXED_WORKFLOW).examples["support-triage"].read_text())
-    port = _free_port()
+    port = free_port()
     store = tempfile.NamedTemporaryFile(suffix=".db", delete=False).name
-    environment = {**os.environ, "OPGRAPH_DB": store}
-    server = subprocess.Popen([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port)],
-                              env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
     rows = []
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                _http("GET", f"{base}/api/workflows")
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.25)
-        _http("POST", f"{base}/api/workflows", {"name": "triage", "spec": spec})
-        for index in range(runs):
-            run = _http("POST", f"{base}/api/workflows/triage/runs",
-                        {"inputs": {"ticket": f"ticket {index}: card payments fail", "priority": "high"}})
-            run_id = run["run_id"]
-            while _http("GET", f"{base}/api/runs/{run_id}")["status"] not in ("completed", "failed", "cancelled"):
-                time.sleep(0.1)
-            pids = _descendants(server.pid)
-            rows.append({"run": run_id, "status": _http("GET", f"{base}/api/runs/{run_id}")["status"],
-                         "executor_rss_mib": _rss_of(pids, "ray::GraphExecutor"),
-                         "store_rss_mib": _rss_of(pids, "ray::BranchStore")})
+        with start_server([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port)],
+                          ready=lambda: http_body(f"{base}/api/workflows"), timeout=SERVE_DEADLINE,
+                          what="opgraph serve", env={**os.environ, "OPGRAPH_DB": store},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:
+            _http("POST", f"{base}/api/workflows", {"name": "triage", "spec": spec})
+            for index in range(runs):
+                run = _http("POST", f"{base}/api/workflows/triage/runs",
+                            {"inputs": {"ticket": f"ticket {index}: card payments fail", "priority": "high"}})
+                run_id = run["run_id"]
+                while _http("GET", f"{base}/api/runs/{run_id}")["status"] not in ("completed", "failed", "cancelled"):
+                    time.sleep(0.1)
+                pids = descendants(process_table(), {server.pid}) - {server.pid}
+                rows.append({"run": run_id, "status": _http("GET", f"{base}/api/runs/{run_id}")["status"],
+                             "executor_rss_mib": _rss_of(pids, "ray::GraphExecutor"),
+                             "store_rss_mib": _rss_of(pids, "ray::BranchStore")})
+            server.stop(signal.SIGINT)
         return {"runs": rows, "targets": _flat(rows)}
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
         os.unlink(store)
 
 

@@ -11,11 +11,11 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from typing import Any
 
 import ray
@@ -24,10 +24,17 @@ from opgraph.actors import RunControl, Session
 from opgraph.actors.persistence import RunLog, database_path
 from opgraph.kernel import Graph, OperationGraphBuilder, create_operation
 
-__all__ = ["branch_store_messages", "executor_recovery", "owner_resume", "submit_and_read"]
+from ..processes import run_command, run_until
+
+__all__ = ["OWNER_SCRIPT", "SETTLED_PRINTER", "SettledCounter", "branch_store_messages", "counting_operation",
+           "executor_recovery", "kill_pid", "marks_per_node", "owner_resume", "runs_per_node", "submit_and_read",
+           "teardown"]
+
+OWNER_DEADLINE = 300.0  # seconds for an owner process to reach the point it is killed at
+COMMAND_DEADLINE = 180.0  # seconds a submitting or reading process may take
 
 
-def _counted(marks: str):
+def counting_operation(marks: str):
     """Each attempt appends its node id to a file of its worker process: what ran, how often."""
 
     async def counted(branch: Any, seconds: float = 0.2, **parameters: Any) -> list:
@@ -39,13 +46,32 @@ def _counted(marks: str):
     return counted
 
 
-def _runs_per_node(marks: str) -> dict[str, int]:
-    counts: dict[str, int] = {}
+def runs_per_node(marks: str) -> Counter[str]:
+    """How often each node ran, from the marks files of every worker process in folder ``marks``."""
+    counts: Counter[str] = Counter()
     for name in os.listdir(marks):
-        with open(os.path.join(marks, name)) as handle:
-            for node in handle.read().split():
-                counts[node] = counts.get(node, 0) + 1
+        counts.update(marks_per_node(os.path.join(marks, name)))
     return counts
+
+
+def marks_per_node(path: str | os.PathLike[str]) -> Counter[str]:
+    """How often each node id stands in the marks file at ``path``."""
+    with open(path) as handle:
+        return Counter(handle.read().split())
+
+
+class SettledCounter:
+    """An ``on_progress`` callback: counts the completed nodes, and sets ``reached`` once ``target`` have."""
+
+    def __init__(self, target: float) -> None:
+        self.target = target
+        self.count = 0
+        self.reached = asyncio.Event()
+
+    def __call__(self, op_id: str, name: str, status: str, elapsed: float) -> None:
+        self.count += status == "completed"
+        if self.count >= self.target:
+            self.reached.set()
 
 
 def _fan_out(count: int, seconds: float) -> Graph:
@@ -55,11 +81,13 @@ def _fan_out(count: int, seconds: float) -> Graph:
     return graph
 
 
-def _kill_pid(handle: Any) -> None:
+def kill_pid(handle: Any) -> None:
+    """SIGKILL the process of one of the runtime's actors, as the OOM killer would."""
     os.kill(ray.get(handle.statistics.remote())["pid"], signal.SIGKILL)
 
 
-def _teardown(session: Session) -> None:
+def teardown(session: Session) -> None:
+    """Kill every actor of ``session``'s runtime (a scenario's own), the spare executor too."""
     spare = [session.runtime.standby] if session.runtime.standby is not None else []
     for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores, *spare]:
         try:
@@ -74,29 +102,22 @@ async def executor_recovery(nodes: int = 10_000, seconds: float = 0.2, concurren
     session = Session(namespace=f"chaos-recovery-{uuid.uuid4().hex[:6]}")
     try:
         with tempfile.TemporaryDirectory() as undisturbed_marks, tempfile.TemporaryDirectory() as marks:
-            session.register_operation("counted", _counted(undisturbed_marks), record_turn=False)
+            session.register_operation("counted", counting_operation(undisturbed_marks), record_turn=False)
             started = time.monotonic()
             baseline = await session.flow(_fan_out(nodes, seconds), max_concurrent=concurrency)
             undisturbed = time.monotonic() - started
-            session.register_operation("counted", _counted(marks), record_turn=False)
-            settled = asyncio.Event()
-            count = [0]
-
-            def progress(op_id: str, name: str, status: str, elapsed: float) -> None:
-                count[0] += status == "completed"
-                if count[0] >= at * nodes:
-                    settled.set()
-
+            session.register_operation("counted", counting_operation(marks), record_turn=False)
+            progress = SettledCounter(at * nodes)
             started = time.monotonic()
             flow = asyncio.create_task(session.flow(_fan_out(nodes, seconds), max_concurrent=concurrency,
                                                     on_progress=progress))
-            await settled.wait()
+            await progress.reached.wait()
             executor = session.runtime.executor
             at_kill = ray.get(executor.statistics.remote())
-            _kill_pid(executor)
+            kill_pid(executor)
             envelope = await flow
             killed = time.monotonic() - started
-            runs = _runs_per_node(marks)
+            runs = runs_per_node(marks)
         in_flight_at_kill = at_kill["in_flight"]
         twice = {node for node, count in runs.items() if count > 1}
         second_attempts = {node for node, result in envelope["operation_results"].items()
@@ -105,7 +126,7 @@ async def executor_recovery(nodes: int = 10_000, seconds: float = 0.2, concurren
             "status": envelope["status"], "nodes": len(envelope["operation_statuses"]),
             "completed": len(envelope["completed_operations"]) - len(envelope["failed_operations"]),
             "settled_at_kill": sum(at_kill["settled_by_status"].values()) if at_kill.get("settled_by_status")
-            else count[0], "in_flight_at_kill": in_flight_at_kill,
+            else progress.count, "in_flight_at_kill": in_flight_at_kill,
             "nodes_run_more_than_once": len(twice), "of_them_attempt_2": len(twice & second_attempts),
             "wall_seconds_killed": round(killed, 2), "wall_seconds_undisturbed": round(undisturbed, 2),
             "ratio": round(killed / undisturbed, 2), "baseline_status": baseline["status"],
@@ -116,7 +137,7 @@ async def executor_recovery(nodes: int = 10_000, seconds: float = 0.2, concurren
                         "wall time <= 1.5x undisturbed": killed <= 1.5 * undisturbed},
         }
     finally:
-        _teardown(session)
+        teardown(session)
 
 
 async def branch_store_messages(chains: int = 60, length: int = 5, kill_after: float = 1.0) -> dict[str, Any]:
@@ -138,7 +159,7 @@ async def branch_store_messages(chains: int = 60, length: int = 5, kill_after: f
                                                 on_branch_created=lambda view: branches.setdefault(view.node_id,
                                                                                                   view.id)))
         await asyncio.sleep(kill_after)
-        _kill_pid(session.runtime.stores[0])
+        kill_pid(session.runtime.stores[0])
         envelope = await flow
         expected = found = 0
         for node in last:
@@ -154,37 +175,45 @@ async def branch_store_messages(chains: int = 60, length: int = 5, kill_after: f
                     "replacements"],
                 "targets": {"messages lost == 0": found == expected, "completed": envelope["status"] == "completed"}}
     finally:
-        _teardown(session)
+        teardown(session)
 
 
-_OWNER = r"""
-import asyncio, sys
-from opgraph.actors import Session
-from opgraph.kernel import Graph, create_operation
-
-marks, run_id, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
-
-async def marked(branch, **parameters):
-    with open(marks, "a") as handle:
-        handle.write(branch.node_id + "\n")
-    await asyncio.sleep(0.02)
-    return "done"
-
-session = Session()
-session.register_operation("marked", marked, record_turn=False)
-graph = Graph("owned")
-for index in range(1000):
-    graph.add_node(create_operation("marked", {"instruction": str(index)}))
+# A process that prints "settled N" as each of its nodes completes (``run_until`` waits for one).
+SETTLED_PRINTER = r"""
 settled = 0
 
 def progress(op_id, name, status, elapsed):
     global settled
     if status == "completed":
         settled += 1
-        if settled == kill_at:
-            print("kill me", flush=True)
+        print("settled", settled, flush=True)
+"""
 
-asyncio.run(session.flow(graph, max_concurrent=20, run_id=run_id, on_progress=progress))
+# A run's owner, to be SIGKILLed mid-run: NODES nodes on its own embedded Ray, CONCURRENCY at a
+# time, each appending its node id to MARKS and sleeping SECONDS.
+# Usage: python -c OWNER_SCRIPT MARKS RUN_ID NODES SECONDS CONCURRENCY
+OWNER_SCRIPT = r"""
+import asyncio, sys
+from opgraph.actors import Session
+from opgraph.kernel import Graph, create_operation
+
+marks, run_id, nodes, seconds, concurrency = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), \
+    int(sys.argv[5])
+
+async def marked(branch, **parameters):
+    with open(marks, "a") as handle:
+        handle.write(branch.node_id + "\n")
+    await asyncio.sleep(seconds)
+    return "done"
+
+session = Session()
+session.register_operation("marked", marked, record_turn=False)
+graph = Graph("owned")
+for index in range(nodes):
+    graph.add_node(create_operation("marked", {"instruction": str(index)}))
+""" + SETTLED_PRINTER + r"""
+asyncio.run(session.flow(graph, max_concurrent=concurrency, run_id=run_id, on_progress=progress))
+print("finished", flush=True)
 """
 
 
@@ -194,25 +223,15 @@ async def owner_resume(session: Session) -> dict[str, Any]:
     run_id = f"chaos-owned-{uuid.uuid4().hex[:6]}"
     with tempfile.TemporaryDirectory() as folder:
         marks = os.path.join(folder, "marks")
-        owner = subprocess.Popen([sys.executable, "-c", _OWNER, marks, run_id, "500"], stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-        try:
-            while owner.stdout.readline().strip() != "kill me":
-                if owner.poll() is not None:
-                    raise RuntimeError("the owner process ended before it could be killed")
-        finally:
-            os.killpg(owner.pid, signal.SIGKILL)
-            owner.communicate()
+        run_until([sys.executable, "-c", OWNER_SCRIPT, marks, run_id, "1000", "0.02", "20"],
+                  lambda lines: "settled 500" in lines, timeout=OWNER_DEADLINE)
         logged = RunLog(database_path()).load(run_id)
         settled = {record[2] for batch in logged.batches for record in batch
                    if record[0] == "finished" and record[4] == "completed"}
         started = time.monotonic()
         envelope = await RunControl.resume_from_log(run_id, session)
         resumed = time.monotonic() - started
-        counts: dict[str, int] = {}
-        with open(marks) as handle:
-            for line in handle.read().split():
-                counts[line] = counts.get(line, 0) + 1
+        counts = marks_per_node(marks)
     rerun = sorted(node for node in settled if counts.get(node, 0) > 1)
     return {"status": envelope["status"], "nodes": len(envelope["operation_statuses"]),
             "settled_before_kill": len(settled), "completed_nodes_rerun": len(rerun),
@@ -241,13 +260,11 @@ def submit_and_read() -> dict[str, Any]:
     """A process submits a run to this process's Ray and exits; another reads the envelope."""
     address = ray.get_runtime_context().gcs_address
     environment = {**os.environ, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "disabled")}
-    submitted = subprocess.run([sys.executable, "-c", _SUBMITTER, address], env=environment, capture_output=True,
-                               text=True, timeout=180, check=False)
+    submitted = run_command([sys.executable, "-c", _SUBMITTER, address], env=environment, timeout=COMMAND_DEADLINE)
     run_id = submitted.stdout.strip().splitlines()[-1] if submitted.returncode == 0 else None
     if run_id is None:
         return {"error": submitted.stderr[-2000:], "targets": {"submitted": False}}
-    read = subprocess.run([sys.executable, "-c", _READER, address, run_id], env=environment, capture_output=True,
-                          text=True, timeout=180, check=False)
+    read = run_command([sys.executable, "-c", _READER, address, run_id], env=environment, timeout=COMMAND_DEADLINE)
     result = json.loads(read.stdout.strip().splitlines()[-1]) if read.returncode == 0 else {"error": read.stderr}
     return {"run_id": run_id, "submitter_exit": submitted.returncode, **result,
             "targets": {"envelope complete": result.get("status") == "completed" and result.get("nodes") == 200}}

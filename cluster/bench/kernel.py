@@ -124,23 +124,24 @@ def drive(state: FlowState, spawns_from_root: Sequence[SpawnRequest] = (), batch
 Shape = Callable[[], tuple[FlowState, Sequence[SpawnRequest]]]
 
 
+def _without_spawns(graph: Callable[[], Graph], signals: bool) -> Shape:
+    """A shape whose nodes are all in ``graph()``: no spawn requests to feed."""
+    def build():
+        return FlowState(graph(), max_concurrent=None, write_back=False, progress_signals=signals), ()
+    return build
+
+
 def shape_roots(n: int, signals: bool = False) -> Shape:
     """``n`` independent nodes: a settlement with nothing before or after it."""
-    def build():
-        return FlowState(roots_graph(n), max_concurrent=None, write_back=False, progress_signals=signals), ()
-    return build
+    return _without_spawns(lambda: roots_graph(n), signals)
 
 
 def shape_fanout(n: int, signals: bool = False) -> Shape:
-    def build():
-        return FlowState(fanout_graph(n), max_concurrent=None, write_back=False, progress_signals=signals), ()
-    return build
+    return _without_spawns(lambda: fanout_graph(n), signals)
 
 
 def shape_chain(n: int, signals: bool = False) -> Shape:
-    def build():
-        return FlowState(chain_graph(n), max_concurrent=None, write_back=False, progress_signals=signals), ()
-    return build
+    return _without_spawns(lambda: chain_graph(n), signals)
 
 
 def shape_spawns(n: int, signals: bool = False) -> Shape:

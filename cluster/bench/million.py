@@ -1,11 +1,10 @@
 """A million-node fan-out submitted as a Ray job, beside a 100,000-node one (issue #18).
 
-Owns starting a `ray start --head` of its own (its own temp dir, free ports, token auth,
-``OPGRAPH_DB`` in that dir, so the runs are durable as by default), submitting each
-fan-out through ``opgraph job submit`` as a user does, sampling the GraphExecutor
-actor's resident memory while the job runs, and stopping every process of that head by
-pid at the end (never `ray stop`: other Rays on the machine are not ours). Linux only: it
-reads processes and memory from /proc.
+Owns submitting each fan-out through ``opgraph job submit``'s command line as a user does,
+to a `ray start --head` of its own (``opgraph.cluster.local_head``: its own temp dir, free
+ports, token auth, ``OPGRAPH_DB`` in that dir, so the runs are durable as by default, and
+stopped by pid at the end), and sampling the GraphExecutor actor's resident memory while
+the job runs. Linux only: it reads memory from /proc.
 
     python -m opgraph.cluster.bench.million [--sizes 100000,1000000] [--repeat 1] [--max-concurrent 1000]
         [--variant 'LABEL=JOB ARGS' ...]
@@ -21,13 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import shlex
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,170 +31,17 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-__all__ = ["LocalHead", "main"]
+from ..jobs.submission import job_submit_command
+from ..local_head import LocalHead, start_local_head
+from ..processes import command_line, run_command
+
+__all__ = ["main"]
 
 HEAD_START_SECONDS = 120.0
+JOB_SECONDS = 7200.0  # the longest one job (a million nodes) may take
 EXECUTOR_PREFIX = "opgraph-executor"
 PEAK_TARGET_MIB = 2048.0
 RATIO_TARGET = 1.5
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-class LocalHead:
-    """A `ray start --head --block` in its own temp dir and process session, stopped by pid."""
-
-    def __init__(self, *, cpus: int = 2) -> None:
-        self.temp_dir = tempfile.mkdtemp(prefix="ogm-", dir="/tmp")  # short: socket paths must fit 107 bytes
-        self.gcs_port, self.dashboard_port, self.agent_port = _free_port(), _free_port(), _free_port()
-        self.token = secrets.token_hex(32)
-        self.database = os.path.join(self.temp_dir, "opgraph.db")
-        self.log_path = os.path.join(self.temp_dir, "ray-start.log")
-        command = [
-            sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--disable-usage-stats",
-            f"--num-cpus={cpus}", "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}",
-            "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}",
-            f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={self.agent_port}",
-            "--min-worker-port=0", "--max-worker-port=0", f"--temp-dir={self.temp_dir}",
-        ]
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=self.env(head=True),
-                                            start_new_session=True, cwd=self.temp_dir)
-
-    @property
-    def dashboard_url(self) -> str:
-        return f"http://127.0.0.1:{self.dashboard_port}"
-
-    def env(self, *, head: bool = False) -> dict[str, str]:
-        """This interpreter first on PATH (a job's `python` must be it), the head's token, its database."""
-        dropped = ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_TOKEN_PATH")
-        if head:
-            dropped += ("VIRTUAL_ENV", "PYTHONPATH")
-        env = {key: value for key, value in os.environ.items() if key not in dropped}
-        env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
-        env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, OPGRAPH_DB=self.database)
-        return env
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + HEAD_START_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"`ray start --head` exited with {self.process.returncode}; see {self.log_path}")
-            request = urllib.request.Request(f"{self.dashboard_url}/api/jobs/",
-                                             headers={"Authorization": f"Bearer {self.token}"})
-            try:
-                with urllib.request.urlopen(request, timeout=2) as reply:
-                    if reply.status == 200 and _listening(self.agent_port):
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"the head's job server did not answer within {HEAD_START_SECONDS} s")
-
-    def pids(self) -> set[int]:
-        """Every live process of this head: its session, their descendants, anything naming its temp dir."""
-        table = _processes()
-        own = os.getpid()
-        found = {pid for pid, (_, session, _, command) in table.items()
-                 if pid != own and (session == self.process.pid or self.temp_dir in command)}
-        found.add(self.process.pid)
-        return {pid for pid in _descendants(table, found) - {own} if pid in table and table[pid][2] != "Z"}
-
-    def stop(self) -> set[int]:
-        """Workers (actors, jobs) first, then `ray start`, then whatever is left; returns survivors."""
-        mine = self.pids()
-        table = _processes()
-        raylets = {pid for pid in mine if pid in table and "/raylet/raylet" in table[pid][3]}
-        workers = _descendants(table, raylets) - raylets
-        _signal(workers, signal.SIGTERM)
-        _wait_gone(workers, 5.0)
-        _signal({self.process.pid}, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        left = mine
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            left = {pid for pid in left | self.pids() if _running(pid)}
-            _signal(left, sig)
-            left = _wait_gone(left, 5.0)
-            if not left:
-                break
-        self.process.poll()
-        return left
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def _processes() -> dict[int, tuple[int, int, str, str]]:
-    """Live processes from /proc (this script is for Linux): pid -> (parent, session, state, command line)."""
-    table = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as handle:
-                stat = handle.read()
-            command = _command(int(name))
-        except OSError:  # exited while we looked
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()
-        table[int(name)] = (int(fields[1]), int(fields[3]), fields[0], command)
-    return table
-
-
-def _descendants(table: dict[int, tuple[int, int, str, str]], roots: set[int]) -> set[int]:
-    found, grew = set(roots), True
-    while grew:
-        children = {pid for pid, (parent, _, _, _) in table.items() if parent in found and pid not in found}
-        found |= children
-        grew = bool(children)
-    return found
-
-
-def _command(pid: int) -> str:
-    """The command line of ``pid`` ("" once it has gone); Ray sets an actor's to the method it runs."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as handle:
-            return handle.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _signal(pids: set[int], sig: signal.Signals) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
-
-
-def _wait_gone(pids: set[int], seconds: float) -> set[int]:
-    end = time.monotonic() + seconds
-    alive = {pid for pid in pids if _running(pid)}
-    while alive and time.monotonic() < end:
-        time.sleep(0.1)
-        alive = {pid for pid in alive if _running(pid)}
-    return alive
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            stat = handle.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
 class ExecutorMemory:
@@ -243,7 +85,7 @@ class ExecutorMemory:
             if self.pid is not None:
                 rss = _status_mib(self.pid, "VmRSS:")
                 shared = _status_mib(self.pid, "RssShmem:") or 0.0
-                doing = _command(self.pid)
+                doing = command_line(self.pid)
                 if rss is None:
                     self.pid = None  # gone (replaced): look it up again
                     continue
@@ -298,13 +140,11 @@ def _reset_high_water_mark(pid: int) -> None:
 def submit_fanout(head: LocalHead, nodes: int, max_concurrent: int, extra: list[str], workdir: str
                   ) -> dict[str, Any]:
     """``opgraph job submit`` one fan-out of ``nodes`` x 0 s; its summary, wall time and output."""
-    from opgraph.cluster.cli.client import job_submit_command
-
     entrypoint = ["fanout", "--nodes", str(nodes), "--latency", "0", "--max-concurrent", str(max_concurrent),
                   "--progress-interval", "5", *extra]
     command = job_submit_command(entrypoint, address=head.dashboard_url, working_dir=workdir)
     started = time.perf_counter()
-    done = subprocess.run(command, env=head.env(), cwd=workdir, capture_output=True, text=True, check=False)
+    done = run_command(command, env=head.env(), cwd=workdir, timeout=JOB_SECONDS)
     wall = time.perf_counter() - started
     summary = None
     for line in reversed(done.stdout.splitlines()):
@@ -353,11 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     arguments = parser.parse_args(argv)
     sizes = [int(size) for size in arguments.sizes.split(",")]
     variants = _variants(arguments.variant)
-    head = LocalHead()
+    head = start_local_head(own_database=True, timeout=HEAD_START_SECONDS)
     workdir = tempfile.mkdtemp(prefix="ogm-job-")
     rows: dict[tuple[str, int], list[dict[str, Any]]] = {(label, size): [] for label, _ in variants for size in sizes}
     try:
-        head.wait_ready()
         print(f"head up at {head.dashboard_url} (temp dir {head.temp_dir}, OPGRAPH_DB {head.database})", flush=True)
         pid = None
         for round_index in range(arguments.repeat):

@@ -24,7 +24,7 @@ import tempfile
 import time
 from typing import Any
 
-from .chaos_durable import _counted, _runs_per_node
+from .chaos_durable import SettledCounter, counting_operation, runs_per_node
 
 __all__ = ["main", "node_loss"]
 
@@ -64,12 +64,12 @@ def node_loss(nodes: int = 2000, seconds: float = 0.05, concurrency: int = 200, 
             return builder.get_graph()
 
         with tempfile.TemporaryDirectory() as quiet_marks, tempfile.TemporaryDirectory() as marks:
-            session.register_operation("counted", _counted(quiet_marks), record_turn=False, retry=3)
+            session.register_operation("counted", counting_operation(quiet_marks), record_turn=False, retry=3)
             started = time.monotonic()
             baseline = asyncio.run(session.flow(graph(), max_concurrent=concurrency))
             undisturbed = time.monotonic() - started
 
-            session.register_operation("counted", _counted(marks), record_turn=False, retry=3)
+            session.register_operation("counted", counting_operation(marks), record_turn=False, retry=3)
             placed = _pool_nodes()
             head = cluster.head_node.node_id
             # The node (not the head, where the driver runs) holding most of the pool's workers.
@@ -77,23 +77,16 @@ def node_loss(nodes: int = 2000, seconds: float = 0.05, concurrency: int = 200, 
             on_victim = sorted(placed.get(victim.node_id, []))
 
             async def disturbed() -> tuple[dict[str, Any], float]:
-                settled = asyncio.Event()
-                count = [0]
-
-                def progress(op_id: str, name: str, status: str, elapsed: float) -> None:
-                    count[0] += status == "completed"
-                    if count[0] >= at * nodes:
-                        settled.set()
-
+                progress = SettledCounter(at * nodes)
                 began = time.monotonic()
                 flow = asyncio.create_task(session.flow(graph(), max_concurrent=concurrency, on_progress=progress))
-                await settled.wait()
+                await progress.reached.wait()
                 await asyncio.to_thread(cluster.remove_node, victim, False)  # its raylet and every process on it
                 envelope = await flow
                 return envelope, time.monotonic() - began
 
             envelope, killed = asyncio.run(disturbed())
-            runs = _runs_per_node(marks)
+            runs = runs_per_node(marks)
         after = _pool_nodes()
         twice = {node for node, count in runs.items() if count > 1}
         return {

@@ -16,17 +16,18 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-__all__ = ["main"]
+from ..processes import run_command, run_until
+
+__all__ = ["BigPlan", "main"]
 
 ASSIGNMENTS, SPAWNERS, CHILDREN = 200, 100, 5
+OWNER_SECONDS = 600.0  # for the owner to reach half the run, and for the resume to end
 
 
 ROLES = ("researcher", "analyst", "writer", "critic")
@@ -110,47 +111,43 @@ async def _large(session: Any, store: Any, latency: float, roles: int) -> dict[s
             "ideal_s": latency * 2}
 
 
-def _owner(arguments: list[str], latency: float) -> int:
-    from ray import cloudpickle
+# `opgraph o flow ARGS` in a process of its own, with the big plan's scripted planner registered: the
+# benchmark runs the command as a user would, and never imports the CLI (pyproject's import contracts).
+# Usage: python -c OWNER LATENCY ARGS...
+_OWNER = r"""
+import sys
+from ray import cloudpickle
+from opgraph.actors.providers import ScriptedProvider
+from opgraph.cluster.bench import planned
+from opgraph.cluster.cli.orchestrate import main_flow
 
-    from opgraph.actors.providers import ScriptedProvider
-    from opgraph.cluster.cli.orchestrate import main_flow
-
-    cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    return main_flow(arguments, providers={"scripted": ScriptedProvider(BigPlan(latency))})
+cloudpickle.register_pickle_by_value(planned)
+sys.exit(main_flow(sys.argv[2:], providers={"scripted": ScriptedProvider(planned.BigPlan(float(sys.argv[1])))}))
+"""
 
 
 def _kill_and_resume(store_path: str, latency: float) -> dict[str, Any]:
-    command = [sys.executable, "-m", "opgraph.cluster.bench.planned", "--owner", str(latency), "--"]
+    command = [sys.executable, "-c", _OWNER, str(latency)]
     flow = ["big", "--model", "scripted/big", "--max-ops", "700", "--no-synthesis", "--roles", "researcher",
-            "--max-concurrent", "100", "--store", store_path, "--plain"]
-    owner = subprocess.Popen(command + flow, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True)
-    run_id, settled = None, 0
-    try:
-        for line in owner.stderr:
-            if line.startswith("run_id: "):
-                run_id = line.split()[1]
-            if " completed " in line or " failed " in line:
-                settled += 1
-                if settled >= (ASSIGNMENTS + SPAWNERS * CHILDREN) // 2:
-                    break
-    finally:
-        os.killpg(owner.pid, signal.SIGKILL)
-        owner.communicate(timeout=120)
+            "--max-concurrent", "100", f"--store={store_path}", "--plain"]
+
+    def half_settled(lines: list[str]) -> bool:
+        return sum(" completed " in line or " failed " in line for line in lines) >= (
+            ASSIGNMENTS + SPAWNERS * CHILDREN) // 2
+
+    lines = run_until(command + flow, half_settled, stream="stderr", timeout=OWNER_SECONDS).lines
+    run_id = next(line.split()[1] for line in lines if line.startswith("run_id: "))
     started = time.perf_counter()
-    resumed = subprocess.run(command + ["--resume", run_id, "--store", store_path, "--json", "--plain",
-                                        "--max-concurrent", "100"], capture_output=True, text=True, check=False)
+    resumed = run_command(command + ["--resume", run_id, f"--store={store_path}", "--json", "--plain",
+                                     "--max-concurrent", "100"], timeout=OWNER_SECONDS)
     total = time.perf_counter() - started
     printed = json.loads(resumed.stdout[resumed.stdout.index("{"):])
-    return {"killed_after_settled": settled, "resume_status": printed["status"], "ops": len(printed["statuses"]),
+    return {"killed_after_settled": sum(" completed " in line or " failed " in line for line in lines),
+            "resume_status": printed["status"], "ops": len(printed["statuses"]),
             "resume_command_s": total, "resume_run_s": printed["elapsed"]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--owner"]:
-        return _owner(argv[3:], float(argv[1]))
     parser = argparse.ArgumentParser(prog="python -m opgraph.cluster.bench.planned")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--latency", type=float, default=0.05, help="seconds each op of the large plan takes")

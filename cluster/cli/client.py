@@ -13,15 +13,16 @@ import asyncio
 import json
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ..connection import EXIT_RUNTIME, RuntimeStartError
+from ..command_line import ExitCode
+from ..jobs.submission import job_submit_command, ray_cli
 from ..lanes import LaneCapabilities, LaneCapabilityError, check_capabilities
+from ..processes import run_command
 from ..store import RunNotFoundError, RunStore, WorkflowStoreError, store_exists, store_location
+from .spine import leaving_ray_as_found, refused
 
 __all__ = ["CONTROL_ACTIONS", "RUN_ACTIONS", "RUN_EXIT_CODES", "check_recorded_control", "job_submit_command",
            "ray_cli", "run_action", "submit_job"]
@@ -29,44 +30,7 @@ __all__ = ["CONTROL_ACTIONS", "RUN_ACTIONS", "RUN_EXIT_CODES", "check_recorded_c
 RUN_ACTIONS = ("status", "pause", "resume", "cancel", "message", "watch")
 # The control request kind (ADR-0068 D3) each action is; reading a run is no control.
 CONTROL_ACTIONS = {"pause": "pause", "resume": "resume", "cancel": "cancel", "message": "message"}
-EXIT_REFUSED = 1  # the run is unknown, already settled, or ended other than "completed"
-RUN_EXIT_CODES = (f"exit status: 0 done; {EXIT_REFUSED} the run is unknown, already finished, its lane's "
-                  "capabilities exclude the control (nothing is sent), or (watch) it ended other than completed; "
-                  f"2 bad arguments; {EXIT_RUNTIME} the cluster could not be reached (nothing answered, or it "
-                  "refused this process's token)")
-
-
-def ray_cli() -> list[str]:
-    """``ray`` from PATH, or this interpreter's Ray CLI module when no script is on PATH."""
-    return ["ray"] if shutil.which("ray") else [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-def job_submit_command(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
-                       no_wait: bool = False, submission_id: str | None = None,
-                       python: str = "python", detach: bool = False, runtime_env: dict[str, Any] | None = None,
-                       ship: bool = True) -> list[str]:
-    """The `ray job submit` command line that runs ``python -m opgraph.cluster.job ENTRYPOINT...``.
-
-    ``ship`` (the default) takes this process's opgraph to the cluster in the job's runtime
-    environment (``py_modules``, merged into ``runtime_env``), so nodes need only Ray and
-    opgraph's dependencies. ``detach`` adds the job's own ``--detach``: the job ends once its
-    run is admitted and durable, and the run goes on on the cluster (``opgraph run result
-    RUN_ID`` reads its end).
-    """
-    from ..jobs.shipping import opgraph_runtime_env
-
-    command = [*ray_cli(), "job", "submit"]
-    if address:
-        command += ["--address", address]
-    command += ["--working-dir", working_dir]
-    environment = opgraph_runtime_env(runtime_env) if ship else runtime_env
-    if environment:
-        command += ["--runtime-env-json", json.dumps(environment, sort_keys=True)]
-    if submission_id:
-        command += ["--submission-id", submission_id]
-    if no_wait:
-        command.append("--no-wait")
-    return command + ["--", python, "-m", "opgraph.cluster.job", *entrypoint, *(["--detach"] if detach else [])]
+RUN_EXIT_CODES = (ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE, ExitCode.RUNTIME)  # what `opgraph run ACTION` returns
 
 
 def submit_job(entrypoint: Sequence[str], *, address: str | None = None, working_dir: str = ".",
@@ -76,16 +40,18 @@ def submit_job(entrypoint: Sequence[str], *, address: str | None = None, working
     if not entrypoint:
         print("opgraph job submit: give the job's arguments after '--', e.g. "
               "opgraph job submit -- fanout --nodes 1000", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     command = job_submit_command(entrypoint, address=address, working_dir=working_dir, no_wait=no_wait,
                                  submission_id=submission_id, detach=detach, runtime_env=runtime_env, ship=ship)
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)
     try:
-        return subprocess.run(command, check=False).returncode
+        # In the foreground, its output on this terminal: Ctrl-C reaches `ray job submit` as it would
+        # if the user had typed it.
+        return run_command(command, timeout=None, own_session=False, stdout=None, stderr=None).returncode
     except FileNotFoundError:
         print("opgraph job submit: the `ray` command is not on PATH (pip install 'ray[default]')",
               file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
 
 
 def _event_line(item: Any) -> dict[str, Any]:
@@ -106,7 +72,7 @@ def _emit(record: dict[str, Any]) -> None:
 async def _act(control: Any, action: str, text: str | None, limit: int | None) -> int:
     if action == "status":
         _emit(await control.status())
-        return 0
+        return ExitCode.OK
     if action == "watch":
         seen = 0
         watch = control.watch()
@@ -115,14 +81,14 @@ async def _act(control: Any, action: str, text: str | None, limit: int | None) -
                 record = _event_line(item)
                 _emit(record)
                 if record["event"] == "finished":
-                    return 0 if record["status"] == "completed" else EXIT_REFUSED
+                    return ExitCode.OK if record["status"] == "completed" else ExitCode.FAILED
                 if record["event"] == "settled":
                     seen += 1
                     if limit is not None and seen >= limit:
-                        return 0
+                        return ExitCode.OK
         finally:
             await watch.aclose()  # detaches the watcher when leaving early
-        return 0
+        return ExitCode.OK
     if action == "message":
         accepted = await control.send_operator_message(text or "")
     else:
@@ -130,7 +96,7 @@ async def _act(control: Any, action: str, text: str | None, limit: int | None) -
     _emit({"run_id": control.run_id, "action": action, "accepted": accepted})
     if not accepted:
         print(f"opgraph run {action}: run {control.run_id} has already settled", file=sys.stderr)
-    return 0 if accepted else EXIT_REFUSED
+    return ExitCode.OK if accepted else ExitCode.FAILED
 
 
 def check_recorded_control(run_id: str, action: str, store_path: str | None = None) -> None:
@@ -154,21 +120,15 @@ def run_action(action: str, run_id: str, *, address: str | None = None, namespac
                text: str | None = None, limit: int | None = None, store: str | None = None) -> int:
     """`opgraph run ACTION RUN_ID`: attach to a run on a running cluster and act on it.
 
-    A control the run's recorded capabilities exclude is refused first (exit 1), before
+    A control the run's recorded capabilities exclude is refused first (``ExitCode.FAILED``), before
     Ray is reached: it is never queued anywhere.
     """
     if action not in RUN_ACTIONS:
         raise ValueError(f"unknown run action {action!r}; expected one of {RUN_ACTIONS}")
     try:
         check_recorded_control(run_id, action, store)
-    except LaneCapabilityError as exc:
-        print(f"opgraph run {action}: {exc.message}", file=sys.stderr)
-        return EXIT_REFUSED
-    except WorkflowStoreError as exc:
-        print(f"opgraph run {action}: {exc}", file=sys.stderr)
-        return 2
-
-    import ray  # local: the CLI's other commands must not pay for Ray
+    except (LaneCapabilityError, WorkflowStoreError) as exc:  # refused, or a store that cannot be read
+        return refused(f"opgraph run {action}", exc)
 
     from opgraph.actors import RunControl, UnknownRunError
     from opgraph.kernel import OpGraphError
@@ -176,28 +136,21 @@ def run_action(action: str, run_id: str, *, address: str | None = None, namespac
     from ..connection import probe_cluster
 
     address = address or os.environ.get("RAY_ADDRESS") or "auto"
-    joined_here = not ray.is_initialized()  # a caller's own Ray connection is left as it was
     try:
-        # Ray would retry an address that does not answer for minutes (or forever), and
-        # report a refused token as "cannot connect": ask the GCS first, for a few seconds.
-        probe_cluster(address)
-        control = RunControl.attach(run_id, address=address, namespace=namespace)
-        return asyncio.run(_act(control, action, text, limit))
-    except RuntimeStartError as exc:
-        print(f"opgraph run {action}: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
+        with leaving_ray_as_found():
+            # Ray would retry an address that does not answer for minutes (or forever), and
+            # report a refused token as "cannot connect": ask the GCS first, for a few seconds.
+            probe_cluster(address)
+            control = RunControl.attach(run_id, address=address, namespace=namespace)
+            return asyncio.run(_act(control, action, text, limit))
     except UnknownRunError:
         # The executor knows a run only while its owner waits on it.
         print(f"opgraph run {action}: run {run_id} is unknown or already finished (a run is found only "
               f"while the process that started it waits on it; namespace {namespace!r} at {address})",
               file=sys.stderr)
-        return EXIT_REFUSED
-    except OpGraphError as exc:
-        print(f"opgraph run {action}: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        return ExitCode.FAILED
+    except OpGraphError as exc:  # the cluster could not be reached (RUNTIME), or it refused the control
+        return refused(f"opgraph run {action}", exc)
     except ConnectionError as exc:
         print(f"opgraph run {action}: cannot reach a Ray cluster at {address!r}: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    finally:
-        if joined_here:
-            ray.shutdown()
+        return ExitCode.RUNTIME

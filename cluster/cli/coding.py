@@ -13,12 +13,9 @@ import json
 import sys
 from typing import Any
 
-__all__ = ["EXIT_UNMET", "CODING_EXIT_HELP", "add_coding_arguments", "coding_inputs", "coding_settings",
-           "finish_coding"]
+from ..command_line import ExitCode
 
-EXIT_UNMET = 5
-CODING_EXIT_HELP = ("coding: 0 when the final tests pass, 5 when the run completed but its change does not "
-                    "pass (or the verifier found acceptance criteria unmet).")
+__all__ = ["add_coding_arguments", "coding_inputs", "coding_settings", "finish_coding"]
 
 
 def add_coding_arguments(run: argparse.ArgumentParser) -> None:
@@ -65,7 +62,6 @@ def finish_coding(arguments: argparse.Namespace, result: Any, run: Any, budget_l
     """Print the coding result (and apply it on ``--apply``); coding's exit status."""
     from opgraph.engines import WorkspaceConflictError
 
-    from .engine import EXIT_DEGRADED, EXIT_FAILED
 
     payload = coding_payload(result, run)
     applied: list[str] = []
@@ -95,7 +91,7 @@ def finish_coding(arguments: argparse.Namespace, result: Any, run: Any, budget_l
             print("the workspace is unchanged; rerun with --apply to write the change, or apply the patch above "
                   "(`git apply`)", file=sys.stderr)
     if apply_error and result.passed:
-        return EXIT_FAILED
+        return ExitCode.FAILED
     if result.degraded:
-        return EXIT_DEGRADED
-    return 0 if result.verdict in ("passed", "unverified") else EXIT_UNMET
+        return ExitCode.DEGRADED
+    return ExitCode.OK if result.verdict in ("passed", "unverified") else ExitCode.UNMET

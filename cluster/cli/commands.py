@@ -1,6 +1,8 @@
-"""The `opgraph` command line: argument parsing and subcommand dispatch.
-Each subcommand imports what it needs lazily, so `opgraph --version` stays fast
-and does not start Ray."""
+"""The `opgraph` command line: the parser of every command, its exit-code table, and dispatch.
+
+Each subcommand imports what it needs lazily, so `opgraph --version` stays fast and does not
+start Ray; `opgraph bench` is handed over whole to opgraph.cluster.bench (which never imports
+the CLI back)."""
 
 from __future__ import annotations
 
@@ -9,17 +11,27 @@ import json
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
+from ..command_line import (
+    CLUSTER_ADDRESS,
+    NAMESPACE,
+    RAY_ADDRESS,
+    STORE,
+    ExitCode,
+    add_options,
+    exit_codes_table,
+    positive_int,
+)
 from ..http.body import DEFAULT_MAX_BODY_BYTES
 from .client import RUN_EXIT_CODES
 from .engine import add_engine_parser, add_run_show_parser
-from .flow import add_flow_parser, add_run_arguments, add_workflows_parser, positive_int
+from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workflows_parser
 from .orchestrate import add_orchestrate_parser, add_play_parser
 from .results import add_result_parsers
+from .spine import command_group, refused, subcommand
 
 __all__ = ["main"]
-
-_RUN_EPILOG = RUN_EXIT_CODES[0].upper() + RUN_EXIT_CODES[1:] + "."
 
 
 def _installed_version() -> str:
@@ -47,9 +59,8 @@ def _serve_api(arguments: argparse.Namespace) -> int:
         serve(arguments.host, arguments.port, store_path=arguments.store, address=arguments.address,
               max_body_bytes=arguments.max_body_bytes)
     except OpGraphError as exc:  # the store cannot be opened: nothing was served
-        print(f"opgraph serve: {exc}", file=sys.stderr)
-        return 2
-    return 0
+        return refused("opgraph serve", exc, ExitCode.USAGE)
+    return ExitCode.OK
 
 
 def _serve_metrics(arguments: argparse.Namespace) -> int:
@@ -70,7 +81,7 @@ def _submit_job(arguments: argparse.Namespace) -> int:
         runtime_env = json.loads(arguments.runtime_env_json) if arguments.runtime_env_json else None
     except json.JSONDecodeError as exc:
         print(f"opgraph job submit: --runtime-env-json is not JSON: {exc}", file=sys.stderr)
-        return 2
+        return ExitCode.USAGE
     return submit_job(entrypoint, address=arguments.address, working_dir=arguments.working_dir,
                       no_wait=arguments.no_wait, submission_id=arguments.submission_id, detach=arguments.detach,
                       runtime_env=runtime_env, ship=arguments.ship)
@@ -80,7 +91,7 @@ def _job_runtime_env(arguments: argparse.Namespace) -> int:
     from ..jobs.shipping import opgraph_runtime_env
 
     print(json.dumps(opgraph_runtime_env(), sort_keys=True))
-    return 0
+    return ExitCode.OK
 
 
 def _run_action(arguments: argparse.Namespace) -> int:
@@ -92,32 +103,19 @@ def _run_action(arguments: argparse.Namespace) -> int:
                       limit=getattr(arguments, "limit", None), store=arguments.store)
 
 
-def _print_help_of(parser: argparse.ArgumentParser) -> int:
-    """A command group run without an action: show its actions, exit as a usage error."""
-    parser.print_help()
-    return 2
-
-
 def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="opgraph",
-        description="Run LLM operation graphs on Ray.",
-    )
-    parser.add_argument(
-        "--version",
-        action="version",
-        version=f"%(prog)s {_installed_version()}",
-    )
+    parser = argparse.ArgumentParser(prog="opgraph", description="Run LLM operation graphs on Ray.",
+                                     epilog=exit_codes_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_installed_version()}")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = subcommands.add_parser(
-        "demo",
-        help="run the bundled support-triage workflow on the embedded local runtime (sim/ provider)",
+    demo = subcommand(
+        subcommands, "demo",
+        "run the bundled support-triage workflow on the embedded local runtime (sim/ provider)", codes=FLOW_RUN_CODES,
         description="The main job: `opgraph flow run` on the bundled five-node workflow with a conditional "
                     "fork, on local Ray, the SQLite store and the built-in simulated provider. Pass "
                     "--input priority=low to take the other branch, --model to use a real provider.",
     )
-    demo.add_argument("--kernel", action="store_true",
-                      help="drive the kernel state machine alone, without Ray")
+    demo.add_argument("--kernel", action="store_true", help="drive the kernel state machine alone, without Ray")
     add_run_arguments(demo)
     demo.set_defaults(handler=_run_demo)
     add_flow_parser(subcommands)
@@ -125,56 +123,57 @@ def _build_parser() -> argparse.ArgumentParser:
     add_orchestrate_parser(subcommands)
     add_play_parser(subcommands)
     add_engine_parser(subcommands)
-    api = subcommands.add_parser(
-        "serve", help="serve the workflow HTTP API (definitions CRUD, 202-admitted runs) until Ctrl-C",
+    _add_serve_parser(subcommands)
+    # Parsed by opgraph.cluster.bench itself: main() hands `bench ...` over before argparse
+    # (a REMAINDER positional would not take options such as --repeat).
+    subcommands.add_parser("bench", add_help=False,
+                           help="benchmark the standard shapes; `opgraph bench --help` for options")
+    _add_metrics_parser(subcommands)
+    _add_job_parser(subcommands)
+    _add_run_parser(subcommands)
+    return parser
+
+
+def _add_serve_parser(subcommands: Any) -> None:
+    api = subcommand(
+        subcommands, "serve", "serve the workflow HTTP API (definitions CRUD, 202-admitted runs) until Ctrl-C",
+        codes=(ExitCode.OK, ExitCode.USAGE, ExitCode.RUNTIME),
         description="FastAPI server of the fixed-workflow lane: /api/workflows (CRUD, versions) and "
                     "/api/workflows/NAME/runs (202 admission), /api/runs/ID (status, signals, results, "
-                    "cancel). Interactive docs at /docs.",
+                    "cancel). Interactive docs at /docs. The runtime starts with the server (on --address), "
+                    "before it takes requests.",
     )
     api.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1)")
     api.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
-    api.add_argument("--store", default=None,
-                     help="store: a SQLite path or a postgresql:// URL "
-                     "(default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
-    api.add_argument("--address", default=None,
-                     help="Ray address (default: an embedded local Ray); the runtime starts with the server, "
-                          "before it takes requests")
+    add_options(api, STORE, RAY_ADDRESS)
     api.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                      help=f"largest request body taken; a larger one is refused with 413 before it is read "
                           f"whole ({DEFAULT_MAX_BODY_BYTES})")
     api.set_defaults(handler=_serve_api)
 
-    # Parsed by opgraph.cluster.bench itself: main() hands `bench ...` over before argparse
-    # (a REMAINDER positional would not take options such as --repeat).
-    subcommands.add_parser("bench", add_help=False,
-                           help="benchmark the standard shapes; `opgraph bench --help` for options")
 
-    metrics = subcommands.add_parser("metrics", help="Prometheus metrics of a running runtime")
-    metrics.set_defaults(handler=lambda _: _print_help_of(metrics))
-    metrics_commands = metrics.add_subparsers(dest="metrics_command", metavar="ACTION")
-    serve = metrics_commands.add_parser(
-        "serve",
-        help="serve /metrics for the executor, workers and branch stores until Ctrl-C",
-    )
+def _add_metrics_parser(subcommands: Any) -> None:
+    actions = command_group(subcommands, "metrics", "Prometheus metrics of a running runtime")
+    serve = subcommand(actions, "serve", "serve /metrics for the executor, workers and branch stores until Ctrl-C",
+                       codes=(ExitCode.OK, ExitCode.FAILED, ExitCode.RUNTIME))
     serve.add_argument("--port", type=int, default=9464, help="port to listen on, 0 for any free one (9464)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1)")
-    serve.add_argument("--address", default=None,
-                       help='Ray address: "auto", "ray://host:port" or "host:port" (default: embedded local Ray)')
-    serve.add_argument("--namespace", default="opgraph", help="Ray namespace of the runtime (opgraph)")
+    add_options(serve, RAY_ADDRESS, NAMESPACE)
     serve.add_argument("--scrape-timeout", type=float, default=2.0,
                        help="seconds a scrape waits for the actors' snapshots (2.0)")
     serve.set_defaults(handler=_serve_metrics)
 
-    job = subcommands.add_parser("job", help="Ray jobs running opgraph")
-    job.set_defaults(handler=lambda _: _print_help_of(job))
-    job_commands = job.add_subparsers(dest="job_command", metavar="ACTION")
-    submit = job_commands.add_parser(
-        "submit",
-        help="ray job submit --working-dir . -- python -m opgraph.cluster.job ARGS..., shipping opgraph",
+
+def _add_job_parser(subcommands: Any) -> None:
+    actions = command_group(subcommands, "job", "Ray jobs running opgraph")
+    submit = subcommand(
+        actions, "submit", "ray job submit --working-dir . -- python -m opgraph.cluster.job ARGS..., shipping opgraph",
+        codes=(ExitCode.USAGE,),
         description="A thin wrapper: runs `ray job submit` with the job entrypoint, and opgraph in the job's "
                     "runtime environment (py_modules), and passes its exit status through (non-zero when the "
                     "job fails).",
-    )
+        notes="Otherwise, `ray job submit`'s own exit status: non-zero when the job failed.")
+    # The job server's URL, not a Ray (GCS) address: its own option.
     submit.add_argument("--address", default=None,
                         help="the cluster's job server, e.g. http://127.0.0.1:8265 "
                              "(default: Ray's own default, RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
@@ -192,7 +191,7 @@ def _build_parser() -> argparse.ArgumentParser:
     submit.add_argument("entrypoint", nargs=argparse.REMAINDER, metavar="-- ARGS",
                         help="arguments of python -m opgraph.cluster.job, e.g. -- fanout --nodes 1000")
     submit.set_defaults(handler=_submit_job)
-    runtime_env = job_commands.add_parser(
+    runtime_env = actions.add_parser(
         "runtime-env",
         help="print the runtime environment JSON that ships this opgraph (for ray job submit --runtime-env-json)",
         description="Stages this opgraph's code once (under ~/.cache/opgraph/runtime-env) and prints "
@@ -200,13 +199,12 @@ def _build_parser() -> argparse.ArgumentParser:
                     "--working-dir . -- python -m opgraph.cluster.job ...` then runs on nodes without opgraph.")
     runtime_env.set_defaults(handler=_job_runtime_env)
 
-    run = subcommands.add_parser(
-        "run", help="find a live run by id on a running cluster and control it",
+
+def _add_run_parser(subcommands: Any) -> None:
+    run_commands = command_group(
+        subcommands, "run", "find a live run by id on a running cluster and control it", dest="action",
         description="Attach to a run that a process on the cluster is running, by its id. A cluster with "
-                    "token authentication (Ray's default) needs RAY_AUTH_MODE=token and its token.",
-        epilog=_RUN_EPILOG)
-    run.set_defaults(handler=lambda _: _print_help_of(run))
-    run_commands = run.add_subparsers(dest="action", metavar="ACTION")
+                    "token authentication (Ray's default) needs RAY_AUTH_MODE=token and its token.")
     for action, help_text in [
         ("status", "print the run's counters as JSON"),
         ("pause", "stop new dispatches; in-flight operations finish"),
@@ -214,24 +212,18 @@ def _build_parser() -> argparse.ArgumentParser:
         ("message", "send an operator message, rendered into the next dispatched instructions"),
         ("watch", "stream settled nodes as JSON lines until the run ends"),
     ]:
-        command = run_commands.add_parser(action, help=help_text, epilog=_RUN_EPILOG,
-                                          description=help_text[0].upper() + help_text[1:] + ".")
+        command = subcommand(run_commands, action, help_text, codes=RUN_EXIT_CODES)
         command.add_argument("run_id", metavar="RUN_ID")
         if action == "message":
             command.add_argument("text", metavar="TEXT")
         if action == "watch":
             command.add_argument("--limit", type=int, default=None, metavar="N",
                                  help="stop after N settled nodes (default: watch to the end)")
-        command.add_argument("--address", default=None,
-                             help='Ray address ("auto", "ray://host:port", "host:port"; default: RAY_ADDRESS or auto)')
-        command.add_argument("--namespace", default="opgraph", help="Ray namespace of the runtime (opgraph)")
-        command.add_argument("--store", default=None,
-                             help="run store whose record of the run (its lane's capabilities) a control is held "
-                                  "against (default: OPGRAPH_DB or ~/.opgraph/opgraph.db, when it exists)")
+        # The store holds the run's record (its lane's capabilities), which a control is held against.
+        add_options(command, CLUSTER_ADDRESS, NAMESPACE, STORE)
         command.set_defaults(handler=_run_action)
     add_run_show_parser(run_commands)
     add_result_parsers(run_commands)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -245,7 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = getattr(arguments, "handler", None)
     if handler is None:
         parser.print_help()
-        return 2
+        return ExitCode.USAGE
     return handler(arguments)
 
 

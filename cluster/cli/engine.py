@@ -2,12 +2,8 @@
 
 Owns argument handling, reading a review target, the live progress display (rich on a
 terminal, one plain line per event elsewhere), printing a recorded run, and exit codes.
-It must not implement engine semantics: opgraph.engines does.
-
-Exit codes: 0 completed, 1 failed (or an unknown run id), 2 bad input (nothing ran),
-3 the runtime could not be started or reached (nothing ran; as for every command),
-4 degraded (budget, deadline or missing emissions; partial result printed), 130 cancelled;
-coding adds 5: the run completed, but its change does not pass (cluster/cli/coding.py).
+It must not implement engine semantics: opgraph.engines does. Exit codes: ``ENGINE_CODES``
+(a degraded run is ``ExitCode.DEGRADED``, its partial result printed).
 """
 
 from __future__ import annotations
@@ -23,18 +19,20 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from ..connection import EXIT_RUNTIME, RuntimeStartError
-from .coding import CODING_EXIT_HELP, add_coding_arguments, coding_inputs, coding_settings, finish_coding
+from ..command_line import JSON, PLAIN, RAY_ADDRESS, STORE, ExitCode, add_options
+from ..connection import RuntimeStartError
+from .coding import add_coding_arguments, coding_inputs, coding_settings, finish_coding
+from .progress import LiveDisplay
+from .spine import command_group, refused, subcommand
 
 __all__ = [
-    "EXIT_CANCELLED", "EXIT_DEGRADED", "EXIT_FAILED", "EXIT_INVALID", "EXIT_RUNTIME", "EngineProgress",
-    "add_engine_parser", "add_run_show_parser", "read_review_target", "run_engine", "show_run",
+    "ENGINE_CODES", "EngineProgress", "add_engine_parser", "add_run_show_parser", "read_review_target", "run_engine",
+    "show_run",
 ]
 
-EXIT_FAILED, EXIT_INVALID, EXIT_DEGRADED, EXIT_CANCELLED = 1, 2, 4, 130
+ENGINE_CODES = (ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE, ExitCode.RUNTIME, ExitCode.DEGRADED, ExitCode.UNMET,
+                ExitCode.CANCELLED)
 MAX_REVIEW_CHARS = 200_000
-_EXIT_HELP = ("Exit status: 0 completed, 1 failed, 2 bad input (nothing ran), 3 the runtime could not be "
-              "started or reached (nothing ran), 4 degraded (partial result), 130 cancelled.")
 
 
 def read_review_target(path: str, max_chars: int = MAX_REVIEW_CHARS) -> str:
@@ -73,40 +71,22 @@ def _short(data: dict[str, Any], limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-class EngineProgress:
+class EngineProgress(LiveDisplay):
     """Live progress of one engine run: agents, events, budget left, the latest events.
 
     On a terminal it is a rich live panel; elsewhere each event is one plain line.
     """
 
     def __init__(self, *, console: Any = None, live: bool | None = None) -> None:
-        from rich.console import Console
-
-        self.console = console or Console(stderr=True)
-        self.live_enabled = self.console.is_terminal if live is None else live
+        super().__init__(console=console, live=live)
         self.run: Any = None
         self.count = 0
         self.latest: deque[str] = deque(maxlen=8)
         self.started = time.monotonic()
-        self._live = None
 
     def attach(self, run: Any) -> EngineProgress:
         self.run = run
         return self
-
-    def __enter__(self) -> EngineProgress:
-        if self.live_enabled:
-            from rich.live import Live
-
-            self._live = Live(self._render(), console=self.console, refresh_per_second=8, transient=False)
-            self._live.__enter__()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        if self._live is not None:
-            self._live.update(self._render())
-            self._live.__exit__(*exc_info)
-            self._live = None
 
     def budget_line(self) -> str:
         if self.run is None:
@@ -125,8 +105,8 @@ class EngineProgress:
         elapsed = time.monotonic() - self.started
         line = f"{elapsed:8.2f}s  {event.get('type', ''):<18} {event.get('agent') or '-':<22} {_short(event)}"
         self.latest.append(line)
-        if self._live is not None:
-            self._live.update(self._render())
+        if self.showing_live:
+            self.refresh()
         elif event.get("type") in ("agent_created", "budget_exhausted", "run_finished"):
             self.console.print(f"{line}  [{self.budget_line()}]", highlight=False, markup=False, soft_wrap=True)
         else:
@@ -207,7 +187,7 @@ async def _execute(arguments: argparse.Namespace, engine: Any, subject: str,
             if arguments.json:
                 print(json.dumps({"run_id": run.run_id, "engine": engine.kind, "status": "failed",
                                   "error": str(exc), "error_type": type(exc).__name__}, indent=2))
-            return EXIT_FAILED
+            return ExitCode.FAILED
     finally:
         try:
             if session is not None:
@@ -227,7 +207,7 @@ async def _execute(arguments: argparse.Namespace, engine: Any, subject: str,
         print(f"engine run {run.run_id} {payload['status']}{reason} · {progress.budget_line()}{skipped}",
               file=sys.stderr, flush=True)
         print(str(result))
-    return EXIT_DEGRADED if payload["degraded"] else 0
+    return ExitCode.DEGRADED if payload["degraded"] else ExitCode.OK
 
 
 def run_engine(arguments: argparse.Namespace) -> int:
@@ -248,38 +228,31 @@ def run_engine(arguments: argparse.Namespace) -> int:
         if arguments.json:  # a script reading stdout gets an answer for bad input too
             print(json.dumps({"engine": arguments.kind, "status": "invalid", "error": exc.message,
                               "error_type": type(exc).__name__}, indent=2))
-        return EXIT_INVALID
+        return ExitCode.USAGE
     try:
         return asyncio.run(_execute(arguments, engine, subject, inputs))
     except KeyboardInterrupt:
         print("cancelled", file=sys.stderr)
-        return EXIT_CANCELLED
-    except RuntimeStartError as exc:  # nothing ran: no agent, no run record
-        print(f"error: {exc}", file=sys.stderr)
-        if arguments.json:
-            print(json.dumps({"engine": engine.kind, "status": "not_started", "error": exc.message,
-                              "error_type": type(exc).__name__}, indent=2))
-        return EXIT_RUNTIME
-    except OpGraphError as exc:  # before the run began (the store, say): nothing of it is recorded
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        if arguments.json:
-            print(json.dumps({"engine": engine.kind, "status": "failed", "error": exc.message,
-                              "error_type": type(exc).__name__}, indent=2))
-        return EXIT_FAILED
+        return ExitCode.CANCELLED
+    except OpGraphError as exc:  # nothing ran (no runtime), or before the run began (the store, say)
+        code = refused("error", exc, typed=not isinstance(exc, RuntimeStartError))
+        if arguments.json:  # a script reading stdout gets an answer too
+            print(json.dumps({"engine": engine.kind, "status": "not_started" if code == ExitCode.RUNTIME else "failed",
+                              "error": exc.message, "error_type": type(exc).__name__}, indent=2))
+        return code
 
 
 def add_engine_parser(subcommands: Any) -> None:
-    engine = subcommands.add_parser("engine",
-                                    help="run a domain engine (planning, review, coding) on the actor runtime")
-    engine.set_defaults(handler=lambda _: (engine.print_help(), 2)[1])
-    actions = engine.add_subparsers(dest="engine_command", metavar="ACTION")
-    run = actions.add_parser(
-        "run", help="run an engine: `planning PROMPT`, `review PATH` or `coding TASK --workspace DIR --test-cmd CMD`",
+    actions = command_group(subcommands, "engine",
+                            "run a domain engine (planning, review, coding) on the actor runtime")
+    run = subcommand(
+        actions, "run",
+        "run an engine: `planning PROMPT`, `review PATH` or `coding TASK --workspace DIR --test-cmd CMD`",
+        codes=ENGINE_CODES,
         description="Run a domain engine (ADR-0034) with hard budgets: agents, deadline, tokens, cost. Agent "
                     "turns run on the operation workers; every event is recorded in the store under the printed "
                     "run id (`opgraph run show RUN_ID`). Live progress on a terminal, plain lines elsewhere; the "
-                    "result text is printed last.",
-        epilog=f"{_EXIT_HELP} {CODING_EXIT_HELP}")
+                    "result text is printed last.")
     run.add_argument("kind", metavar="KIND", help="planning, review or coding")
     run.add_argument("target", metavar="PROMPT-OR-PATH",
                      help="the planning prompt, the file or folder to review, or the coding task")
@@ -300,21 +273,10 @@ def add_engine_parser(subcommands: Any) -> None:
     run.add_argument("--sim-malformed-rate", type=float, default=None,
                      help="sim/ provider: share of structured replies that come back malformed (0)")
     run.add_argument("--sim-seed", type=int, default=None, help="sim/ provider: seed for malformed replies")
-    run.add_argument("--store", default=None,
-                     help="store: a SQLite path or a postgresql:// URL "
-                     "(default: OPGRAPH_DB, $OPGRAPH_HOME/opgraph.db or ~/.opgraph/opgraph.db)")
-    run.add_argument("--address", default=None, help="Ray address (default: embedded local Ray)")
-    run.add_argument("--json", action="store_true", help="print the result and run statistics as JSON")
-    run.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
+    add_options(run, STORE, RAY_ADDRESS, JSON, PLAIN)
     add_coding_arguments(run)
     run.set_defaults(handler=run_engine)
-    show = actions.add_parser("show", help="print a recorded engine run: its events and result (as `opgraph run show`)")
-    show.add_argument("run_id", metavar="RUN_ID")
-    show.add_argument("--store", default=None, help="store: a SQLite path or a postgresql:// URL "
-                      "(default: OPGRAPH_DB or ~/.opgraph)")
-    show.add_argument("--limit", type=int, default=None, metavar="N", help="print at most N events")
-    show.add_argument("--json", action="store_true", help="print the run and its events as JSON")
-    show.set_defaults(handler=show_run)
+    _add_show(actions, "print a recorded engine run: its events and result (as `opgraph run show`)")
 
 
 # -- opgraph run show ----------------------------------------------------------------------
@@ -352,30 +314,32 @@ def show_run(arguments: argparse.Namespace) -> int:
                     print(json.dumps({**asdict(record), "events": events}, indent=2, default=str))
                 else:
                     _print_engine_run(record, events)
-                return 0
+                return ExitCode.OK
         with RunStore(arguments.store) as workflows:
             run = workflows.get_run(arguments.run_id)
             signals = workflows.run_signals(arguments.run_id)
     except RunNotFoundError:
         print(f"opgraph run show: no engine or workflow run with id {arguments.run_id!r} in the store",
               file=sys.stderr)
-        return EXIT_FAILED
+        return ExitCode.FAILED
     except WorkflowStoreError as exc:
-        print(f"opgraph run show: {exc}", file=sys.stderr)
-        return EXIT_INVALID
+        return refused("opgraph run show", exc)
     from dataclasses import asdict
 
     print(json.dumps({**asdict(run), "signals": signals[: arguments.limit] if arguments.limit else signals},
                      indent=2, default=str))
-    return 0
+    return ExitCode.OK
 
 
 def add_run_show_parser(run_commands: Any) -> None:
-    show = run_commands.add_parser("show", help="print a recorded run from the store: an engine run's events, "
-                                                "or a workflow run's record and signals")
+    _add_show(run_commands, "print a recorded run from the store: an engine run's events, or a workflow run's "
+                            "record and signals")
+
+
+def _add_show(actions: Any, help_text: str) -> None:
+    """`show RUN_ID` under `opgraph run` and `opgraph engine`: one command, two doors."""
+    show = subcommand(actions, "show", help_text, codes=(ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE))
     show.add_argument("run_id", metavar="RUN_ID")
-    show.add_argument("--store", default=None, help="store: a SQLite path or a postgresql:// URL "
-                        "(default: OPGRAPH_DB or ~/.opgraph)")
     show.add_argument("--limit", type=int, default=None, metavar="N", help="print at most N events")
-    show.add_argument("--json", action="store_true", help="print the run and its events as JSON")
+    add_options(show, STORE, JSON)
     show.set_defaults(handler=show_run)

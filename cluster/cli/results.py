@@ -5,29 +5,27 @@ log (``OPGRAPH_DB``) once the run ended, or awaited on the cluster while it is l
 run's row settled and presented by its lane; an orphaned run continued from the log after
 its lane's capabilities and pinned source allow it. Lanes are reached through the registry.
 
-Exit codes: 0 completed; 1 failed, cancelled, unknown, not resumable or refused by the
-run's capabilities or changed source (nothing ran); 2 bad arguments or store; 3 the runtime
-could not be started or reached.
+A run that ended other than completed, or one that is unknown, not resumable or refused by
+its capabilities or changed source, is ``ExitCode.FAILED`` (``RESULT_CODES``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from ..connection import EXIT_RUNTIME, RuntimeStartError
+from ..command_line import CLUSTER_ADDRESS, NAMESPACE, RAY_ADDRESS, STORE, ExitCode, add_options
 from ..lanes import (
     LaneCapabilities,
-    LaneCapabilityError,
-    PinnedSourceChangedError,
     RunHooks,
-    UnknownLaneError,
     check_capabilities,
     lane_adapter,
     logged_end,
@@ -35,30 +33,32 @@ from ..lanes import (
     resume_recorded,
     settle_recorded,
 )
-from ..store import RunNotFoundError, RunNotResumableError, RunRecord, WorkflowStoreError, store_exists, store_location
+from ..store import RunNotFoundError, RunRecord, WorkflowStoreError, store_exists, store_location
+from .spine import leaving_ray_as_found, refused, subcommand
 
-__all__ = ["EXIT_FAILED", "RESULT_EXIT_CODES", "add_result_parsers", "run_result", "run_resume"]
+__all__ = ["RESULT_CODES", "add_result_parsers", "run_result", "run_resume"]
 
-EXIT_FAILED, EXIT_INVALID = 1, 2
-RESULT_EXIT_CODES = (f"exit status: 0 the run completed; {EXIT_FAILED} it failed or was cancelled, is unknown, or "
-                     f"(resume) may not be resumed: nothing ran; {EXIT_INVALID} bad arguments or store; "
-                     f"{EXIT_RUNTIME} the runtime could not be started or reached")
+RESULT_CODES = (ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE, ExitCode.RUNTIME)
 
 
 def _emit(payload: dict[str, Any]) -> None:
     print(json.dumps(payload, indent=2, sort_keys=True, default=str))
 
 
-def _recorded(store_path: str | None, run_id: str) -> tuple[Any, RunRecord | None]:
-    """The run store and the lane run it records under ``run_id`` (None: no lane ran it, or no store file)."""
+@contextlib.contextmanager
+def _recorded(store_path: str | None, run_id: str) -> Iterator[tuple[Any, RunRecord | None]]:
+    """The run store and the lane run it records under ``run_id`` (None: no lane ran it, or no store
+    file), the store closed on leaving."""
     path = store_location(store_path)
     if not store_exists(path):
-        return None, None
-    store = open_store(path)
-    try:
-        return store, store.get_run(run_id)  # reading settles an orphan: its owner's death is recorded
-    except RunNotFoundError:
-        return store, None
+        yield None, None
+        return
+    with open_store(path) as store:
+        try:
+            record = store.get_run(run_id)  # reading settles an orphan: its owner's death is recorded
+        except RunNotFoundError:
+            record = None
+        yield store, record
 
 
 async def _awaited(run_id: str, address: str | None, namespace: str, timeout: float | None) -> dict[str, Any]:
@@ -74,50 +74,36 @@ async def _awaited(run_id: str, address: str | None, namespace: str, timeout: fl
 
 def run_result(arguments: argparse.Namespace) -> int:
     """``opgraph run result RUN_ID``: the envelope (a lane run: its lane's result), from the log or the cluster."""
-    import ray  # local: only a live run needs the cluster
-
-    joined_here = not ray.is_initialized()
-    store = None
     try:
-        store, record = _recorded(arguments.store, arguments.run_id)
-        ended = logged_end(arguments.run_id)
-        if ended is not None and ended[1] is None:  # it failed as a whole: there is no envelope to present
-            status, _, error = ended
-            if record is not None and not record.terminal:
-                store.finish_run(record.run_id, "failed", error={"run": {"error": error, "type": status}})
-            print(f"opgraph run result: run {arguments.run_id} ended {status}: {error}", file=sys.stderr)
-            return EXIT_FAILED
-        if ended is not None:
-            envelope = ended[1]
-        else:
-            envelope = asyncio.run(_awaited(arguments.run_id, arguments.address, arguments.namespace,
-                                            arguments.timeout))
-        if record is None:
-            from opgraph.actors import envelope_summary
+        with leaving_ray_as_found(), _recorded(arguments.store, arguments.run_id) as (store, record):
+            ended = logged_end(arguments.run_id)
+            if ended is not None and ended[1] is None:  # it failed as a whole: there is no envelope to present
+                status, _, error = ended
+                if record is not None and not record.terminal:
+                    store.finish_run(record.run_id, "failed", error={"run": {"error": error, "type": status}})
+                print(f"opgraph run result: run {arguments.run_id} ended {status}: {error}", file=sys.stderr)
+                return ExitCode.FAILED
+            if ended is not None:
+                envelope = ended[1]
+            else:  # live: only now is the cluster needed
+                envelope = asyncio.run(_awaited(arguments.run_id, arguments.address, arguments.namespace,
+                                                arguments.timeout))
+            if record is None:
+                from opgraph.actors import envelope_summary
 
-            _emit(envelope if arguments.envelope else envelope_summary(envelope))
-            return 0 if envelope["status"] == "completed" else EXIT_FAILED
-        adapter = lane_adapter(record.lane, store)
-        result = settle_recorded(store, record, envelope, adapter.present)
-        _emit({**result.to_dict(), **({"envelope": envelope} if arguments.envelope else {})})
-        return 0 if result.status == "completed" else EXIT_FAILED
-    except RuntimeStartError as exc:
-        print(f"opgraph run result: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except TimeoutError as exc:
-        print(f"opgraph run result: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except WorkflowStoreError as exc:
-        print(f"opgraph run result: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except OpGraphError as exc:  # unknown, failed as a whole, its lane unknown here
-        print(f"opgraph run result: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        if store is not None:
-            store.close()
-        if joined_here:
-            ray.shutdown()
+                _emit(envelope if arguments.envelope else envelope_summary(envelope))
+                return _ended(envelope["status"])
+            adapter = lane_adapter(record.lane, store)
+            result = settle_recorded(store, record, envelope, adapter.present)
+            _emit({**result.to_dict(), **({"envelope": envelope} if arguments.envelope else {})})
+            return _ended(result.status)
+    except (OpGraphError, TimeoutError) as exc:  # unknown, failed as a whole, its lane unknown here; waited too long
+        return refused("opgraph run result", exc)
+
+
+def _ended(status: str) -> ExitCode:
+    """A run read from another process: done when it completed, else failed (cancelled included)."""
+    return ExitCode.OK if status == "completed" else ExitCode.FAILED
 
 
 def _logged_live(run_id: str) -> bool:
@@ -182,51 +168,36 @@ def run_resume(arguments: argparse.Namespace) -> int:
     """
     from .client import run_action
 
-    store, record = None, None
     try:
-        store, record = _recorded(arguments.store, arguments.run_id)
+        with _recorded(arguments.store, arguments.run_id) as (store, record):
+            if record is not None and record.terminal and not record.orphaned:
+                print(f"opgraph run resume: run {record.run_id} ended {record.status}; there is nothing to resume",
+                      file=sys.stderr)
+                return ExitCode.FAILED
+            live = (record is None and not _logged_live(arguments.run_id)) or (record is not None
+                                                                               and not record.terminal)
+            if not live:
+                return _resume_from_log(arguments, store, record)
     except WorkflowStoreError as exc:
-        print(f"opgraph run resume: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    if record is not None and record.terminal and not record.orphaned:
-        store.close()
-        print(f"opgraph run resume: run {record.run_id} ended {record.status}; there is nothing to resume",
-              file=sys.stderr)
-        return EXIT_FAILED
-    if (record is None and not _logged_live(arguments.run_id)) or (record is not None and not record.terminal):
-        if store is not None:
-            store.close()
-        # A live run: the control "resume" after a pause (checked against a lane run's matrix there).
-        return run_action("resume", arguments.run_id, address=arguments.address, namespace=arguments.namespace,
-                          store=arguments.store)
-    import ray  # local: the checks above come first, without Ray
+        return refused("opgraph run resume", exc)
+    # A live run: the control "resume" after a pause (checked against a lane run's matrix there).
+    return run_action("resume", arguments.run_id, address=arguments.address, namespace=arguments.namespace,
+                      store=arguments.store)
 
-    joined_here = not ray.is_initialized()
+
+def _resume_from_log(arguments: argparse.Namespace, store: Any, record: RunRecord | None) -> int:
+    """A run whose owner died, continued from the run log on this command's runtime."""
     address = arguments.address or os.environ.get("RAY_ADDRESS") or None
     try:
-        if record is None:
-            payload = asyncio.run(_resume_logged(arguments, address))
-        else:
-            payload = asyncio.run(_resume_lane_run(arguments, address, store, record))
+        with leaving_ray_as_found():
+            if record is None:
+                payload = asyncio.run(_resume_logged(arguments, address))
+            else:
+                payload = asyncio.run(_resume_lane_run(arguments, address, store, record))
         _emit(payload)
-        return 0 if payload["status"] in ("completed", "resumed") else EXIT_FAILED
-    except (LaneCapabilityError, PinnedSourceChangedError, RunNotResumableError, UnknownLaneError) as exc:
-        print(f"opgraph run resume: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
-    except RuntimeStartError as exc:
-        print(f"opgraph run resume: {exc}", file=sys.stderr)
-        return EXIT_RUNTIME
-    except WorkflowStoreError as exc:
-        print(f"opgraph run resume: {exc}", file=sys.stderr)
-        return EXIT_INVALID
-    except OpGraphError as exc:  # not in the log, could not be rebuilt, its source unreadable
-        print(f"opgraph run resume: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
-    finally:
-        if store is not None:
-            store.close()
-        if joined_here:
-            ray.shutdown()
+        return _ended("completed" if payload["status"] == "resumed" else payload["status"])
+    except OpGraphError as exc:  # refused by its capabilities or changed source; not in the log, not rebuilt
+        return refused("opgraph run resume", exc)
 
 
 def add_result_parsers(run_commands: Any) -> None:
@@ -236,17 +207,11 @@ def add_result_parsers(run_commands: Any) -> None:
         ("resume", "dispatch again after pause; or continue a run whose owner process died from the run log "
                    "(settled nodes do not run again)", run_resume),
     ):
-        command = run_commands.add_parser(action, help=help_text, epilog=RESULT_EXIT_CODES[0].upper()
-                                          + RESULT_EXIT_CODES[1:] + ".",
-                                          description=help_text[0].upper() + help_text[1:] + ".")
+        command = subcommand(run_commands, action, help_text, codes=RESULT_CODES,
+                             notes="The run log is read from OPGRAPH_DB; --store holds the record of lane runs.")
         command.add_argument("run_id", metavar="RUN_ID")
-        command.add_argument("--address", default=None,
-                             help='Ray address ("auto", "ray://host:port", "host:port"; default: RAY_ADDRESS, else '
-                                  + ("auto" if action == "result" else "an embedded local Ray") + ")")
-        command.add_argument("--namespace", default="opgraph", help="Ray namespace of the runtime (opgraph)")
-        command.add_argument("--store", default=None,
-                             help="the run store of lane runs (default: OPGRAPH_DB or ~/.opgraph/opgraph.db); the "
-                                  "run log is read from OPGRAPH_DB")
+        # A result is read from a cluster that runs it; a resumed orphan runs where this command starts or joins.
+        add_options(command, CLUSTER_ADDRESS if action == "result" else RAY_ADDRESS, NAMESPACE, STORE)
         if action == "result":
             command.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                                  help="wait at most this long for a live run (default: until it ends)")

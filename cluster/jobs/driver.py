@@ -15,13 +15,14 @@ import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from ..command_line import ExitCode
 from ..connection import EXIT_RUNTIME
 
 __all__ = ["EXIT_RUNTIME", "EXIT_RUN_NOT_COMPLETED", "EXIT_USAGE", "ProgressLog", "detach_problem", "job_address",
            "job_detached"]
 
-EXIT_RUN_NOT_COMPLETED = 1  # the run failed or was cancelled: the job is marked FAILED
-EXIT_USAGE = 2  # bad arguments or store, or a workflow definition that does not validate or compile
+EXIT_RUN_NOT_COMPLETED = ExitCode.FAILED  # the run failed or was cancelled: the job is marked FAILED
+EXIT_USAGE = ExitCode.USAGE  # bad arguments or store, or a workflow definition that does not validate or compile
 
 
 class ProgressLog:

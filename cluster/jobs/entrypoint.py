@@ -16,8 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..command_line import NAMESPACE, RAY_ADDRESS, STORE, ExitCode, add_options, exit_codes_epilog
 from ..connection import RuntimeStartError
-from .driver import EXIT_RUN_NOT_COMPLETED, EXIT_RUNTIME, EXIT_USAGE
 from .fanout import run_fanout_job
 from .workflow import run_workflow_job
 
@@ -37,9 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m opgraph.cluster.job",
         description="Run one opgraph run as a Ray job: progress in the logs, the summary as the last line.",
-        epilog=f"Exit status: 0 the run completed; {EXIT_RUN_NOT_COMPLETED} it failed or was cancelled; "
-               f"{EXIT_USAGE} bad arguments, store or definition (nothing ran); {EXIT_RUNTIME} Ray could not be "
-               "started or reached (nothing ran).",
+        epilog=exit_codes_epilog(ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE, ExitCode.RUNTIME)
+        + " A run that failed or was cancelled ends the job with 1: Ray marks it FAILED.",
     )
     modes = parser.add_subparsers(dest="mode", metavar="MODE", required=True)
     fanout = modes.add_parser("fanout", help="N independent nodes of the built-in 'sleep' operation")
@@ -69,9 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     workflow.add_argument("--model", default=None, help="provider/model for every chat node")
     workflow.add_argument("--base-dir", default=None, help="containment root for coding-engine cwd")
     workflow.add_argument("--max-concurrent", type=_positive(int), default=5, help="operations in flight (5)")
-    workflow.add_argument("--store", default=None,
-                          help="the store the driver records in: a SQLite path or a postgresql:// URL "
-                               "(default: OPGRAPH_DB or ~/.opgraph/opgraph.db)")
+    add_options(workflow, STORE)
     workflow.add_argument("--results", default=None, metavar="PATH",
                           help="write the full run result (outputs, errors, provenance) as JSON to PATH")
     _add_runtime_arguments(workflow, run_id_default="workflow-<uuid>")
@@ -80,11 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_runtime_arguments(mode: argparse.ArgumentParser, *, run_id_default: str) -> None:
-    mode.add_argument("--address", default=None,
-                      help='Ray address ("auto", "ray://host:port", "host:port"); default: RAY_ADDRESS '
-                           "when set (as under `ray job submit`), else ray.init()'s choice: a cluster "
-                           "`ray start` began on this machine, or an embedded local Ray")
-    mode.add_argument("--namespace", default="opgraph", help="Ray namespace of the opgraph actors (opgraph)")
+    add_options(mode, RAY_ADDRESS, NAMESPACE)  # RAY_ADDRESS is set for a driver under `ray job submit`
     mode.add_argument("--detached", action=argparse.BooleanOptionalAction, default=None,
                       help="keep the opgraph actors alive after this job, shared by later jobs and "
                            "clients (default: yes with --address or RAY_ADDRESS, else no)")
@@ -105,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return arguments.handler(arguments)
     except RuntimeStartError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_RUNTIME
+        return ExitCode.RUNTIME
 
 
 if __name__ == "__main__":

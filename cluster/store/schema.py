@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opgraph.actors.persistence.backends import Connection, SqliteConnection, is_postgres, location
+from opgraph.actors.persistence.database import database_path
 
 from .errors import StoreSchemaError, WorkflowStoreError
 
@@ -305,12 +306,9 @@ def _apply(connection: Connection, step: Migration, path: str) -> int:
 
 def default_store_path() -> Path | str:
     """``$OPGRAPH_DB`` (a path, or a ``postgresql://`` URL kept as it is), else
-    ``$OPGRAPH_HOME/opgraph.db``, else ``~/.opgraph/opgraph.db``."""
-    if os.environ.get("OPGRAPH_DB"):
-        return location(os.environ["OPGRAPH_DB"])
-    if os.environ.get("OPGRAPH_HOME"):
-        return Path(os.environ["OPGRAPH_HOME"]).expanduser() / "opgraph.db"
-    return Path.home() / ".opgraph" / "opgraph.db"
+    ``$OPGRAPH_HOME/opgraph.db``, else ``~/.opgraph/opgraph.db``: the run store and the
+    runtime's run log share one database, so one function (the runtime's) decides where."""
+    return database_path()
 
 
 def store_location(store: str | os.PathLike[str] | None = None) -> Path | str:

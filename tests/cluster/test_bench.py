@@ -51,22 +51,25 @@ def test_every_standard_shape_reports_positive_figures_at_or_above_the_ideal(ses
             assert figures["per_link_overhead_ms"] is None
 
 
-def test_compare_lionagi_runs_the_same_shapes_in_the_same_run(session, tmp_path, capsys):
-    """fan-out 20 x 50 ms and root -> 2 returned spawns on both libraries; emitted spawns are n/a on lionagi."""
+def _compare(tmp_path, capsys, shapes: str, peers: str) -> tuple[str, str, dict, dict]:
+    """`opgraph bench --shapes SHAPES --nodes 20 --repeat 1 --compare PEERS`: what it printed, its table's
+    header line, the JSON document (every library named in it), and the results by shape key."""
     path = tmp_path / "figures.json"
-
-    status = main(["--shapes", "fanout-50ms,spawns-returned,spawns", "--nodes", "20", "--repeat", "1",
-                   "--compare", "lionagi", "--json", str(path)])
-
+    status = main(["--shapes", shapes, "--nodes", "20", "--repeat", "1", "--compare", peers, "--json", str(path)])
     assert status == 0
     output = capsys.readouterr().out
     header = next(line for line in output.splitlines() if line.startswith("shape"))
+    document = json.loads(path.read_text())
+    assert document["libraries"] == ["opgraph", *peers.split(",")]
+    return output, header, document, {shape["key"]: shape["results"] for shape in document["shapes"]}
+
+
+def test_compare_lionagi_runs_the_same_shapes_in_the_same_run(session, tmp_path, capsys):
+    """fan-out 20 x 50 ms and root -> 2 returned spawns on both libraries; emitted spawns are n/a on lionagi."""
+    output, header, document, results = _compare(tmp_path, capsys, "fanout-50ms,spawns-returned,spawns", "lionagi")
     for column in ("opgraph s", "lionagi s", "lionagi nodes/s", "lionagi/ideal", "opgraph/lionagi"):
         assert column in header
-    document = json.loads(path.read_text())
-    assert document["libraries"] == ["opgraph", "lionagi"]
     assert document["machine"]["lionagi"]
-    results = {shape["key"]: shape["results"] for shape in document["shapes"]}
     for key in ("fanout-50ms", "spawns-returned"):
         for library in ("opgraph", "lionagi"):
             figures = results[key][library]
@@ -82,20 +85,11 @@ def test_compare_lionagi_runs_the_same_shapes_in_the_same_run(session, tmp_path,
 def test_compare_langgraph_beside_lionagi_runs_each_kind_of_shape(session, tmp_path, capsys):
     """Three libraries in one run: fan-out 20 x 0 ms, chain of 2, fan-out 20 + 1 aggregation, root -> 2
     returned spawns; emitted spawns are n/a on both peers. opgraph's ratio to each peer is a column."""
-    path = tmp_path / "figures.json"
-
-    status = main(["--shapes", "fanout-0ms,chain,aggregation,spawns-returned,spawns", "--nodes", "20",
-                   "--repeat", "1", "--compare", "lionagi,langgraph", "--json", str(path)])
-
-    assert status == 0
-    output = capsys.readouterr().out
-    header = next(line for line in output.splitlines() if line.startswith("shape"))
+    shapes = "fanout-0ms,chain,aggregation,spawns-returned,spawns"
+    output, header, document, results = _compare(tmp_path, capsys, shapes, "lionagi,langgraph")
     for column in ("langgraph s", "langgraph nodes/s", "langgraph/ideal", "opgraph/lionagi", "opgraph/langgraph"):
         assert column in header
-    document = json.loads(path.read_text())
-    assert document["libraries"] == ["opgraph", "lionagi", "langgraph"]
     assert document["machine"]["langgraph"]
-    results = {shape["key"]: shape["results"] for shape in document["shapes"]}
     for key in ("fanout-0ms", "chain", "aggregation", "spawns-returned"):
         figures = results[key]["langgraph"]
         assert figures["status"] == "ok", (key, figures["reason"])

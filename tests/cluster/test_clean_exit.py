@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
+
+from opgraph.cluster.processes import run_command
 
 
 def test_a_script_ending_without_shutdown_prints_no_pending_task_report(tmp_path):
@@ -20,7 +21,7 @@ def test_a_script_ending_without_shutdown_prints_no_pending_task_report(tmp_path
         print("status", envelope["status"])
     """)
     env = {**os.environ, "OPGRAPH_HOME": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env)
+    done = run_command([sys.executable, "-c", script], timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "status completed" in done.stdout
     # The executor's loop-lag probe used to be a task; Ray ends the actor with the loop

@@ -22,6 +22,7 @@ import pytest
 
 from opgraph.cluster.connection import EXIT_RUNTIME
 from opgraph.cluster.lanes import open_store
+from opgraph.cluster.processes import free_port, run_command
 
 COMMAND_TIMEOUT = 120.0  # seconds any one command may take
 PROMPT_FAILURE = 20.0  # seconds a command may take to say an address does not answer
@@ -31,8 +32,7 @@ SPEC = {"version": 1, "nodes": [{"id": "a", "kind": "chat", "pos": {"x": 0, "y":
 
 def opgraph(*arguments: str, env: dict[str, str] | None = None, module: str = "opgraph.cluster.cli",
             **options: Any) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *arguments], capture_output=True, text=True,
-                          timeout=COMMAND_TIMEOUT, check=False, env=env, **options)
+    return run_command([sys.executable, "-m", module, *arguments], timeout=COMMAND_TIMEOUT, env=env, **options)
 
 
 def assert_refused(done: subprocess.CompletedProcess, status: int, *phrases: str) -> None:
@@ -133,9 +133,7 @@ class SilentListener:
 
 def test_run_commands_fail_fast_and_say_what_was_tried_when_nothing_answers(tmp_path):
     silent = SilentListener()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        refused_port = probe.getsockname()[1]  # closed again: connections to it are refused
+    refused_port = free_port()  # closed again: connections to it are refused
     try:
         for address, answer in ((f"127.0.0.1:{silent.port}", "DEADLINE_EXCEEDED"),
                                 (f"127.0.0.1:{refused_port}", "UNAVAILABLE")):

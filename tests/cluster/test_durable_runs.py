@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
-
-from crash import kill_session
 
 from opgraph.actors import RunControl
 from opgraph.actors.persistence import RunLog, database_path
+from opgraph.cluster.bench.chaos_durable import OWNER_SCRIPT, SETTLED_PRINTER, marks_per_node
+from opgraph.cluster.processes import run_command, run_until
 
 DEADLINE = 180.0
 
@@ -45,78 +43,37 @@ print(json.dumps({"status": envelope["status"], "nodes": len(envelope["operation
 def test_a_submitted_run_goes_on_after_its_process_exits_and_another_reads_its_result(ray_head):
     run_id = "detached-run-1"
     environment = {**ray_head.env(), "OPGRAPH_DB": os.environ["OPGRAPH_DB"]}
-    submitted = subprocess.run([sys.executable, "-c", SUBMITTER, ray_head.address, run_id], env=environment,
-                               capture_output=True, text=True, timeout=DEADLINE, check=False)
+    submitted = run_command([sys.executable, "-c", SUBMITTER, ray_head.address, run_id], env=environment,
+                            timeout=DEADLINE)
     assert submitted.returncode == 0, submitted.stderr
     assert f"submitted {run_id}" in submitted.stdout
-    read = subprocess.run([sys.executable, "-c", RESULT_READER, ray_head.address, run_id], env=environment,
-                          capture_output=True, text=True, timeout=DEADLINE, check=False)
+    read = run_command([sys.executable, "-c", RESULT_READER, ray_head.address, run_id], env=environment,
+                       timeout=DEADLINE)
     assert read.returncode == 0, read.stderr
     assert json.loads(read.stdout.strip().splitlines()[-1]) == {"status": "completed", "nodes": 40, "completed": 40}
     entry = RunLog(database_path()).entry(run_id)
     assert entry is not None and entry.status == "completed"
 
 
-OWNER = r"""
-import asyncio, os, sys, time
-from opgraph.actors import Session
-from opgraph.kernel import Graph, create_operation
-
-marks = sys.argv[1]
-
-async def marked(branch, **parameters):
-    with open(marks, "a") as handle:
-        handle.write(branch.node_id + "\n")
-    await asyncio.sleep(0.05)
-    return "done"
-
-session = Session()
-session.register_operation("marked", marked, record_turn=False)
-graph = Graph("owned")
-for index in range(300):
-    graph.add_node(create_operation("marked", {"instruction": str(index)}))
-settled = 0
-
-def progress(op_id, name, status, elapsed):
-    global settled
-    if status == "completed":
-        settled += 1
-        if settled == 100:
-            print("settled 100", flush=True)
-
-print("run", "owned-run-1", flush=True)
-asyncio.run(session.flow(graph, max_concurrent=10, run_id="owned-run-1", on_progress=progress))
-print("finished", flush=True)
-"""
-
-
 def test_a_run_whose_owner_was_killed_is_finished_from_the_log_without_rerunning_settled_nodes(session, tmp_path):
     """C runs 300 nodes (10 at a time) on its own embedded Ray and is SIGKILLed, Ray and all, after
     100 settled. Resumed here from the log: it completes; no node the log shows settled runs again."""
     marks = tmp_path / "marks.txt"
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(marks)], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, env={**os.environ}, start_new_session=True)
-    try:
-        lines = []
-        while "settled 100" not in lines:
-            line = owner.stdout.readline()
-            assert line, "the owner stopped before 100 nodes settled"
-            lines.append(line.strip())
-    finally:
-        kill_session(owner)  # the owner and the Ray it started, every process of it
-        owner.communicate()
+    # The owner and the Ray it started, every process of it, are killed once it printed "settled 100".
+    run_until([sys.executable, "-c", OWNER_SCRIPT, str(marks), "owned-run-1", "300", "0.05", "10"],
+              lambda lines: "settled 100" in lines, timeout=DEADLINE)
     log = RunLog(database_path())
     logged = log.load("owned-run-1")
     assert logged is not None and logged.entry.status == "live"
     settled = {record[2] for batch in logged.batches for record in batch
                if record[0] == "finished" and record[4] == "completed"}
     assert len(settled) >= 100
-    before = _counts(marks)
+    before = marks_per_node(marks)
 
     envelope = asyncio.run(asyncio.wait_for(RunControl.resume_from_log("owned-run-1", session), DEADLINE))
 
     assert envelope["status"] == "completed" and len(envelope["completed_operations"]) == 300
-    after = _counts(marks)
+    after = marks_per_node(marks)
     assert all(after[node] == before[node] == 1 for node in settled), "a node settled before the kill ran again"
     assert set(after) == set(envelope["operation_statuses"])
     assert log.entry("owned-run-1").status == "completed"
@@ -144,15 +101,7 @@ builder = OperationGraphBuilder("threads")
 root = builder.add_operation("opening")
 for index in range(40):
     builder.add_operation("reply", depends_on=[root], inherit_context=True, instruction=f"reply {index}")
-settled = 0
-
-def progress(op_id, name, status, elapsed):
-    global settled
-    if status == "completed":
-        settled += 1
-        if settled == 11:
-            print("settled 11", flush=True)
-
+""" + SETTLED_PRINTER + r"""
 asyncio.run(session.flow(builder.get_graph(), max_concurrent=2, run_id="owned-run-2", isolated=True,
                          on_progress=progress))
 """
@@ -167,15 +116,7 @@ def test_a_resumed_run_adopts_the_dead_owners_branches_in_a_runtime_that_was_alr
     def held() -> int:
         return ray.get(session.runtime.executor.statistics.remote())["branches"]["branches"]
 
-    owner = subprocess.Popen([sys.executable, "-c", OWNER_OF_BRANCHES], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True, env={**os.environ}, start_new_session=True)
-    try:
-        while (line := owner.stdout.readline()) and "settled 11" not in line:
-            pass
-        assert line, "the owner stopped before 11 nodes settled"
-    finally:
-        kill_session(owner)
-        owner.communicate()
+    run_until([sys.executable, "-c", OWNER_OF_BRANCHES], lambda lines: "settled 11" in lines, timeout=DEADLINE)
     before = held()
 
     envelope = asyncio.run(asyncio.wait_for(RunControl.resume_from_log("owned-run-2", session), DEADLINE))
@@ -193,10 +134,3 @@ def test_a_resumed_run_adopts_the_dead_owners_branches_in_a_runtime_that_was_alr
     assert held() > before
     asyncio.run(session.release_run("owned-run-2"))
     assert held() == before
-
-
-def _counts(path: Path) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for line in path.read_text().split():
-        counts[line] = counts.get(line, 0) + 1
-    return counts

@@ -12,8 +12,6 @@ cache, minutes from PyPI).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import uuid
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from job_server import COMMAND_TIMEOUT, REPOSITORY, job_client, opgraph_command,
 
 from opgraph.cluster.cli.client import job_submit_command, ray_cli
 from opgraph.cluster.jobs.shipping import PACKAGE_FOLDERS, opgraph_runtime_env
+from opgraph.cluster.processes import run_command
 
 
 @pytest.fixture(scope="session")
@@ -32,18 +31,13 @@ def bare_python() -> str:
 
 @pytest.fixture(scope="module")
 def bare_head(bare_python, local_head_starter):
-    head = local_head_starter(bare_python)
-    try:
+    with local_head_starter(bare_python) as head:
         yield head
-    finally:
-        survivors = head.stop()
-        shutil.rmtree(head.temp_dir)
-        assert not survivors, f"processes of the bare head survived SIGKILL: {sorted(survivors)}"
 
 
 def test_the_bare_python_has_ray_and_no_opgraph(bare_python):
-    probe = subprocess.run([bare_python, "-c", "import ray, psycopg, pydantic; import opgraph.kernel"],
-                           capture_output=True, text=True, timeout=120, check=False)
+    probe = run_command([bare_python, "-c", "import ray, psycopg, pydantic; import opgraph.kernel"],
+                        timeout=120)
     assert probe.returncode != 0 and "No module named 'opgraph'" in probe.stderr, probe.stderr
 
 
@@ -51,12 +45,11 @@ def test_a_job_runs_on_a_head_without_opgraph_because_the_job_ships_it(bare_head
     """fan-out of 60 x 10 ms: the driver and every actor import the shipped opgraph."""
     submission_id = f"opgraph-ship-{uuid.uuid4().hex[:8]}"
     env = {**bare_head.env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    submitted = subprocess.run(
+    submitted = run_command(
         opgraph_command("job", "submit", "--address", bare_head.dashboard_url, "--working-dir", str(REPOSITORY),
                         "--submission-id", submission_id, "--no-wait", "--",
                         "fanout", "--nodes", "60", "--latency", "0.01", "--max-concurrent", "20"),
-        env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
-    )
+        env=env, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert "py_modules" in submitted.stderr  # the command it ran names the shipped folder
     status = wait_for_terminal_status(bare_head, submission_id)
@@ -70,12 +63,11 @@ def test_a_job_runs_on_a_head_without_opgraph_because_the_job_ships_it(bare_head
 
 def test_without_shipping_the_same_job_fails_for_want_of_opgraph(bare_head):
     submission_id = f"opgraph-noship-{uuid.uuid4().hex[:8]}"
-    submitted = subprocess.run(
+    submitted = run_command(
         opgraph_command("job", "submit", "--no-ship", "--address", bare_head.dashboard_url,
                         "--working-dir", str(REPOSITORY), "--submission-id", submission_id, "--no-wait", "--",
                         "fanout", "--nodes", "5"),
-        env=bare_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
-    )
+        env=bare_head.env(), timeout=COMMAND_TIMEOUT, cwd=REPOSITORY)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert wait_for_terminal_status(bare_head, submission_id) == "FAILED"
     assert "No module named 'opgraph'" in job_client(bare_head).get_job_logs(submission_id)

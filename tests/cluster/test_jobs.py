@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import io
 import json
-import subprocess
 import sys
 import uuid
 
@@ -27,6 +26,7 @@ from job_server import (
 
 from opgraph.cluster.cli.client import job_submit_command, ray_cli
 from opgraph.cluster.jobs import EXIT_USAGE, ProgressLog, fanout_graph
+from opgraph.cluster.processes import run_command
 
 
 def test_fanout_job_succeeds_with_progress_in_its_logs(ray_head, tmp_path):
@@ -36,13 +36,12 @@ def test_fanout_job_succeeds_with_progress_in_its_logs(ray_head, tmp_path):
     """
     submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
     results = tmp_path / "envelope.json"
-    submitted = subprocess.run(
+    submitted = run_command(
         opgraph_command("job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPOSITORY),
                         "--submission-id", submission_id, "--no-wait", "--",
                         "fanout", "--nodes", "200", "--latency", "0.01", "--max-concurrent", "20",
                         "--progress-interval", "0.2", "--results", str(results), "--metrics-port", "0"),
-        env=ray_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
-    )
+        env=ray_head.env(), timeout=COMMAND_TIMEOUT, cwd=REPOSITORY)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert "ray job submit" in submitted.stderr  # the wrapper shows the command it ran
 
@@ -68,12 +67,11 @@ def test_fanout_job_succeeds_with_progress_in_its_logs(ray_head, tmp_path):
 def test_failed_run_fails_the_job(ray_head):
     """fan-out of 100 where every 25th node fails; `opgraph job submit` tails the logs and exits 1."""
     submission_id = f"opgraph-test-{uuid.uuid4().hex[:8]}"
-    submitted = subprocess.run(
+    submitted = run_command(
         opgraph_command("job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPOSITORY),
                         "--submission-id", submission_id, "--",
                         "fanout", "--nodes", "100", "--latency", "0.01", "--fail-every", "25"),
-        env=ray_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
-    )
+        env=ray_head.env(), timeout=COMMAND_TIMEOUT, cwd=REPOSITORY)
     assert submitted.returncode == 1, submitted.stdout + submitted.stderr
     assert wait_for_terminal_status(ray_head, submission_id) == "FAILED"
     summary = summary_of(job_client(ray_head).get_job_logs(submission_id))
@@ -92,14 +90,13 @@ def test_workflow_file_job_runs_the_fixed_lane_and_records_the_run(ray_head, tmp
     # Relative to the working dir, as a user types it: the job reads Ray's copy of the file
     # (somewhere under the head's temp dir), and must record the path given here.
     given = str(example_workflow_path().relative_to(REPOSITORY))
-    submitted = subprocess.run(
+    submitted = run_command(
         opgraph_command("job", "submit", "--address", ray_head.dashboard_url, "--working-dir", str(REPOSITORY),
                         "--submission-id", submission_id, "--",
                         "workflow", given, "--input", "ticket=login page is slow",
                         "--input", "priority=low", "--model", "sim/fast", "--store", str(store),
                         "--results", str(results), "--progress-interval", "0.1"),
-        env=ray_head.env(), capture_output=True, text=True, timeout=COMMAND_TIMEOUT, cwd=REPOSITORY, check=False,
-    )
+        env=ray_head.env(), timeout=COMMAND_TIMEOUT, cwd=REPOSITORY)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert wait_for_terminal_status(ray_head, submission_id) == "SUCCEEDED"
     logs = job_client(ray_head).get_job_logs(submission_id)
@@ -120,8 +117,8 @@ def test_workflow_job_with_a_bad_definition_exits_with_usage_and_structured_erro
     spec = {"version": 1, "nodes": [{"id": "p", "kind": "parse", "pos": {"x": 0, "y": 0}}], "edges": []}
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(spec))
-    finished = subprocess.run([sys.executable, "-m", "opgraph.cluster.job", "workflow", str(path)],
-                              capture_output=True, text=True, timeout=60, check=False)
+    finished = run_command([sys.executable, "-m", "opgraph.cluster.job", "workflow", str(path)],
+                           timeout=60)
     assert finished.returncode == EXIT_USAGE
     errors = json.loads(finished.stderr.strip().splitlines()[-1])["errors"]
     assert [problem["node_id"] for problem in errors] == ["p"]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -24,7 +23,6 @@ from typing import Any
 import httpx
 import pytest
 from api_server import serve
-from crash import kill_session
 
 from opgraph.cluster.cli import main as cli_main
 from opgraph.cluster.cli.client import job_submit_command
@@ -38,6 +36,7 @@ from opgraph.cluster.lanes import (
     recorded_recovery,
     resume_recorded,
 )
+from opgraph.cluster.processes import run_command, run_until
 
 DEADLINE = 120.0  # seconds for a run, a subprocess or a resume
 
@@ -147,18 +146,11 @@ def test_run_resume_continues_an_orphaned_fixed_run_and_refuses_a_changed_source
     """in -> n1 -> n2 -> n3 on sim/slow (1 s each): the owner is SIGKILLed, Ray and all, once n1 settled."""
     definition = tmp_path / "chain.json"
     definition.write_text(json.dumps(chain("sim/slow", 3)))
-    owner = subprocess.Popen(
-        [sys.executable, "-m", "opgraph.cluster.cli", "flow", "run", str(definition), "--store", store.path,
-         "--plain"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        seen = []
-        while not any("completed" in line and line.rstrip().endswith(" n1") for line in seen):
-            line = owner.stderr.readline()
-            assert line, f"the owner stopped before n1 settled: {seen}"
-            seen.append(line)
-    finally:
-        kill_session(owner)  # the owner and the Ray it started, every process of it
-        owner.communicate(timeout=DEADLINE)
+    # The owner and the Ray it started, every process of it, are killed once its progress says n1 completed.
+    run_until([sys.executable, "-m", "opgraph.cluster.cli", "flow", "run", str(definition), "--store", store.path,
+               "--plain"],
+              lambda lines: any("completed" in line and line.rstrip().endswith(" n1") for line in lines),
+              stream="stderr", timeout=DEADLINE)
     (record,) = store.list_runs()
     assert record.orphaned and record.error["error_type"] == "OwnerProcessLost"
     started_before = [s for s in store.run_signals(record.run_id) if s["kind"] == "started"]
@@ -171,9 +163,9 @@ def test_run_resume_continues_an_orphaned_fixed_run_and_refuses_a_changed_source
     assert store.get_run(record.run_id).orphaned  # refused before anything was sent
 
     definition.write_bytes(original)
-    resumed_by = subprocess.run(
+    resumed_by = run_command(
         [sys.executable, "-m", "opgraph.cluster.cli", "run", "resume", record.run_id, "--store", store.path],
-        capture_output=True, text=True, timeout=DEADLINE, check=False)
+        timeout=DEADLINE)
     assert resumed_by.returncode == 0, resumed_by.stderr
     printed = last_json(resumed_by.stdout)
     assert (printed["status"], list(printed["outputs"])) == ("completed", ["n3"])
@@ -193,17 +185,15 @@ def test_a_detached_workflow_job_is_read_back_by_another_process(ray_head, tmp_p
     definition.write_text(json.dumps(chain("sim/fast", 2)))
     database = tmp_path / "runs.db"
     environment = {**ray_head.env(), "OPGRAPH_DB": os.environ["OPGRAPH_DB"]}
-    submitted = subprocess.run(
+    submitted = run_command(
         [sys.executable, "-m", "opgraph.cluster.job", "workflow", str(definition), "--detach", "--address",
-         ray_head.address, "--store", str(database), "--input", "topic=jobs"],
-        env=environment, capture_output=True, text=True, timeout=DEADLINE, check=False)
+         ray_head.address, "--store", str(database), "--input", "topic=jobs"], env=environment, timeout=DEADLINE)
     assert submitted.returncode == 0, submitted.stderr
     summary = json.loads(submitted.stdout.strip().splitlines()[-1])
     assert summary["status"] == "submitted" and summary["lane"] == FIXED_WORKFLOW
-    read = subprocess.run(
+    read = run_command(
         [sys.executable, "-m", "opgraph.cluster.cli", "run", "result", summary["run_id"], "--address",
-         ray_head.address, "--store", str(database)],
-        env=environment, capture_output=True, text=True, timeout=DEADLINE, check=False)
+         ray_head.address, "--store", str(database)], env=environment, timeout=DEADLINE)
     assert read.returncode == 0, read.stderr
     printed = last_json(read.stdout)
     assert (printed["status"], list(printed["outputs"])) == ("completed", ["n2"])

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from api_server import free_port, serve
+from workflow_specs import draft_spec
 
 from opgraph.cluster.cli import main as cli_main
 from opgraph.cluster.http import create_app
@@ -145,15 +146,7 @@ def echo_record(store: RunStore, run_id: str, *, reactive_mode: str = "off", sta
                             status=status)
 
 
-SPEC = {
-    "version": 1,
-    "nodes": [{"id": "in", "kind": "input", "pos": {"x": 0, "y": 0}},
-              {"id": "draft", "kind": "chat", "pos": {"x": 1, "y": 0},
-               "config": {"prompt": "Draft a note.", "model": "sim/fast"}}],
-    "edges": [{"id": "e1", "from": "in", "to": "draft"}],
-    "inputs": ["topic"],
-    "outputs": ["draft"],
-}
+SPEC = draft_spec("Draft a note.")
 
 
 # -- the registry -------------------------------------------------------------------------------

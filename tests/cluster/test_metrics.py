@@ -13,7 +13,6 @@ import importlib.resources
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from opgraph.actors import BranchStore, Runtime
 from opgraph.actors.statistics import LatencyHistogram
 from opgraph.cluster.metrics.exporter import _executor_families, _pool_snapshot, _worker_families, serve_metrics
+from opgraph.cluster.processes import start_server
 from opgraph.kernel import Graph, SpawnRequest, create_operation
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 
@@ -270,38 +270,24 @@ def test_opgraph_metrics_serve_joins_the_running_runtime_and_stops_on_ctrl_c(ses
     """opgraph metrics serve --address <this Ray> --port 0: a second process serves the same executor."""
     address = ray.get_runtime_context().gcs_address
     environment = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    process = subprocess.Popen(
+    # start_server resets SIGINT to its default in the child, as a terminal's Ctrl-C would find it: a test
+    # session started in the background by a shell without job control ignores SIGINT.
+    with start_server(
         [sys.executable, "-m", "opgraph.cluster.cli", "metrics", "serve", "--port", "0", "--address", address],
+        ready=r"serving opgraph metrics on (\S+)", timeout=POLL_DEADLINE, what="opgraph metrics serve",
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
-        # Ctrl-C as a terminal sends it: a test session started in the background by a shell
-        # without job control ignores SIGINT, and that disposition would pass to the server.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    try:
-        url = None
-        deadline = time.monotonic() + POLL_DEADLINE
-        while url is None:
-            remaining = deadline - time.monotonic()
-            assert remaining > 0 and process.poll() is None, "opgraph metrics serve did not start"
-            readable, _, _ = select.select([process.stdout], [], [], remaining)
-            if readable:
-                line = process.stdout.readline()
-                found = re.search(r"serving opgraph metrics on (\S+)", line)
-                url = found.group(1) if found else None
+    ) as server:
+        url = server.ready.group(1)
         remote, local = scrape_now(url), scrape_now(metrics_server.url)
         workers = len(session.runtime.workers)
         assert remote.value("opgraph_up", None, component="executor", index="0") == 1
         assert remote.by_label("opgraph_worker_operations_in_flight", "worker").keys() \
             == {str(i) for i in range(workers)}
         assert remote.value("opgraph_runs_started_total") == local.value("opgraph_runs_started_total")
-        process.send_signal(signal.SIGINT)
-        _, errors = process.communicate(timeout=POLL_DEADLINE)
-        assert process.returncode == 0, errors
+        server.process.send_signal(signal.SIGINT)
+        _, errors = server.process.communicate(timeout=POLL_DEADLINE)
+        assert server.process.returncode == 0, errors
         assert "starting one" not in errors  # it found the running runtime
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate(timeout=POLL_DEADLINE)
 
 
 def _families(families) -> dict[str, Any]:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
+
+from opgraph.cluster.processes import run_command
 
 CLUSTER_DEADLINE = 240.0
 
@@ -63,8 +64,8 @@ finally:
 def test_one_run_executes_on_every_node_with_workers_and_stores_spread_across_them(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["OPGRAPH_DB"] = str(tmp_path / "multinode.db")
-    finished = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
-                              timeout=CLUSTER_DEADLINE, check=False, cwd=tmp_path)
+    finished = run_command([sys.executable, "-c", SCRIPT], env=env,
+                           timeout=CLUSTER_DEADLINE, cwd=tmp_path)
     assert finished.returncode == 0, finished.stderr[-4000:]
     seen = json.loads(finished.stdout.strip().splitlines()[-1])
     nodes = set(seen["nodes"])
@@ -89,9 +90,9 @@ def test_a_run_completes_when_a_whole_node_holding_workers_dies_mid_run(tmp_path
     and only attempts that were in flight can have run twice."""
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["OPGRAPH_DB"] = str(tmp_path / "node-loss.db")
-    finished = subprocess.run([sys.executable, "-m", "opgraph.cluster.bench.node_loss", "--nodes", "400",
-                               "--seconds", "0.05", "--concurrency", "80"], capture_output=True, text=True, env=env,
-                              timeout=CLUSTER_DEADLINE, check=False, cwd=tmp_path)
+    finished = run_command([sys.executable, "-m", "opgraph.cluster.bench.node_loss", "--nodes", "400",
+                           "--seconds", "0.05", "--concurrency", "80"], env=env,
+                           timeout=CLUSTER_DEADLINE, cwd=tmp_path)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     seen = json.loads(finished.stdout[finished.stdout.index("{"):])
     assert (seen["status"], seen["nodes"], seen["completed"]) == ("completed", 400, 400)

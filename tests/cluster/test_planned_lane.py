@@ -13,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import planned_scripts
 import pytest
-from crash import kill_session
 from planned_scripts import PlannedScript, calls
 from ray import cloudpickle
 
@@ -32,6 +30,7 @@ from opgraph.cluster.lanes import (
     lane_adapter,
     validate_provenance,
 )
+from opgraph.cluster.processes import run_command, run_until
 from opgraph.engines import PlanError
 
 MODEL = "scripted/planner"
@@ -230,23 +229,15 @@ def test_a_killed_planned_run_is_resumed_from_its_checkpoint(store, tmp_path):
     log = tmp_path / "calls.log"
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(planned_scripts.__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    owner = subprocess.Popen(_owner(log, store.path, "crash-plan", "--model", MODEL, "--no-synthesis"),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                             env=environment)
-    run_id, seen, deadline = None, [], time.monotonic() + DEADLINE
-    try:
-        while time.monotonic() < deadline:
-            line = owner.stderr.readline()
-            assert line, f"the owner stopped early: {seen}"
-            seen.append(line.rstrip())
-            if line.startswith("run_id: "):
-                run_id = line.split()[1]
-            settled = [entry.split()[-1] for entry in seen if " completed " in f" {entry} "]
-            if {"1:researcher", "2:analyst"} <= set(settled) and len(settled) >= 4:
-                break
-    finally:
-        kill_session(owner)  # the owner and the Ray it started, every process of it
-        owner.communicate(timeout=DEADLINE)
+
+    def far_enough(seen: list[str]) -> bool:
+        settled = [entry.split()[-1] for entry in seen if " completed " in f" {entry} "]
+        return {"1:researcher", "2:analyst"} <= set(settled) and len(settled) >= 4
+
+    # The owner and the Ray it started, every process of it, are killed once far enough.
+    seen = run_until(_owner(log, store.path, "crash-plan", "--model", MODEL, "--no-synthesis"), far_enough,
+                     stream="stderr", timeout=DEADLINE, env=environment).lines
+    run_id = next((line.split()[1] for line in seen if line.startswith("run_id: ")), None)
     assert run_id is not None
     record = store.get_run(run_id)
     assert record.orphaned
@@ -255,8 +246,7 @@ def test_a_killed_planned_run_is_resumed_from_its_checkpoint(store, tmp_path):
     histories = {role: branch_history(branch, {}) for role, branch in record.recovery["branches"].items()}
     assert len(histories["researcher"]) >= 3 and len(histories["analyst"]) >= 3  # a profile, then a turn
 
-    resumed_by = subprocess.run(_owner(log, store.path, "--resume", run_id[:12]), capture_output=True, text=True,
-                                timeout=DEADLINE, check=False, env=environment)
+    resumed_by = run_command(_owner(log, store.path, "--resume", run_id[:12]), timeout=DEADLINE, env=environment)
     assert resumed_by.returncode == 0, resumed_by.stderr[-3000:]
     after = calls(log)[len(before):]
     assert "planner" not in after

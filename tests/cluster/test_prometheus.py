@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_server import free_port
+
+from opgraph.cluster.processes import free_port, http_body, run_command, start_server, wait_until
 
 DASHBOARD = importlib.resources.files("opgraph.cluster.metrics").joinpath("dashboards/opgraph.json")
 CACHE = Path(os.environ.get("OPGRAPH_TEST_CACHE") or Path(tempfile.gettempdir()) / "opgraph-test-cache")
@@ -80,37 +80,16 @@ scrape_configs:
     static_configs:
       - targets: ["127.0.0.1:{metrics_port}"]
 """)
-    log = open(tmp_path / "prometheus.log", "w")  # closed once the process has ended, below
-    process = subprocess.Popen([str(prometheus_binary), f"--config.file={config}",
-                                f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                                "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_DEADLINE
-        while True:
-            assert process.poll() is None, (tmp_path / "prometheus.log").read_text()
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)
+    with start_server([str(prometheus_binary), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                       f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                      ready=lambda: http_body(f"{url}/-/ready"), timeout=READY_DEADLINE, what="prometheus",
+                      log_path=tmp_path / "prometheus.log"):
         # Ready is not scraping: Prometheus applies its targets a few seconds later. Wait until
         # it has tried the (not yet open) port once, so a short job is scraped from its start.
-        while not [target for target in httpx.get(f"{url}/api/v1/targets", timeout=2).json()["data"]["activeTargets"]
-                   if target["health"] != "unknown"]:
-            assert time.monotonic() < deadline, "prometheus did not start scraping"
-            time.sleep(0.2)
+        wait_until(lambda: [target for target in httpx.get(f"{url}/api/v1/targets", timeout=2).json()["data"][
+            "activeTargets"] if target["health"] != "unknown"], timeout=READY_DEADLINE, what="prometheus scraping")
         yield url, metrics_port
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 def _dashboard_expressions() -> list[tuple[str, str]]:
@@ -134,11 +113,11 @@ def test_every_dashboard_expression_has_data_for_a_short_job(prometheus, ray_hea
     url, metrics_port = prometheus
     namespace = f"prometheus-{uuid.uuid4().hex[:8]}"  # fresh actors: the counters start at 0
     started = time.time()
-    job = subprocess.run(
+    job = run_command(
         [sys.executable, "-m", "opgraph.cluster.job", "fanout", "--nodes", str(NODES), "--latency", str(LATENCY),
          "--max-concurrent", str(CAPACITY), "--metrics-port", str(metrics_port), "--metrics-linger", "30",
          "--address", ray_head.address, "--namespace", namespace, "--no-detached"],
-        env=ray_head.env(), capture_output=True, text=True, timeout=JOB_TIMEOUT, check=False)
+        env=ray_head.env(), timeout=JOB_TIMEOUT)
     ended = time.time()
     assert job.returncode == 0, job.stdout + job.stderr
     assert "metrics: scraped once more after the run; closing" in job.stdout, job.stdout

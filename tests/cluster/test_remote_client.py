@@ -20,6 +20,7 @@ import uuid
 
 from opgraph.actors import EventsDropped, RunFinished, UnknownWatcherError
 from opgraph.cluster.jobs import fanout_graph
+from opgraph.cluster.processes import run_command
 from opgraph.kernel import FlowEvent
 
 CLIENT_TIMEOUT = 120.0  # seconds any one client process may take
@@ -87,8 +88,7 @@ asyncio.run(main())
 
 
 def run_client(ray_head, *arguments: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *arguments], env=ray_head.env(), capture_output=True, text=True,
-                          timeout=CLIENT_TIMEOUT, check=False)
+    return run_command([sys.executable, *arguments], env=ray_head.env(), timeout=CLIENT_TIMEOUT)
 
 
 def opgraph_run(ray_head, action: str, run_id: str, *extra: str) -> subprocess.CompletedProcess:

@@ -10,10 +10,11 @@ nobody owns them, so B's exit takes none of them down. This pytest process never
 from __future__ import annotations
 
 import json
-import select
 import subprocess
 import sys
 import time
+
+from opgraph.cluster.processes import read_line
 
 DEADLINE = 120.0
 
@@ -38,22 +39,16 @@ print(json.dumps({"status": envelope["status"], "executor": session.runtime.exec
 """
 
 
-def _read_line(process: subprocess.Popen, seconds: float) -> str:
-    readable, _, _ = select.select([process.stdout], [], [], seconds)
-    assert readable, "the process said nothing in time"
-    return process.stdout.readline()
-
-
 def test_one_process_exiting_never_ends_another_process_run(ray_head):
     b = subprocess.Popen([sys.executable, "-c", PROCESS_B, ray_head.address], env=ray_head.env(),
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     a = None
     try:
-        ready = _read_line(b, DEADLINE).split()
+        ready = read_line(b.stdout, DEADLINE).split()
         assert ready[0] == "ready" and ready[2] == "True", ready  # detached: joined through an address
         a = subprocess.Popen([sys.executable, "-c", PROCESS_A, ray_head.address], env=ray_head.env(),
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        assert _read_line(a, DEADLINE).strip() == "started"
+        assert read_line(a.stdout, DEADLINE).strip() == "started"
         _, b_errors = b.communicate(input="", timeout=DEADLINE)  # B leaves while A's run is under way
         assert b.returncode == 0, b_errors
         started_after = time.monotonic()

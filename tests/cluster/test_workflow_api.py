@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from api_server import serve
+from workflow_specs import draft_spec
 
 from opgraph.cluster.http import RunStateConflictError, create_app
 from opgraph.cluster.lanes import open_store
@@ -23,20 +24,6 @@ from opgraph.kernel import OpGraphError
 
 RUN_DEADLINE = 20.0  # seconds for a sim run to end
 SLOW_RUNTIME_START = 3.0  # seconds a stand-in runtime takes to start
-
-
-def _spec(prompt: str = "Draft", model: str = "sim/fast", extra_nodes=(), extra_edges=()) -> dict[str, Any]:
-    return {
-        "version": 1,
-        "nodes": [
-            {"id": "in", "kind": "input", "pos": {"x": 0, "y": 0}},
-            {"id": "draft", "kind": "chat", "pos": {"x": 1, "y": 0}, "config": {"prompt": prompt, "model": model}},
-            *extra_nodes,
-        ],
-        "edges": [{"id": "e1", "from": "in", "to": "draft"}, *extra_edges],
-        "inputs": ["topic"],
-        "outputs": ["draft"],
-    }
 
 
 @pytest.fixture(scope="module")
@@ -79,22 +66,22 @@ def _wait_for(client: httpx.Client, run_id: str, statuses: set[str]) -> dict[str
 
 # -- definitions ------------------------------------------------------------------------
 def test_definition_lifecycle_create_get_put_versions_delete(client):
-    created = _create(client, "drafts", _spec())
+    created = _create(client, "drafts", draft_spec())
     assert created["name"] == "drafts" and created["version"] == 1
     assert created["content_hash"].startswith("sha256:") and len(created["id"]) == 12
-    assert created["spec"] == _spec()
+    assert created["spec"] == draft_spec()
 
-    conflict = client.post("/api/workflows", json={"name": " drafts ", "spec": _spec(prompt="other")})
+    conflict = client.post("/api/workflows", json={"name": " drafts ", "spec": draft_spec(prompt="other")})
     assert conflict.status_code == 409
     assert conflict.json()["name"] == "drafts" and "already exists" in conflict.json()["error"]
 
     assert client.get("/api/workflows/drafts").json()["content_hash"] == created["content_hash"]
     assert client.get(f"/api/workflows/{created['id']}").json()["name"] == "drafts"  # by id too
 
-    second = client.put("/api/workflows/drafts", json={"spec": _spec(prompt="Second"), "description": "v2"})
+    second = client.put("/api/workflows/drafts", json={"spec": draft_spec(prompt="Second"), "description": "v2"})
     assert second.status_code == 200
     assert second.json()["version"] == 2 and second.json()["created"] is True
-    same = client.put("/api/workflows/drafts", json={"spec": _spec(prompt="Second")})
+    same = client.put("/api/workflows/drafts", json={"spec": draft_spec(prompt="Second")})
     assert same.status_code == 200
     assert same.json()["version"] == 2 and same.json()["created"] is False  # same hash: no new version
 
@@ -114,11 +101,11 @@ def test_definition_lifecycle_create_get_put_versions_delete(client):
     assert missing.status_code == 404 and "drafts" in missing.json()["error"]
     assert "drafts" not in {w["name"] for w in client.get("/api/workflows").json()["workflows"]}
     assert client.delete("/api/workflows/drafts").status_code == 404
-    assert _create(client, "drafts", _spec())["version"] == 1  # the name is free again
+    assert _create(client, "drafts", draft_spec())["version"] == 1  # the name is free again
 
 
 def test_invalid_spec_and_name_are_422_problem_lists_with_ids(client):
-    bad = _spec(extra_nodes=[{"id": "g", "kind": "gate", "pos": {"x": 2, "y": 0}}],
+    bad = draft_spec(extra_nodes=[{"id": "g", "kind": "gate", "pos": {"x": 2, "y": 0}}],
                 extra_edges=[{"id": "e9", "from": "draft", "to": "nowhere"}])
     reply = client.post("/api/workflows", json={"name": "bad", "spec": bad})
     assert reply.status_code == 422
@@ -128,18 +115,18 @@ def test_invalid_spec_and_name_are_422_problem_lists_with_ids(client):
     assert all(set(e) == {"error", "node_id", "edge_id"} for e in errors)
     assert client.get("/api/workflows/bad").status_code == 404  # nothing was stored
 
-    blank = client.post("/api/workflows", json={"name": "   ", "spec": _spec()})
+    blank = client.post("/api/workflows", json={"name": "   ", "spec": draft_spec()})
     assert blank.status_code == 422 and "name" in blank.json()["errors"][0]["error"]
 
-    _create(client, "puts-bad", _spec())
+    _create(client, "puts-bad", draft_spec())
     put = client.put("/api/workflows/puts-bad", json={"spec": bad})
     assert put.status_code == 422 and any(e["node_id"] == "g" for e in put.json()["errors"])
     assert client.get("/api/workflows/puts-bad").json()["version"] == 1
 
 
 def test_malformed_bodies_are_422_in_the_same_problem_shape(client):
-    for body in ({"name": "x"}, {"name": "x", "spec": [1, 2]}, {"name": 5, "spec": _spec()},
-                 {"name": "x", "spec": _spec(), "surprise": True}):
+    for body in ({"name": "x"}, {"name": "x", "spec": [1, 2]}, {"name": 5, "spec": draft_spec()},
+                 {"name": "x", "spec": draft_spec(), "surprise": True}):
         reply = client.post("/api/workflows", json=body)
         assert reply.status_code == 422, body
         assert "detail" not in reply.json()
@@ -147,7 +134,7 @@ def test_malformed_bodies_are_422_in_the_same_problem_shape(client):
                                               for e in reply.json()["errors"])
     not_json = client.post("/api/workflows", content=b"{nope", headers={"content-type": "application/json"})
     assert not_json.status_code == 422 and not_json.json()["errors"]
-    _create(client, "malformed-run", _spec())
+    _create(client, "malformed-run", draft_spec())
     reply = client.post("/api/workflows/malformed-run/runs", json={"inputs": "not a mapping", "version": 0})
     assert reply.status_code == 422 and len(reply.json()["errors"]) == 2
     assert client.get("/api/runs", params={"workflow": "malformed-run"}).json()["runs"] == []
@@ -156,7 +143,7 @@ def test_malformed_bodies_are_422_in_the_same_problem_shape(client):
 # -- runs -------------------------------------------------------------------------------
 def test_a_run_is_admitted_at_once_then_completes_with_ordered_signals(client):
     """in -> draft (sim/slow, 1 s): the 202 comes back long before the model answers."""
-    _create(client, "slow-drafts", _spec(model="sim/slow"))
+    _create(client, "slow-drafts", draft_spec(model="sim/slow"))
     started = time.monotonic()
     admitted = _start(client, "slow-drafts", inputs={"topic": "actors"})
     # The model alone takes 1 s, so a 202 inside that second did not wait for the run.
@@ -202,7 +189,7 @@ def test_a_run_is_admitted_at_once_then_completes_with_ordered_signals(client):
 
 def test_a_conditional_edge_skips_a_node(client):
     """in -> classify -> urgent (priority == 'high') | routine (priority != 'high')."""
-    spec = _spec(extra_nodes=[
+    spec = draft_spec(extra_nodes=[
         {"id": "urgent", "kind": "chat", "pos": {"x": 2, "y": 0},
          "config": {"prompt": "Escalate", "model": "sim/fast"}},
         {"id": "routine", "kind": "chat", "pos": {"x": 2, "y": 1}, "config": {"prompt": "Reply", "model": "sim/fast"}},
@@ -221,7 +208,7 @@ def test_a_conditional_edge_skips_a_node(client):
 
 
 def test_a_compile_error_is_422_and_creates_no_run(client):
-    spec = _spec(extra_nodes=[{"id": "p", "kind": "parse", "pos": {"x": 2, "y": 0}}],
+    spec = draft_spec(extra_nodes=[{"id": "p", "kind": "parse", "pos": {"x": 2, "y": 0}}],
                  extra_edges=[{"id": "e2", "from": "draft", "to": "p"}])
     _create(client, "with-parse", spec)  # parse is a stored kind; it fails at compile time
     reply = client.post("/api/workflows/with-parse/runs", json={})
@@ -234,7 +221,7 @@ def test_a_compile_error_is_422_and_creates_no_run(client):
 
 def test_a_failing_node_fails_the_run(client):
     """in -> draft on ``nosuch/model``: no such provider, so the node and the run fail."""
-    _create(client, "failing", _spec(model="nosuch/model"))
+    _create(client, "failing", draft_spec(model="nosuch/model"))
     run_id = _start(client, "failing")["run_id"]
     run = _wait_for(client, run_id, {"completed", "failed", "cancelled"})
     assert run["status"] == "failed"
@@ -245,7 +232,7 @@ def test_a_failing_node_fails_the_run(client):
 
 def test_cancel_ends_the_run_cancelled_and_a_second_cancel_is_409(client):
     """in -> draft (sim/slow), cancelled right after the 202, before the executor may even hold it."""
-    _create(client, "to-cancel", _spec(model="sim/slow"))
+    _create(client, "to-cancel", draft_spec(model="sim/slow"))
     run_id = _start(client, "to-cancel")["run_id"]
     cancelled = client.post(f"/api/runs/{run_id}/cancel")
     assert cancelled.status_code == 202, cancelled.text
@@ -258,7 +245,7 @@ def test_cancel_ends_the_run_cancelled_and_a_second_cancel_is_409(client):
 
 def test_a_run_this_server_did_not_start_cannot_be_cancelled_here(client, store):
     """A row written by another process (say `opgraph flow run`): its owner holds the only handle."""
-    pinned = store.resolve(_create(client, "elsewhere", _spec())["name"])
+    pinned = store.resolve(_create(client, "elsewhere", draft_spec())["name"])
     provenance = fixed_workflow_provenance(ref=pinned.name, version=pinned.version,
                                               content_hash=pinned.content_hash).to_payload()
     store.create_run("run-from-another-process", session_id="another", provenance=provenance, inputs={},
@@ -279,14 +266,14 @@ def test_a_run_state_conflict_survives_pickling():
 
 def test_live_controls_are_rejected_and_the_run_keeps_its_pinned_version(client):
     """in -> draft on v1 (sim/slow): message/pause/resume are 409 and a PUT of v2 mid-run changes nothing."""
-    v1 = _create(client, "pinned", _spec(prompt="First prompt", model="sim/slow"))
+    v1 = _create(client, "pinned", draft_spec(prompt="First prompt", model="sim/slow"))
     run_id = _start(client, "pinned", version=1)["run_id"]
     for control, body in (("message", {"text": "hurry up"}), ("pause", None), ("resume", None)):
         reply = client.post(f"/api/runs/{run_id}/{control}", json=body)
         assert reply.status_code == 409, reply.text
         assert "not queued" in reply.json()["error"] and reply.json()["request_kind"] == control
         assert reply.json()["lane_capabilities"]["live_message"] is False
-    v2 = client.put("/api/workflows/pinned", json={"spec": _spec(prompt="Second prompt", model="sim/fast")}).json()
+    v2 = client.put("/api/workflows/pinned", json={"spec": draft_spec(prompt="Second prompt", model="sim/fast")}).json()
     assert v2["version"] == 2 and v2["content_hash"] != v1["content_hash"]
     assert client.get(f"/api/runs/{run_id}").json()["status"] == "running"  # unaffected
 
@@ -313,8 +300,8 @@ def test_unknown_workflows_runs_and_versions_are_404(client):
         reply = client.request(method, path)
         assert reply.status_code == 404, (method, path, reply.text)
         assert "ghost" in reply.json()["error"]
-    assert client.put("/api/workflows/ghost", json={"spec": _spec()}).status_code == 404
-    _create(client, "one-version", _spec())
+    assert client.put("/api/workflows/ghost", json={"spec": draft_spec()}).status_code == 404
+    _create(client, "one-version", draft_spec())
     # The workflow exists; the body pins a version it lacks: the body is what is wrong.
     reply = client.post("/api/workflows/one-version/runs", json={"version": 7})
     assert reply.status_code == 422 and "version 7" in reply.json()["error"]
@@ -328,7 +315,7 @@ def test_shutdown_cancels_in_flight_runs(session, tmp_path):
         served = serve(app)
         try:
             with httpx.Client(base_url=served.url, timeout=30) as http:
-                _create(http, "long", _spec(model="sim/slow"))
+                _create(http, "long", draft_spec(model="sim/slow"))
                 run_id = _start(http, "long")["run_id"]
         finally:
             served.stop()
@@ -351,7 +338,7 @@ def test_the_runtime_starts_with_the_server_so_the_first_admission_is_quick(sess
         try:
             assert len(calls) == 1, "the runtime did not start with the server"
             with httpx.Client(base_url=served.url, timeout=30) as http:
-                _create(http, "twice", _spec())
+                _create(http, "twice", draft_spec())
                 started = time.monotonic()
                 first = _start(http, "twice")
                 assert time.monotonic() - started < 1.0, "the first admission waited for the runtime"
@@ -378,7 +365,7 @@ def test_a_runtime_that_cannot_start_is_503_and_creates_no_run(tmp_path, capfd):
         try:
             assert "cannot start the runtime" in capfd.readouterr().err
             with httpx.Client(base_url=served.url, timeout=30) as http:
-                _create(http, "stranded", _spec())
+                _create(http, "stranded", draft_spec())
                 for _ in range(2):
                     reply = http.post("/api/workflows/stranded/runs", json={})
                     assert reply.status_code == 503 and "no Ray cluster" in reply.json()["error"]

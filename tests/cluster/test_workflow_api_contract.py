@@ -14,13 +14,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-from api_server import free_port
+from opgraph.cluster.processes import free_port, http_body, run_command, start_server
 
 SERVE_DEADLINE = 120.0  # seconds for the server to join the head and listen
 FUZZ_TIMEOUT = 300.0  # seconds schemathesis may take (about 10 s here)
@@ -33,30 +30,15 @@ def _schemathesis() -> list[str]:
     return [str(Path(sys.executable).with_name("schemathesis"))]
 
 
-def _wait_listening(server: subprocess.Popen, url: str, log: Path) -> dict:
-    deadline = time.monotonic() + SERVE_DEADLINE
-    while True:
-        assert server.poll() is None, f"opgraph serve exited with {server.returncode}:\n{log.read_text()}"
-        try:
-            return httpx.get(f"{url}/openapi.json", timeout=5).json()
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, \
-            f"opgraph serve did not listen within {SERVE_DEADLINE} s:\n{log.read_text()}"
-        time.sleep(0.2)
-
-
 def test_schemathesis_finds_nothing_against_the_live_server(ray_head, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    with open(log, "w") as output:
-        server = subprocess.Popen(
-            [sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port), "--store",
-             str(tmp_path / "opgraph.db"), "--address", ray_head.address],
-            env=ray_head.env(), stdout=output, stderr=subprocess.STDOUT)
-    try:
-        document = _wait_listening(server, url, log)
+    with start_server([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port), "--store",
+                       str(tmp_path / "opgraph.db"), "--address", ray_head.address],
+                      ready=lambda: http_body(f"{url}/openapi.json", timeout=5), timeout=SERVE_DEADLINE,
+                      what="opgraph serve", log_path=log, env=ray_head.env()) as server:
+        document = json.loads(server.ready)
         # The runtime started with the server, before it listened.
         started = log.read_text()
         assert "runtime ready in" in started and started.index("runtime ready") < started.index("Uvicorn running")
@@ -65,19 +47,12 @@ def test_schemathesis_finds_nothing_against_the_live_server(ray_head, tmp_path):
                    "--max-examples", str(MAX_EXAMPLES), "--workers", "1", "--seed", str(SEED),
                    "--generation-database", "none", "--no-color"]
         # In tmp_path: schemathesis keeps a cache of what it found in its working directory.
-        fuzzed = subprocess.run(command, capture_output=True, text=True, timeout=FUZZ_TIMEOUT, check=False,
-                                env={**os.environ, "NO_COLOR": "1"}, cwd=tmp_path)
+        fuzzed = run_command(command, timeout=FUZZ_TIMEOUT, env={**os.environ, "NO_COLOR": "1"}, cwd=tmp_path)
         print(f"$ {' '.join(command)}\n{fuzzed.stdout[-3000:]}")  # the figures for the closing note (-s)
         assert fuzzed.returncode == 0, fuzzed.stdout[-6000:] + fuzzed.stderr[-2000:]
         summary = fuzzed.stdout[fuzzed.stdout.rindex("SUMMARY"):]
         assert "Tested: 17" in summary and "failure" not in summary.lower(), summary
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        server.stop(signal.SIGINT)
 
     # What the document promises, stated once more by hand for the answers this issue fixed.
     paths = document["paths"]

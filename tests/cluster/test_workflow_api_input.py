@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import sys
 from typing import Any
 
@@ -21,6 +20,7 @@ from api_server import serve
 
 from opgraph.cluster.http import create_app
 from opgraph.cluster.lanes import open_store
+from opgraph.cluster.processes import run_command
 from opgraph.cluster.store import WorkflowVersionNotFoundError
 
 BODY_LIMIT = 64 * 1024  # this module's server limit, small enough to pass quickly
@@ -177,9 +177,9 @@ def test_a_condition_that_can_never_compile_is_refused_when_added(client, tmp_pa
 
     definition = tmp_path / "never.json"
     definition.write_text(json.dumps(_spec(condition=condition)))
-    added = subprocess.run([sys.executable, "-m", "opgraph.cluster.cli", "workflows", "add", "never",
-                            str(definition), "--store", str(tmp_path / "cli.db")],
-                           capture_output=True, text=True, timeout=CLI_TIMEOUT, check=False)
+    added = run_command([sys.executable, "-m", "opgraph.cluster.cli", "workflows", "add", "never",
+                        str(definition), "--store", str(tmp_path / "cli.db")],
+                        timeout=CLI_TIMEOUT)
     assert added.returncode == 2, added.stdout + added.stderr
     assert '"edge_id": "e1"' in added.stderr and "Traceback" not in added.stderr
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import subprocess
 import sys
 import textwrap
 
@@ -16,6 +15,7 @@ import pytest
 
 from opgraph.cluster.lanes import open_store
 from opgraph.cluster.lanes.fixed import fixed_workflow_provenance
+from opgraph.cluster.processes import run_command
 from opgraph.cluster.store import RunStore, migrate, owners
 from opgraph.cluster.store.owners import ProcessIdentity, current_process, owner_is_alive
 
@@ -38,7 +38,7 @@ def start_and_abandon(path, run_id: str, status: str = "running") -> int:
         print(os.getpid())
         os._exit(0)  # gone, as after a crash: nothing settles the run
     """)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    done = run_command([sys.executable, "-c", script], timeout=60)
     assert done.returncode == 0, done.stderr
     return int(done.stdout.strip())
 

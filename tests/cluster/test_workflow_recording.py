@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 from typing import Any
 
 import openai_server as srv
@@ -24,6 +21,7 @@ import openai_server as srv
 from opgraph.actors.providers import OpenAICompatibleProvider
 from opgraph.cluster.lanes import open_store
 from opgraph.cluster.lanes.fixed import WorkflowSource, content_hash, run_workflow
+from opgraph.cluster.processes import run_until
 from opgraph.cluster.store import RunStore
 
 DEADLINE = 60.0  # seconds for anything these tests wait on
@@ -48,16 +46,6 @@ def _spec(held: list[str], held_model: str) -> dict[str, Any]:
                   *[{"id": f"e-{src}-{dst}", "from": src, "to": dst} for src, dst in chain]],
         "outputs": [*FAST, *held],
     }
-
-
-def _wait(predicate, what: str) -> Any:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
 
 
 class ThreadWatchingStore(RunStore):
@@ -128,12 +116,6 @@ def test_settled_nodes_are_in_the_store_while_the_run_is_in_flight(session, tmp_
     assert result.status == "failed" and set(result.errors) == {"held"}
 
 
-def _lines(stream, into: queue.Queue) -> None:
-    for line in stream:
-        into.put(line)
-    into.put(None)
-
-
 def test_a_killed_owner_loses_nothing_it_had_shown(ray_head, tmp_path):
     """`opgraph flow run` is SIGKILLed once it has shown a, b and c completed while the held
     chain (five sim/slow nodes, 5 s) runs: the store has all three, results included, and
@@ -142,33 +124,17 @@ def test_a_killed_owner_loses_nothing_it_had_shown(ray_head, tmp_path):
     definition = tmp_path / "flow.json"
     definition.write_text(json.dumps(_spec(held, "sim/slow")))
     database = tmp_path / "killed.db"
-    owner = subprocess.Popen(
+
+    def shown_fast(lines: list[str]) -> bool:
+        return {words[2] for words in map(str.split, lines) if len(words) == 3 and words[1] == "completed"} \
+            == set(FAST)
+
+    killed = run_until(
         [sys.executable, "-m", "opgraph.cluster.cli", "flow", "run", str(definition), "--store", str(database),
          "--plain", "--address", ray_head.address],
-        env=ray_head.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    shown: queue.Queue = queue.Queue()
-    reader = threading.Thread(target=_lines, args=(owner.stdout, shown), daemon=True)
-    reader.start()
-    completed: set[str] = set()
-    output: list[str] = []
-    try:
-        deadline = time.monotonic() + KILL_TIMEOUT
-        while completed != set(FAST):
-            line = shown.get(timeout=max(0.0, deadline - time.monotonic()))
-            assert line is not None, "the owner exited before it was killed:\n" + "".join(output)
-            output.append(line)
-            words = line.split()
-            if len(words) == 3 and words[1] == "completed":
-                completed.add(words[2])
-        owner.send_signal(signal.SIGKILL)
-    finally:
-        if owner.poll() is None:
-            owner.kill()
-        owner.wait(timeout=30)
-        reader.join(timeout=30)  # the pipe ends with the process
-        owner.stdout.close()
-    assert owner.returncode == -signal.SIGKILL
-    assert not any(f"completed {node}" in " ".join(line.split()) for line in output for node in held), \
+        shown_fast, timeout=KILL_TIMEOUT, env=ray_head.env(), stderr=subprocess.STDOUT)
+    assert killed.returncode == -signal.SIGKILL
+    assert not any(f"completed {node}" in " ".join(line.split()) for line in killed.lines for node in held), \
         "the held chain finished before the kill: nothing was tested"
 
     with open_store(database) as store:

@@ -10,10 +10,10 @@ import asyncio
 import copy
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from workflow_specs import draft_spec
 
 from opgraph.cluster.cli import main as cli_main
 from opgraph.cluster.cli.flow import example_workflow_path, parse_inputs
@@ -26,23 +26,10 @@ from opgraph.cluster.lanes.fixed import (
     resolve_source,
     run_workflow,
 )
+from opgraph.cluster.processes import free_port, http_body, run_command, start_server
 from opgraph.kernel import OpGraphError
 
 EXAMPLE = json.loads(example_workflow_path().read_text())
-
-
-def _spec(prompt: str = "Draft", model: str = "sim/fast", extra_nodes=(), extra_edges=()) -> dict:
-    return {
-        "version": 1,
-        "nodes": [
-            {"id": "in", "kind": "input", "pos": {"x": 0, "y": 0}},
-            {"id": "draft", "kind": "chat", "pos": {"x": 1, "y": 0}, "config": {"prompt": prompt, "model": model}},
-            *extra_nodes,
-        ],
-        "edges": [{"id": "e1", "from": "in", "to": "draft"}, *extra_edges],
-        "inputs": ["topic"],
-        "outputs": ["draft"],
-    }
 
 
 @pytest.fixture
@@ -89,7 +76,7 @@ def test_low_priority_takes_the_routine_branch(session, store):
 
 def test_file_mode_hashes_the_validated_bytes(tmp_path):
     path = tmp_path / "flow.json"
-    raw = json.dumps(_spec(), indent=4).encode()
+    raw = json.dumps(draft_spec(), indent=4).encode()
     path.write_bytes(raw)
     import hashlib
 
@@ -100,7 +87,7 @@ def test_file_mode_hashes_the_validated_bytes(tmp_path):
 
 def test_a_bad_file_is_a_structured_validation_error(tmp_path):
     path = tmp_path / "bad.json"
-    bad = _spec()
+    bad = draft_spec()
     bad["nodes"].append({"id": "g", "kind": "gate", "pos": {"x": 0, "y": 0}})
     path.write_text(json.dumps(bad))
     with pytest.raises(Exception) as caught:
@@ -112,9 +99,9 @@ def test_a_bad_file_is_a_structured_validation_error(tmp_path):
 
 
 def test_version_is_pinned_before_the_run(session, store):
-    store.create_workflow("pinned", _spec(prompt="first prompt"))
+    store.create_workflow("pinned", draft_spec(prompt="first prompt"))
     source = registry_source(store, "pinned")
-    store.add_version("pinned", _spec(prompt="second prompt"))  # edited after pinning, before running
+    store.add_version("pinned", draft_spec(prompt="second prompt"))  # edited after pinning, before running
     result = _run(run_workflow(session, source, inputs={"topic": "x"}, store=store))
     assert result.status == "completed"
     assert "first prompt" in result.outputs["draft"]["text"]
@@ -127,7 +114,7 @@ def test_version_is_pinned_before_the_run(session, store):
 
 
 def test_compile_error_creates_no_run(session, store):
-    spec = _spec(extra_nodes=[{"id": "p", "kind": "parse", "pos": {"x": 2, "y": 0}}],
+    spec = draft_spec(extra_nodes=[{"id": "p", "kind": "parse", "pos": {"x": 2, "y": 0}}],
                  extra_edges=[{"id": "e2", "from": "draft", "to": "p"}])
     source = WorkflowSource(kind="workflow_file", ref="inline", content_hash="sha256:" + "0" * 64, spec=spec)
     with pytest.raises(WorkflowCompileError) as caught:
@@ -140,7 +127,7 @@ def test_compile_error_creates_no_run(session, store):
 
 
 def test_a_failing_node_fails_the_run_and_downstream_still_settles(session, store):
-    spec = _spec(model="nosuch/model",
+    spec = draft_spec(model="nosuch/model",
                  extra_nodes=[{"id": "after", "kind": "chat", "pos": {"x": 2, "y": 0},
                                "config": {"prompt": "go on", "model": "sim/fast"}}],
                  extra_edges=[{"id": "e2", "from": "draft", "to": "after"}])
@@ -154,7 +141,7 @@ def test_a_failing_node_fails_the_run_and_downstream_still_settles(session, stor
 
 
 def test_cancel_is_honoured_and_other_controls_are_rejected(session, store):
-    spec = _spec(model="sim/slow")
+    spec = draft_spec(model="sim/slow")
     store.create_workflow("slow", spec)
 
     async def scenario():
@@ -189,12 +176,12 @@ def test_parse_inputs():
 def test_cli_workflows_and_flow_run_in_process(session, tmp_path, capsys, database_target):
     db = str(database_target)  # --store takes a file or a postgresql:// URL
     path = tmp_path / "flow.json"
-    path.write_text(json.dumps(_spec()))
+    path.write_text(json.dumps(draft_spec()))
     assert cli_main(["workflows", "add", "drafts", str(path), "--store", db]) == 0
     assert "added drafts@1" in capsys.readouterr().out
     assert cli_main(["workflows", "add", "drafts", str(path), "--store", db]) == 0
     assert "unchanged: drafts@1" in capsys.readouterr().out
-    path.write_text(json.dumps(_spec(prompt="Second")))
+    path.write_text(json.dumps(draft_spec(prompt="Second")))
     assert cli_main(["workflows", "add", "drafts", str(path), "--store", db]) == 0
     assert "new version: drafts@2" in capsys.readouterr().out
     assert cli_main(["workflows", "versions", "drafts", "--store", db]) == 0
@@ -222,21 +209,21 @@ def test_cli_workflows_and_flow_run_in_process(session, tmp_path, capsys, databa
 
 def test_cli_failed_run_exits_one(session, tmp_path, capsys):
     path = tmp_path / "failing.json"
-    path.write_text(json.dumps(_spec(model="nosuch/model")))
+    path.write_text(json.dumps(draft_spec(model="nosuch/model")))
     assert cli_main(["flow", "run", str(path), "--store", str(tmp_path / "db"), "--plain"]) == 1
     assert "draft FAILED" in capsys.readouterr().out
 
 
 def test_cli_compile_error_exits_two_with_structured_errors_before_ray(tmp_path):
     """A fresh process: the compile error is printed before any Ray or Session starts."""
-    spec = copy.deepcopy(_spec())
+    spec = copy.deepcopy(draft_spec())
     spec["nodes"].append({"id": "fan", "kind": "fanout", "pos": {"x": 3, "y": 0}})
     spec["edges"].append({"id": "e9", "from": "draft", "to": "fan"})
     path = tmp_path / "compile-error.json"
     path.write_text(json.dumps(spec))
     env = {**os.environ, "OPGRAPH_DB": str(tmp_path / "db")}
-    done = subprocess.run([sys.executable, "-m", "opgraph.cluster.cli", "flow", "run", str(path)],
-                          capture_output=True, text=True, timeout=120, env=env)
+    done = run_command([sys.executable, "-m", "opgraph.cluster.cli", "flow", "run", str(path)],
+                       timeout=120, env=env)
     assert done.returncode == 2, done.stderr
     errors = json.loads(done.stderr[done.stderr.index("{"):])["errors"]
     assert any(problem["node_id"] == "fan" for problem in errors)
@@ -247,8 +234,8 @@ def test_main_job_runs_the_bundled_workflow_in_a_fresh_process(tmp_path):
     """The README's main job: `opgraph demo` on local Ray, SQLite and the sim/ provider."""
     env = {**os.environ, "OPGRAPH_DB": str(tmp_path / "demo.db")}
     env.pop("RAY_AUTH_MODE", None)  # as on a fresh machine: Ray's default token auth (conftest disables it)
-    done = subprocess.run([sys.executable, "-m", "opgraph.cluster.cli", "demo", "--json", "--plain"],
-                          capture_output=True, text=True, timeout=240, env=env)
+    done = run_command([sys.executable, "-m", "opgraph.cluster.cli", "demo", "--json", "--plain"],
+                       timeout=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     payload = json.loads(done.stdout[done.stdout.index("{"):])
     assert payload["status"] == "completed"
@@ -270,37 +257,23 @@ def test_flow_run_help_publishes_the_capability_matrix(capsys):
 def test_opgraph_serve_answers_over_http_and_stops_on_sigterm(tmp_path):
     """`opgraph serve` in its own process: create a definition over HTTP, list it, stop cleanly."""
     import signal
-    import socket
-    import time
 
     import httpx
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OPGRAPH_DB": str(tmp_path / "served.db")}
-    server = subprocess.Popen([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                httpx.get(f"{base}/api/workflows", timeout=1.0)
-                break
-            except httpx.TransportError:
-                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
-                time.sleep(0.2)
-        created = httpx.post(f"{base}/api/workflows", json={"name": "served", "spec": _spec()}, timeout=5)
+    log = tmp_path / "serve.log"
+    with start_server([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port)],
+                      ready=lambda: http_body(f"{base}/api/workflows"), timeout=60, what="opgraph serve",
+                      log_path=log, env=env) as server:
+        created = httpx.post(f"{base}/api/workflows", json={"name": "served", "spec": draft_spec()}, timeout=5)
         assert created.status_code == 201, created.text
         assert created.json()["content_hash"].startswith("sha256:")
         listed = httpx.get(f"{base}/api/workflows", timeout=5).json()["workflows"]
         assert [row["name"] for row in listed] == ["served"]
-    finally:
-        server.send_signal(signal.SIGTERM)
-        code = server.wait(timeout=30)
-        output = server.stdout.read()
-        server.stdout.close()
+        code = server.stop(signal.SIGTERM)
+    output = log.read_text()
     # uvicorn shuts down gracefully, then re-raises the signal it caught.
     assert code in (0, -signal.SIGTERM), output
     assert "Finished server process" in output, output

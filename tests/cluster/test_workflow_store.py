@@ -17,6 +17,7 @@ import threading
 
 import psycopg
 import pytest
+from workflow_specs import draft_spec
 
 from opgraph.actors.persistence.backends import Connection, open_connection
 from opgraph.cluster.lanes import ProvenanceError, open_store
@@ -43,18 +44,8 @@ from opgraph.kernel import OpGraphError
 
 
 def spec(prompt: str = "Draft") -> dict:
-    """in -> draft"""
-    return {
-        "version": 1,
-        "nodes": [
-            {"id": "in", "kind": "input", "pos": {"x": 0, "y": 0}},
-            {"id": "draft", "kind": "chat", "pos": {"x": 1, "y": 0},
-             "config": {"prompt": prompt, "model": "sim/default"}},
-        ],
-        "edges": [{"id": "e1", "from": "in", "to": "draft"}],
-        "inputs": ["topic"],
-        "outputs": ["draft"],
-    }
+    """in -> draft, on the simulated provider's default model."""
+    return draft_spec(prompt, "sim/default")
 
 
 class Clock:

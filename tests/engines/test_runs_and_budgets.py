@@ -158,14 +158,16 @@ def test_deadline_cancels_the_root_and_degrades(session, model):
     assert result.run.budget.snapshot()["elapsed_s"] < 30
 
 
-def test_token_budget_refuses_turns_once_spent(session, model):
-    async def body(run_):
-        agent = await run_.make_agent("worker")
-        for index in range(10):
-            await run_.turn(agent, f"turn {index}")
-        return "never"
+async def ten_turns(run_):
+    """One agent asked for ten turns: a budget ends it first."""
+    agent = await run_.make_agent("worker")
+    for index in range(10):
+        await run_.turn(agent, f"turn {index}")
+    return "never"
 
-    engine = ScriptEngine(body, model=model(ByAgent(default="x"), prompt_tokens=60, completion_tokens=40),
+
+def test_token_budget_refuses_turns_once_spent(session, model):
+    engine = ScriptEngine(ten_turns, model=model(ByAgent(default="x"), prompt_tokens=60, completion_tokens=40),
                           max_tokens=250)
     result = run(engine.run(session=session))
     assert result.degrade_reason == "budget" and result.run.exhausted_reason == "tokens"
@@ -173,14 +175,8 @@ def test_token_budget_refuses_turns_once_spent(session, model):
 
 
 def test_cost_budget_refuses_turns_once_spent(session, model):
-    async def body(run_):
-        agent = await run_.make_agent("worker")
-        for index in range(10):
-            await run_.turn(agent, f"turn {index}")
-        return "never"
-
     name = model(ByAgent(default="x"), prompt_tokens=1000, completion_tokens=0)
-    engine = ScriptEngine(body, model=name, max_cost_usd=0.025, prices={name: (10.0, 30.0)})
+    engine = ScriptEngine(ten_turns, model=name, max_cost_usd=0.025, prices={name: (10.0, 30.0)})
     result = run(engine.run(session=session))
     assert result.run.exhausted_reason == "cost"
     assert result.run.budget.cost_usd == pytest.approx(0.03)  # three turns at $0.01

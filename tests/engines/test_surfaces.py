@@ -112,11 +112,9 @@ def test_a_degraded_run_exits_4_with_its_partial_result(session, tmp_path, capsy
 
 def test_an_address_that_does_not_answer_exits_3_before_any_run(tmp_path, capsys):
     """As for every command: the address is probed first; nothing is recorded, no agent made."""
-    import socket
+    from opgraph.cluster.processes import free_port
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        refused = f"127.0.0.1:{probe.getsockname()[1]}"  # closed again: connections are refused
+    refused = f"127.0.0.1:{free_port()}"  # closed again: connections are refused
     code = main(["engine", "run", "planning", "a prompt", "--address", refused, "--json",
                  "--store", str(tmp_path / "db")])
     captured = capsys.readouterr()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -10,16 +9,11 @@ from typing import Any
 
 import uvicorn
 
+from opgraph.cluster.processes import free_port
+
 __all__ = ["START_DEADLINE", "Served", "free_port", "serve"]
 
 START_DEADLINE = 30.0  # seconds for uvicorn to bind (and the app's lifespan to start)
-
-
-def free_port() -> int:
-    """A loopback port nothing listened on a moment ago (bound, then closed)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

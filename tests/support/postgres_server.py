@@ -11,16 +11,16 @@ removes the folder.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
 import secrets
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from dataclasses import dataclass, field
+
+from opgraph.cluster.processes import accepts_connections, free_port, run_command, wait_until
 
 __all__ = ["PostgresServer", "postgres_binaries"]
 
@@ -35,12 +35,6 @@ def postgres_binaries() -> str | None:
         return os.path.dirname(found[-1])
     pg_ctl = shutil.which("pg_ctl")
     return os.path.dirname(os.path.realpath(pg_ctl)) if pg_ctl else None
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
@@ -69,7 +63,7 @@ class PostgresServer:
         if user is not None:
             entry = pwd.getpwnam(user)
             os.chown(folder, entry.pw_uid, entry.pw_gid)
-        server = cls(folder, _free_port(), binaries, user)
+        server = cls(folder, free_port(), binaries, user)
         try:
             server._run("initdb", "-D", server.data, "-U", "postgres", "--auth=trust", "--no-sync",
                         "-E", "UTF8", "--locale=C")
@@ -89,7 +83,7 @@ class PostgresServer:
         command = [os.path.join(self.binaries, program), *arguments]
         if self.user is not None:
             command = ["runuser", "-u", self.user, "--", *command]
-        finished = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=self.folder)
+        finished = run_command(command, timeout=120, cwd=self.folder)
         if finished.returncode != 0:
             raise RuntimeError(f"{program} failed ({finished.returncode}): {finished.stdout}\n{finished.stderr}")
 
@@ -112,15 +106,7 @@ class PostgresServer:
                 self._run("pg_ctl", "-D", self.data, "-m", "immediate", "-w", "stop")
             except RuntimeError:
                 pass  # the folder goes below anyway; a server that did not stop is reported by its port
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _listening(self.port):
-            time.sleep(0.1)
+        with contextlib.suppress(TimeoutError):  # still listening after 10 s: reported by its port
+            wait_until(lambda: not accepts_connections(self.port, timeout=0.5), timeout=10,
+                       what="PostgreSQL's port closing", interval=0.1)
         shutil.rmtree(self.folder, ignore_errors=True)
-
-
-def _listening(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return True
-    except OSError:
-        return False

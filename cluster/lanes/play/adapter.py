@@ -2,8 +2,9 @@
 
 Owns turning ``opgraph play NAME [INPUT] --ARG VALUE ...`` into a planned invocation whose
 source is the playbook (name, path and content hash in the provenance), with the
-playbook's settings under the command line's. Planning, running, controls and replay are
-the planned lane's (D1: a play is no fourth execution contract).
+playbook's settings under the command line's, and the playbooks a surface may show
+(``playbook``, ``catalogue``, ``check``), so no surface imports the playbook format. Planning,
+running, controls and replay are the planned lane's (D1: a play is no fourth execution contract).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 from ..base import REACTIVE_PLAY, LaneInvocation
 from ..planned.adapter import PlannedFlowLane
-from .playbook import resolve_playbook
+from .playbook import Playbook, PlaybookError, list_playbooks, resolve_playbook
 
 __all__ = ["PlayLane"]
 
@@ -23,6 +24,33 @@ class PlayLane(PlannedFlowLane):
     """The ``reactive_play`` adapter: a playbook's rendered prompt, planned and run as a planned flow."""
 
     lane: str = REACTIVE_PLAY
+
+    def playbook(self, name: str, *, start: str | Path | None = None, home: str | Path | None = None) -> Playbook:
+        """Playbook ``name``, resolved and checked (``PlaybookError``; ``UnknownPlaybookError`` names near ones)."""
+        return resolve_playbook(name, start=start, home=home)
+
+    def catalogue(self, *, start: str | Path | None = None, home: str | Path | None = None) -> list[dict[str, Any]]:
+        """Every playbook the roots hold, as plain rows (name, path, description, content hash, args by name);
+        one that does not load is a row with no name and its error."""
+        rows: list[dict[str, Any]] = []
+        for item in list_playbooks(start=start, home=home):
+            if isinstance(item, PlaybookError):
+                rows.append({"name": None, "path": item.path, "error": item.message})
+            else:
+                rows.append({"name": item.name, "path": str(item.path), "description": item.description,
+                             "content_hash": item.content_hash,
+                             "args": {arg.name: {"type": arg.type, "default": arg.default, "help": arg.help}
+                                      for arg in item.args}})
+        return rows
+
+    def check(self, name: str, text: str, args: Mapping[str, Any], *, start: str | Path | None = None,
+              home: str | Path | None = None) -> dict[str, Any]:
+        """Playbook ``name`` resolved, its ``args`` converted and its prompt rendered with ``text``, without
+        planning: a plain report (``PlaybookError`` when any of it fails)."""
+        playbook = resolve_playbook(name, start=start, home=home)
+        rendered = playbook.render(text, playbook.convert(dict(args)))
+        return {"name": playbook.name, "path": str(playbook.path), "content_hash": playbook.content_hash,
+                "ok": True, "settings": dict(playbook.settings), "prompt": rendered}
 
     def invocation(self, target: str, *, text: str = "", args: Mapping[str, Any] | None = None,
                    model: str | None = None, reactive: str | None = None, max_ops: int | None = None,
