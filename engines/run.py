@@ -9,6 +9,7 @@ turn goes through the port to an OperationWorker; nothing here calls a model its
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
@@ -18,6 +19,7 @@ from pydantic import BaseModel
 
 from opgraph.actors import TurnError, TurnResult
 from opgraph.kernel import Graph, extract_requests
+from opgraph.kernel.failures import CANCEL_GRACE_EXPIRED, CANCELLED, OPERATION_TIMEOUT
 
 from .agents import Agent, emission_bundle, emission_key, repair_instruction, role_profile
 from .budget import RunBudget
@@ -38,6 +40,8 @@ EventCallback = Callable[[dict[str, Any]], Any]
 # Turn failures that mean "the reply did not fit the requested shape": a repair re-prompt
 # may fix them, so operate_with_repair counts them as a missed emission, not a failure.
 MALFORMED_ERROR_TYPES = frozenset({"ParseError", "ValidationError"})
+# Turn failures that cut a model call off before its usage arrived: that call is estimated.
+CUT_OFF_ERROR_TYPES = frozenset({OPERATION_TIMEOUT, CANCELLED, CANCEL_GRACE_EXPIRED})
 EMISSION_DEPTH = 4
 
 
@@ -79,6 +83,8 @@ class EngineRun:
         self._run_task: asyncio.Task | None = None
         self._emission_failures: list[str] = []
         self._agent_errors: list[str] = []
+        self._context_chars: dict[str, int] = {}  # per agent: what its branch holds, for estimates
+        self._last_model: str | None = None
         self.agents: dict[str, Agent] = {}
         self.budget_notified = False
         self.exhausted_reason = ""
@@ -281,20 +287,43 @@ class EngineRun:
                 result = await self.port.turn(agent.id, operation, timeout=timeout or self.engine.turn_timeout_s,
                                               **arguments)
             except TurnError as error:
-                # A failed turn's model calls were made and paid for: they count like any other.
+                # A failed turn's model calls were made and paid for: they count like any other,
+                # and a call it cut off (a timeout) is counted at an estimate.
                 self.budget.add_usage(error.usage)
+                estimated = (self._estimate_cut_off(agent, instruction, response_format)
+                             if error.error_type in CUT_OFF_ERROR_TYPES else 0)
                 kind = error.error_type or type(error).__name__
                 self._agent_errors.append(f"{agent.name}: {kind}: {error}")
                 self.notify("agent_error", agent=agent.name, error=str(error), error_type=kind,
-                            tokens=int(error.usage.get("total_tokens", 0) or 0), tokens_used=self.budget.tokens_used,
-                            cost_usd=round(self.budget.cost_usd, 6))
+                            tokens=int(error.usage.get("total_tokens", 0) or 0), estimated_tokens=estimated,
+                            tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6))
+                raise
+            except asyncio.CancelledError:
+                # Cut off (the deadline, cleanup, the caller) before any usage arrived: estimated.
+                estimated = self._estimate_cut_off(agent, instruction, response_format)
+                self.notify("turn_cut_off", agent=agent.name, operation=operation, estimated_tokens=estimated,
+                            tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6))
                 raise
         self.budget.add_usage(result.usage)
+        self._last_model = next(iter((result.usage or {}).get("by_model") or ()), self._last_model)
+        self._context_chars[agent.name] = (self._context_chars.get(agent.name, 0) + len(instruction)
+                                           + len(result.response if isinstance(result.response, str)
+                                                 else str(result.response)))
         self.notify("turn_completed", agent=agent.name, operation=operation, elapsed=round(result.elapsed, 4),
                     tokens=int((result.usage or {}).get("total_tokens", 0) or 0),
                     tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6))
         self._observe(agent, result.response)
         return result
+
+    def _estimate_cut_off(self, agent: Agent, instruction: str, response_format: type[BaseModel] | None) -> int:
+        """Count a model call cut off before its usage arrived: its prompt (the agent's branch,
+        the instruction, the schema) at about four characters a token, and a completion the
+        size of the run's mean reported one. Returns the tokens added."""
+        chars = len(agent.profile) + self._context_chars.get(agent.name, 0) + len(instruction)
+        if response_format is not None:
+            chars += len(json.dumps(response_format.model_json_schema()))
+        prompt = (chars + 3) // 4  # the providers' own rough count (estimate_tokens), without the text
+        return self.budget.add_estimate(agent.model or self._last_model, prompt, self.budget.mean_completion_tokens())
 
     def _observe(self, agent: Agent, response: Any) -> list[EngineEvent]:
         """Record every EngineEvent in a turn's response as that agent's emission."""
