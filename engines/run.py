@@ -31,7 +31,7 @@ from .tasks import TaskSet
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["EngineRun", "EventCallback", "MALFORMED_ERROR_TYPES"]
+__all__ = ["CUT_OFF_ERROR_TYPES", "EngineRun", "EventCallback", "MALFORMED_ERROR_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -322,8 +322,15 @@ class EngineRun:
         chars = len(agent.profile) + self._context_chars.get(agent.name, 0) + len(instruction)
         if response_format is not None:
             chars += len(json.dumps(response_format.model_json_schema()))
-        prompt = (chars + 3) // 4  # the providers' own rough count (estimate_tokens), without the text
-        return self.budget.add_estimate(agent.model or self._last_model, prompt, self.budget.mean_completion_tokens())
+        return self.estimate_calls(agent.model, chars)
+
+    def estimate_calls(self, model: str | None, prompt_chars: int, calls: int = 1) -> int:
+        """Count ``calls`` model calls whose usage never reached the run, each with a prompt of
+        ``prompt_chars`` characters (about four a token, as the providers' own rough count)
+        and the run's mean reported completion. Returns the tokens added (``estimated_tokens``)."""
+        prompt = (max(0, prompt_chars) + 3) // 4
+        completion = self.budget.mean_completion_tokens()
+        return sum(self.budget.add_estimate(model or self._last_model, prompt, completion) for _ in range(calls))
 
     def _observe(self, agent: Agent, response: Any) -> list[EngineEvent]:
         """Record every EngineEvent in a turn's response as that agent's emission."""
