@@ -13,6 +13,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -43,6 +44,8 @@ MALFORMED_ERROR_TYPES = frozenset({"ParseError", "ValidationError"})
 # Turn failures that cut a model call off before its usage arrived: that call is estimated.
 CUT_OFF_ERROR_TYPES = frozenset({OPERATION_TIMEOUT, CANCELLED, CANCEL_GRACE_EXPIRED})
 EMISSION_DEPTH = 4
+# (run id, the turns the current task's next turn comes after); tasks inherit it when made.
+_AFTER_TURNS: ContextVar[tuple[str, tuple[int, ...]] | None] = ContextVar("opgraph_engine_after_turns", default=None)
 
 
 class EngineRun:
@@ -85,6 +88,8 @@ class EngineRun:
         self._agent_errors: list[str] = []
         self._context_chars: dict[str, int] = {}  # per agent: what its branch holds, for estimates
         self._last_model: str | None = None
+        self._turns_begun = 0
+        self._turns_ended: list[int] = []
         self.agents: dict[str, Agent] = {}
         self.budget_notified = False
         self.exhausted_reason = ""
@@ -229,7 +234,9 @@ class EngineRun:
         return self.tasks.drain_pending()
 
     async def wait_quiescence(self) -> None:
+        """Wait until no spawned work is left (D2); what comes next comes after every turn so far."""
         await self.tasks.wait_quiescence()
+        _AFTER_TURNS.set((self.run_id, tuple(self._turns_ended)))
 
     async def cancel_active(self) -> list[asyncio.Task]:
         """Cancel spawned work, waiting at most ``cancel_timeout_s``; stragglers are left."""
@@ -283,10 +290,12 @@ class EngineRun:
                 arguments["response_format"] = response_format
             if agent.tools and "tools" not in arguments:
                 arguments["tools"] = list(agent.tools)
+            turn, after = self._begin_turn()
             try:
                 result = await self.port.turn(agent.id, operation, timeout=timeout or self.engine.turn_timeout_s,
                                               **arguments)
             except TurnError as error:
+                self._end_turn(turn)
                 # A failed turn's model calls were made and paid for: they count like any other,
                 # and a call it cut off (a timeout) is counted at an estimate.
                 self.budget.add_usage(error.usage)
@@ -296,7 +305,8 @@ class EngineRun:
                 self._agent_errors.append(f"{agent.name}: {kind}: {error}")
                 self.notify("agent_error", agent=agent.name, error=str(error), error_type=kind,
                             tokens=int(error.usage.get("total_tokens", 0) or 0), estimated_tokens=estimated,
-                            tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6))
+                            tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6),
+                            turn=turn, after=after)
                 raise
             except asyncio.CancelledError:
                 # Cut off (the deadline, cleanup, the caller) before any usage arrived: estimated.
@@ -304,6 +314,7 @@ class EngineRun:
                 self.notify("turn_cut_off", agent=agent.name, operation=operation, estimated_tokens=estimated,
                             tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6))
                 raise
+        self._end_turn(turn)
         self.budget.add_usage(result.usage)
         self._last_model = next(iter((result.usage or {}).get("by_model") or ()), self._last_model)
         self._context_chars[agent.name] = (self._context_chars.get(agent.name, 0) + len(instruction)
@@ -311,9 +322,22 @@ class EngineRun:
                                                  else str(result.response)))
         self.notify("turn_completed", agent=agent.name, operation=operation, elapsed=round(result.elapsed, 4),
                     tokens=int((result.usage or {}).get("total_tokens", 0) or 0),
-                    tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6))
+                    tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6),
+                    turn=turn, after=after)
         self._observe(agent, result.response)
         return result
+
+    # Causality of turns, for the record: each turn notes the turns it came after (the last
+    # turn of the task that made it, or every earlier turn after a quiescence join), so the
+    # record implies its critical path (benchmarks compare wall time with it).
+    def _begin_turn(self) -> tuple[int, list[int]]:
+        self._turns_begun += 1
+        cause = _AFTER_TURNS.get()
+        return self._turns_begun, list(cause[1]) if cause is not None and cause[0] == self.run_id else []
+
+    def _end_turn(self, turn: int) -> None:
+        self._turns_ended.append(turn)
+        _AFTER_TURNS.set((self.run_id, (turn,)))
 
     def _estimate_cut_off(self, agent: Agent, instruction: str, response_format: type[BaseModel] | None) -> int:
         """Count a model call cut off before its usage arrived: its prompt (the agent's branch,
@@ -338,9 +362,20 @@ class EngineRun:
             found = [response]
         else:
             found = extract_requests(response, (EngineEvent,), max_depth=EMISSION_DEPTH)
+        admitted = []
         for event in found:
-            self.emit(event, agent=agent.name)
-        return found
+            event = self.admit_emission(agent, event)
+            if event is not None:
+                self.emit(event, agent=agent.name)
+                admitted.append(event)
+        return admitted
+
+    def admit_emission(self, agent: Agent, event: EngineEvent) -> EngineEvent | None:
+        """A domain run's hook on each typed emission before it is recorded: the event as
+        recorded (fields the engine owns, such as ids, references and depth, set by the
+        engine rather than trusted from the model), or None to leave it unrecorded. This
+        run records what arrived."""
+        return event
 
     async def operate_with_repair(self, branch: Agent, instruction: str, *, arrived: Callable[[], bool],
                                   emits: tuple[type, ...] = (), retries: int = 1, **parameters: Any) -> Any:
