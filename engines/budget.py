@@ -150,9 +150,13 @@ class RunBudget:
     def tokens_used(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def exhausted(self) -> str | None:
-        """Which hard bound is spent (``agents``, ``deadline``, ``tokens``, ``cost``), or None."""
-        if self.agents_made >= self.limits.max_agents:
+    def exhausted(self, *, agents: bool = True) -> str | None:
+        """Which hard bound is spent (``agents``, ``deadline``, ``tokens``, ``cost``), or None.
+
+        ``agents=False`` leaves the agent bound out: it limits making agents, not the turns
+        of agents already made (the last agent the bound allows can still work).
+        """
+        if agents and self.agents_made >= self.limits.max_agents:
             return "agents"
         if self.deadline_passed or (self.deadline is not None and self._clock() >= self.deadline):
             return "deadline"

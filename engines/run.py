@@ -183,8 +183,8 @@ class EngineRun:
         self.engine.statistics_counters.budget_exhausted(reason)
         self.notify("budget_exhausted", reason=reason, **self.budget.snapshot())
 
-    def _refuse(self, what: str, agent: str | None = None) -> EngineBudgetError:
-        reason = self.budget.exhausted() or "agents"
+    def _refuse(self, what: str, agent: str | None = None, *, turn: bool = False) -> EngineBudgetError:
+        reason = self.budget.exhausted(agents=not turn) or "agents"
         self._note_budget_exhausted(reason)
         return EngineBudgetError(f"{what} refused: the run's {reason} budget is spent", reason=reason,
                                  run_id=self.run_id, branch_id=agent)
@@ -275,14 +275,15 @@ class EngineRun:
                    **parameters: Any) -> TurnResult:
         """One turn of ``agent`` on a worker; typed emissions in its response are recorded.
 
-        A non-exempt agent's turn is refused (EngineBudgetError) once a hard bound is
-        spent; exempt terminal agents still run. ``max_concurrent`` turns run at once.
+        A non-exempt agent's turn is refused (EngineBudgetError) once the deadline, token
+        or cost bound is spent (the agent bound limits making agents, not their turns);
+        exempt terminal agents still run. ``max_concurrent`` turns run at once.
         """
-        if not agent.exempt and not self.budget_left():
-            raise self._refuse(f"turn of {agent.name!r}", agent.id)
+        if not agent.exempt and self.budget.exhausted(agents=False) is not None:
+            raise self._refuse(f"turn of {agent.name!r}", agent.id, turn=True)
         async with self._sem:
-            if not agent.exempt and not self.budget_left():
-                raise self._refuse(f"turn of {agent.name!r}", agent.id)
+            if not agent.exempt and self.budget.exhausted(agents=False) is not None:
+                raise self._refuse(f"turn of {agent.name!r}", agent.id, turn=True)
             arguments = {"instruction": instruction, **parameters}
             if agent.model and "model" not in arguments:
                 arguments["model"] = agent.model

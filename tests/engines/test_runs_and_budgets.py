@@ -124,6 +124,21 @@ def test_agent_budget_refuses_the_next_agent_and_degrades(session, sink):
     assert len(notices) == 1 and notices[0].data["reason"] == "agents"
 
 
+def test_the_last_agent_the_bound_allows_still_takes_its_turns(session, model):
+    """max_agents bounds making agents, not working: with max_agents=1 the one agent's
+    turns run (they used to be refused the moment it was made)."""
+    async def body(run_):
+        agent = await run_.make_agent("worker", name="only")
+        first = (await run_.turn(agent, "one")).response
+        second = (await run_.turn(agent, "two")).response
+        with pytest.raises(EngineBudgetError):
+            await run_.make_agent("worker")
+        return f"{first} {second}"
+
+    result = run(ScriptEngine(body, model=model(ByAgent(default="ok")), max_agents=1).run(session=session))
+    assert result == "ok ok" and result.degrade_reason == "budget"
+
+
 def test_budget_exhausted_is_notified_once_per_run(session, sink):
     async def body(run_):
         await run_.make_agent("worker")
