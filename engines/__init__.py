@@ -1,7 +1,7 @@
 """opgraph.engines: Engine/EngineRun and the domain engines (ADR-0034), run through a Session.
 
 Owns the engine core (hard budgets, typed emissions with bounded repair, the advisory
-judge, EngineResult, run_dag) and the planning and review engines. An engine never has a
+judge, EngineResult, run_dag) and the domain engines: planning, review, research. An engine never has a
 scheduler of its own: agent turns run on OperationWorkers, and a DAG goes to
 ``Session.flow``. Imports kernel/ and actors/ only; cluster/ supplies the durable sink.
 """
@@ -23,6 +23,7 @@ from .events import (
 from .kinds import ENGINE_KINDS, engine_for
 from .planning import PlanningEngine, PlanProposed, TaskSettled
 from .port import AgentPort, SessionPort
+from .research import ContradictionFound, DepthRequested, FindingEmitted, ResearchEngine, ResearchRun
 from .result import DEGRADE_REASONS, EngineResult
 from .review import DimensionReviewed, IssueFound, ReviewEngine, ReviewRun, ReviewVerdict, VerifyResult
 from .run import EngineRun, EventCallback
@@ -39,6 +40,8 @@ __all__ = [
     "Agent",
     "AgentPort",
     "BudgetLimits",
+    "ContradictionFound",
+    "DepthRequested",
     "DimensionReviewed",
     "Engine",
     "EngineBudgetError",
@@ -52,6 +55,7 @@ __all__ = [
     "EventRecord",
     "EventSink",
     "EventSinkError",
+    "FindingEmitted",
     "IssueFound",
     "JudgeVerdict",
     "MemorySink",
@@ -60,6 +64,8 @@ __all__ = [
     "PlanProposed",
     "PlanningEngine",
     "PriceTable",
+    "ResearchEngine",
+    "ResearchRun",
     "ReviewEngine",
     "ReviewRun",
     "ReviewVerdict",

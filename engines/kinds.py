@@ -11,11 +11,13 @@ from typing import Any
 from .engine import Engine
 from .errors import EngineInputError
 from .planning import PlanningEngine
+from .research import ResearchEngine
 from .review import ReviewEngine
 
 __all__ = ["ENGINE_KINDS", "engine_for"]
 
-ENGINE_KINDS: dict[str, type[Engine]] = {"planning": PlanningEngine, "review": ReviewEngine}
+ENGINE_KINDS: dict[str, type[Engine]] = {"planning": PlanningEngine, "review": ReviewEngine,
+                                         "research": ResearchEngine}
 
 
 def engine_for(kind: str, **settings: Any) -> Engine:
