@@ -1,7 +1,7 @@
 """opgraph.engines: Engine/EngineRun and the domain engines (ADR-0034), run through a Session.
 
 Owns the engine core (hard budgets, typed emissions with bounded repair, the advisory
-judge, EngineResult, run_dag) and the domain engines: planning, review, research. An engine never has a
+judge, EngineResult, run_dag) and the domain engines: planning, review, research, hypothesis. An engine never has a
 scheduler of its own: agent turns run on OperationWorkers, and a DAG goes to
 ``Session.flow``. Imports kernel/ and actors/ only; cluster/ supplies the durable sink.
 """
@@ -19,6 +19,19 @@ from .events import (
     EventSink,
     JudgeVerdict,
     MemorySink,
+)
+from .hypothesis import (
+    ApplicationMapped,
+    ChainEvent,
+    ConclusionDrawn,
+    EvidenceCollected,
+    ExperimentDesigned,
+    FindingPosted,
+    HypothesisEngine,
+    HypothesisFormed,
+    HypothesisRun,
+    QuestionRaised,
+    ResultRecorded,
 )
 from .kinds import ENGINE_KINDS, engine_for
 from .planning import PlanningEngine, PlanProposed, TaskSettled
@@ -39,7 +52,10 @@ __all__ = [
     "PARTIAL_EXPORT_TIMEOUT_S",
     "Agent",
     "AgentPort",
+    "ApplicationMapped",
     "BudgetLimits",
+    "ChainEvent",
+    "ConclusionDrawn",
     "ContradictionFound",
     "DepthRequested",
     "DimensionReviewed",
@@ -55,7 +71,13 @@ __all__ = [
     "EventRecord",
     "EventSink",
     "EventSinkError",
+    "EvidenceCollected",
+    "ExperimentDesigned",
     "FindingEmitted",
+    "FindingPosted",
+    "HypothesisEngine",
+    "HypothesisFormed",
+    "HypothesisRun",
     "IssueFound",
     "JudgeVerdict",
     "MemorySink",
@@ -64,8 +86,10 @@ __all__ = [
     "PlanProposed",
     "PlanningEngine",
     "PriceTable",
+    "QuestionRaised",
     "ResearchEngine",
     "ResearchRun",
+    "ResultRecorded",
     "ReviewEngine",
     "ReviewRun",
     "ReviewVerdict",
