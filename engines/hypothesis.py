@@ -447,8 +447,8 @@ class HypothesisEngine(Engine):
         if isinstance(event, EvidenceCollected):
             return f"{event.eid} evidence (strength {event.strength:.2f}): {event.summary[:200]}"
         if isinstance(event, HypothesisFormed):
-            return f"{event.eid} hypothesis: {event.statement[:200]} — metric {event.metric[:60]}, threshold " \
-                   f"{event.threshold[:60]}, falsifier {event.falsifier[:80]}"
+            return f"{event.eid} hypothesis: {event.statement[:200]} (metric {event.metric[:60]}; threshold " \
+                   f"{event.threshold[:60]})"
         if isinstance(event, ExperimentDesigned):
             state = " — PENDING: not executable here" if event.eid in run.pending else ""
             return f"{event.eid} experiment [{event.method}]: {event.procedure[:160]}{state}"

@@ -163,7 +163,32 @@ def _settings(arguments: argparse.Namespace) -> dict[str, Any]:
         settings["prices"] = dict(_price(item) for item in arguments.price)
     if arguments.kind == "review" and arguments.dimensions:
         settings["dimensions"] = tuple(d.strip() for d in arguments.dimensions.split(",") if d.strip())
+    if arguments.max_depth is not None:
+        settings["max_depth"] = arguments.max_depth
+    for flag, name, kind in (("--novelty-threshold", "novelty_threshold", "research"),
+                             ("--max-questions", "max_questions", "hypothesis")):
+        value = getattr(arguments, name)
+        if value is None:
+            continue
+        if arguments.kind != kind:
+            from opgraph.engines import EngineInputError
+
+            raise EngineInputError(f"{flag} applies to {kind} runs only")
+        settings[name] = value
     return settings
+
+
+def _subject(engine: Any, target: list[str]) -> Any:
+    """What the engine runs on: a review's files, a hypothesis run's seeds, else the words as one text."""
+    from opgraph.engines import EngineInputError
+
+    if engine.kind == "review":
+        if len(target) != 1:
+            raise EngineInputError(f"review takes one file or folder, got {len(target)} paths")
+        return read_review_target(target[0])
+    if engine.kind == "hypothesis":
+        return list(target)
+    return " ".join(target)
 
 
 def _payload(result: Any, run: Any) -> dict[str, Any]:
@@ -229,7 +254,7 @@ def run_engine(arguments: argparse.Namespace) -> int:
 
     try:
         engine = engine_for(arguments.kind, **_settings(arguments))
-        subject = read_review_target(arguments.target) if engine.kind == "review" else arguments.target
+        subject = _subject(engine, arguments.target)
         engine.validate(subject)
         if arguments.sim_items is not None and arguments.sim_items < 0:
             raise EngineInputError(f"--sim-items must be >= 0, got {arguments.sim_items}")
@@ -261,18 +286,21 @@ def run_engine(arguments: argparse.Namespace) -> int:
 
 
 def add_engine_parser(subcommands: Any) -> None:
-    engine = subcommands.add_parser("engine", help="run a domain engine (planning, review) on the actor runtime")
+    engine = subcommands.add_parser("engine", help="run a domain engine (planning, review, research, hypothesis) "
+                                                    "on the actor runtime")
     engine.set_defaults(handler=lambda _: (engine.print_help(), 2)[1])
     actions = engine.add_subparsers(dest="engine_command", metavar="ACTION")
     run = actions.add_parser(
-        "run", help="run an engine: `planning PROMPT` or `review PATH`",
+        "run", help="run an engine: `planning PROMPT`, `review PATH`, `research TOPIC` or `hypothesis SEED...`",
         description="Run a domain engine (ADR-0034) with hard budgets: agents, deadline, tokens, cost. Agent "
                     "turns run on the operation workers; every event is recorded in the store under the printed "
                     "run id (`opgraph run show RUN_ID`). Live progress on a terminal, plain lines elsewhere; the "
                     "result text is printed last.",
         epilog=_EXIT_HELP)
-    run.add_argument("kind", metavar="KIND", help="planning or review")
-    run.add_argument("target", metavar="PROMPT-OR-PATH", help="the planning prompt, or the file or folder to review")
+    run.add_argument("kind", metavar="KIND", help="planning, review, research or hypothesis")
+    run.add_argument("target", metavar="TARGET", nargs="+",
+                     help="the planning prompt, the file or folder to review, the research topic (its words are "
+                          "joined), or the hypothesis run's seed findings (one per argument)")
     run.add_argument("--model", default=None,
                      help="provider/model for every agent (default: OPGRAPH_DEFAULT_MODEL or sim/default)")
     run.add_argument("--max-agents", type=int, default=50, help="hard bound on agents made (50)")
@@ -283,6 +311,12 @@ def add_engine_parser(subcommands: Any) -> None:
     run.add_argument("--price", action="append", metavar="MODEL=PROMPT,COMPLETION",
                      help="$ per million prompt and completion tokens for a provider/model (repeatable)")
     run.add_argument("--max-concurrent", type=int, default=5, help="agent turns in flight at once (5)")
+    run.add_argument("--max-depth", type=int, default=None,
+                     help="research: deepest node; hypothesis: last question generation (3)")
+    run.add_argument("--novelty-threshold", type=float, default=None,
+                     help="research only: a finding more novel than this opens a deeper node (0.7)")
+    run.add_argument("--max-questions", type=int, default=None,
+                     help="hypothesis only: questions of generation 0; generation g gets max(1, N >> g) (8)")
     run.add_argument("--dimensions", default=None,
                      help="review only: comma-separated dimensions (correctness,security,performance,maintainability)")
     run.add_argument("--sim-items", type=int, default=None,
