@@ -289,8 +289,8 @@ class PlanningEngine(Engine):
             agent = await run.make_agent(role, name=role, extra_prompt=f"You {self.roles[role]}.")
             branches[role] = agent.id
         graph = self._graph(run, assignments, branches)
-        if not run.budget_left():
-            raise run._refuse("the planned DAG")
+        if run.budget.exhausted(agents=False) is not None:  # the DAG runs on the agents made above
+            raise run._refuse("the planned DAG", turn=True)
         try:
             envelope = await run.run_dag(graph, reactive=self.reactive, spawn_type=SpawnRequest,
                                          node_builder=self._node_builder(branches) if self.reactive else None,
