@@ -91,6 +91,7 @@ class EngineRun:
         self._turns_begun = 0
         self._turns_ended: list[int] = []
         self.agents: dict[str, Agent] = {}
+        self.judge_lock = asyncio.Lock()  # the judge agent is made once, however many judge at once
         self.budget_notified = False
         self.exhausted_reason = ""
         self.deadline_hit = False

@@ -210,6 +210,17 @@ def test_a_judge_error_fails_open_and_a_rejection_prunes_the_node(session, model
     assert pruned.run.nodes["n2"].status == "judged_out" and "[judged_out]" in pruned.text
 
 
+def test_concurrent_judgements_share_one_judge_agent(session, model, sink):
+    asks = [{"question": f"narrower question {index}"} for index in range(3)]
+    analyst = per_topic({TOPIC: js({"finding_emitted": [], "depth_requested": asks})}, QUIET["analyst"])
+    engine = ResearchEngine(model=model(script(analyst=analyst)), judge_model=model(ByAgent(default="go ahead")),
+                            event_sink=sink)
+    result = run(engine.run(TOPIC, session=session))
+    assert [n.status for n in result.run.nodes.values()] == ["explored"] * 4
+    assert [r.agent for r in kinds(sink, result.run, "agent_created")].count("judge") == 1
+    assert len(kinds(sink, result.run, "judged")) == 3
+
+
 def test_research_on_sim_grows_a_tree_of_typed_findings(session):
     session.register_provider("sim", SimulatedProvider(latency=0.0, seed=5))
     result = run(ResearchEngine().run(TOPIC, session=session))
