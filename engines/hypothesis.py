@@ -319,14 +319,14 @@ class HypothesisEngine(Engine):
 
         await run.operate_with_repair(agent, instruction, arrived=arrived, emits=emits, retries=self.repair_retries)
 
-    async def _questions(self, run: HypothesisRun, source: ChainEvent) -> None:
-        """Questions about a finding (generation 0) or, from a conclusion, follow-ups."""
+    async def _questions(self, run: HypothesisRun, source: FindingPosted) -> None:
+        """Questions a seed finding leaves open (generation 0); follow-ups come from conclusions."""
         agent = await run.make_agent("questioner", name=f"questioner-{source.eid}", emits=(QuestionRaised,),
                                      model=self.model_for("questioner"),
                                      extra_prompt="You find the open questions a finding raises.")
         generation = run.generation_of(source.eid)
         quota = max(1, self.max_questions >> generation)
-        instruction = (f"Finding {source.eid}: {self._describe(source)}\n\nRaise at most {quota} question(s) it "
+        instruction = (f"Finding {source.eid}: {source.description}\n\nRaise at most {quota} question(s) it "
                        f"leaves open: emit question_raised items, each with its area and precisely what is unknown.")
         await self._step(run, agent, Stage("questions", {"parent": source.eid}), instruction, (QuestionRaised,))
         for question in run.by_type(QuestionRaised, agent=agent.name):
@@ -400,14 +400,6 @@ class HypothesisEngine(Engine):
                              f"what it leaves open.", (ApplicationMapped, QuestionRaised))
             for follow_up in run.links(QuestionRaised, parent=conclusion.eid):
                 self._start_chain(run, follow_up)
-
-    @staticmethod
-    def _describe(event: ChainEvent) -> str:
-        if isinstance(event, FindingPosted):
-            return event.description
-        if isinstance(event, ConclusionDrawn):
-            return f"{event.basis} (limitations: {event.limitations or '-'})"
-        return str(event)
 
     # -- the end --------------------------------------------------------------------------
     def _evidence_exists(self, run: HypothesisRun) -> bool:
