@@ -418,7 +418,7 @@ class ResearchEngine(Engine):
         return self.report(run, synthesis, status=f"budget exhausted ({reason}): partial research")
 
     def report(self, run: ResearchRun, synthesis: str, *, status: str = "") -> str:
-        """The report: a status line, the synthesis, the findings tree and the contradictions."""
+        """The report: a status line, the synthesis, and the tree of findings and contradictions."""
         if not status and run.budget_hit:
             status = f"complete within budget ({run.exhausted_reason or 'budget'}; some deeper nodes were not explored)"
         status = status or "complete"
@@ -432,9 +432,6 @@ class ResearchEngine(Engine):
         root = next((node for node in run.nodes.values() if node.parent is None), None)
         if root is not None:
             lines += self._tree(run, root, prefix="", last=True, top=True)
-        if contradictions:
-            lines += ["", "Contradictions:"]
-            lines += [f"- [{c.severity}] {' vs '.join(c.sources) or '?'}: {c.nature[:200]}" for c in contradictions]
         return "\n".join(lines)
 
     def _tree(self, run: ResearchRun, node: ResearchNode, *, prefix: str, last: bool, top: bool = False) -> list[str]:
@@ -453,6 +450,14 @@ class ResearchEngine(Engine):
                          f" · novelty {item.novelty:.2f}{merged}] {finding.description[:160]}")
             if item.sources:
                 lines.append(f"{inner}│    sources: {', '.join(s[:80] for s in item.sources[:4])}")
+        for role in TEAM:
+            for contradiction in run.by_type(ContradictionFound, agent=f"{role}-{node.id}"):
+                known = [ref for ref in contradiction.sources if ref in by_id]
+                between = f" between {', '.join(known)}" if known else ""
+                others = [ref for ref in contradiction.sources if ref not in by_id]
+                sources = f" (sources: {', '.join(s[:80] for s in others[:4])})" if others else ""
+                lines.append(f"{inner}│ ⚠ contradiction [{contradiction.severity}]{between}: "
+                             f"{contradiction.nature[:200]}{sources}")
         for error in node.errors:
             lines.append(f"{inner}│ (team agent failed: {error})")
         for index, child in enumerate(node.children):

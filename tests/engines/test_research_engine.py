@@ -105,7 +105,7 @@ def test_a_team_in_turn_then_a_novel_finding_and_a_depth_request_open_deeper_nod
     assert research.agents["synthesizer"].exempt and research.agents_made == 3 * 3 + 1
     assert result.text.startswith(f"Research: {TOPIC}\nStatus: complete · 3 node(s)")
     assert "the report" in result.text and "└── ● risks — how do dendrites grow" in result.text
-    assert "[major] F1 vs F2: rates disagree" in result.text
+    assert "│ ⚠ contradiction [major] between F1, F2: rates disagree" in result.text
 
 
 def test_novelty_is_bounded_by_the_threshold_and_by_similarity_to_what_is_retained(session, model):
