@@ -33,7 +33,7 @@ from opgraph.kernel.failures import CANCELLED
 from opgraph.kernel.patterns import DependencyReferenceWarning
 
 from .engine import Engine
-from .errors import EngineInputError, PlanError
+from .errors import EngineBudgetError, EngineInputError, PlanError
 from .events import EngineEvent
 from .run import CUT_OFF_ERROR_TYPES, MALFORMED_ERROR_TYPES, EngineRun
 from .usage import ENGINE_OPERATE, METERED_VERBS
@@ -285,9 +285,12 @@ class PlanningEngine(Engine):
         branches: dict[str, str] = {}
         # A reactive run can route follow-up work to any roster role, so each gets an agent.
         roles = self.roles if self.reactive else dict.fromkeys(a.assignee for a in assignments)
-        for role in roles:
-            agent = await run.make_agent(role, name=role, extra_prompt=f"You {self.roles[role]}.")
-            branches[role] = agent.id
+        made = await asyncio.gather(*(run.make_agent(role, name=role, extra_prompt=f"You {self.roles[role]}.")
+                                      for role in roles), return_exceptions=True)  # at once: the DAG needs all
+        errors = [outcome for outcome in made if isinstance(outcome, BaseException)]
+        if errors:  # a failure other than the budget's outranks it
+            raise next((error for error in errors if not isinstance(error, EngineBudgetError)), errors[0])
+        branches.update((agent.role, agent.id) for agent in made)
         graph = self._graph(run, assignments, branches)
         if run.budget.exhausted(agents=False) is not None:  # the DAG runs on the agents made above
             raise run._refuse("the planned DAG", turn=True)
