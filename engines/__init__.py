@@ -1,10 +1,11 @@
 """opgraph.engines: Engine/EngineRun and the domain engines (ADR-0034), run through a Session.
 
 Owns the engine core (hard budgets, typed emissions with bounded repair, the advisory
-judge, EngineResult, run_dag) and the planning, review and coding engines (coding with
-its workspace sandbox: a copy on a worker, confined writes, gates, an offered patch). An engine never has a
-scheduler of its own: agent turns run on OperationWorkers, and a DAG goes to
-``Session.flow``. Imports kernel/ and actors/ only; cluster/ supplies the durable sink.
+judge, EngineResult, run_dag) and the domain engines: planning, review, research, hypothesis
+and coding (coding with its workspace sandbox: a copy on a worker, confined writes, gates,
+an offered patch). An engine never has a scheduler of its own: agent turns run on
+OperationWorkers, and a DAG goes to ``Session.flow``. Imports kernel/ and actors/ only;
+cluster/ supplies the durable sink.
 """
 
 from .agents import Agent, emission_bundle, emission_key, repair_instruction, role_profile
@@ -37,9 +38,23 @@ from .events import (
     JudgeVerdict,
     MemorySink,
 )
+from .hypothesis import (
+    ApplicationMapped,
+    ChainEvent,
+    ConclusionDrawn,
+    EvidenceCollected,
+    ExperimentDesigned,
+    FindingPosted,
+    HypothesisEngine,
+    HypothesisFormed,
+    HypothesisRun,
+    QuestionRaised,
+    ResultRecorded,
+)
 from .kinds import ENGINE_KINDS, engine_for
 from .planning import PlanningEngine, PlanProposed, TaskSettled
 from .port import AgentPort, SessionPort
+from .research import ContradictionFound, DepthRequested, FindingEmitted, ResearchEngine, ResearchRun
 from .result import DEGRADE_REASONS, EngineResult
 from .review import DimensionReviewed, IssueFound, ReviewEngine, ReviewRun, ReviewVerdict, VerifyResult
 from .run import EngineRun, EventCallback
@@ -56,12 +71,17 @@ __all__ = [
     "PARTIAL_EXPORT_TIMEOUT_S",
     "Agent",
     "AgentPort",
+    "ApplicationMapped",
     "BudgetLimits",
+    "ChainEvent",
     "ChangeProposed",
     "CodeResultRecorded",
     "CodingEngine",
     "CodingRun",
     "CodingSpec",
+    "ConclusionDrawn",
+    "ContradictionFound",
+    "DepthRequested",
     "DimensionReviewed",
     "Engine",
     "EngineBudgetError",
@@ -75,8 +95,15 @@ __all__ = [
     "EventRecord",
     "EventSink",
     "EventSinkError",
+    "EvidenceCollected",
+    "ExperimentDesigned",
     "FileChange",
     "FileEdit",
+    "FindingEmitted",
+    "FindingPosted",
+    "HypothesisEngine",
+    "HypothesisFormed",
+    "HypothesisRun",
     "IssueFound",
     "JudgeVerdict",
     "MemorySink",
@@ -85,6 +112,10 @@ __all__ = [
     "PlanProposed",
     "PlanningEngine",
     "PriceTable",
+    "QuestionRaised",
+    "ResearchEngine",
+    "ResearchRun",
+    "ResultRecorded",
     "ReviewEngine",
     "ReviewRun",
     "ReviewVerdict",

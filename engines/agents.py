@@ -8,6 +8,8 @@ repair prompt. Nothing here calls the runtime.
 
 from __future__ import annotations
 
+import copy
+import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -106,7 +108,46 @@ def emission_bundle(emits: tuple[type[EngineEvent], ...]) -> type[BaseModel]:
             raise TypeError(f"emits must be EngineEvent subclasses, got {kind!r}")
         fields[emission_key(kind)] = (list[kind], Field(default_factory=list))
     name = "Emissions" + "".join(kind.__name__ for kind in emits)
-    return create_model(name[:64], **fields)
+    bundle = create_model(name[:64], __base__=_Bundle, **fields)
+    if all(kind.__module__.startswith("opgraph.") for kind in emits):
+        # Of importable types only: pickled by reference (a name this module resolves in
+        # __getattr__), so a worker rebuilds the class once, not on every turn it is sent.
+        bundle.__module__ = __name__
+        bundle.__qualname__ = _BUNDLE_PREFIX + _SEPARATOR.join(
+            f"{kind.__module__}:{kind.__qualname__}".replace(".", _DOT) for kind in emits)
+    return bundle
+
+
+_BUNDLE_PREFIX = "emission_bundle__"
+_SEPARATOR = "__"
+_DOT = "\N{MIDDLE DOT}"  # a qualified name's dot: pickle splits a qualname on "."
+
+
+class _Bundle(BaseModel):
+    """The base of emission bundles: the JSON schema is made once per bundle (a worker asks
+    for it on every structured turn) and each caller gets its own copy."""
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        key = (cls, args, tuple(sorted(kwargs.items())))
+        cached = _SCHEMAS.get(key)
+        if cached is None:
+            cached = _SCHEMAS[key] = super().model_json_schema(*args, **kwargs)
+        return copy.deepcopy(cached)
+
+
+_SCHEMAS: dict[Any, dict[str, Any]] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """An emission bundle by its pickled name (see ``emission_bundle``), made in this process."""
+    if not name.startswith(_BUNDLE_PREFIX):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    kinds = []
+    for part in name[len(_BUNDLE_PREFIX):].split(_SEPARATOR):
+        module, _, qualname = part.replace(_DOT, ".").partition(":")
+        kinds.append(getattr(importlib.import_module(module), qualname))
+    return emission_bundle(tuple(kinds))
 
 
 def _example(kind: type[BaseModel]) -> dict[str, Any]:

@@ -8,7 +8,9 @@ Beyond the record: ``max_tokens`` and ``max_cost_usd`` are hard bounds with the 
 semantics as ``max_agents`` (a recursion limit is not a budget). Usage counts when a
 turn returns or fails (a failed turn's calls were paid for too), so a turn already in
 flight finishes and is counted; the overshoot is bounded by the turns in flight at once
-(``max_concurrent``).
+(``max_concurrent``). A call cut off before its usage arrived (a timeout, a cancellation)
+is counted at an estimate, kept apart in ``estimated_tokens``: ``tokens_used`` minus
+``estimated_tokens`` is what the providers reported.
 """
 
 from __future__ import annotations
@@ -140,14 +142,21 @@ class RunBudget:
         self.by_model: dict[str, dict[str, int]] = {}
         self.unpriced_models: set[str] = set()
         self.deadline_passed = False  # set by the watchdog, so a late clock read cannot disagree
+        self.estimated_calls = 0
+        self.estimated_prompt_tokens = 0
+        self.estimated_completion_tokens = 0
 
     @property
     def tokens_used(self) -> int:
         return self.prompt_tokens + self.completion_tokens
 
-    def exhausted(self) -> str | None:
-        """Which hard bound is spent (``agents``, ``deadline``, ``tokens``, ``cost``), or None."""
-        if self.agents_made >= self.limits.max_agents:
+    def exhausted(self, *, agents: bool = True) -> str | None:
+        """Which hard bound is spent (``agents``, ``deadline``, ``tokens``, ``cost``), or None.
+
+        ``agents=False`` leaves the agent bound out: it limits making agents, not the turns
+        of agents already made (the last agent the bound allows can still work).
+        """
+        if agents and self.agents_made >= self.limits.max_agents:
             return "agents"
         if self.deadline_passed or (self.deadline is not None and self._clock() >= self.deadline):
             return "deadline"
@@ -174,6 +183,30 @@ class RunBudget:
         self.cost_usd += cost
         self.unpriced_models.update(unpriced)
 
+    @property
+    def estimated_tokens(self) -> int:
+        """Tokens counted at an estimate (calls cut off before their usage arrived)."""
+        return self.estimated_prompt_tokens + self.estimated_completion_tokens
+
+    def mean_completion_tokens(self) -> int:
+        """Completion tokens per call the providers reported (0 before any)."""
+        reported = self.calls - self.estimated_calls
+        return (self.completion_tokens - self.estimated_completion_tokens) // reported if reported > 0 else 0
+
+    def add_estimate(self, model: str | None, prompt_tokens: int, completion_tokens: int) -> int:
+        """Count one call that was cut off before its usage arrived, at an estimate; returns its tokens.
+
+        Priced as ``model``'s call; with no model known it has no price, so a cost bound
+        fails closed (as for any unpriced model).
+        """
+        prompt, completion = max(0, int(prompt_tokens)), max(0, int(completion_tokens))
+        self.estimated_calls += 1
+        self.estimated_prompt_tokens += prompt
+        self.estimated_completion_tokens += completion
+        counts = {"calls": 1, "prompt_tokens": prompt, "completion_tokens": completion}
+        self.add_usage({**counts, "by_model": {model or "(unknown model)": counts}})
+        return prompt + completion
+
     def seconds_left(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - self._clock())
 
@@ -183,6 +216,7 @@ class RunBudget:
             "agents_made": self.agents_made,
             "max_agents": limits.max_agents,
             "tokens_used": self.tokens_used,
+            "estimated_tokens": self.estimated_tokens,
             "max_tokens": limits.max_tokens,
             "cost_usd": round(self.cost_usd, 6),
             "max_cost_usd": limits.max_cost_usd,

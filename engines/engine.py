@@ -361,8 +361,9 @@ class Engine:
         if not self.judge_model:
             return judged("skipped", True)
         try:
-            agent = run.agents.get("judge") or await run.make_agent(self.judge_role, name="judge",
-                                                                     model=self.judge_model, emits=(JudgeVerdict,))
+            async with run.judge_lock:  # concurrent judgements share one judge agent
+                agent = run.agents.get("judge") or await run.make_agent(
+                    self.judge_role, name="judge", model=self.judge_model, emits=(JudgeVerdict,))
             schema = emission_bundle((JudgeVerdict,)).model_json_schema()
             instruction = (f"Decide whether this work should go ahead.\nid: {eid}\nsubject: {subject}\n\n"
                            f"Reply with a JSON object matching this schema, with subject set to {eid!r}: {schema}")

@@ -1,7 +1,7 @@
 """The engine kinds a user can name (``opgraph engine run KIND``), and building one by name.
 
 Owns the name -> engine class table; an unknown name is bad input, refused before any
-run state exists. New domain engines (research, hypothesis, coding) register here.
+run state exists. Every domain engine registers here.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from typing import Any
 from .coding import CodingEngine
 from .engine import Engine
 from .errors import EngineInputError
+from .hypothesis import HypothesisEngine
 from .planning import PlanningEngine
+from .research import ResearchEngine
 from .review import ReviewEngine
 
 __all__ = ["ENGINE_KINDS", "engine_for"]
 
-ENGINE_KINDS: dict[str, type[Engine]] = {"planning": PlanningEngine, "review": ReviewEngine, "coding": CodingEngine}
+ENGINE_KINDS: dict[str, type[Engine]] = {"planning": PlanningEngine, "review": ReviewEngine, "coding": CodingEngine,
+                                         "research": ResearchEngine, "hypothesis": HypothesisEngine}
 
 
 def engine_for(kind: str, **settings: Any) -> Engine:

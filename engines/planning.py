@@ -9,6 +9,8 @@ the exempt synthesis turn. It is the only engine that submits a graph (``run_dag
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import warnings
 from collections.abc import Mapping
 from functools import lru_cache
@@ -17,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from opgraph.actors import TurnError
+from opgraph.actors.verbs import operate
 from opgraph.kernel import (
     Operation,
     RoutingError,
@@ -26,15 +29,19 @@ from opgraph.kernel import (
     normalise_dependency_ordinals,
     role_node_builder,
 )
+from opgraph.kernel.failures import CANCELLED
 from opgraph.kernel.patterns import DependencyReferenceWarning
 
 from .engine import Engine
-from .errors import EngineInputError, PlanError
+from .errors import EngineBudgetError, EngineInputError, PlanError
 from .events import EngineEvent
-from .run import MALFORMED_ERROR_TYPES, EngineRun
+from .run import CUT_OFF_ERROR_TYPES, MALFORMED_ERROR_TYPES, EngineRun
 from .usage import ENGINE_OPERATE, METERED_VERBS
 
 __all__ = ["DEFAULT_ROLES", "PlanProposed", "PlanningEngine", "TaskOutput", "TaskSettled", "plan_model"]
+
+# Planned nodes run operate with its default parse retries: a node that failed to parse made that many more calls.
+_OPERATE_PARSE_RETRIES = inspect.signature(operate).parameters["parse_retries"].default
 
 DEFAULT_ROLES: dict[str, str] = {
     "researcher": "gathers facts, sources and prior work",
@@ -278,16 +285,24 @@ class PlanningEngine(Engine):
         branches: dict[str, str] = {}
         # A reactive run can route follow-up work to any roster role, so each gets an agent.
         roles = self.roles if self.reactive else dict.fromkeys(a.assignee for a in assignments)
-        for role in roles:
-            agent = await run.make_agent(role, name=role, extra_prompt=f"You {self.roles[role]}.")
-            branches[role] = agent.id
+        made = await asyncio.gather(*(run.make_agent(role, name=role, extra_prompt=f"You {self.roles[role]}.")
+                                      for role in roles), return_exceptions=True)  # at once: the DAG needs all
+        errors = [outcome for outcome in made if isinstance(outcome, BaseException)]
+        if errors:  # a failure other than the budget's outranks it
+            raise next((error for error in errors if not isinstance(error, EngineBudgetError)), errors[0])
+        branches.update((agent.role, agent.id) for agent in made)
         graph = self._graph(run, assignments, branches)
-        if not run.budget_left():
-            raise run._refuse("the planned DAG")
-        envelope = await run.run_dag(graph, reactive=self.reactive, spawn_type=SpawnRequest,
-                                     node_builder=self._node_builder(branches) if self.reactive else None,
-                                     max_spawn=self.max_spawn, max_concurrent=self.max_concurrent,
-                                     context={"task": prompt})
+        if run.budget.exhausted(agents=False) is not None:  # the DAG runs on the agents made above
+            raise run._refuse("the planned DAG", turn=True)
+        try:
+            envelope = await run.run_dag(graph, reactive=self.reactive, spawn_type=SpawnRequest,
+                                         node_builder=self._node_builder(branches) if self.reactive else None,
+                                         max_spawn=self.max_spawn, max_concurrent=self.max_concurrent,
+                                         context={"task": prompt})
+        except asyncio.CancelledError:
+            # No envelope, so no node's usage arrives: every node that started is estimated.
+            self._estimate_started_nodes(run, graph, prompt)
+            raise
         self._record_settlements(run, graph, envelope)
         synthesizer = await run.make_agent("synthesizer", name="synthesizer", exempt=True,
                                            model=self.model_for("synthesizer"))
@@ -304,6 +319,8 @@ class PlanningEngine(Engine):
                 assignee = result["assignee"]
             if isinstance(result, dict) and "usage" in result:
                 run.budget.add_usage(result["usage"])
+            elif isinstance(result, dict) and status in ("failed", "cancelled"):
+                self._estimate_failed_node(run, node, result.get("error_type"))
             if isinstance(result, dict):
                 text = result.get("text") if "text" in result else result.get("error", "")
             else:
@@ -311,6 +328,32 @@ class PlanningEngine(Engine):
             run.emit(TaskSettled(node_id=node_id, assignee=assignee, status=status, text=str(text)[:4000]))
         if run.budget.exhausted() in ("tokens", "cost"):
             run._note_budget_exhausted(run.budget.exhausted())
+
+    def _estimate_failed_node(self, run: EngineRun, node: Any, error_type: str | None) -> None:
+        """A failed node's settlement carries no usage (only its error): estimate the calls it
+        was paid for. A reply that did not parse made every parse attempt; a node cut off
+        (timeout, cancellation) made one call at least; any other failure is left uncounted."""
+        if error_type in MALFORMED_ERROR_TYPES:
+            calls = 1 + _OPERATE_PARSE_RETRIES
+        elif error_type in CUT_OFF_ERROR_TYPES:
+            calls = 1
+        else:
+            return
+        instruction = str(node.parameters.get("instruction", "")) if node is not None else ""
+        model = node.parameters.get("model") if node is not None else None
+        tokens = run.estimate_calls(model, len(instruction), calls)
+        run.notify("usage_estimated", node_id=getattr(node, "id", None), error_type=error_type, calls=calls,
+                   estimated_tokens=tokens)
+
+    def _estimate_started_nodes(self, run: EngineRun, graph: Any, prompt: str) -> None:
+        started = {record.data.get("node_id") for record in run.events.notifications("dag_progress")
+                   if record.data.get("status") in ("started", "completed", "failed")}
+        for node_id in sorted(node_id for node_id in started if node_id):
+            node = graph.nodes.get(node_id)
+            instruction = str(node.parameters.get("instruction", "")) if node is not None else ""
+            model = node.parameters.get("model") if node is not None else None
+            tokens = run.estimate_calls(model, len(instruction) + len(prompt))
+            run.notify("usage_estimated", node_id=node_id, error_type=CANCELLED, calls=1, estimated_tokens=tokens)
 
     def _synthesis_instruction(self, run: EngineRun, prompt: str) -> str:
         return self.synthesis_instruction(prompt, run.by_type(TaskSettled))

@@ -7,7 +7,10 @@ the verdict turn), the evidence gate, and the report text.
 
 Ideal over retrospective: an evidence gate. An approval is downgraded to
 ``inconclusive`` when a dimension produced nothing or a major or critical issue went
-unverified, so an approval always rests on evidence that arrived.
+unverified, so an approval always rests on evidence that arrived; and to
+``request_changes`` when the verifier confirmed a major or critical issue, so an
+approval never stands over evidence against it. Severities are normalised
+(``High`` is ``major``, ``blocker`` is ``critical``...) before either check.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from .engine import Engine
 from .errors import EngineInputError
@@ -33,12 +36,23 @@ __all__ = [
     "ReviewRun",
     "ReviewVerdict",
     "VerifyResult",
+    "normal_severity",
 ]
 
 DEFAULT_DIMENSIONS = ("correctness", "security", "performance", "maintainability")
 SEVERITIES = ("critical", "major", "minor", "info")
 VERDICTS = ("approve", "request_changes", "reject")
 INCONCLUSIVE = "inconclusive"  # the gate's verdict; a model cannot choose it
+# Words models use for the severities above; anything else is kept as written (lowercased).
+SEVERITY_SYNONYMS = {"blocker": "critical", "severe": "critical", "high": "major", "important": "major",
+                     "medium": "minor", "moderate": "minor", "low": "minor", "informational": "info",
+                     "note": "info", "nit": "info"}
+
+
+def normal_severity(severity: str) -> str:
+    """``severity`` lowercased, a known synonym replaced by its severity (``High`` -> ``major``)."""
+    text = str(severity).strip().lower()
+    return SEVERITY_SYNONYMS.get(text, text)
 
 
 def _severity_schema(schema: dict[str, Any]) -> None:
@@ -61,6 +75,11 @@ class IssueFound(Finding):
     dimension: str
     location: str = ""
     severity: str = Field("minor", json_schema_extra=_severity_schema)
+
+    @field_validator("severity", mode="before")
+    @classmethod
+    def _normal_severity(cls, value: object) -> object:
+        return normal_severity(value) if isinstance(value, str) else value
 
 
 class DimensionReviewed(EngineEvent):
@@ -131,7 +150,7 @@ class ReviewEngine(Engine):
         if isinstance(repair_retries, bool) or not isinstance(repair_retries, int) or repair_retries < 0:
             raise EngineInputError(f"repair_retries must be an integer >= 0, got {repair_retries!r}")
         self.dimensions = dimensions
-        self.verify_severities = tuple(s.lower() for s in verify_severities)
+        self.verify_severities = tuple(normal_severity(s) for s in verify_severities)
         self.repair_retries = repair_retries
         self.max_code_chars = max_code_chars
 
@@ -183,7 +202,7 @@ class ReviewEngine(Engine):
             self._maybe_verify(run, issue, code)
 
     def _maybe_verify(self, run: ReviewRun, issue: IssueFound, code: str) -> None:
-        if issue.severity.lower() not in self.verify_severities:
+        if issue.severity not in self.verify_severities:
             return
         key = _location_key(issue)
         if run.seen(f"verify::{key}"):
@@ -212,17 +231,25 @@ class ReviewEngine(Engine):
         return "\n".join(lines) + f"\n\nThe code:\n```\n{code[:20_000]}\n```"
 
     def _gate(self, run: ReviewRun) -> None:
-        """The evidence gate: an approval needs every dimension and every serious issue checked."""
+        """The evidence gate: an approval needs every dimension and every serious issue checked,
+        and no serious issue the verifier confirmed (that one becomes ``request_changes``)."""
         reasons = []
         for dimension in self.dimensions:
             name = run.reviewers.get(dimension)
             if not name or not (run.by_type(IssueFound, agent=name) or run.by_type(DimensionReviewed, agent=name)):
                 reasons.append(f"dimension {dimension} produced no evidence")
+        confirmed = []
         for key, issue in run.to_verify.items():
-            if run.verification(key) is None:
+            check = run.verification(key)
+            if check is None:
                 reasons.append(f"{issue.severity} issue at {key} was not verified")
+            elif check.holds:
+                confirmed.append(f"verified {issue.severity} issue at {key} is open: an approval cannot stand")
         if run.verdict is None:
             run.final_verdict, run.gate_reasons = INCONCLUSIVE, ["no verdict was emitted", *reasons]
+        elif run.verdict.verdict == "approve" and confirmed:
+            # Evidence against the approval outranks missing evidence: changes are needed.
+            run.final_verdict, run.gate_reasons = "request_changes", confirmed + reasons
         elif run.verdict.verdict == "approve" and reasons:
             run.final_verdict, run.gate_reasons = INCONCLUSIVE, reasons
         else:

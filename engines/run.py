@@ -9,9 +9,11 @@ turn goes through the port to an OperationWorker; nothing here calls a model its
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -19,6 +21,7 @@ from pydantic import BaseModel
 from opgraph.actors import TurnError, TurnResult
 from opgraph.actors.verbs import ToolPermissionError, ToolPermissions
 from opgraph.kernel import Graph, extract_requests
+from opgraph.kernel.failures import CANCEL_GRACE_EXPIRED, CANCELLED, OPERATION_TIMEOUT
 
 from .agents import Agent, agent_permissions, emission_bundle, emission_key, repair_instruction, role_profile
 from .budget import RunBudget
@@ -30,7 +33,7 @@ from .tasks import TaskSet
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["EngineRun", "EventCallback", "MALFORMED_ERROR_TYPES"]
+__all__ = ["CUT_OFF_ERROR_TYPES", "EngineRun", "EventCallback", "MALFORMED_ERROR_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,11 @@ EventCallback = Callable[[dict[str, Any]], Any]
 # Turn failures that mean "the reply did not fit the requested shape": a repair re-prompt
 # may fix them, so operate_with_repair counts them as a missed emission, not a failure.
 MALFORMED_ERROR_TYPES = frozenset({"ParseError", "ValidationError"})
+# Turn failures that cut a model call off before its usage arrived: that call is estimated.
+CUT_OFF_ERROR_TYPES = frozenset({OPERATION_TIMEOUT, CANCELLED, CANCEL_GRACE_EXPIRED})
 EMISSION_DEPTH = 4
+# (run id, the turns the current task's next turn comes after); tasks inherit it when made.
+_AFTER_TURNS: ContextVar[tuple[str, tuple[int, ...]] | None] = ContextVar("opgraph_engine_after_turns", default=None)
 
 
 class EngineRun:
@@ -80,7 +87,12 @@ class EngineRun:
         self._run_task: asyncio.Task | None = None
         self._emission_failures: list[str] = []
         self._agent_errors: list[str] = []
+        self._context_chars: dict[str, int] = {}  # per agent: what its branch holds, for estimates
+        self._last_model: str | None = None
+        self._turns_begun = 0
+        self._turns_ended: list[int] = []
         self.agents: dict[str, Agent] = {}
+        self.judge_lock = asyncio.Lock()  # the judge agent is made once, however many judge at once
         self.budget_notified = False
         self.exhausted_reason = ""
         self.deadline_hit = False
@@ -173,8 +185,8 @@ class EngineRun:
         self.engine.statistics_counters.budget_exhausted(reason)
         self.notify("budget_exhausted", reason=reason, **self.budget.snapshot())
 
-    def _refuse(self, what: str, agent: str | None = None) -> EngineBudgetError:
-        reason = self.budget.exhausted() or "agents"
+    def _refuse(self, what: str, agent: str | None = None, *, turn: bool = False) -> EngineBudgetError:
+        reason = self.budget.exhausted(agents=not turn) or "agents"
         self._note_budget_exhausted(reason)
         return EngineBudgetError(f"{what} refused: the run's {reason} budget is spent", reason=reason,
                                  run_id=self.run_id, branch_id=agent)
@@ -228,7 +240,9 @@ class EngineRun:
         return self.tasks.drain_pending()
 
     async def wait_quiescence(self) -> None:
+        """Wait until no spawned work is left (D2); what comes next comes after every turn so far."""
         await self.tasks.wait_quiescence()
+        _AFTER_TURNS.set((self.run_id, tuple(self._turns_ended)))
 
     async def cancel_active(self) -> list[asyncio.Task]:
         """Cancel spawned work, waiting at most ``cancel_timeout_s``; stragglers are left."""
@@ -267,16 +281,17 @@ class EngineRun:
                    **parameters: Any) -> TurnResult:
         """One turn of ``agent`` on a worker; typed emissions in its response are recorded.
 
-        A non-exempt agent's turn is refused (EngineBudgetError) once a hard bound is
-        spent; exempt terminal agents still run. ``max_concurrent`` turns run at once.
+        A non-exempt agent's turn is refused (EngineBudgetError) once the deadline, token
+        or cost bound is spent (the agent bound limits making agents, not their turns);
+        exempt terminal agents still run. ``max_concurrent`` turns run at once.
         The agent's ``permissions``, ``cwd`` and ``secure`` travel with the call and are
         enforced where its tools run (a ``permissions`` parameter can only narrow them).
         """
-        if not agent.exempt and not self.budget_left():
-            raise self._refuse(f"turn of {agent.name!r}", agent.id)
+        if not agent.exempt and self.budget.exhausted(agents=False) is not None:
+            raise self._refuse(f"turn of {agent.name!r}", agent.id, turn=True)
         async with self._sem:
-            if not agent.exempt and not self.budget_left():
-                raise self._refuse(f"turn of {agent.name!r}", agent.id)
+            if not agent.exempt and self.budget.exhausted(agents=False) is not None:
+                raise self._refuse(f"turn of {agent.name!r}", agent.id, turn=True)
             arguments = {"instruction": instruction, **parameters}
             if agent.model and "model" not in arguments:
                 arguments["model"] = agent.model
@@ -287,24 +302,71 @@ class EngineRun:
             permissions = agent_permissions(agent, arguments.get("permissions"))
             if permissions is not None:
                 arguments["permissions"] = permissions  # enforced on the worker, whatever the model asks
+            turn, after = self._begin_turn()
             try:
                 result = await self.port.turn(agent.id, operation, timeout=timeout or self.engine.turn_timeout_s,
                                               **arguments)
             except TurnError as error:
-                # A failed turn's model calls were made and paid for: they count like any other.
+                self._end_turn(turn)
+                # A failed turn's model calls were made and paid for: they count like any other,
+                # and a call it cut off (a timeout) is counted at an estimate.
                 self.budget.add_usage(error.usage)
+                estimated = (self._estimate_cut_off(agent, instruction, response_format)
+                             if error.error_type in CUT_OFF_ERROR_TYPES else 0)
                 kind = error.error_type or type(error).__name__
                 self._agent_errors.append(f"{agent.name}: {kind}: {error}")
                 self.notify("agent_error", agent=agent.name, error=str(error), error_type=kind,
-                            tokens=int(error.usage.get("total_tokens", 0) or 0), tokens_used=self.budget.tokens_used,
-                            cost_usd=round(self.budget.cost_usd, 6))
+                            tokens=int(error.usage.get("total_tokens", 0) or 0), estimated_tokens=estimated,
+                            tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6),
+                            turn=turn, after=after)
                 raise
+            except asyncio.CancelledError:
+                # Cut off (the deadline, cleanup, the caller) before any usage arrived: estimated.
+                estimated = self._estimate_cut_off(agent, instruction, response_format)
+                self.notify("turn_cut_off", agent=agent.name, operation=operation, estimated_tokens=estimated,
+                            tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6))
+                raise
+        self._end_turn(turn)
         self.budget.add_usage(result.usage)
+        self._last_model = next(iter((result.usage or {}).get("by_model") or ()), self._last_model)
+        self._context_chars[agent.name] = (self._context_chars.get(agent.name, 0) + len(instruction)
+                                           + len(result.response if isinstance(result.response, str)
+                                                 else str(result.response)))
         self.notify("turn_completed", agent=agent.name, operation=operation, elapsed=round(result.elapsed, 4),
                     tokens=int((result.usage or {}).get("total_tokens", 0) or 0),
-                    tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6))
+                    tokens_used=self.budget.tokens_used, cost_usd=round(self.budget.cost_usd, 6),
+                    turn=turn, after=after)
         self._observe(agent, result.response)
         return result
+
+    # Causality of turns, for the record: each turn notes the turns it came after (the last
+    # turn of the task that made it, or every earlier turn after a quiescence join), so the
+    # record implies its critical path (benchmarks compare wall time with it).
+    def _begin_turn(self) -> tuple[int, list[int]]:
+        self._turns_begun += 1
+        cause = _AFTER_TURNS.get()
+        return self._turns_begun, list(cause[1]) if cause is not None and cause[0] == self.run_id else []
+
+    def _end_turn(self, turn: int) -> None:
+        self._turns_ended.append(turn)
+        _AFTER_TURNS.set((self.run_id, (turn,)))
+
+    def _estimate_cut_off(self, agent: Agent, instruction: str, response_format: type[BaseModel] | None) -> int:
+        """Count a model call cut off before its usage arrived: its prompt (the agent's branch,
+        the instruction, the schema) at about four characters a token, and a completion the
+        size of the run's mean reported one. Returns the tokens added."""
+        chars = len(agent.profile) + self._context_chars.get(agent.name, 0) + len(instruction)
+        if response_format is not None:
+            chars += len(json.dumps(response_format.model_json_schema()))
+        return self.estimate_calls(agent.model, chars)
+
+    def estimate_calls(self, model: str | None, prompt_chars: int, calls: int = 1) -> int:
+        """Count ``calls`` model calls whose usage never reached the run, each with a prompt of
+        ``prompt_chars`` characters (about four a token, as the providers' own rough count)
+        and the run's mean reported completion. Returns the tokens added (``estimated_tokens``)."""
+        prompt = (max(0, prompt_chars) + 3) // 4
+        completion = self.budget.mean_completion_tokens()
+        return sum(self.budget.add_estimate(model or self._last_model, prompt, completion) for _ in range(calls))
 
     def _observe(self, agent: Agent, response: Any) -> list[EngineEvent]:
         """Record every EngineEvent in a turn's response as that agent's emission."""
@@ -312,9 +374,20 @@ class EngineRun:
             found = [response]
         else:
             found = extract_requests(response, (EngineEvent,), max_depth=EMISSION_DEPTH)
+        admitted = []
         for event in found:
-            self.emit(event, agent=agent.name)
-        return found
+            event = self.admit_emission(agent, event)
+            if event is not None:
+                self.emit(event, agent=agent.name)
+                admitted.append(event)
+        return admitted
+
+    def admit_emission(self, agent: Agent, event: EngineEvent) -> EngineEvent | None:
+        """A domain run's hook on each typed emission before it is recorded: the event as
+        recorded (fields the engine owns, such as ids, references and depth, set by the
+        engine rather than trusted from the model), or None to leave it unrecorded. This
+        run records what arrived."""
+        return event
 
     async def operate_with_repair(self, branch: Agent, instruction: str, *, arrived: Callable[[], bool],
                                   emits: tuple[type, ...] = (), retries: int = 1, **parameters: Any) -> Any:

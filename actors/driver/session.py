@@ -277,15 +277,30 @@ class Session:
         except (TimeoutError, asyncio.CancelledError) as stopped:
             with contextlib.suppress(OpGraphError):
                 await self.runtime.call("cancel_turn", key, node_id)
-            request.cancel()
             if isinstance(stopped, asyncio.TimeoutError):
+                # The worker answers a cancelled call with its row and the usage of the model
+                # calls it made: wait for that (bounded), so a timed-out turn's tokens are counted.
+                spent = await self._usage_of_cancelled(request)
                 raise TurnError(f"the turn exceeded its {timeout} s timeout", error_type="OperationTimeout",
-                                branch_id=branch_id, node_id=node_id) from None
+                                usage=spent, branch_id=branch_id, node_id=node_id) from None
+            request.cancel()
             raise
         if row[2] == "completed":
             return TurnResult(row[3], usage, branch_id, attempt, time.perf_counter() - started)
         raise TurnError(row[4] or f"the turn ended {row[2]}", error_type=row[5] or row[2], usage=usage,
                         branch_id=branch_id, node_id=node_id)
+
+    async def _usage_of_cancelled(self, request: asyncio.Future) -> dict[str, Any]:
+        """The usage a cancelled turn's worker reports, waited for at most ``cancel_grace``; {} without it."""
+        try:
+            _, usage, _ = await asyncio.wait_for(asyncio.shield(request), self.cancel_grace)
+        except (TimeoutError, OpGraphError):
+            request.cancel()
+            return {}
+        except asyncio.CancelledError:
+            request.cancel()
+            raise
+        return usage
 
     async def _turn_resources(self) -> str:
         """Register this Session's operations for turns with the executor when they changed."""

@@ -27,13 +27,31 @@ async def run_turn(shell: ExecutorShell, key: str, call: CallRow) -> tuple[Outco
     resources = shell.resources.get(key)
     registered = resources.operations.get(operation) if resources is not None else None
     policy = getattr(registered, "retry", None)
+    spent: dict[str, Any] = {}
     while True:
         row, usage = await _attempt(shell, key, (node_id, attempt, operation, parameters, branch_id, shard))
         shell.totals["turns"] += 1
+        spent = _summed(spent, usage)  # a retried attempt's model calls were paid for too
         if row[2] == "failed" and policy is not None and policy.allows(attempt, row[5]):
             attempt += 1
             continue
-        return row, usage, attempt
+        return row, spent, attempt
+
+
+def _summed(total: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]:
+    """Two ``CallUsage.as_dict()`` tallies added up (either may be empty)."""
+    if not total:
+        return usage
+    if not usage:
+        return total
+    summed = {name: total.get(name, 0) + usage.get(name, 0)
+              for name in ("calls", "prompt_tokens", "completion_tokens", "total_tokens")}
+    by_model = {model: dict(counts) for model, counts in total.get("by_model", {}).items()}
+    for model, counts in usage.get("by_model", {}).items():
+        mine = by_model.setdefault(model, {"calls": 0, "prompt_tokens": 0, "completion_tokens": 0})
+        for name, value in counts.items():
+            mine[name] = mine.get(name, 0) + value
+    return {**summed, "by_model": by_model}
 
 
 async def _attempt(shell: ExecutorShell, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any]]:

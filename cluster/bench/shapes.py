@@ -8,6 +8,10 @@ and it never hides a failed or timed-out run: each is printed as such.
 
     opgraph bench [--shapes fanout-50ms,chain] [--nodes 10000] [--repeat 3]
                   [--compare lionagi,langgraph] [--compare-timeout 120] [--json PATH]
+    opgraph bench --shapes engines [--engines research,review] [--engine-latency 0.2]
+
+``engines`` is not a graph shape: it runs the domain engines (bench/engines.py) on the
+same runtime, after any graph shapes asked for, and only when named.
 """
 
 from __future__ import annotations
@@ -492,6 +496,7 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
 
 
 PEERS = ("lionagi", "langgraph")  # in-process libraries --compare runs beside opgraph
+ENGINES = "engines"  # not a graph shape: the domain engines' benchmark (bench/engines.py)
 
 
 def _peers(text: str) -> list[str] | str:
@@ -513,7 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "optionally beside lionagi and LangGraph in the same process.")
     keys = [shape.key for shape in standard_shapes()]
     parser.add_argument("--shapes", default=",".join(keys),
-                        help=f"comma-separated subset of: {', '.join(keys)} (default: all)")
+                        help=f"comma-separated subset of: {', '.join(keys)} (default: all); or {ENGINES}: each "
+                             f"domain engine on sim/ against the critical path its record implies")
+    parser.add_argument("--engines", default=None, metavar="KINDS",
+                        help=f"with --shapes {ENGINES}: a comma-separated subset of the engines (default: all)")
+    parser.add_argument("--engine-latency", type=float, default=0.2, metavar="SECONDS",
+                        help=f"with --shapes {ENGINES}: sim/ seconds per model call (0.2)")
     parser.add_argument("--nodes", type=int, default=10_000,
                         help="fan-out width; the chain and the spawns are a tenth of it (default 10000)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per shape, median reported (default 3)")
@@ -536,9 +546,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nodes and --repeat must be at least 1")
     catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
     wanted = [key.strip() for key in args.shapes.split(",") if key.strip()]
+    engines = ENGINES in wanted
+    wanted = [key for key in wanted if key != ENGINES]
     unknown = [key for key in wanted if key not in catalogue]
-    if unknown or not wanted:
-        parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}")
+    if unknown or not (wanted or engines):
+        parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}"
+                     f", {ENGINES}")
     for peer in args.compare if isinstance(args.compare, list) else ():
         if peer in PEERS:
             try:
@@ -553,10 +566,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         session = Session()
         ray.get(session.runtime.executor.ping.remote())
         ray_start = time.perf_counter() - start
-        return asyncio.run(run(args, [catalogue[key] for key in wanted], session, ray_start))
+        status = asyncio.run(run(args, [catalogue[key] for key in wanted], session, ray_start)) if wanted else 0
+        if engines:
+            status = max(status, _engines(args, session, separate_json=bool(wanted)))
+        return status
     finally:
         if started_ray:
             ray.shutdown()
+
+
+def _engines(args: argparse.Namespace, session: Session, *, separate_json: bool) -> int:
+    """The engines benchmark on this session (its figures in ``--json``, or beside it with graph shapes)."""
+    from .engines import main as engines_main
+
+    argv = ["--repeat", str(args.repeat), "--latency", str(args.engine_latency)]
+    if args.engines:
+        argv += ["--engines", args.engines]
+    if args.json:
+        root, dot, suffix = args.json.rpartition(".")
+        argv += ["--json", f"{root}-engines.{suffix}" if separate_json and dot else
+                 (f"{args.json}-engines" if separate_json else args.json)]
+    return engines_main(argv, session=session)
 
 
 if __name__ == "__main__":

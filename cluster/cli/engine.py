@@ -147,7 +147,32 @@ def _settings(arguments: argparse.Namespace) -> dict[str, Any]:
         settings["dimensions"] = tuple(d.strip() for d in arguments.dimensions.split(",") if d.strip())
     if arguments.kind == "coding":
         settings.update(coding_settings(arguments))
+    if arguments.max_depth is not None:
+        settings["max_depth"] = arguments.max_depth
+    for flag, name, kind in (("--novelty-threshold", "novelty_threshold", "research"),
+                             ("--max-questions", "max_questions", "hypothesis")):
+        value = getattr(arguments, name)
+        if value is None:
+            continue
+        if arguments.kind != kind:
+            from opgraph.engines import EngineInputError
+
+            raise EngineInputError(f"{flag} applies to {kind} runs only")
+        settings[name] = value
     return settings
+
+
+def _subject(engine: Any, target: list[str]) -> Any:
+    """What the engine runs on: a review's files, a hypothesis run's seeds, else the words as one text."""
+    from opgraph.engines import EngineInputError
+
+    if engine.kind == "review":
+        if len(target) != 1:
+            raise EngineInputError(f"review takes one file or folder, got {len(target)} paths")
+        return read_review_target(target[0])
+    if engine.kind == "hypothesis":
+        return list(target)
+    return " ".join(target)
 
 
 def _payload(result: Any, run: Any) -> dict[str, Any]:
@@ -216,7 +241,7 @@ def run_engine(arguments: argparse.Namespace) -> int:
 
     try:
         engine = engine_for(arguments.kind, **_settings(arguments))
-        subject = read_review_target(arguments.target) if engine.kind == "review" else arguments.target
+        subject = _subject(engine, arguments.target)
         inputs = coding_inputs(arguments) if engine.kind == "coding" else {}
         engine.validate(subject, **inputs)
         if arguments.sim_items is not None and arguments.sim_items < 0:
@@ -243,19 +268,21 @@ def run_engine(arguments: argparse.Namespace) -> int:
 
 
 def add_engine_parser(subcommands: Any) -> None:
-    actions = command_group(subcommands, "engine",
-                            "run a domain engine (planning, review, coding) on the actor runtime")
+    actions = command_group(subcommands, "engine", "run a domain engine (planning, review, research, hypothesis, "
+                                                   "coding) on the actor runtime")
     run = subcommand(
         actions, "run",
-        "run an engine: `planning PROMPT`, `review PATH` or `coding TASK --workspace DIR --test-cmd CMD`",
+        "run an engine: `planning PROMPT`, `review PATH`, `research TOPIC`, `hypothesis SEED...` or "
+        "`coding TASK --workspace DIR --test-cmd CMD`",
         codes=ENGINE_CODES,
         description="Run a domain engine (ADR-0034) with hard budgets: agents, deadline, tokens, cost. Agent "
                     "turns run on the operation workers; every event is recorded in the store under the printed "
                     "run id (`opgraph run show RUN_ID`). Live progress on a terminal, plain lines elsewhere; the "
                     "result text is printed last.")
-    run.add_argument("kind", metavar="KIND", help="planning, review or coding")
-    run.add_argument("target", metavar="PROMPT-OR-PATH",
-                     help="the planning prompt, the file or folder to review, or the coding task")
+    run.add_argument("kind", metavar="KIND", help="planning, review, research, hypothesis or coding")
+    run.add_argument("target", metavar="TARGET", nargs="+",
+                     help="the planning prompt, the file or folder to review, the research topic (its words are "
+                          "joined), the hypothesis run's seed findings (one per argument), or the coding task")
     run.add_argument("--model", default=None,
                      help="provider/model for every agent (default: OPGRAPH_DEFAULT_MODEL or sim/default)")
     run.add_argument("--max-agents", type=int, default=50, help="hard bound on agents made (50)")
@@ -266,6 +293,12 @@ def add_engine_parser(subcommands: Any) -> None:
     run.add_argument("--price", action="append", metavar="MODEL=PROMPT,COMPLETION",
                      help="$ per million prompt and completion tokens for a provider/model (repeatable)")
     run.add_argument("--max-concurrent", type=int, default=5, help="agent turns in flight at once (5)")
+    run.add_argument("--max-depth", type=int, default=None,
+                     help="research: deepest node; hypothesis: last question generation (3)")
+    run.add_argument("--novelty-threshold", type=float, default=None,
+                     help="research only: a finding more novel than this opens a deeper node (0.7)")
+    run.add_argument("--max-questions", type=int, default=None,
+                     help="hypothesis only: questions of generation 0; generation g gets max(1, N >> g) (8)")
     run.add_argument("--dimensions", default=None,
                      help="review only: comma-separated dimensions (correctness,security,performance,maintainability)")
     run.add_argument("--sim-items", type=int, default=None,

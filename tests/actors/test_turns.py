@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from opgraph.actors import TurnError, TurnResult
-from opgraph.kernel import OperationError
+from opgraph.actors.workers.usage import record_usage
+from opgraph.kernel import OperationError, RetryPolicy
 
 TIMEOUT = 60.0
 
@@ -65,3 +66,35 @@ def test_an_unknown_operation_or_bad_timeout_is_refused_before_anything_runs(ses
         run(session.turn(None, "no-such-verb"))
     with pytest.raises(OperationError, match="timeout"):
         run(session.turn(None, "noop", timeout=0))
+
+
+async def paid_then_sleeps(branch: Any, seconds: float = 30.0, **parameters: Any) -> None:
+    """One model call's worth of usage (100 tokens), then a wait the turn's timeout cuts off."""
+    record_usage("scripted/m", 60, 40)
+    await asyncio.sleep(seconds)
+
+
+def test_a_timed_out_turn_carries_the_usage_of_the_calls_it_made(session):
+    """The worker answers the cancelled call with its usage; the TurnError carries it, so a
+    caller's budget counts what the timed-out turn paid for."""
+    session.register_operation("paid_then_sleeps", paid_then_sleeps, record_turn=False)
+    with pytest.raises(TurnError) as failed:
+        run(session.turn(None, "paid_then_sleeps", timeout=0.5))
+    assert failed.value.error_type == "OperationTimeout"
+    assert failed.value.usage["total_tokens"] == 100 and failed.value.usage["calls"] == 1
+    assert failed.value.usage["by_model"]["scripted/m"]["prompt_tokens"] == 60
+
+
+async def paid_then_fails_once(branch: Any, **parameters: Any) -> str:
+    record_usage("scripted/m", 60, 40)
+    if branch.idempotency_key[2] == 1:
+        raise ValueError("first attempt fails after paying")
+    return "second attempt"
+
+
+def test_a_retried_turn_reports_the_usage_of_every_attempt(session):
+    session.register_operation("paid_then_fails_once", paid_then_fails_once, record_turn=False,
+                               retry=RetryPolicy.of(2, on={"ValueError"}))
+    result = run(session.turn(None, "paid_then_fails_once"))
+    assert result.response == "second attempt" and result.attempt == 2
+    assert result.usage["total_tokens"] == 200 and result.usage["by_model"]["scripted/m"]["calls"] == 2

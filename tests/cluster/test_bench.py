@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from opgraph.cluster.bench.engines import Work, schedule
 from opgraph.cluster.bench.shapes import main, standard_shapes
 
 SHAPE_KEYS = [shape.key for shape in standard_shapes()]
@@ -124,3 +125,27 @@ def test_unknown_shape_is_a_usage_error(capsys):
         main(["--shapes", "fanout-50ms,spiral"])
     assert exit_info.value.code == 2
     assert "unknown shape(s) spiral" in capsys.readouterr().err
+
+
+# -- engines: wall time against the critical path each run's record implies ---------------------
+
+def test_the_ideal_schedules_recorded_work_at_its_concurrency():
+    """a -> b, a -> c, (b, c) -> d at 0.2 s each: 0.6 s with two in flight, 0.8 s with one."""
+    work = Work({key: 0.2 for key in "abcd"}, {"b": ["a"], "c": ["a"], "d": ["b", "c"]}, list("abcd"))
+    assert schedule(work, 2) == pytest.approx({"ideal_s": 0.6, "critical_path_s": 0.6, "work_s": 0.8, "items": 4})
+    assert schedule(work, 1)["ideal_s"] == pytest.approx(0.8)
+
+
+def test_bench_shapes_engines_reports_each_engine_against_its_recorded_critical_path(session, tmp_path, capsys):
+    path = tmp_path / "engines.json"
+    status = main(["--shapes", "engines", "--engines", "review,planning", "--engine-latency", "0.05",
+                   "--repeat", "1", "--json", str(path)])
+    assert status == 0
+    output = capsys.readouterr().out
+    assert "wall/ideal" in output and "review, 4 dimensions" in output and "planning, 6 tasks" in output
+    figures = json.loads(path.read_text())["engines"]
+    assert [item["shape"] for item in figures] == ["review", "planning"]
+    for item in figures:
+        # every turn waits its latency on the critical path: no run beats its ideal
+        assert item["status"] == "completed" and item["wall_s"] >= 0.95 * item["ideal_s"] > 0
+        assert item["ideal_s"] >= item["critical_path_s"] >= 2 * 0.05

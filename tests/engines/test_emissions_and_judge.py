@@ -160,3 +160,21 @@ def test_judge_fails_open_on_any_other_error(session, model, sink):
     errors = kinds(sink, result.run, "judge_error")
     assert len(errors) == 1 and errors[0].data["eid"] == "F1"
     assert result.run.engine.statistics()["judge_outcomes"].get("error", 0) >= 1
+
+
+def test_a_bundle_of_opgraph_events_pickles_by_reference_and_keeps_its_schema():
+    """Workers get the bundle by name and make it once; its schema is made once and copied out."""
+    import pickle
+
+    from ray import cloudpickle
+
+    from opgraph.engines import DepthRequested, FindingEmitted, IssueFound
+
+    bundle = emission_bundle((FindingEmitted, DepthRequested))
+    shipped = cloudpickle.dumps(bundle)
+    assert len(shipped) < 400 and b"opgraph.engines.agents" in shipped
+    assert pickle.loads(shipped) is bundle and bundle.__name__ == "EmissionsFindingEmittedDepthRequested"
+    first, second = bundle.model_json_schema(), bundle.model_json_schema()
+    assert first == second and first is not second
+    assert emission_bundle((IssueFound,)).model_json_schema()["properties"].keys() == {"issue_found"}
+    assert b"engine_scripts" in cloudpickle.dumps(emission_bundle((Note,)))  # a test's own type travels by value

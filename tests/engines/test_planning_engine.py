@@ -10,7 +10,7 @@ import asyncio
 
 import openai_server as srv
 import pytest
-from engine_scripts import ByAgent, js, kinds, last_user
+from engine_scripts import HANG, ByAgent, js, kinds, last_user
 
 from opgraph.actors.providers import OpenAICompatibleProvider, SimulatedProvider
 from opgraph.engines import EngineInputError, PlanError, PlanningEngine, PlanProposed, TaskSettled
@@ -135,6 +135,28 @@ def test_spawned_nodes_of_any_verb_are_metered_and_name_their_role(session, mode
     settled = {s.assignee: s for s in result.run.by_type(TaskSettled)}
     assert settled["critic"].status == "completed" and settled["critic"].text == "checked"
     assert (result.run.budget.calls, result.run.budget.tokens_used) == (4, 60)
+
+
+def test_a_node_whose_reply_never_parses_is_estimated_not_free(session, model, sink):
+    """writer: three unparseable replies (operate's parse attempts) -> failed node. Its
+    settlement has no usage, so the run counts its three calls at an estimate."""
+    script = ByAgent({"orchestrator": plan({"task": "draft", "assignee": "writer"}), "writer": "not json",
+                      "synthesizer": "done"})
+    result = run(PlanningEngine(model=model(script), event_sink=sink).run("go", session=session))
+    assert [s.status for s in result.run.by_type(TaskSettled)] == ["failed"]
+    (estimate,) = kinds(sink, result.run, "usage_estimated")
+    assert estimate.data["error_type"] == "ParseError" and estimate.data["calls"] == 3
+    assert result.run.budget.estimated_tokens == estimate.data["estimated_tokens"] > 0
+
+
+def test_a_dag_cut_off_by_the_deadline_estimates_its_started_nodes(session, model, sink):
+    script = ByAgent({"orchestrator": plan({"task": "a", "assignee": "writer"}, {"task": "b", "assignee": "critic"}),
+                      "writer": HANG, "critic": HANG, "synthesizer": "done"})
+    result = run(PlanningEngine(model=model(script), deadline_s=2.0, event_sink=sink).run("go", session=session))
+    assert result.degrade_reason == "deadline"
+    estimated = kinds(sink, result.run, "usage_estimated")
+    assert sorted(e.data["error_type"] for e in estimated) == ["Cancelled", "Cancelled"]
+    assert result.run.budget.estimated_tokens == sum(e.data["estimated_tokens"] for e in estimated) > 0
 
 
 def test_not_reactive_means_no_growth(session, model):

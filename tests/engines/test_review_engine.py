@@ -97,6 +97,33 @@ def test_the_gate_downgrades_an_approval_over_an_unverified_major_issue(session,
     assert result.run.gate_reasons == ["major issue at a.py:2 was not verified"]
 
 
+@pytest.mark.parametrize("severity", ["critical", "major", "High"])
+def test_the_gate_refuses_an_approval_over_a_verified_serious_issue(session, model, sink, severity):
+    """reviewer-security -> [severity] issue -> verifier: holds -> verdict: approve -> gate: request_changes.
+
+    An issue the adversarial verifier confirmed is evidence against approval; the
+    verdict turn's approve is downgraded and the result says why. "High" is a synonym of
+    major (models use both), so it is verified and gated the same way.
+    """
+    replies = script(reviewer_security=issues(("eval of file text", "a.py:2", severity)))
+    result = run(ReviewEngine(model=model(replies), event_sink=sink).run(CODE, session=session))
+    assert result.run.verification("a.py:2").holds is True
+    assert result.run.verdict.verdict == "approve"
+    assert result.run.final_verdict == "request_changes"
+    normal = "major" if severity == "High" else severity
+    assert result.run.gate_reasons == [f"verified {normal} issue at a.py:2 is open: an approval cannot stand"]
+    assert result.startswith("Review verdict: request_changes")
+    assert "the evidence gate changed it" in result.text and "verified " + normal in result.text
+    assert kinds(sink, result.run, "evidence_gate")[0].data["final_verdict"] == "request_changes"
+
+
+def test_the_gate_keeps_an_approval_when_the_verifier_refutes_the_issue(session, model):
+    refuted = js({"verify_result": [{"issue": "a.py:2", "holds": False, "rationale": "input is trusted"}]})
+    replies = script(reviewer_security=issues(("eval of file text", "a.py:2", "critical")), verifier=refuted)
+    result = run(ReviewEngine(model=model(replies)).run(CODE, session=session))
+    assert result.run.final_verdict == "approve" and result.run.gate_reasons == []
+
+
 def test_the_gate_keeps_a_rejection(session, model):
     reject = js({"review_verdict": [{"verdict": "reject", "blocking": ["eval"]}]})
     replies = script(reviewer_security=issues(("eval", "a.py:2", "major")), verifier="cannot say",

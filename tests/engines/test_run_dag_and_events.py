@@ -100,3 +100,28 @@ def test_the_store_holds_every_record_of_a_run_on_either_backend(session, model,
         assert [r.run_id for r in store.list_runs(engine="script")] == [result.run.run_id]
     finally:
         store.close()
+
+
+def test_each_turn_records_the_turns_it_came_after(session, model, sink):
+    """a(1) -spawn-> b(2), c(3) (each after 1) -> quiescence -> d(4) (after 1, 2, 3):
+    the record implies the run's critical path."""
+    async def body(run_):
+        first = await run_.make_agent("worker", name="a")
+        await run_.turn(first, "start")
+
+        async def branch(name):
+            agent = await run_.make_agent("worker", name=name)
+            await run_.turn(agent, f"{name} works")
+
+        run_.spawn(branch("b"))
+        run_.spawn(branch("c"))
+        await run_.wait_quiescence()
+        await run_.turn(await run_.make_agent("worker", name="d"), "join")
+        return "done"
+
+    result = run(ScriptEngine(body, model=model(ByAgent(default="ok")), event_sink=sink).run(session=session))
+    turns = {r.agent: r.data for r in kinds(sink, result.run, "turn_completed")}
+    assert turns["a"]["turn"] == 1 and turns["a"]["after"] == []
+    assert turns["b"]["after"] == turns["c"]["after"] == [1]
+    assert {turns["b"]["turn"], turns["c"]["turn"]} == {2, 3}
+    assert sorted(turns["d"]["after"]) == [1, 2, 3] and turns["d"]["turn"] == 4

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import ray
-from engine_scripts import HANG, ByAgent, Note, ScriptEngine, js, kinds
+from engine_scripts import HANG, ByAgent, Note, ScriptEngine, hang, js, kinds, last_user
 
 from opgraph.actors import TurnError, UnknownBranchError
 from opgraph.engines import EngineBudgetError, EngineInputError, EngineResult
@@ -124,6 +124,21 @@ def test_agent_budget_refuses_the_next_agent_and_degrades(session, sink):
     assert len(notices) == 1 and notices[0].data["reason"] == "agents"
 
 
+def test_the_last_agent_the_bound_allows_still_takes_its_turns(session, model):
+    """max_agents bounds making agents, not working: with max_agents=1 the one agent's
+    turns run (they used to be refused the moment it was made)."""
+    async def body(run_):
+        agent = await run_.make_agent("worker", name="only")
+        first = (await run_.turn(agent, "one")).response
+        second = (await run_.turn(agent, "two")).response
+        with pytest.raises(EngineBudgetError):
+            await run_.make_agent("worker")
+        return f"{first} {second}"
+
+    result = run(ScriptEngine(body, model=model(ByAgent(default="ok")), max_agents=1).run(session=session))
+    assert result == "ok ok" and result.degrade_reason == "budget"
+
+
 def test_budget_exhausted_is_notified_once_per_run(session, sink):
     async def body(run_):
         await run_.make_agent("worker")
@@ -200,6 +215,48 @@ def test_failed_turns_count_against_the_token_budget(session, model, sink):
     errors = kinds(sink, result.run, "agent_error")
     assert [e.data["error_type"] for e in errors] == ["ParseError"] * 3
     assert [e.data["tokens"] for e in errors] == [100, 100, 100]
+
+
+def paid_then_hang(request):
+    """The first call of a turn is paid for and fails to parse; the parse retry never answers."""
+    if "could not be parsed" in last_user(request):
+        return hang()
+    return {"content": "not json", "usage": {"prompt_tokens": 60, "completion_tokens": 40}}
+
+
+def test_a_timed_out_turn_counts_the_calls_it_paid_for_and_an_estimate_for_the_cut_off_one(session, model, sink):
+    """turn: call 1 (100 tokens, malformed) -> parse retry (never answers) -> turn timeout.
+
+    The provider reported 100 tokens for the first call: they reach the budget with the
+    timeout. The cut-off call reported nothing, so the run estimates it (at least its
+    prompt), recorded apart as ``estimated_tokens``.
+    """
+    async def body(run_):
+        agent = await run_.make_agent("worker", name="slow")
+        with pytest.raises(TurnError) as failed:
+            await run_.turn(agent, "answer in JSON", response_format=Note, parse_retries=1, timeout=1.5)
+        assert failed.value.error_type == "OperationTimeout"
+        return "timed out"
+
+    engine = ScriptEngine(body, model=model(ByAgent(default=paid_then_hang)), event_sink=sink)
+    result = run(engine.run(session=session))
+    budget = result.run.budget
+    assert budget.tokens_used > 100  # the paid call, and more for the cut-off one
+    assert budget.estimated_tokens > 0 and budget.tokens_used == 100 + budget.estimated_tokens
+    (error,) = kinds(sink, result.run, "agent_error")
+    assert error.data["tokens"] == 100 and error.data["estimated_tokens"] == budget.estimated_tokens
+
+
+def test_a_turn_cut_off_by_the_deadline_is_estimated_not_free(session, model, sink):
+    """turn -> model hangs -> the deadline cancels the root: the cut-off turn costs an estimate."""
+    engine = ScriptEngine(one_agent, model=model(ByAgent(default=HANG)), deadline_s=1.0, event_sink=sink)
+    result = run(engine.run(session=session))
+    assert result.degrade_reason == "deadline"
+    budget = result.run.budget
+    assert budget.tokens_used > 0
+    assert budget.estimated_tokens > 0 and budget.tokens_used == budget.estimated_tokens
+    (cut,) = kinds(sink, result.run, "turn_cut_off")
+    assert cut.agent == "a" and cut.data["estimated_tokens"] == budget.estimated_tokens
 
 
 def test_cost_budget_refuses_an_unpriced_model_before_any_agent():

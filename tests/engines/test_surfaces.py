@@ -43,6 +43,12 @@ CODE = "def load(path):\n    return eval(open(path).read())\n"
     (["engine", "run", "planning", "a prompt", "--deadline", "-5"], "deadline_s"),
     (["engine", "run", "planning", "a prompt", "--max-tokens", "0"], "max_tokens"),
     (["engine", "run", "planning", "a prompt", "--model", "gpt-4"], "provider prefix"),
+    (["engine", "run", "research", "  "], "non-empty topic"),
+    (["engine", "run", "hypothesis", " ", "\t"], "at least one non-empty seed"),
+    (["engine", "run", "research", "a topic", "--novelty-threshold", "1.5"], "novelty_threshold"),
+    (["engine", "run", "planning", "a prompt", "--novelty-threshold", "0.5"], "applies to research runs only"),
+    (["engine", "run", "hypothesis", "a seed", "--max-questions", "0"], "max_questions"),
+    (["engine", "run", "review", "a.py", "b.py"], "one file or folder"),
 ])
 def test_bad_input_exits_2_before_anything_starts(argv, message, capsys, monkeypatch, tmp_path):
     import opgraph.actors.driver.session as session_module
@@ -83,6 +89,38 @@ def test_engine_run_review_on_sim_prints_the_run_id_and_the_result_last(session,
     assert "agent_created" in captured.err  # plain progress lines
     with EngineRunStore(store) as runs:
         assert runs.get_run(run_id).status == "completed"
+
+
+@pytest.mark.ray
+def test_engine_run_research_on_sim_prints_a_tree_of_findings(session, tmp_path, capsys):
+    store = str(tmp_path / "opgraph.db")
+    code = main(["engine", "run", "research", "solid-state", "batteries", "--max-depth", "1", "--store", store,
+                 "--plain"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert captured.out.startswith("Research: solid-state batteries\nStatus: complete · 3 node(s)")
+    assert "Findings tree:\n● solid-state batteries\n│ F1 [" in captured.out and "└── ● " in captured.out
+    run_id = captured.err.split("engine run ", 1)[1].split()[0]
+    assert main(["run", "show", run_id, "--store", store]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"engine run {run_id}  research  completed")
+    for kind in ("node_opened", "FindingEmitted", "finding_retained", "DepthRequested", "ContradictionFound"):
+        assert kind in shown
+
+
+@pytest.mark.ray
+def test_engine_run_hypothesis_on_sim_takes_several_seeds(session, tmp_path, capsys):
+    store = str(tmp_path / "opgraph.db")
+    code = main(["engine", "run", "hypothesis", "cells fade in the cold", "anodes swell", "--max-questions", "2",
+                 "--store", store, "--plain", "--json"])
+    payload = json.loads(capsys.readouterr().out)
+    assert code == 0 and payload["engine"] == "hypothesis" and payload["status"] == "completed"
+    assert "F1 finding: cells fade in the cold" in payload["text"]
+    assert "F2 finding: anodes swell" in payload["text"]
+    with EngineRunStore(store) as runs:
+        record = runs.get_run(payload["run_id"])
+    assert record.inputs == {"seeds": ["cells fade in the cold", "anodes swell"]}
+    assert record.config["max_questions"] == 2
 
 
 @pytest.mark.ray
