@@ -52,12 +52,13 @@ from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
 from .. import settings
 from ..branches.registry import BranchRegistry
-from ..errors import call_failure, is_actor_death
+from ..calls import BranchStoreStub, PoolSlot, Tells, WorkerStub, ask, ping
+from ..errors import RuntimeLostError, call_failure, is_actor_death
 from ..protocol import CallRow, CompactEnvelope, Outcome, OutcomeRow, RunOptions, RunResources, SharedResult
 from ..settings import PROBE_TIMEOUT_SECONDS
 from ..statistics import LatencyHistogram
 from ..workers.channel import ChannelLost, WorkerChannels
-from ..workers.supervision import ActorPool, ping
+from ..workers.supervision import ActorPool
 from .durability import RunLogger, decode_header, encode_header
 from .watchers import RunWatcher, envelope_summary
 
@@ -210,8 +211,10 @@ class ExecutorShell:
         self.collection_due = False  # a full collection is scheduled (see forget_run)
         self.loop_lag = 0.0
         self.worker_deaths = 0
-        self.told: set[asyncio.Task] = set()
-        self.tell_failures = 0
+        # The workers as this shell calls them (their stubs), and the tells it sends them:
+        # a tell to a dead worker has its pool replace it.
+        self.tells = Tells()
+        self.worker_slots = [PoolSlot(workers, index, WorkerStub, self.tells) for index in range(len(workers))]
         self.totals = {"runs": 0, "dispatched": 0, "settled": 0, "spawned": 0, "messages": 0, "undelivered": 0,
                        "turns": 0, "recovered": 0, "unclaimed": 0}
         # Executor-wide, monotonic across forget_run: what metrics export as counters.
@@ -222,6 +225,19 @@ class ExecutorShell:
     @property
     def stores(self) -> ActorPool:
         return self.branches.stores
+
+    def worker(self, index: int) -> WorkerStub:
+        """Worker slot ``index``'s current actor, as this shell calls it."""
+        return self.worker_slots[index].stub()
+
+    @property
+    def told(self) -> set[asyncio.Future]:
+        """The tells (and the executor's probes) still on their way."""
+        return self.tells.watching
+
+    @property
+    def tell_failures(self) -> int:
+        return self.tells.failures
 
     # -- runs: admitted, reported to, forgotten -----------------------------------------
     async def start_run(self, run_id: str, graph: Any, options: RunOptions) -> None:
@@ -363,9 +379,9 @@ class ExecutorShell:
     def release_resources(self, key: str) -> None:
         """Forget ``key``'s resources here and on every live worker."""
         if self.resources.pop(key, None) is not None:
-            for index, worker in enumerate(self.workers.handles):
+            for index in range(len(self.workers)):
                 if self.workers.alive[index]:
-                    self.tell(worker.forget.remote(key), self.workers, index, worker)
+                    self.worker(index).forget(key)
 
     def harvest(self, run: _Run, stats: dict[str, Any]) -> None:
         """Fold what ``run`` counted since the last harvest into the executor-wide counters.
@@ -401,23 +417,6 @@ class ExecutorShell:
         now = self.loop.time()
         self.loop_lag = max(0.0, now - scheduled)
         self.loop.call_at(now + LAG_PROBE_SECONDS, self._probe_lag, now + LAG_PROBE_SECONDS)
-
-    # -- tells: sent without waiting, but watched -------------------------------------------
-    def tell(self, ref: Any, pool: ActorPool | None = None, index: int = 0, handle: Any = None) -> None:
-        """A remote call nobody waits for; a failure is never lost: an actor death reaches the
-        supervisor (``pool``), anything else is counted in ``statistics()``."""
-        task = self.loop.create_task(self._watch_tell(ref, pool, index, handle))
-        self.told.add(task)
-        task.add_done_callback(self.told.discard)
-
-    async def _watch_tell(self, ref: Any, pool: ActorPool | None, index: int, handle: Any) -> None:
-        try:
-            await ref
-        except Exception as exc:  # noqa: BLE001 - routed to the supervisor, or counted
-            if pool is not None and is_actor_death(exc):
-                pool.mark_dead(index, handle, "a message to it failed")
-            else:
-                self.tell_failures += 1
 
     # -- events in, instructions out ------------------------------------------------------
     async def feed(self, run: _Run, events: list[Any]) -> None:
@@ -646,8 +645,7 @@ class ExecutorShell:
             by_worker.setdefault(run.node_worker.get(cancel.node_id, 0), []).append(cancel.node_id)
         for index, node_ids in by_worker.items():
             if index < len(self.workers) and self.workers.alive[index]:
-                worker = self.workers.handles[index]
-                self.tell(worker.cancel.remote(run.run_id, node_ids), self.workers, index, worker)
+                self.worker(index).cancel(run.run_id, node_ids)
         if run.grace_timer is None:
             run.grace_timer = self.loop.call_later(run.options.cancel_grace, self._grace_expired, run)
 
@@ -719,15 +717,15 @@ class ExecutorShell:
                 self._fail_run(run, exc)
 
     async def _clone(self, run: _Run, shard: int, pairs: list[tuple[str, str]]) -> None:
-        missing = await self.branches.call(shard, "clone_many", pairs, run_id=run.run_id)
+        missing = await ask(self.branches.store(shard), BranchStoreStub.clone_many, pairs, run_id=run.run_id)
         if missing:
             lost = set(missing)
             run.lost_branches.extend({"branch_id": source, "reason": "its branch store died; clones start empty"}
                                      for source in sorted(lost))
 
     async def _replace_history(self, run: _Run, shard: int, branch_id: str, source: str) -> None:
-        if not await self.branches.call(shard, "replace_history", branch_id, source, run_id=run.run_id,
-                                        branch_id=branch_id):
+        if not await ask(self.branches.store(shard), BranchStoreStub.replace_history, branch_id, source,
+                         run_id=run.run_id, branch_id=branch_id):
             run.lost_branches.append({"branch_id": source, "reason": "its branch store died; history not inherited"})
 
     def _run_spawn_setup(self, run: _Run, clone: CloneBranch) -> None:
@@ -813,10 +811,11 @@ class ExecutorShell:
         run.shipped_to.add(key)
         return run.shipped
 
-    async def _live_worker(self, run: _Run, calls: list[CallRow]) -> tuple[int, Any] | None:
+    async def _live_worker(self, run: _Run, calls: list[CallRow]) -> tuple[int, WorkerStub] | None:
         """A live worker for ``calls``; None (the calls failed, typed) when none can come back."""
         try:
-            return await self.workers.live()
+            index, _ = await self.workers.live()
+            return index, self.worker(index)
         except OpGraphError as exc:
             await self.feed(run, [OperationFinished(now=time.time(), node_id=call[0], attempt=call[1],
                                                     status="failed", error=exc.message, error_type=WORKER_DIED)
@@ -834,12 +833,12 @@ class ExecutorShell:
         pending = {call[0]: call[1]}
         run.messages += 1
         try:
-            channel = await self.channels.get(worker, self.workers.name_of(index))
-            shipped = self._ship(run, worker)
+            channel = await self.channels.get(worker.handle, worker.name)
+            shipped = self._ship(run, worker.handle)
             if channel is not None:
                 rows = await channel.call_one(run.run_id, call, self.slot, shipped)
             else:
-                rows = await worker.run_one.remote(run.run_id, call, self.slot, shipped)
+                rows = await worker.run_one(run.run_id, call, self.slot, shipped)
             await self._settle_rows(run, pending, rows)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
             await self._batch_failed(run, index, worker, pending, exc, acknowledged=True)
@@ -861,13 +860,12 @@ class ExecutorShell:
         run.messages += 1
         acknowledged = False
         try:
-            channel = await self.channels.get(worker, self.workers.name_of(index))
-            shipped = self._ship(run, worker)
+            channel = await self.channels.get(worker.handle, worker.name)
+            shipped = self._ship(run, worker.handle)
             if channel is not None:
                 stream = channel.stream(run.run_id, calls, self.slot, shipped)
             else:
-                stream = _received(worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls,
-                                                                                             self.slot, shipped))
+                stream = _received(worker.run_batch(run.run_id, calls, self.slot, shipped))
             async for rows in stream:
                 if not acknowledged:
                     acknowledged = True  # the first item: ACKNOWLEDGED
@@ -878,7 +876,7 @@ class ExecutorShell:
         except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
             await self._batch_failed(run, index, worker, pending, exc, acknowledged=acknowledged)
 
-    async def _batch_failed(self, run: _Run, index: int, worker: Any, pending: dict[str, int],
+    async def _batch_failed(self, run: _Run, index: int, worker: WorkerStub, pending: dict[str, int],
                             exc: BaseException, *, acknowledged: bool) -> None:
         """A call or stream to worker ``index`` failed: tell the kernel what that means for each call."""
         if not pending:
@@ -888,14 +886,14 @@ class ExecutorShell:
             answer = await ping(worker, PROBE_TIMEOUT_SECONDS)
             died = answer is not None and is_actor_death(answer)
         now = time.time()
-        failure = call_failure(exc, self.workers.name_of(index), f"the operation (run {run.run_id})", died=died)
+        failure = call_failure(exc, worker.name, f"the operation (run {run.run_id})", died=died)
         if failure.died:
-            if self.workers.mark_dead(index, worker, f"while running run {run.run_id}"):
+            if self.workers.mark_dead(index, worker.handle, f"while running run {run.run_id}"):
                 self.worker_deaths += 1
             if not acknowledged:
                 self.totals["undelivered"] += len(pending)
                 await self.feed(run, [DispatchUndelivered(now, node_id, attempt,
-                                                          f"worker {self.workers.name_of(index)} was dead")
+                                                          f"worker {worker.name} was dead")
                                       for node_id, attempt in pending.items()])
                 return
         await self.feed(run, [OperationFinished(now=now, node_id=node_id, attempt=attempt, status="failed",
@@ -941,20 +939,17 @@ class ExecutorShell:
             if not run.state.finished:
                 mine = [b for b in lost if b in run.state.branch.values() or b == run.options.default_branch_id]
                 run.lost_branches.extend({"branch_id": b, "reason": f"branch store {name} died"} for b in mine)
-        updates = []
-        for worker_index, worker in enumerate(self.workers.handles):
-            if self.workers.alive[worker_index]:
-                updates.append(self._update_worker_store(worker_index, worker, index, handle, name))
-        await asyncio.gather(*updates)
+        await asyncio.gather(*(self._update_worker_store(slot, index, handle, name)
+                               for slot in self.worker_slots if self.workers.alive[slot.index]))
 
-    async def _update_worker_store(self, worker_index: int, worker: Any, index: int, handle: Any, name: str) -> None:
+    async def _update_worker_store(self, slot: PoolSlot, index: int, handle: Any, name: str) -> None:
+        worker = slot.stub()
         try:
-            await worker.set_store.remote(index, handle, name)
-        except Exception as exc:  # noqa: BLE001 - a worker that cannot be told is taken for dead if it is
-            if is_actor_death(exc):
-                self.workers.mark_dead(worker_index, worker, "could not be told of a new branch store")
-            else:
-                self.tell_failures += 1
+            await ask(worker, WorkerStub.set_store, index, handle, name)
+        except RuntimeLostError:  # a worker that cannot be told is taken for dead if it is
+            self.workers.mark_dead(slot.index, worker.handle, "could not be told of a new branch store")
+        except OpGraphError:
+            self.tells.failures += 1
 
 
 def _branch_work_done(task: asyncio.Task) -> None:
@@ -976,8 +971,8 @@ class _SetupBranch:
         self._run_id = run_id
 
     def append(self, *messages: Any) -> None:
-        self._pending.append(self._registry.call(self._shard, "append", self.id, list(messages), os.urandom(8),
-                                                 run_id=self._run_id, branch_id=self.id))
+        self._pending.append(ask(self._registry.store(self._shard), BranchStoreStub.append, self.id, list(messages),
+                                 os.urandom(8), run_id=self._run_id, branch_id=self.id))
 
 
 def _share_large_results(run: _Run, shared: dict[str, Any], calls: list[CallRow]) -> list[CallRow]:
