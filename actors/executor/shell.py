@@ -167,6 +167,19 @@ class _Run:
             watcher.finish(summary)
 
 
+class _Outgoing:
+    """What one batch of instructions asks of the stores and workers, gathered to be sent together."""
+
+    __slots__ = ("cancels", "clones", "dispatches", "reactive_clones", "replaces")
+
+    def __init__(self) -> None:
+        self.clones: dict[int, list[tuple[str, str]]] = {}  # store shard -> (source, new branch) pairs
+        self.replaces: list[ReplaceHistory] = []
+        self.reactive_clones: list[CloneBranch] = []
+        self.cancels: list[CancelOperation] = []
+        self.dispatches: list[DispatchOperation] = []
+
+
 def _request_event(kind: str, now: float, emitter_id: str, request: Any, key: Any,
                    redelivery: bool) -> SpawnRequested | EscalationRequested:
     """A spawn or escalation request as the scheduler's event, whichever way it arrived."""
@@ -221,6 +234,13 @@ class ExecutorShell:
         self.settled_by_status: dict[str, int] = {}
         self.dropped_spawns_by_reason: dict[str, int] = {}
         self.node_latency: dict[str, LatencyHistogram] = {}  # outcome status -> histogram
+        # Instruction type -> the method that carries it out (``_carry_out``).
+        self.carriers: dict[type, Any] = {
+            AppendRecords: self._append_records, DispatchOperation: self._dispatch_operation,
+            EmitSignal: self._emit_signal, CloneBranch: self._clone_branch, ReplaceHistory: self._replace_history,
+            CancelOperation: self._cancel_operation, EvaluateConditions: self._evaluate_conditions,
+            AdmissionDecided: self._admission_decided, FinishRun: self._finish_run,
+        }
 
     @property
     def stores(self) -> ActorPool:
@@ -471,98 +491,132 @@ class ExecutorShell:
                     waiter.set_exception(exc)
         run.inject_waiters.clear()
 
+    # -- instructions out: one method per kind ------------------------------------------------
     async def _carry_out(self, run: _Run, instructions: list[Any]) -> None:
-        """Turn instructions into messages. Branch work is awaited before dispatch."""
-        clones: dict[int, list[tuple[str, str]]] = {}
-        replaces: list[ReplaceHistory] = []
-        dispatches: list[DispatchOperation] = []
-        cancels: list[CancelOperation] = []
-        reactive_clones: list[CloneBranch] = []
-        registry = self.branches
-        options = run.options
-        default_shard = registry.shard_of(options.default_branch_id)
-        if instructions and type(instructions[0]) is AppendRecords:
-            run.gate_seq = self.logger.append(run, instructions[0].records)
+        """Carry out what the kernel decided, each instruction by the method of its kind (``carriers``).
+
+        Store and worker work is gathered first and sent after, in this order: the branch
+        clones, the history replacements, the spawn setup hooks (which wait for both), the
+        cancels, and last the dispatches, whose flush waits for the branch work they need.
+        """
+        outgoing = _Outgoing()
+        carriers = self.carriers
         for instruction in instructions:
-            kind = type(instruction)
-            if kind is DispatchOperation:
-                dispatches.append(instruction)
-            elif kind is EmitSignal:
-                self._deliver_signal(run, instruction)
-            elif kind is CloneBranch:
-                source = instruction.source if instruction.source is not None else options.default_branch_id
-                shard = registry.shard_of(source, default_shard)
-                registry.place(instruction.branch_id, shard)
-                clones.setdefault(shard, []).append((source, instruction.branch_id))
-                if options.want_signals:
-                    run.post("branch", (instruction.node_id, instruction.branch_id, instruction.reactive))
-                if instruction.reactive:
-                    reactive_clones.append(instruction)
-            elif kind is ReplaceHistory:
-                replaces.append(instruction)
-            elif kind is CancelOperation:
-                cancels.append(instruction)
-            elif kind is EvaluateConditions:
-                self._spawn_task(run, self._evaluate_conditions(run, instruction))
-            elif kind is AdmissionDecided:
-                waiter = run.inject_waiters.pop(instruction.token, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(instruction.accepted)
-            elif kind is FinishRun:
-                self._finish(run, instruction.envelope)
-        if clones and options.branch_scope is not None:
-            registry.adopt(options.branch_scope, [pair[1] for pairs in clones.values() for pair in pairs])
-        # The clones this batch's dispatches need go first; the rest (a planner's 900 children
-        # beyond the capacity, a chain's every later link) follow in the background, each
-        # awaited by the flush that dispatches its node. A spawn setup hook writes to every
-        # new branch at once, so with one they all go first.
-        needed = ({dispatch.branch_id for dispatch in dispatches}
-                  if clones and options.spawn_branch_setup is None else None)
+            carriers[type(instruction)](run, outgoing, instruction)
+        if outgoing.clones:
+            self._send_clones(run, outgoing.clones, outgoing.dispatches)
+        if outgoing.replaces:
+            self._send_history_replacements(run, outgoing.replaces)
+        if outgoing.reactive_clones and run.options.spawn_branch_setup is not None:
+            await self._await_branch_work(run)
+            for clone in outgoing.reactive_clones:
+                self._run_spawn_setup(run, clone)
+        if outgoing.cancels:
+            self._cancel_in_flight(run, outgoing.cancels)
+        if outgoing.dispatches:
+            self._schedule_dispatch(run, outgoing.dispatches)
+
+    def _append_records(self, run: _Run, outgoing: _Outgoing, instruction: AppendRecords) -> None:
+        """The batch's records go to the run log; what it decided is held back until they are durable.
+        (The kernel puts this instruction first, so the gate is up before anything is posted.)"""
+        run.gate_seq = self.logger.append(run, instruction.records)
+
+    def _dispatch_operation(self, run: _Run, outgoing: _Outgoing, instruction: DispatchOperation) -> None:
+        outgoing.dispatches.append(instruction)
+
+    def _clone_branch(self, run: _Run, outgoing: _Outgoing, instruction: CloneBranch) -> None:
+        """Place the new branch beside its source (sent by ``_send_clones``), and tell whoever watches branches."""
+        options = run.options
+        source = instruction.source if instruction.source is not None else options.default_branch_id
+        registry = self.branches
+        shard = registry.location.get(source)
+        if shard is None:
+            shard = registry.shard_of(options.default_branch_id)
+        registry.place(instruction.branch_id, shard)
+        pairs = outgoing.clones.get(shard)
+        if pairs is None:
+            pairs = outgoing.clones[shard] = []
+        pairs.append((source, instruction.branch_id))
+        if options.want_signals:
+            run.post("branch", (instruction.node_id, instruction.branch_id, instruction.reactive))
+        if instruction.reactive:
+            outgoing.reactive_clones.append(instruction)
+
+    def _replace_history(self, run: _Run, outgoing: _Outgoing, instruction: ReplaceHistory) -> None:
+        outgoing.replaces.append(instruction)
+
+    def _cancel_operation(self, run: _Run, outgoing: _Outgoing, instruction: CancelOperation) -> None:
+        outgoing.cancels.append(instruction)
+
+    def _evaluate_conditions(self, run: _Run, outgoing: _Outgoing, instruction: EvaluateConditions) -> None:
+        """Conditions that are not kernel expressions run here, in a task: their answer is an event."""
+        self._spawn_task(run, self._conditions_evaluated(run, instruction))
+
+    def _admission_decided(self, run: _Run, outgoing: _Outgoing, instruction: AdmissionDecided) -> None:
+        """An ``inject`` waiting for its admission hears whether it was accepted."""
+        waiter = run.inject_waiters.pop(instruction.token, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(instruction.accepted)
+
+    def _finish_run(self, run: _Run, outgoing: _Outgoing, instruction: FinishRun) -> None:
+        if run.options.durable:
+            # The envelope is an acknowledgement like any other: durable first.
+            self._spawn_task(run, self._finish_durably(run, instruction.envelope))
+            return
+        self._settle(run, instruction.envelope)
+
+    def _send_clones(self, run: _Run, clones: dict[int, list[tuple[str, str]]],
+                     dispatches: list[DispatchOperation]) -> None:
+        """Send the batch's clones, one message per store shard.
+
+        The clones this batch's dispatches need go first; the rest (a planner's 900 children
+        beyond the capacity, a chain's every later link) follow in the background, each
+        awaited by the flush that dispatches its node. A spawn setup hook writes to every
+        new branch at once, so with one they all go first.
+        """
+        options = run.options
+        if options.branch_scope is not None:
+            self.branches.adopt(options.branch_scope, [pair[1] for pairs in clones.values() for pair in pairs])
+        needed = {dispatch.branch_id for dispatch in dispatches} if options.spawn_branch_setup is None else None
         for shard, pairs in clones.items():
             now, later = pairs, ()
             if needed is not None:
                 now = [pair for pair in pairs if pair[1] in needed]
                 later = [pair for pair in pairs if pair[1] not in needed]
-            first = self._start_branch_work(run, self._clone(run, shard, now)) if now else None
+            first = self._start_branch_work(run, self._store_clones(run, shard, now)) if now else None
             if later:
-                deferred = self._store_task(run, self._clone_after(run, first, shard, later))
+                deferred = self._store_task(run, self._clones_after(run, first, shard, later))
                 run.deferred_clones.update(dict.fromkeys([pair[1] for pair in later], deferred))
             run.messages += 1 + bool(now and later)
-        for replace in replaces:
-            source = replace.source if replace.source is not None else options.default_branch_id
-            shard = registry.shard_of(replace.branch_id, default_shard)
-            self._start_branch_work(run, self._replace_history(run, shard, replace.branch_id, source))
-            run.messages += 1
-        if reactive_clones and options.spawn_branch_setup is not None:
-            await self._await_branch_work(run)
-            for clone in reactive_clones:
-                self._run_spawn_setup(run, clone)
-        if cancels:
-            self._cancel_in_flight(run, cancels)
-        if dispatches:
-            run.pending_dispatch.extend(dispatches)
-            if not run.flush_scheduled:
-                # Coalesce dispatches from every event handled within one short window
-                # into a few batched messages instead of one round trip per feed. When
-                # nothing else is in flight no outcome can arrive to join the batch, so
-                # waiting would only add latency (a chain's every link): send at once.
-                run.flush_scheduled = True
-                if len(run.state.running) > len(run.pending_dispatch):
-                    self.loop.call_later(DISPATCH_WINDOW, self._spawn_task, run, self._flush(run))
-                else:  # its first step runs after every callback already queued: they still join
-                    self._spawn_task(run, self._flush(run))
-            elif len(run.pending_dispatch) >= DISPATCH_BATCH:
-                # A full batch gains nothing by waiting: it goes now, and the window's flush
-                # takes what follows. A wave's outcomes arrive as several messages; held back
-                # until the last was handled, every call of the next wave started late.
-                self._spawn_task(run, self._flush(run))
 
-    def _finish(self, run: _Run, envelope: dict[str, Any]) -> None:
-        if run.options.durable:
-            # The envelope is an acknowledgement like any other: durable first.
-            self._spawn_task(run, self._finish_durably(run, envelope))
-            return
-        self._settle(run, envelope)
+    def _send_history_replacements(self, run: _Run, replaces: list[ReplaceHistory]) -> None:
+        """Each ReplaceHistory as its store call, which the run's next dispatches wait for."""
+        registry, default_branch_id = self.branches, run.options.default_branch_id
+        default_shard = registry.shard_of(default_branch_id)
+        for replace in replaces:
+            source = replace.source if replace.source is not None else default_branch_id
+            shard = registry.shard_of(replace.branch_id, default_shard)
+            self._start_branch_work(run, self._store_history(run, shard, replace.branch_id, source))
+            run.messages += 1
+
+    def _schedule_dispatch(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
+        """Queue ``dispatches`` for the run's next flush, which sends them in batched messages."""
+        run.pending_dispatch.extend(dispatches)
+        if not run.flush_scheduled:
+            # Coalesce dispatches from every event handled within one short window
+            # into a few batched messages instead of one round trip per feed. When
+            # nothing else is in flight no outcome can arrive to join the batch, so
+            # waiting would only add latency (a chain's every link): send at once.
+            run.flush_scheduled = True
+            if len(run.state.running) > len(run.pending_dispatch):
+                self.loop.call_later(DISPATCH_WINDOW, self._spawn_task, run, self._flush(run))
+            else:  # its first step runs after every callback already queued: they still join
+                self._spawn_task(run, self._flush(run))
+        elif len(run.pending_dispatch) >= DISPATCH_BATCH:
+            # A full batch gains nothing by waiting: it goes now, and the window's flush
+            # takes what follows. A wave's outcomes arrive as several messages; held back
+            # until the last was handled, every call of the next wave started late.
+            self._spawn_task(run, self._flush(run))
 
     async def _finish_durably(self, run: _Run, envelope: dict[str, Any]) -> None:
         """Answer once the batch that finished the run is durable; write the envelope after.
@@ -686,13 +740,13 @@ class ExecutorShell:
         task.add_done_callback(_branch_work_done)
         return task
 
-    async def _clone_after(self, run: _Run, first: asyncio.Task | None, shard: int,
+    async def _clones_after(self, run: _Run, first: asyncio.Task | None, shard: int,
                            pairs: list[tuple[str, str]]) -> None:
         """Clones no dispatch waits for yet, sent once ``first`` (the ones one does) is done, so
         the store and the database's write lock serve those first."""
         if first is not None:
             await asyncio.wait([first])  # its end, not its outcome: a failure is its flush's to raise
-        await self._clone(run, shard, pairs)
+        await self._store_clones(run, shard, pairs)
 
     async def _await_deferred_clones(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
         """Wait for the deferred clones of the branches ``dispatches`` run on."""
@@ -716,14 +770,14 @@ class ExecutorShell:
                     exc.run_id = run.run_id
                 self._fail_run(run, exc)
 
-    async def _clone(self, run: _Run, shard: int, pairs: list[tuple[str, str]]) -> None:
+    async def _store_clones(self, run: _Run, shard: int, pairs: list[tuple[str, str]]) -> None:
         missing = await ask(self.branches.store(shard), BranchStoreStub.clone_many, pairs, run_id=run.run_id)
         if missing:
             lost = set(missing)
             run.lost_branches.extend({"branch_id": source, "reason": "its branch store died; clones start empty"}
                                      for source in sorted(lost))
 
-    async def _replace_history(self, run: _Run, shard: int, branch_id: str, source: str) -> None:
+    async def _store_history(self, run: _Run, shard: int, branch_id: str, source: str) -> None:
         if not await ask(self.branches.store(shard), BranchStoreStub.replace_history, branch_id, source,
                          run_id=run.run_id, branch_id=branch_id):
             run.lost_branches.append({"branch_id": source, "reason": "its branch store died; history not inherited"})
@@ -738,7 +792,7 @@ class ExecutorShell:
             run.hook_errors.append({"hook": "spawn_branch_setup", "node_id": clone.node_id,
                                     "error": f"{type(exc).__name__}: {exc}"})
 
-    def _deliver_signal(self, run: _Run, instruction: EmitSignal) -> None:
+    def _emit_signal(self, run: _Run, outgoing: _Outgoing, instruction: EmitSignal) -> None:
         kind = instruction.kind
         if kind in _TERMINAL_SIGNALS:
             self.totals["settled"] += 1
@@ -915,7 +969,7 @@ class ExecutorShell:
             histogram.observe(row[8] - row[7])
         await self.feed(run, [_finished_event(row) for row in rows])
 
-    async def _evaluate_conditions(self, run: _Run, instruction: EvaluateConditions) -> None:
+    async def _conditions_evaluated(self, run: _Run, instruction: EvaluateConditions) -> None:
         edges = run.state.graph.edges
         results = []
         error = None
