@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 import ray
 
@@ -102,11 +102,8 @@ class Tells:
         except RuntimeError:  # a thread of an operation's: watched on the sender's loop
             if self.loop is None:
                 raise ExecutionError("a message was sent from a thread before the sender's loop was known") from None
-            self.loop.call_soon_threadsafe(self._watch_on, self.loop, reply, on_death)
+            self.loop.call_soon_threadsafe(self.watch, reply, on_death)
             return
-        self._watch_on(loop, reply, on_death)
-
-    def _watch_on(self, loop: asyncio.AbstractEventLoop, reply: Any, on_death: Callable[[], Any] | None) -> None:
         task = loop.create_task(self._watched(reply, on_death))
         self.watching.add(task)
         task.add_done_callback(self.watching.discard)
@@ -122,14 +119,18 @@ class Tells:
 
 
 # -- stubs: one method per remote method ---------------------------------------------------------
-class _Stub:
-    """A handle on one actor, as its callers use it: ``handle`` (Ray's), the actor's current
+Actor = TypeVar("Actor")  # the actor class a stub's handle is an instance of
+
+
+class _Stub(Generic[Actor]):
+    """A handle on one actor, as its callers use it: ``handle`` (Ray's, typed as the actor class,
+    so that "go to definition" from a stub method lands on the actor's), the actor's current
     ``name`` (for errors), and where its tells are watched (``tells``; ``on_death`` tells its
     supervisor). A stub without ``tells`` sends its tells unwatched."""
 
     __slots__ = ("handle", "name", "on_death", "tells")
 
-    def __init__(self, handle: Any, name: str = "", tells: Tells | None = None,
+    def __init__(self, handle: Actor, name: str = "", tells: Tells | None = None,
                  on_death: Callable[[], Any] | None = None) -> None:
         self.handle = handle
         self.name = name
@@ -144,17 +145,16 @@ class _Stub:
         return f"{type(self).__name__}({self.name or self.handle!r})"
 
 
-class ActorStub(_Stub):
+class ActorStub(_Stub[Actor]):
     """What every supervised opgraph actor answers: ``ping`` (the liveness probe's question)."""
 
     __slots__ = ()
-    handle: GraphExecutor | OperationWorker | BranchStore
 
     def ping(self) -> ObjectRef[Any]:
         return self.handle.ping.remote()
 
 
-class ExecutorStub(ActorStub):
+class ExecutorStub(ActorStub["GraphExecutor"]):
     """The GraphExecutor's remote surface (actors/executor/actor.py), one method each."""
 
     __slots__ = ()
@@ -267,7 +267,7 @@ class ExecutorStub(ActorStub):
         self._tell(self.handle.receive_request.remote(run_id, emitter_id, kind, request, key))
 
 
-class WorkerStub(ActorStub):
+class WorkerStub(ActorStub["OperationWorker"]):
     """The OperationWorker's remote surface (actors/workers/worker.py), one method each."""
 
     __slots__ = ()
@@ -305,7 +305,7 @@ class WorkerStub(ActorStub):
         self._tell(self.handle.cancel.remote(run_id, node_ids))
 
 
-class BranchStoreStub(ActorStub):
+class BranchStoreStub(ActorStub["BranchStore"]):
     """The BranchStore's remote surface (actors/branches/store.py), one method each."""
 
     __slots__ = ()
@@ -351,7 +351,7 @@ class BranchStoreStub(ActorStub):
         return self.handle.statistics.remote()
 
 
-class ProviderLimiterStub(_Stub):
+class ProviderLimiterStub(_Stub["ProviderLimiter"]):
     """The ProviderLimiter's remote surface (actors/providers/limits.py), one method each."""
 
     __slots__ = ()
@@ -405,11 +405,15 @@ SAFE_TO_RESEND = frozenset({
 
 
 class Target:
-    """Where a call goes: ``live()`` is the stub to send it to now; ``died()`` hears that a stub's
-    actor died and, when the call may be sent again, returns the live replacement (None: none).
-    ``resends``: how many times one call may follow a replacement."""
+    """Where a call goes: ``live()`` is the stub to send it to now (``current()`` is the same
+    without waiting, or None while it would have to wait for a replacement); ``died()`` hears
+    that a stub's actor died and, when the call may be sent again, returns the live
+    replacement (None: none). ``resends``: how many times one call may follow a replacement."""
 
     resends = 1
+
+    def current(self) -> Any | None:
+        return None
 
     async def live(self) -> Any:
         raise NotImplementedError
@@ -439,6 +443,9 @@ class PoolSlot(Target):
             stub = self._stub = self.stub_type(handle, self.pool.names[self.index], self.tells, on_death)
         return stub
 
+    def current(self) -> Any | None:
+        return self.stub() if self.pool.alive[self.index] else None
+
     async def live(self) -> Any:
         await self.pool.live(self.index)
         return self.stub()
@@ -459,6 +466,10 @@ class RuntimeMember(Target):
     def _stub(self) -> ExecutorStub:
         runtime = self.runtime
         return ExecutorStub(runtime.executors[self.member], runtime.executor_names[self.member])
+
+    def current(self) -> ExecutorStub | None:
+        runtime, member = self.runtime, self.member
+        return None if runtime.known_dead(member) else self._stub()
 
     async def live(self) -> ExecutorStub:
         await self.runtime.live_executor(self.member)
@@ -499,6 +510,9 @@ class FollowedRun(Target):
 
     def stub(self) -> ExecutorStub:
         return ExecutorStub(self.executor, self.runtime.name_of(self.executor))
+
+    def current(self) -> ExecutorStub:
+        return self.stub()
 
     async def live(self) -> ExecutorStub:
         return self.stub()
@@ -548,6 +562,9 @@ class WorkerStore(Target):
         self.index = index
         self.executor = executor
 
+    def current(self) -> BranchStoreStub:
+        return self.worker.store(self.index)
+
     async def live(self) -> BranchStoreStub:
         return self.worker.store(self.index)
 
@@ -571,7 +588,9 @@ async def ask(target: Any, method: Callable[..., Any], /, *args: Any, timeout: f
     if isinstance(target, _Stub):
         stub, target = target, None
     else:
-        stub = await target.live()
+        stub = target.current()  # no await on the common path: the actor there is alive
+        if stub is None:
+            stub = await target.live()
     resends = 0
     while True:
         try:

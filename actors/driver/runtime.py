@@ -309,6 +309,11 @@ class Runtime:
                 await asyncio.to_thread(self.refresh)
         return self.executors[member]
 
+    def known_dead(self, member: int) -> bool:
+        """True when member ``member``'s current executor was found dead (the next call replaces it)."""
+        dead = self._dead.get(member)
+        return dead is not None and dead is self.executors[member]
+
     async def live_executor(self, member: int = 0) -> Any:
         """Member ``member``'s executor to send new work to: replaced first if it is known to have died."""
         dead = self._dead.get(member)
