@@ -7,11 +7,13 @@ call again to a replacement when the actor it went to died. It decides nothing e
 
 Two kinds of message, as in Pykka:
 
-    ask   a stub method that returns a reply (an ``ObjectRef``): awaited, or handed to
-          ``ask`` below, which awaits it under the policy and raises opgraph's errors
+    ask   a stub method that returns a reply (an ``ObjectRef``), sent through ``ask`` below
+          (``await ask(target, ExecutorStub.start_run, run_id, graph, options)``), which
+          awaits it under the policy and raises opgraph's errors; or awaited as it is
     tell  a stub method that returns None: sent, never awaited, but watched by the
           sender's ``Tells``: a death goes to the actor's supervisor, anything else is
-          counted, so no failure is lost
+          counted, so no failure is lost (a stub made without ``Tells``, the provider
+          limiter's, sends its tells unwatched, as nothing supervises the limiter)
 
 Where a call goes is a target: a stub (that actor, and no other), or a place that finds a
 replacement when its actor died. Each kind says how it finds one and how many times one
