@@ -17,9 +17,10 @@ The rooms, each a folder:
     providers/    model providers (openai, anthropic, sim, scripted) and shared rate limits
     verbs/        the branch verbs (chat, operate, communicate, parse, ReAct, ...)
 
-and, beside them, what every room shares: ``errors`` (the actor errors and the one
-translation of Ray's), ``settings``, ``protocol`` (the wire rows), ``models`` (the
-model-call contract) and ``statistics`` (histograms and memory for snapshots).
+and, beside them, what every room shares: ``calls`` (the one seam for calls between
+actors: typed stubs, asks and tells, the replacement policy), ``errors`` (the actor errors
+and the one translation of Ray's), ``settings``, ``protocol`` (the wire rows), ``models``
+(the model-call contract) and ``statistics`` (histograms and memory for snapshots).
 """
 
 from importlib import import_module

@@ -3,7 +3,8 @@
 Owns every error type the runtime raises about its actors (a lost executor or branch
 store, an unknown run, branch or watcher, a failed turn) and ``translate``, which turns
 a Ray exception into one of them, naming the actor, run and node it concerns. No other
-module inspects a Ray exception's type or text; callers never catch a Ray type.
+module inspects a Ray exception's type or text; callers never catch a Ray type. The call
+seam (``calls``) is the one caller of ``translate`` for calls between actors.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Owns the executor's branch bookkeeping: branch id -> store shard, branch scopes (a
 Session's branches, a run's branches) so that they are dropped together, and the
-branches lost with a store that died. Every store call goes through ``call``, which
-notices a dead store, waits for its replacement and tries once more there.
+branches lost with a store that died. Its store calls go through the call seam
+(``actors/calls.py``): a dead store is replaced by its pool and the call sent once more there.
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..errors import UnknownBranchError, is_actor_death, translate
+from ..calls import BranchStoreStub, PoolSlot, ask
+from ..errors import UnknownBranchError
 from ..workers.supervision import ActorPool
 from .store import shard_for
 
@@ -28,6 +29,7 @@ class BranchRegistry:
 
     def __init__(self, stores: ActorPool) -> None:
         self.stores = stores
+        self.slots = [PoolSlot(stores, index, BranchStoreStub) for index in range(len(stores))]
         self.location: dict[str, int] = {}
         self.scopes: dict[str, set[str]] = {}
         self.children: dict[str, set[str]] = {}  # scope -> nested scopes
@@ -72,25 +74,14 @@ class BranchRegistry:
         return branch_id in self.location
 
     # -- store calls ------------------------------------------------------------------------
-    async def call(self, shard: int, method: str, *args: Any, run_id: str | None = None,
-                   branch_id: str | None = None) -> Any:
-        """``store[shard].method(*args)``; a dead store is replaced and the call tried once more
-        on the replacement (which starts empty: its callers handle missing branches)."""
-        for attempt in (1, 2):
-            index, store = await self.stores.live(shard)
-            try:
-                return await getattr(store, method).remote(*args)
-            except Exception as exc:  # noqa: BLE001 - translated below; a death is retried once
-                if is_actor_death(exc) and attempt == 1:
-                    self.stores.mark_dead(index, store, f"{method} failed")
-                    continue
-                raise translate(exc, actor=self.stores.name_of(index), run_id=run_id, branch_id=branch_id,
-                                doing=method) from None
-        raise AssertionError("unreachable: the loop returns or raises")
+    def store(self, shard: int) -> PoolSlot:
+        """Where a call to store ``shard`` goes (``calls.ask``): a dead store is replaced, and the call
+        sent once more to the replacement (which may start empty: callers handle missing branches)."""
+        return self.slots[shard]
 
     async def create(self, branch_id: str, messages: list[Any], scope: str | None) -> int:
         shard = self.home_shard(branch_id)
-        await self.call(shard, "create", branch_id, messages, True, branch_id=branch_id)
+        await ask(self.slots[shard], BranchStoreStub.create, branch_id, messages, True, branch_id=branch_id)
         self.lost.discard(branch_id)
         self.place(branch_id, shard, scope)
         return shard
@@ -115,7 +106,7 @@ class BranchRegistry:
                 wanted.setdefault(shard, []).append(branch_id)
         recreated: list[str] = []
         for shard, branch_ids in wanted.items():
-            created = set(await self.call(shard, "ensure_many", branch_ids))
+            created = set(await ask(self.slots[shard], BranchStoreStub.ensure_many, branch_ids))
             for branch_id in branch_ids:
                 if branch_id in created or branch_id in self.lost:
                     recreated.append(branch_id)
@@ -164,7 +155,7 @@ class BranchRegistry:
                 wanted.setdefault(self.home_shard(branch_id), []).append(branch_id)
         found: list[str] = []
         for shard, ids in wanted.items():
-            for branch_id in await self.call(shard, "hold_many", ids):
+            for branch_id in await ask(self.slots[shard], BranchStoreStub.hold_many, ids):
                 self.location[branch_id] = shard
                 found.append(branch_id)
         if scope is not None:
@@ -177,7 +168,7 @@ class BranchRegistry:
             raise UnknownBranchError("this runtime holds no such branch", branch_id=branch_id)
         if branch_id in self.lost:
             raise UnknownBranchError("the branch was lost with its branch store", branch_id=branch_id)
-        return await self.call(shard, "messages", branch_id, branch_id=branch_id)
+        return await ask(self.slots[shard], BranchStoreStub.messages, branch_id, branch_id=branch_id)
 
     # -- dropping -----------------------------------------------------------------------------
     async def drop_scope(self, scope: str) -> int:
@@ -197,7 +188,7 @@ class BranchRegistry:
             parent_children.difference_update(scopes)
         dropped = 0
         for shard, branch_ids in by_shard.items():
-            dropped += await self.call(shard, "drop_many", branch_ids)
+            dropped += await ask(self.slots[shard], BranchStoreStub.drop_many, branch_ids)
         return dropped
 
     # -- a store died and was replaced ----------------------------------------------------------
@@ -209,7 +200,7 @@ class BranchRegistry:
         stays in ``lost`` until a run that names it has reported the loss.
         """
         candidates = [branch_id for branch_id, shard in self.location.items() if shard == index]
-        lost = await self.call(index, "ensure_many", candidates) if candidates else []
+        lost = await ask(self.slots[index], BranchStoreStub.ensure_many, candidates) if candidates else []
         self.lost.update(lost)
         return lost
 

@@ -2,7 +2,8 @@
 
 Owns ``RunControl`` (the ``executor_ref`` handle, and what a second client gets from
 ``RunControl.attach``) and the items ``watch()`` yields. It finds a run by id on any
-executor of the namespace, and translates every Ray error at its boundary.
+executor of the namespace; its calls go through the call seam (actors/calls.py), which finds
+the run again should its executor die (``AttachedRun``).
 """
 
 from __future__ import annotations
@@ -13,11 +14,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import ray
-
 from opgraph.kernel import ExecutionError, FlowEvent, Operation, OpGraphError
 
-from ..errors import RuntimeLostError, UnknownRunError, translate
+from ..calls import AttachedRun, ExecutorStub, answers, ask
+from ..errors import UnknownRunError
 from ..executor.watchers import UnknownWatcherError
 from ..settings import DEFAULT_NAMESPACE
 from .runtime import connect, find_executors
@@ -69,6 +69,7 @@ class RunControl:
         self.run_id = run_id
         self.executor_name = executor_name
         self.namespace = namespace
+        self._attached = AttachedRun(self)  # where its calls go, found again should its executor die
 
     @classmethod
     def attach(cls, run_id: str, *, address: str | None = "auto",
@@ -101,17 +102,17 @@ class RunControl:
     def _find(run_id: str, namespace: str | None) -> tuple[str, Any] | None:
         """The (name, handle) of the live executor of ``namespace`` that has ``run_id``."""
         executors = find_executors(namespace)
-        asked = [(name, handle, handle.has_run.remote(run_id)) for name, handle in executors]
-        for name, handle, ref in asked:
-            try:
-                if ray.get(ref):
-                    return name, handle
-            except ray.exceptions.RayError as exc:  # a dead executor holds no live run: ask the next
-                if not isinstance(exc, ray.exceptions.RayActorError):
-                    raise translate(exc, actor=name, run_id=run_id) from None
+        stubs = [ExecutorStub(handle, name) for name, handle in executors]
+        for (name, handle), answer in zip(executors, answers(stubs, ExecutorStub.has_run, run_id), strict=True):
+            if answer.died:  # a dead executor holds no live run: ask the next
+                continue
+            if answer.error is not None:
+                raise answer.error
+            if answer.value:
+                return name, handle
         return None
 
-    async def _refind(self) -> bool:
+    async def refind(self) -> bool:
         """The executor died: find the run again (a replacement rebuilt it from the log)."""
         deadline = asyncio.get_running_loop().time() + REFIND_SECONDS
         while asyncio.get_running_loop().time() < deadline:
@@ -122,17 +123,10 @@ class RunControl:
             await asyncio.sleep(0.25)
         return False
 
-    async def _call(self, method: str, *args: Any, refind: bool = True) -> Any:
-        if self.executor is None:
-            raise UnknownRunError(f"run {self.run_id} is not live: `result()` reads how it ended",
-                                  run_id=self.run_id)
-        try:
-            return await getattr(self.executor, method).remote(*args)
-        except ray.exceptions.RayError as exc:
-            error = translate(exc, actor=self.executor_name, run_id=self.run_id, doing=method)
-        if refind and isinstance(error, RuntimeLostError) and await self._refind():
-            return await self._call(method, *args, refind=False)
-        raise error
+    async def _ask(self, method: Any, *args: Any) -> Any:
+        """``method`` (an ExecutorStub method) on the run's executor; should it have died, on the
+        executor that has the run now."""
+        return await ask(self._attached, method, *args, run_id=self.run_id)
 
     async def result(self, timeout: float | None = None, *, poll: float = 30.0) -> dict[str, Any]:
         """The run's envelope: waited for while the run is live, else read from the run log.
@@ -145,7 +139,7 @@ class RunControl:
         while self.executor is not None:
             wait = poll if deadline is None else max(0.0, min(poll, deadline - loop.time()))
             try:
-                done, outcome = await self._call("wait_result", self.run_id, wait)
+                done, outcome = await self._ask(ExecutorStub.wait_result, self.run_id, wait)
             except UnknownRunError:
                 break  # finished and forgotten meanwhile: the log has its end
             if done:
@@ -179,25 +173,25 @@ class RunControl:
         return await session.follow_recovered(run_id, **drain)
 
     async def pause(self) -> bool:
-        return await self._call("pause", self.run_id)
+        return await self._ask(ExecutorStub.pause, self.run_id)
 
     async def resume(self) -> bool:
-        return await self._call("resume", self.run_id)
+        return await self._ask(ExecutorStub.resume, self.run_id)
 
     async def inject(self, operation: Operation, *, after: Operation | str | None = None,
                      independent: bool = False) -> bool:
         """Admit a prebuilt operation; False outside a running reactive run (ADR-0023 D6)."""
         after_id = getattr(after, "id", after)
-        return await self._call("inject", self.run_id, operation, after_id, independent)
+        return await self._ask(ExecutorStub.inject, self.run_id, operation, after_id, independent)
 
     async def send_operator_message(self, text: str) -> bool:
-        return await self._call("send_operator_message", self.run_id, text)
+        return await self._ask(ExecutorStub.send_operator_message, self.run_id, text)
 
     async def cancel(self) -> bool:
-        return await self._call("cancel", self.run_id)
+        return await self._ask(ExecutorStub.cancel, self.run_id)
 
     async def status(self) -> dict[str, Any]:
-        return await self._call("status", self.run_id)
+        return await self._ask(ExecutorStub.status, self.run_id)
 
     async def watch(self, *, buffer: int = 1024, poll_timeout: float = 5.0,
                     ) -> AsyncIterator[FlowEvent | EventsDropped | RunFinished]:
@@ -208,18 +202,19 @@ class RunControl:
         dropped and an ``EventsDropped`` says how many. Nodes settled before attaching
         are not replayed (``status()`` counts them). Leaving early detaches the watcher.
         """
-        watcher_id = await self._call("watch", self.run_id, buffer)
+        watcher_id = await self._ask(ExecutorStub.watch, self.run_id, buffer)
         finished = False
         try:
             while True:
                 executor = self.executor
                 try:
-                    items, dropped, summary = await self._call("next_watch_events", watcher_id, 2048, poll_timeout)
+                    items, dropped, summary = await self._ask(ExecutorStub.next_watch_events, watcher_id, 2048,
+                                                              poll_timeout)
                 except UnknownWatcherError:
                     if self.executor is executor:
                         raise
                     # The executor was replaced: the run goes on there; watch it afresh, and say so once.
-                    watcher_id = await self._call("watch", self.run_id, buffer)
+                    watcher_id = await self._ask(ExecutorStub.watch, self.run_id, buffer)
                     yield Reconnected(self.executor_name or "")
                     continue
                 if dropped:
@@ -232,7 +227,7 @@ class RunControl:
                     return
         finally:
             if not finished:
-                await asyncio.shield(self._call("unwatch", watcher_id))
+                await asyncio.shield(self._ask(ExecutorStub.unwatch, watcher_id))
 
 
 def _logged(run_id: str) -> tuple[str, dict[str, Any] | None, str | None] | None:

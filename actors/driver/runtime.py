@@ -5,7 +5,8 @@ default on one machine), which start and supervise the workers and branch stores
 share, and the choice of the member a new run goes to. A detached runtime (joined through an
 address) is shared by name by every process of the namespace and outlives them all; an
 owned runtime's names carry its creator's id, so no other process can come to depend
-on actors that die with it. A dead executor is replaced at the next call that needs one.
+on actors that die with it. A dead executor is replaced at the next call that needs one
+(``Runtime.member``: a target of the call seam, actors/calls.py).
 """
 
 from __future__ import annotations
@@ -23,8 +24,11 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from opgraph.kernel import OpGraphError
+
 from ..branches.store import BranchStore
-from ..errors import RuntimeLostError, UnknownBranchError, is_actor_death, translate
+from ..calls import ExecutorStub, RuntimeMember, answers, ask, ask_sync, start
+from ..errors import RuntimeLostError, UnknownBranchError
 from ..executor.actor import GraphExecutor
 from ..settings import (
     DEFAULT_NAMESPACE,
@@ -184,26 +188,24 @@ class Runtime:
         workers, stores = self.sizes
         store_names = [self.names.store(index) for index in range(stores)]
         owner = self.names.owner(self.namespace)
-        self._owned = [BranchStore.options(name=name, namespace=self.namespace).remote(index, self.database, owner)
+        self._owned = [start(BranchStore, {"name": name, "namespace": self.namespace}, index, self.database, owner)
                        for index, name in enumerate(store_names)]
         store_handles = list(self._owned)
         for index in range(workers):
             name = self.names.worker(index)
-            self._owned.append(OperationWorker.options(name=name, namespace=self.namespace,
-                                                       max_concurrency=WORKER_CONCURRENCY)
-                               .remote(index, store_handles, store_names, None, name))
+            options = {"name": name, "namespace": self.namespace, "max_concurrency": WORKER_CONCURRENCY}
+            self._owned.append(start(OperationWorker, options, index, store_handles, store_names, None, name))
+
+    def member(self, member: int = 0) -> RuntimeMember:
+        """Where a call to pool member ``member`` goes (``calls.ask``): a death is remembered, and the
+        member replaced before the next call to it; a call safe to send twice follows the replacement."""
+        return RuntimeMember(self, member)
 
     def refresh(self) -> None:
         """Read member 0's current worker and store handles."""
-        pool = self._translated(ray.get, self.executor.pool.remote())
+        pool = ask_sync(ExecutorStub(self.executor, self.executor_name), ExecutorStub.pool)
         self.workers[:] = pool["workers"]
         self.stores[:] = pool["stores"]
-
-    def _translated(self, getter: Any, ref: Any) -> Any:
-        try:
-            return getter(ref)
-        except ray.exceptions.RayError as exc:
-            raise translate(exc, actor=self.executor_name) from None
 
     def name_of(self, executor: Any) -> str:
         """The current name of the member ``executor`` is (member 0's when it is not one)."""
@@ -212,14 +214,9 @@ class Runtime:
 
     def has_run_sync(self, run_id: str) -> list[bool]:
         """Per member, whether it has run ``run_id`` (a member that does not answer has not)."""
-        refs = [executor.has_run.remote(run_id) for executor in self.executors]
-        found = []
-        for ref in refs:
-            try:
-                found.append(bool(ray.get(ref)))
-            except ray.exceptions.RayError:
-                found.append(False)
-        return found
+        stubs = [ExecutorStub(executor, name) for executor, name in zip(self.executors, self.executor_names,
+                                                                       strict=True)]
+        return [answer.error is None and bool(answer.value) for answer in answers(stubs, ExecutorStub.has_run, run_id)]
 
     def member_of(self, executor: Any) -> int | None:
         """The pool member ``executor`` is (or was, before a replacement), or None."""
@@ -244,22 +241,22 @@ class Runtime:
             newest = newest_generation(names_in(self.namespace), base)
             generation = max(floor, newest[1] if newest else 0)
             name = self.names.executor_of(generation, member)
-            handle = GraphExecutor.options(
-                name=name, namespace=self.namespace, get_if_exists=True,
-                max_concurrency=EXECUTOR_CONCURRENCY, lifetime="detached" if self.detached else None, **placement,
-            ).remote(self.names, workers, stores, self.detached, self.namespace, generation, self.database,
-                     False, member)
+            options = {"name": name, "namespace": self.namespace, "get_if_exists": True,
+                       "max_concurrency": EXECUTOR_CONCURRENCY, "lifetime": "detached" if self.detached else None,
+                       **placement}
+            handle = start(GraphExecutor, options, self.names, workers, stores, self.detached, self.namespace,
+                           generation, self.database, False, member)
             if handle._actor_id in dead_ids:
                 floor = generation + 1
                 continue
-            try:
-                ray.get(handle.start.remote(), timeout=EXECUTOR_START_DEADLINE)
-            except ray.exceptions.RayError as exc:
-                if not is_actor_death(exc):
-                    raise translate(exc, actor=name, doing="starting the executor") from None
+            (started,) = answers([ExecutorStub(handle, name)], ExecutorStub.start, timeout=EXECUTOR_START_DEADLINE,
+                                 doing="starting the executor")
+            if started.died:
                 dead_ids.add(handle._actor_id)
                 floor = generation + 1
                 continue
+            if started.error is not None:
+                raise started.error
             self.executor_names[member] = name
             self._members[handle._actor_id] = member
             self._start_standby(generation + 1, member)
@@ -276,10 +273,10 @@ class Runtime:
         if self.detached or not self.database or os.environ.get("OPGRAPH_STANDBY_EXECUTOR", "1") == "0":
             return
         workers, stores = self.sizes
-        standby = GraphExecutor.options(
-            name=self.names.executor_of(generation, member), namespace=self.namespace, get_if_exists=True,
-            max_concurrency=EXECUTOR_CONCURRENCY, **self._placement(member, 1),
-        ).remote(self.names, workers, stores, False, self.namespace, generation, self.database, True, member)
+        options = {"name": self.names.executor_of(generation, member), "namespace": self.namespace,
+                   "get_if_exists": True, "max_concurrency": EXECUTOR_CONCURRENCY, **self._placement(member, 1)}
+        standby = start(GraphExecutor, options, self.names, workers, stores, False, self.namespace, generation,
+                        self.database, True, member)
         self.standbys[member] = standby
         self._owned.append(standby)  # the handle that created it keeps it alive, promoted or not
 
@@ -312,6 +309,11 @@ class Runtime:
                 await asyncio.to_thread(self.refresh)
         return self.executors[member]
 
+    def known_dead(self, member: int) -> bool:
+        """True when member ``member``'s current executor was found dead (the next call replaces it)."""
+        dead = self._dead.get(member)
+        return dead is not None and dead is self.executors[member]
+
     async def live_executor(self, member: int = 0) -> Any:
         """Member ``member``'s executor to send new work to: replaced first if it is known to have died."""
         dead = self._dead.get(member)
@@ -319,71 +321,39 @@ class Runtime:
             await self.replace_executor(dead)
         return self.executors[member]
 
-    async def call(self, method: str, *args: Any, run_id: str | None = None, retry_if_dead: bool = False,
-                   member: int = 0) -> Any:
-        """``executor.method(*args)`` on pool member ``member`` with Ray's errors translated; a death
-        is remembered, and the next call that needs that member starts by replacing it.
-
-        ``retry_if_dead``: the call is safe to send twice (it had no effect on a dead
-        executor), so a dead executor is replaced and the call sent to the replacement.
-        """
-        executor = await self.live_executor(member)
-        try:
-            return await getattr(executor, method).remote(*args)
-        except ray.exceptions.RayError as exc:
-            if is_actor_death(exc):
-                self._dead[member] = executor
-                if retry_if_dead:
-                    replacement = await self.replace_executor(executor)
-                    try:
-                        return await getattr(replacement, method).remote(*args)
-                    except ray.exceptions.RayError as again:
-                        if is_actor_death(again):
-                            self._dead[member] = replacement
-                        raise translate(again, actor=self.executor_names[member], run_id=run_id,
-                                        doing=method) from None
-            raise translate(exc, actor=self.executor_names[member], run_id=run_id, doing=method) from None
-
-    def call_sync(self, method: str, *args: Any, retry_if_dead: bool = False, member: int = 0) -> Any:
-        """``call`` for synchronous callers (``Session()``, ``close()``); not from inside an event loop."""
+    def live_executor_sync(self, member: int = 0) -> Any:
+        """``live_executor`` for synchronous callers (``Session()``, ``close()``); not inside an event loop."""
         dead = self._dead.get(member)
         if dead is not None and dead is self.executors[member]:
-            self._replace_sync(member, dead)
-        executor = self.executors[member]
-        try:
-            return ray.get(getattr(executor, method).remote(*args))
-        except ray.exceptions.RayError as exc:
-            if is_actor_death(exc):
-                self._dead[member] = executor
-                if retry_if_dead:
-                    self._replace_sync(member, executor)
-                    return self._translated(ray.get, getattr(self.executors[member], method).remote(*args))
-            raise translate(exc, actor=self.executor_names[member], doing=method) from None
+            self.replace_executor_sync(dead)
+        return self.executors[member]
 
-    def _replace_sync(self, member: int, dead: Any) -> None:
-        self.executors[member] = self._find_or_start(dead, member)
-        self._dead.pop(member, None)
-        if member == 0:
-            self.refresh()
-
-    async def call_all(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every member of the pool (safe to send twice), in member order."""
-        return list(await asyncio.gather(*(self.call(method, *args, retry_if_dead=True, member=member)
-                                           for member in range(self.pool_size))))
-
-    def call_all_sync(self, method: str, *args: Any) -> list[Any]:
-        return [self.call_sync(method, *args, retry_if_dead=True, member=member) for member in range(self.pool_size)]
+    def replace_executor_sync(self, dead: Any) -> Any:
+        """``replace_executor`` for synchronous callers."""
+        member = self.member_of(dead) or 0
+        if self.executors[member] is dead:
+            self.executors[member] = self._find_or_start(dead, member)
+            self._dead.pop(member, None)
+            if member == 0:
+                self.refresh()
+        return self.executors[member]
 
     async def drop_scope(self, scope: str) -> int:
         """Drop every branch of ``scope`` on every member (each knows the branches of its own runs)."""
-        return sum(await self.call_all("drop_scope", scope))
+        dropped = await asyncio.gather(*(ask(self.member(member), ExecutorStub.drop_scope, scope)
+                                         for member in range(self.pool_size)))
+        return sum(dropped)
+
+    def drop_scope_sync(self, scope: str) -> int:
+        """``drop_scope`` for synchronous callers (``Session.close()``)."""
+        return sum(ask_sync(self.member(member), ExecutorStub.drop_scope, scope) for member in range(self.pool_size))
 
     async def branch_messages(self, branch_id: str) -> list[Any]:
         """A branch's messages, from the member that knows it (member 0 holds the Sessions' own)."""
         first: UnknownBranchError | None = None
         for member in range(self.pool_size):
             try:
-                return await self.call("branch_messages", branch_id, member=member)
+                return await ask(self.member(member), ExecutorStub.branch_messages, branch_id)
             except UnknownBranchError as exc:
                 first = first or exc
         raise first
@@ -429,12 +399,9 @@ class Runtime:
         """A member's load without ``left_out``, the runs this process is admitting there, which
         ``place`` counts itself: one already live on the member counted twice, and runs placed
         together piled up on the other member (3 of 4 on one, in a loaded test session)."""
-        executor = await self.live_executor(member)
         try:
-            return tuple(await executor.load.remote(sorted(left_out)))
-        except ray.exceptions.RayError as exc:
-            if is_actor_death(exc):
-                self._dead[member] = executor
+            return tuple(await ask(self.member(member), ExecutorStub.load, sorted(left_out)))
+        except OpGraphError:  # a member that does not answer (its death is remembered) takes no run
             return float("inf"), float("inf")
 
     @contextlib.contextmanager

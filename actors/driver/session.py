@@ -30,6 +30,7 @@ from opgraph.kernel import (
     settle_completed,
 )
 
+from ..calls import ExecutorStub, FollowedRun, ask, ask_sync
 from ..errors import RuntimeLostError, TurnError, UnknownRunError
 from ..models import ModelProvider, parse_model_id
 from ..persistence import database_path
@@ -41,22 +42,24 @@ from .runtime import Runtime, connect, joined_with_address
 __all__ = ["BranchView", "EventsDropped", "RunControl", "RunFinished", "RuntimeLostError", "Session", "flow_stream"]
 
 
-MAX_RECOVERIES = 3  # executor replacements one flow() follows its run through
 FORGET_HEAD_START_SECONDS = 0.0005  # how long flow() lets its forget_run call leave before the write-back
+POLL_ITEMS, POLL_SECONDS = 2048, 5.0  # what one long poll of a run's executor takes, and waits for
 
 
-class _Following:
-    """Which executor a driver is following its run on (it changes when one dies)."""
+class _Following(FollowedRun):
+    """Which executor a driver is following its run on: it changes when one dies (``FollowedRun``)."""
 
-    def __init__(self, executor: Any, run_id: str, durable: bool) -> None:
-        self.executor = executor
-        self.run_id = run_id
-        self.durable = durable
-        self.recoveries = 0
+    def __init__(self, runtime: Any, executor: Any, run_id: str, durable: bool) -> None:
+        super().__init__(runtime, executor, run_id, durable)
         self.control: RunControl | None = None
         # The submitted graph's node ids, in order, when this driver has them: its envelope
         # then comes without them (protocol ``CompactEnvelope``).
         self.node_ids: list[str] | None = None
+
+    def replaced(self) -> None:
+        if self.control is not None:  # the caller's handle on the run follows it too
+            self.control.executor = self.executor
+            self.control.executor_name = self.runtime.name_of(self.executor)
 
 
 class BranchView:
@@ -155,9 +158,9 @@ class Session:
         if self.closed:
             return 0
         self.closed = True
-        dropped = sum(self.runtime.call_all_sync("drop_scope", self.scope))
+        dropped = self.runtime.drop_scope_sync(self.scope)
         if self._turn_key is not None:
-            self.runtime.call_sync("register_resources", self._turn_key, None)
+            ask_sync(self.runtime.member(0), ExecutorStub.register_resources, self._turn_key, None)
         return dropped
 
     async def aclose(self) -> int:
@@ -166,7 +169,7 @@ class Session:
         self.closed = True
         dropped = await self.runtime.drop_scope(self.scope)
         if self._turn_key is not None:
-            await self.runtime.call("register_resources", self._turn_key, None)
+            await ask(self.runtime.member(0), ExecutorStub.register_resources, self._turn_key, None)
         return dropped
 
     def __enter__(self) -> Session:
@@ -187,7 +190,7 @@ class Session:
 
     # -- branches and operations ---------------------------------------------------
     def _create_branch(self, branch_id: str, messages: list[Any]) -> str:
-        shard = self.runtime.call_sync("create_branch", branch_id, messages, self.scope, retry_if_dead=True)
+        shard = ask_sync(self.runtime.member(0), ExecutorStub.create_branch, branch_id, messages, self.scope)
         self._locations[branch_id] = shard
         return branch_id
 
@@ -271,12 +274,13 @@ class Session:
         node_id = f"turn-{uuid.uuid4()}"
         call = (node_id, 1, operation, parameters, branch_id, 0)
         started = time.perf_counter()
-        request = asyncio.ensure_future(self.runtime.call("turn", key, call))
+        home = self.runtime.member(0)
+        request = asyncio.ensure_future(ask(home, ExecutorStub.turn, key, call))
         try:
             row, usage, attempt = await asyncio.wait_for(asyncio.shield(request), timeout)
         except (TimeoutError, asyncio.CancelledError) as stopped:
             with contextlib.suppress(OpGraphError):
-                await self.runtime.call("cancel_turn", key, node_id)
+                await ask(home, ExecutorStub.cancel_turn, key, node_id)
             if isinstance(stopped, asyncio.TimeoutError):
                 # The worker answers a cancelled call with its row and the usage of the model
                 # calls it made: wait for that (bounded), so a timed-out turn's tokens are counted.
@@ -307,9 +311,10 @@ class Session:
         executor = await self.runtime.live_executor()
         key = f"{self.scope}/v{self._resources_version}"
         if key != self._turn_key or executor is not self._turn_executor:
-            await self.runtime.call("register_resources", key, self._resources())
+            home = self.runtime.member(0)
+            await ask(home, ExecutorStub.register_resources, key, self._resources())
             if self._turn_key is not None and self._turn_key != key:
-                await self.runtime.call("register_resources", self._turn_key, None)
+                await ask(home, ExecutorStub.register_resources, self._turn_key, None)
             self._turn_key, self._turn_executor = key, executor
         return key
 
@@ -366,16 +371,17 @@ class Session:
         runtime = self.runtime
         if member is None:
             member = await runtime.place(run_id)
+        owner = runtime.member(member)
         with runtime.admitting(member, run_id):
-            admission = asyncio.ensure_future(runtime.call("start_run", run_id, shipped, options, run_id=run_id,
-                                                           retry_if_dead=True, member=member))
+            admission = asyncio.ensure_future(ask(owner, ExecutorStub.start_run, run_id, shipped, options,
+                                                  run_id=run_id))
             try:
                 await asyncio.shield(admission)
             except asyncio.CancelledError:
                 with contextlib.suppress(OpGraphError):
                     await admission
-                    await runtime.call("cancel", run_id, member=member)
-                    await runtime.call("forget_run", run_id, member=member)
+                    await ask(owner, ExecutorStub.cancel, run_id, run_id=run_id)
+                    await ask(owner, ExecutorStub.forget_run, run_id, run_id=run_id)
                 raise
         return runtime.executors[member]
 
@@ -439,7 +445,7 @@ class Session:
         )
         node_ids = list(graph.nodes)  # as shipped: ``_start`` pickles the graph before it first yields
         executor = await self._start(run_id, graph, options)
-        following = _Following(executor, run_id, options.durable)
+        following = _Following(self.runtime, executor, run_id, options.durable)
         following.node_ids = node_ids
         if executor_ref is not None:
             following.control = RunControl(executor, run_id, self.runtime.name_of(executor), self.runtime.namespace)
@@ -462,7 +468,7 @@ class Session:
             # Stop the run's remaining work, then re-raise; a dead executor has nothing to stop.
             if forgetting is None:
                 with contextlib.suppress(OpGraphError):
-                    await asyncio.shield(self._executor_call(following.executor, "cancel", run_id))
+                    await asyncio.shield(ask(following, ExecutorStub.cancel, run_id, run_id=run_id))
             raise
         finally:
             with contextlib.suppress(OpGraphError):
@@ -506,11 +512,11 @@ class Session:
         member = await self.runtime.place()
         executor = await self.runtime.live_executor(member)
         overrides = {"detached": False, "want_signals": bool(on_progress or on_signal or on_branch_created)}
-        if not await self._executor_call(executor, "resume_run", run_id, overrides):
-            reasons = (await self.runtime.call("statistics", member=member))["recovery_errors"]
+        following = _Following(self.runtime, executor, run_id, True)
+        if not await ask(following, ExecutorStub.resume_run, run_id, overrides, run_id=run_id):
+            reasons = (await ask(self.runtime.member(member), ExecutorStub.statistics))["recovery_errors"]
             raise ExecutionError(f"run {run_id} could not be rebuilt from the run log: "
                                  f"{reasons.get(run_id, 'unknown reason')}", run_id=run_id)
-        following = _Following(executor, run_id, True)
         try:
             return await self._drain(following, on_progress, on_branch_created, False, on_signal=on_signal)
         finally:
@@ -524,45 +530,24 @@ class Session:
         may come from a process that does not know which member that was."""
         return await self.runtime.drop_scope(f"run-{run_id}")
 
-    async def _executor_call(self, executor: Any, method: str, run_id: str, *args: Any, **keywords: Any) -> Any:
-        """A call to the executor that owns ``run_id``; its death is told to the runtime."""
-        from ..errors import translate  # local: only this error path needs it
-
-        try:
-            return await getattr(executor, method).remote(run_id, *args, **keywords)
-        except Exception as exc:  # translated here, at the boundary
-            error = translate(exc, actor=self.runtime.name_of(executor), run_id=run_id, doing=method)
-            if isinstance(error, RuntimeLostError):
-                self.runtime.mark_dead(executor)
-            if error is exc:
-                raise
-            raise error from None
-
     async def _next_events(self, following: _Following) -> tuple[list, bool, Any]:
         """One long poll of the run's executor. Should it die with a durable run, its replacement
-        (started here, or by another client) rebuilds the run from the log: keep following it there."""
-        while True:
-            try:
-                return await self._executor_call(following.executor, "next_events", following.run_id,
-                                                 compact=following.node_ids is not None)
-            except RuntimeLostError:
-                if not following.durable or following.recoveries >= MAX_RECOVERIES:
-                    raise
-                following.recoveries += 1
-                following.executor = await self.runtime.replace_executor(following.executor)
-                if following.control is not None:
-                    following.control.executor = following.executor
-                    following.control.executor_name = self.runtime.name_of(following.executor)
-            except UnknownRunError:
-                if not following.recoveries:
-                    raise
-                raise RuntimeLostError("the executor died and its replacement could not recover the run "
-                                       "from the run log", run_id=following.run_id,
-                                       actor=self.runtime.name_of(following.executor)) from None
+        (started here, or by another client) rebuilds the run from the log, and the poll follows
+        it there (``FollowedRun``)."""
+        try:
+            return await ask(following, ExecutorStub.next_events, following.run_id, POLL_ITEMS, POLL_SECONDS,
+                             following.node_ids is not None, run_id=following.run_id)
+        except UnknownRunError:
+            if not following.recoveries:
+                raise
+            raise RuntimeLostError("the executor died and its replacement could not recover the run "
+                                   "from the run log", run_id=following.run_id,
+                                   actor=self.runtime.name_of(following.executor)) from None
 
     def _forget(self, following: _Following) -> asyncio.Future:
         """``forget_run`` of the followed run, sent now: a future of its answer."""
-        return asyncio.ensure_future(self._executor_call(following.executor, "forget_run", following.run_id))
+        return asyncio.ensure_future(ask(following, ExecutorStub.forget_run, following.run_id,
+                                         run_id=following.run_id))
 
     async def _drain(self, following: _Following, on_progress, on_branch_created, verbose,
                      on_event: Callable[[FlowEvent], Any] | None = None,
@@ -656,7 +641,7 @@ async def flow_stream(
         default_branch=branch, spawn_branch_setup=None, reducers=None,
         want_signals=verbose, want_events=True, stream_buffer=max(1, buffer),
     )
-    following = _Following(await session._start(run_id, graph, options), run_id, options.durable)
+    following = _Following(session.runtime, await session._start(run_id, graph, options), run_id, options.durable)
     finished = False
     try:
         while True:
@@ -674,10 +659,10 @@ async def flow_stream(
     finally:
         if not finished:
             # Early close: cancel what remains and wait until the run has settled.
-            await session._executor_call(following.executor, "cancel", run_id)
+            await ask(following, ExecutorStub.cancel, run_id, run_id=run_id)
             while True:
                 _, done, _ = await session._next_events(following)
                 if done:
                     break
         with contextlib.suppress(OpGraphError):
-            await session._executor_call(following.executor, "forget_run", run_id)
+            await ask(following, ExecutorStub.forget_run, run_id, run_id=run_id)

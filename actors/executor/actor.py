@@ -25,12 +25,14 @@ from opgraph.kernel import (
     FlowEvent,
     InjectRequested,
     OperatorMessageReceived,
+    OpGraphError,
     PauseRequested,
     ResumeRequested,
 )
 
 from ..branches.store import BranchStore
-from ..errors import RuntimeLostError, UnknownRunError, is_actor_death
+from ..calls import ActorStub, WorkerStub, ask, start
+from ..errors import RuntimeLostError, UnknownRunError
 from ..persistence import RunLog, Writer
 from ..protocol import CallRow, Outcome, RunOptions, RunResources
 from ..settings import (
@@ -124,9 +126,9 @@ class GraphExecutor:
         self.probes = 0
         self._recovery_done = False
         self.standby = standby
-        if standby:  # open the connections now, so that promotion finds them ready
+        if standby:  # open the connections now, so that promotion finds them ready (no answer needed)
             for handle in [*self.worker_pool.handles, *self.store_pool.handles]:
-                handle.ping.remote()
+                ActorStub(handle).ping()
 
     # -- the actors it supervises ------------------------------------------------------
     def _adopt_or_start(self, count: int, name_of, start, existing: set[str]) -> tuple[list, list, list]:
@@ -168,24 +170,22 @@ class GraphExecutor:
     # have started that generation already. One that turns out dead fails its setup, and
     # the next generation is tried.
     def _start_store(self, index: int, generation: int) -> Any:
-        return BranchStore.options(name=self.names.store(index, generation), namespace=self.namespace,
-                                   get_if_exists=True,
-                                   lifetime=self._lifetime()).remote(
-                                       index, self.database, self.names.owner(self.namespace))
+        options = {"name": self.names.store(index, generation), "namespace": self.namespace, "get_if_exists": True,
+                   "lifetime": self._lifetime()}
+        return start(BranchStore, options, index, self.database, self.names.owner(self.namespace))
 
     def _start_worker(self, index: int, generation: int) -> Any:
         stores = getattr(self, "store_pool", None)
         name = self.names.worker(index, generation)
-        return OperationWorker.options(
-            name=name, namespace=self.namespace, get_if_exists=True,
-            max_concurrency=WORKER_CONCURRENCY, lifetime=self._lifetime(),
-        ).remote(index, list(stores.handles) if stores else [], list(stores.names) if stores else [],
-                 self.self_handle, name, self.member)
+        options = {"name": name, "namespace": self.namespace, "get_if_exists": True,
+                   "max_concurrency": WORKER_CONCURRENCY, "lifetime": self._lifetime()}
+        return start(OperationWorker, options, index, list(stores.handles) if stores else [],
+                     list(stores.names) if stores else [], self.self_handle, name, self.member)
 
     async def _setup_worker(self, index: int, handle: Any) -> None:
         """A replacement worker (started here, or by another executor of the pool) learns this
         executor's slot before it gets work from it."""
-        await handle.set_executor.remote(self.self_handle, self.member)
+        await WorkerStub(handle, self.worker_pool.names[index]).set_executor(self.self_handle, self.member)
 
     def _newest_of(self, name_of):
         def newest(index: int) -> int | None:
@@ -272,15 +272,16 @@ class GraphExecutor:
         """Adopted workers learn who fetches their resources and takes their emissions: this executor."""
         pool = self.worker_pool
 
-        async def introduce(index: int, handle: Any) -> None:
+        async def introduce(index: int) -> None:
+            worker = self.shell.worker(index)
             try:
-                await handle.set_executor.remote(self.self_handle, self.member)
-            except Exception as exc:  # noqa: BLE001 - an adopted worker that is gone: replaced like any dead one
-                if is_actor_death(exc):
-                    pool.mark_dead(index, handle, "found dead when adopted")
+                await ask(worker, WorkerStub.set_executor, self.self_handle, self.member)
+            except RuntimeLostError:  # an adopted worker that is gone: replaced like any dead one
+                pool.mark_dead(index, worker.handle, "found dead when adopted")
+            except OpGraphError:  # alive, but it could not be told: counted, as a failed tell is
+                self.shell.tells.failures += 1
 
-        await asyncio.gather(*(introduce(index, handle) for index, handle in enumerate(pool.handles)
-                               if pool.alive[index]))
+        await asyncio.gather(*(introduce(index) for index in range(len(pool)) if pool.alive[index]))
 
     def _bind(self) -> None:
         self.shell.bind_loop()
@@ -346,9 +347,9 @@ class GraphExecutor:
         return await run_turn(self.shell, key, call)
 
     async def cancel_turn(self, key: str, node_id: str) -> bool:
-        for index, worker in enumerate(self.worker_pool.handles):
+        for index in range(len(self.worker_pool)):
             if self.worker_pool.alive[index]:
-                self.shell.tell(worker.cancel.remote(key, [node_id]), self.worker_pool, index, worker)
+                self.shell.worker(index).cancel(key, [node_id])
         return True
 
     async def live_store(self, index: int, dead_name: str) -> tuple[Any, str]:

@@ -52,12 +52,13 @@ from opgraph.kernel.failures import BRANCH_STORE_LOST, WORKER_DIED
 
 from .. import settings
 from ..branches.registry import BranchRegistry
-from ..errors import call_failure, is_actor_death
+from ..calls import BranchStoreStub, PoolSlot, Tells, WorkerStub, ask, ping
+from ..errors import RuntimeLostError, call_failure, is_actor_death
 from ..protocol import CallRow, CompactEnvelope, Outcome, OutcomeRow, RunOptions, RunResources, SharedResult
 from ..settings import PROBE_TIMEOUT_SECONDS
 from ..statistics import LatencyHistogram
 from ..workers.channel import ChannelLost, WorkerChannels
-from ..workers.supervision import ActorPool, ping
+from ..workers.supervision import ActorPool
 from .durability import RunLogger, decode_header, encode_header
 from .watchers import RunWatcher, envelope_summary
 
@@ -166,6 +167,19 @@ class _Run:
             watcher.finish(summary)
 
 
+class _Outgoing:
+    """What one batch of instructions asks of the stores and workers, gathered to be sent together."""
+
+    __slots__ = ("cancels", "clones", "dispatches", "reactive_clones", "replaces")
+
+    def __init__(self) -> None:
+        self.clones: dict[int, list[tuple[str, str]]] = {}  # store shard -> (source, new branch) pairs
+        self.replaces: list[ReplaceHistory] = []
+        self.reactive_clones: list[CloneBranch] = []
+        self.cancels: list[CancelOperation] = []
+        self.dispatches: list[DispatchOperation] = []
+
+
 def _request_event(kind: str, now: float, emitter_id: str, request: Any, key: Any,
                    redelivery: bool) -> SpawnRequested | EscalationRequested:
     """A spawn or escalation request as the scheduler's event, whichever way it arrived."""
@@ -210,18 +224,40 @@ class ExecutorShell:
         self.collection_due = False  # a full collection is scheduled (see forget_run)
         self.loop_lag = 0.0
         self.worker_deaths = 0
-        self.told: set[asyncio.Task] = set()
-        self.tell_failures = 0
+        # The workers as this shell calls them (their stubs), and the tells it sends them:
+        # a tell to a dead worker has its pool replace it.
+        self.tells = Tells()
+        self.worker_slots = [PoolSlot(workers, index, WorkerStub, self.tells) for index in range(len(workers))]
         self.totals = {"runs": 0, "dispatched": 0, "settled": 0, "spawned": 0, "messages": 0, "undelivered": 0,
                        "turns": 0, "recovered": 0, "unclaimed": 0}
         # Executor-wide, monotonic across forget_run: what metrics export as counters.
         self.settled_by_status: dict[str, int] = {}
         self.dropped_spawns_by_reason: dict[str, int] = {}
         self.node_latency: dict[str, LatencyHistogram] = {}  # outcome status -> histogram
+        # Instruction type -> the method that carries it out (``_carry_out``).
+        self.carriers: dict[type, Any] = {
+            AppendRecords: self._append_records, DispatchOperation: self._dispatch_operation,
+            EmitSignal: self._emit_signal, CloneBranch: self._clone_branch, ReplaceHistory: self._replace_history,
+            CancelOperation: self._cancel_operation, EvaluateConditions: self._evaluate_conditions,
+            AdmissionDecided: self._admission_decided, FinishRun: self._finish_run,
+        }
 
     @property
     def stores(self) -> ActorPool:
         return self.branches.stores
+
+    def worker(self, index: int) -> WorkerStub:
+        """Worker slot ``index``'s current actor, as this shell calls it."""
+        return self.worker_slots[index].stub()
+
+    @property
+    def told(self) -> set[asyncio.Future]:
+        """The tells (and the executor's probes) still on their way."""
+        return self.tells.watching
+
+    @property
+    def tell_failures(self) -> int:
+        return self.tells.failures
 
     # -- runs: admitted, reported to, forgotten -----------------------------------------
     async def start_run(self, run_id: str, graph: Any, options: RunOptions) -> None:
@@ -363,9 +399,9 @@ class ExecutorShell:
     def release_resources(self, key: str) -> None:
         """Forget ``key``'s resources here and on every live worker."""
         if self.resources.pop(key, None) is not None:
-            for index, worker in enumerate(self.workers.handles):
+            for index in range(len(self.workers)):
                 if self.workers.alive[index]:
-                    self.tell(worker.forget.remote(key), self.workers, index, worker)
+                    self.worker(index).forget(key)
 
     def harvest(self, run: _Run, stats: dict[str, Any]) -> None:
         """Fold what ``run`` counted since the last harvest into the executor-wide counters.
@@ -401,23 +437,6 @@ class ExecutorShell:
         now = self.loop.time()
         self.loop_lag = max(0.0, now - scheduled)
         self.loop.call_at(now + LAG_PROBE_SECONDS, self._probe_lag, now + LAG_PROBE_SECONDS)
-
-    # -- tells: sent without waiting, but watched -------------------------------------------
-    def tell(self, ref: Any, pool: ActorPool | None = None, index: int = 0, handle: Any = None) -> None:
-        """A remote call nobody waits for; a failure is never lost: an actor death reaches the
-        supervisor (``pool``), anything else is counted in ``statistics()``."""
-        task = self.loop.create_task(self._watch_tell(ref, pool, index, handle))
-        self.told.add(task)
-        task.add_done_callback(self.told.discard)
-
-    async def _watch_tell(self, ref: Any, pool: ActorPool | None, index: int, handle: Any) -> None:
-        try:
-            await ref
-        except Exception as exc:  # noqa: BLE001 - routed to the supervisor, or counted
-            if pool is not None and is_actor_death(exc):
-                pool.mark_dead(index, handle, "a message to it failed")
-            else:
-                self.tell_failures += 1
 
     # -- events in, instructions out ------------------------------------------------------
     async def feed(self, run: _Run, events: list[Any]) -> None:
@@ -472,98 +491,132 @@ class ExecutorShell:
                     waiter.set_exception(exc)
         run.inject_waiters.clear()
 
+    # -- instructions out: one method per kind ------------------------------------------------
     async def _carry_out(self, run: _Run, instructions: list[Any]) -> None:
-        """Turn instructions into messages. Branch work is awaited before dispatch."""
-        clones: dict[int, list[tuple[str, str]]] = {}
-        replaces: list[ReplaceHistory] = []
-        dispatches: list[DispatchOperation] = []
-        cancels: list[CancelOperation] = []
-        reactive_clones: list[CloneBranch] = []
-        registry = self.branches
-        options = run.options
-        default_shard = registry.shard_of(options.default_branch_id)
-        if instructions and type(instructions[0]) is AppendRecords:
-            run.gate_seq = self.logger.append(run, instructions[0].records)
+        """Carry out what the kernel decided, each instruction by the method of its kind (``carriers``).
+
+        Store and worker work is gathered first and sent after, in this order: the branch
+        clones, the history replacements, the spawn setup hooks (which wait for both), the
+        cancels, and last the dispatches, whose flush waits for the branch work they need.
+        """
+        outgoing = _Outgoing()
+        carriers = self.carriers
         for instruction in instructions:
-            kind = type(instruction)
-            if kind is DispatchOperation:
-                dispatches.append(instruction)
-            elif kind is EmitSignal:
-                self._deliver_signal(run, instruction)
-            elif kind is CloneBranch:
-                source = instruction.source if instruction.source is not None else options.default_branch_id
-                shard = registry.shard_of(source, default_shard)
-                registry.place(instruction.branch_id, shard)
-                clones.setdefault(shard, []).append((source, instruction.branch_id))
-                if options.want_signals:
-                    run.post("branch", (instruction.node_id, instruction.branch_id, instruction.reactive))
-                if instruction.reactive:
-                    reactive_clones.append(instruction)
-            elif kind is ReplaceHistory:
-                replaces.append(instruction)
-            elif kind is CancelOperation:
-                cancels.append(instruction)
-            elif kind is EvaluateConditions:
-                self._spawn_task(run, self._evaluate_conditions(run, instruction))
-            elif kind is AdmissionDecided:
-                waiter = run.inject_waiters.pop(instruction.token, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(instruction.accepted)
-            elif kind is FinishRun:
-                self._finish(run, instruction.envelope)
-        if clones and options.branch_scope is not None:
-            registry.adopt(options.branch_scope, [pair[1] for pairs in clones.values() for pair in pairs])
-        # The clones this batch's dispatches need go first; the rest (a planner's 900 children
-        # beyond the capacity, a chain's every later link) follow in the background, each
-        # awaited by the flush that dispatches its node. A spawn setup hook writes to every
-        # new branch at once, so with one they all go first.
-        needed = ({dispatch.branch_id for dispatch in dispatches}
-                  if clones and options.spawn_branch_setup is None else None)
+            carriers[type(instruction)](run, outgoing, instruction)
+        if outgoing.clones:
+            self._send_clones(run, outgoing.clones, outgoing.dispatches)
+        if outgoing.replaces:
+            self._send_history_replacements(run, outgoing.replaces)
+        if outgoing.reactive_clones and run.options.spawn_branch_setup is not None:
+            await self._await_branch_work(run)
+            for clone in outgoing.reactive_clones:
+                self._run_spawn_setup(run, clone)
+        if outgoing.cancels:
+            self._cancel_in_flight(run, outgoing.cancels)
+        if outgoing.dispatches:
+            self._schedule_dispatch(run, outgoing.dispatches)
+
+    def _append_records(self, run: _Run, outgoing: _Outgoing, instruction: AppendRecords) -> None:
+        """The batch's records go to the run log; what it decided is held back until they are durable.
+        (The kernel puts this instruction first, so the gate is up before anything is posted.)"""
+        run.gate_seq = self.logger.append(run, instruction.records)
+
+    def _dispatch_operation(self, run: _Run, outgoing: _Outgoing, instruction: DispatchOperation) -> None:
+        outgoing.dispatches.append(instruction)
+
+    def _clone_branch(self, run: _Run, outgoing: _Outgoing, instruction: CloneBranch) -> None:
+        """Place the new branch beside its source (sent by ``_send_clones``), and tell whoever watches branches."""
+        options = run.options
+        source = instruction.source if instruction.source is not None else options.default_branch_id
+        registry = self.branches
+        shard = registry.location.get(source)
+        if shard is None:
+            shard = registry.shard_of(options.default_branch_id)
+        registry.place(instruction.branch_id, shard)
+        pairs = outgoing.clones.get(shard)
+        if pairs is None:
+            pairs = outgoing.clones[shard] = []
+        pairs.append((source, instruction.branch_id))
+        if options.want_signals:
+            run.post("branch", (instruction.node_id, instruction.branch_id, instruction.reactive))
+        if instruction.reactive:
+            outgoing.reactive_clones.append(instruction)
+
+    def _replace_history(self, run: _Run, outgoing: _Outgoing, instruction: ReplaceHistory) -> None:
+        outgoing.replaces.append(instruction)
+
+    def _cancel_operation(self, run: _Run, outgoing: _Outgoing, instruction: CancelOperation) -> None:
+        outgoing.cancels.append(instruction)
+
+    def _evaluate_conditions(self, run: _Run, outgoing: _Outgoing, instruction: EvaluateConditions) -> None:
+        """Conditions that are not kernel expressions run here, in a task: their answer is an event."""
+        self._spawn_task(run, self._conditions_evaluated(run, instruction))
+
+    def _admission_decided(self, run: _Run, outgoing: _Outgoing, instruction: AdmissionDecided) -> None:
+        """An ``inject`` waiting for its admission hears whether it was accepted."""
+        waiter = run.inject_waiters.pop(instruction.token, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(instruction.accepted)
+
+    def _finish_run(self, run: _Run, outgoing: _Outgoing, instruction: FinishRun) -> None:
+        if run.options.durable:
+            # The envelope is an acknowledgement like any other: durable first.
+            self._spawn_task(run, self._finish_durably(run, instruction.envelope))
+            return
+        self._settle(run, instruction.envelope)
+
+    def _send_clones(self, run: _Run, clones: dict[int, list[tuple[str, str]]],
+                     dispatches: list[DispatchOperation]) -> None:
+        """Send the batch's clones, one message per store shard.
+
+        The clones this batch's dispatches need go first; the rest (a planner's 900 children
+        beyond the capacity, a chain's every later link) follow in the background, each
+        awaited by the flush that dispatches its node. A spawn setup hook writes to every
+        new branch at once, so with one they all go first.
+        """
+        options = run.options
+        if options.branch_scope is not None:
+            self.branches.adopt(options.branch_scope, [pair[1] for pairs in clones.values() for pair in pairs])
+        needed = {dispatch.branch_id for dispatch in dispatches} if options.spawn_branch_setup is None else None
         for shard, pairs in clones.items():
             now, later = pairs, ()
             if needed is not None:
                 now = [pair for pair in pairs if pair[1] in needed]
                 later = [pair for pair in pairs if pair[1] not in needed]
-            first = self._start_branch_work(run, self._clone(run, shard, now)) if now else None
+            first = self._start_branch_work(run, self._store_clones(run, shard, now)) if now else None
             if later:
-                deferred = self._store_task(run, self._clone_after(run, first, shard, later))
+                deferred = self._store_task(run, self._clones_after(run, first, shard, later))
                 run.deferred_clones.update(dict.fromkeys([pair[1] for pair in later], deferred))
             run.messages += 1 + bool(now and later)
-        for replace in replaces:
-            source = replace.source if replace.source is not None else options.default_branch_id
-            shard = registry.shard_of(replace.branch_id, default_shard)
-            self._start_branch_work(run, self._replace_history(run, shard, replace.branch_id, source))
-            run.messages += 1
-        if reactive_clones and options.spawn_branch_setup is not None:
-            await self._await_branch_work(run)
-            for clone in reactive_clones:
-                self._run_spawn_setup(run, clone)
-        if cancels:
-            self._cancel_in_flight(run, cancels)
-        if dispatches:
-            run.pending_dispatch.extend(dispatches)
-            if not run.flush_scheduled:
-                # Coalesce dispatches from every event handled within one short window
-                # into a few batched messages instead of one round trip per feed. When
-                # nothing else is in flight no outcome can arrive to join the batch, so
-                # waiting would only add latency (a chain's every link): send at once.
-                run.flush_scheduled = True
-                if len(run.state.running) > len(run.pending_dispatch):
-                    self.loop.call_later(DISPATCH_WINDOW, self._spawn_task, run, self._flush(run))
-                else:  # its first step runs after every callback already queued: they still join
-                    self._spawn_task(run, self._flush(run))
-            elif len(run.pending_dispatch) >= DISPATCH_BATCH:
-                # A full batch gains nothing by waiting: it goes now, and the window's flush
-                # takes what follows. A wave's outcomes arrive as several messages; held back
-                # until the last was handled, every call of the next wave started late.
-                self._spawn_task(run, self._flush(run))
 
-    def _finish(self, run: _Run, envelope: dict[str, Any]) -> None:
-        if run.options.durable:
-            # The envelope is an acknowledgement like any other: durable first.
-            self._spawn_task(run, self._finish_durably(run, envelope))
-            return
-        self._settle(run, envelope)
+    def _send_history_replacements(self, run: _Run, replaces: list[ReplaceHistory]) -> None:
+        """Each ReplaceHistory as its store call, which the run's next dispatches wait for."""
+        registry, default_branch_id = self.branches, run.options.default_branch_id
+        default_shard = registry.shard_of(default_branch_id)
+        for replace in replaces:
+            source = replace.source if replace.source is not None else default_branch_id
+            shard = registry.shard_of(replace.branch_id, default_shard)
+            self._start_branch_work(run, self._store_history(run, shard, replace.branch_id, source))
+            run.messages += 1
+
+    def _schedule_dispatch(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
+        """Queue ``dispatches`` for the run's next flush, which sends them in batched messages."""
+        run.pending_dispatch.extend(dispatches)
+        if not run.flush_scheduled:
+            # Coalesce dispatches from every event handled within one short window
+            # into a few batched messages instead of one round trip per feed. When
+            # nothing else is in flight no outcome can arrive to join the batch, so
+            # waiting would only add latency (a chain's every link): send at once.
+            run.flush_scheduled = True
+            if len(run.state.running) > len(run.pending_dispatch):
+                self.loop.call_later(DISPATCH_WINDOW, self._spawn_task, run, self._flush(run))
+            else:  # its first step runs after every callback already queued: they still join
+                self._spawn_task(run, self._flush(run))
+        elif len(run.pending_dispatch) >= DISPATCH_BATCH:
+            # A full batch gains nothing by waiting: it goes now, and the window's flush
+            # takes what follows. A wave's outcomes arrive as several messages; held back
+            # until the last was handled, every call of the next wave started late.
+            self._spawn_task(run, self._flush(run))
 
     async def _finish_durably(self, run: _Run, envelope: dict[str, Any]) -> None:
         """Answer once the batch that finished the run is durable; write the envelope after.
@@ -646,8 +699,7 @@ class ExecutorShell:
             by_worker.setdefault(run.node_worker.get(cancel.node_id, 0), []).append(cancel.node_id)
         for index, node_ids in by_worker.items():
             if index < len(self.workers) and self.workers.alive[index]:
-                worker = self.workers.handles[index]
-                self.tell(worker.cancel.remote(run.run_id, node_ids), self.workers, index, worker)
+                self.worker(index).cancel(run.run_id, node_ids)
         if run.grace_timer is None:
             run.grace_timer = self.loop.call_later(run.options.cancel_grace, self._grace_expired, run)
 
@@ -688,13 +740,13 @@ class ExecutorShell:
         task.add_done_callback(_branch_work_done)
         return task
 
-    async def _clone_after(self, run: _Run, first: asyncio.Task | None, shard: int,
+    async def _clones_after(self, run: _Run, first: asyncio.Task | None, shard: int,
                            pairs: list[tuple[str, str]]) -> None:
         """Clones no dispatch waits for yet, sent once ``first`` (the ones one does) is done, so
         the store and the database's write lock serve those first."""
         if first is not None:
             await asyncio.wait([first])  # its end, not its outcome: a failure is its flush's to raise
-        await self._clone(run, shard, pairs)
+        await self._store_clones(run, shard, pairs)
 
     async def _await_deferred_clones(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
         """Wait for the deferred clones of the branches ``dispatches`` run on."""
@@ -718,16 +770,16 @@ class ExecutorShell:
                     exc.run_id = run.run_id
                 self._fail_run(run, exc)
 
-    async def _clone(self, run: _Run, shard: int, pairs: list[tuple[str, str]]) -> None:
-        missing = await self.branches.call(shard, "clone_many", pairs, run_id=run.run_id)
+    async def _store_clones(self, run: _Run, shard: int, pairs: list[tuple[str, str]]) -> None:
+        missing = await ask(self.branches.store(shard), BranchStoreStub.clone_many, pairs, run_id=run.run_id)
         if missing:
             lost = set(missing)
             run.lost_branches.extend({"branch_id": source, "reason": "its branch store died; clones start empty"}
                                      for source in sorted(lost))
 
-    async def _replace_history(self, run: _Run, shard: int, branch_id: str, source: str) -> None:
-        if not await self.branches.call(shard, "replace_history", branch_id, source, run_id=run.run_id,
-                                        branch_id=branch_id):
+    async def _store_history(self, run: _Run, shard: int, branch_id: str, source: str) -> None:
+        if not await ask(self.branches.store(shard), BranchStoreStub.replace_history, branch_id, source,
+                         run_id=run.run_id, branch_id=branch_id):
             run.lost_branches.append({"branch_id": source, "reason": "its branch store died; history not inherited"})
 
     def _run_spawn_setup(self, run: _Run, clone: CloneBranch) -> None:
@@ -740,7 +792,7 @@ class ExecutorShell:
             run.hook_errors.append({"hook": "spawn_branch_setup", "node_id": clone.node_id,
                                     "error": f"{type(exc).__name__}: {exc}"})
 
-    def _deliver_signal(self, run: _Run, instruction: EmitSignal) -> None:
+    def _emit_signal(self, run: _Run, outgoing: _Outgoing, instruction: EmitSignal) -> None:
         kind = instruction.kind
         if kind in _TERMINAL_SIGNALS:
             self.totals["settled"] += 1
@@ -813,10 +865,11 @@ class ExecutorShell:
         run.shipped_to.add(key)
         return run.shipped
 
-    async def _live_worker(self, run: _Run, calls: list[CallRow]) -> tuple[int, Any] | None:
+    async def _live_worker(self, run: _Run, calls: list[CallRow]) -> tuple[int, WorkerStub] | None:
         """A live worker for ``calls``; None (the calls failed, typed) when none can come back."""
         try:
-            return await self.workers.live()
+            index, _ = await self.workers.live()
+            return index, self.worker(index)
         except OpGraphError as exc:
             await self.feed(run, [OperationFinished(now=time.time(), node_id=call[0], attempt=call[1],
                                                     status="failed", error=exc.message, error_type=WORKER_DIED)
@@ -834,12 +887,12 @@ class ExecutorShell:
         pending = {call[0]: call[1]}
         run.messages += 1
         try:
-            channel = await self.channels.get(worker, self.workers.name_of(index))
-            shipped = self._ship(run, worker)
+            channel = await self.channels.get(worker.handle, worker.name)
+            shipped = self._ship(run, worker.handle)
             if channel is not None:
                 rows = await channel.call_one(run.run_id, call, self.slot, shipped)
             else:
-                rows = await worker.run_one.remote(run.run_id, call, self.slot, shipped)
+                rows = await worker.run_one(run.run_id, call, self.slot, shipped)
             await self._settle_rows(run, pending, rows)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
             await self._batch_failed(run, index, worker, pending, exc, acknowledged=True)
@@ -861,13 +914,12 @@ class ExecutorShell:
         run.messages += 1
         acknowledged = False
         try:
-            channel = await self.channels.get(worker, self.workers.name_of(index))
-            shipped = self._ship(run, worker)
+            channel = await self.channels.get(worker.handle, worker.name)
+            shipped = self._ship(run, worker.handle)
             if channel is not None:
                 stream = channel.stream(run.run_id, calls, self.slot, shipped)
             else:
-                stream = _received(worker.run_batch.options(num_returns="streaming").remote(run.run_id, calls,
-                                                                                             self.slot, shipped))
+                stream = _received(worker.run_batch(run.run_id, calls, self.slot, shipped))
             async for rows in stream:
                 if not acknowledged:
                     acknowledged = True  # the first item: ACKNOWLEDGED
@@ -878,7 +930,7 @@ class ExecutorShell:
         except Exception as exc:  # noqa: BLE001 - every failure becomes an event for the kernel
             await self._batch_failed(run, index, worker, pending, exc, acknowledged=acknowledged)
 
-    async def _batch_failed(self, run: _Run, index: int, worker: Any, pending: dict[str, int],
+    async def _batch_failed(self, run: _Run, index: int, worker: WorkerStub, pending: dict[str, int],
                             exc: BaseException, *, acknowledged: bool) -> None:
         """A call or stream to worker ``index`` failed: tell the kernel what that means for each call."""
         if not pending:
@@ -888,14 +940,14 @@ class ExecutorShell:
             answer = await ping(worker, PROBE_TIMEOUT_SECONDS)
             died = answer is not None and is_actor_death(answer)
         now = time.time()
-        failure = call_failure(exc, self.workers.name_of(index), f"the operation (run {run.run_id})", died=died)
+        failure = call_failure(exc, worker.name, f"the operation (run {run.run_id})", died=died)
         if failure.died:
-            if self.workers.mark_dead(index, worker, f"while running run {run.run_id}"):
+            if self.workers.mark_dead(index, worker.handle, f"while running run {run.run_id}"):
                 self.worker_deaths += 1
             if not acknowledged:
                 self.totals["undelivered"] += len(pending)
                 await self.feed(run, [DispatchUndelivered(now, node_id, attempt,
-                                                          f"worker {self.workers.name_of(index)} was dead")
+                                                          f"worker {worker.name} was dead")
                                       for node_id, attempt in pending.items()])
                 return
         await self.feed(run, [OperationFinished(now=now, node_id=node_id, attempt=attempt, status="failed",
@@ -917,7 +969,7 @@ class ExecutorShell:
             histogram.observe(row[8] - row[7])
         await self.feed(run, [_finished_event(row) for row in rows])
 
-    async def _evaluate_conditions(self, run: _Run, instruction: EvaluateConditions) -> None:
+    async def _conditions_evaluated(self, run: _Run, instruction: EvaluateConditions) -> None:
         edges = run.state.graph.edges
         results = []
         error = None
@@ -941,20 +993,17 @@ class ExecutorShell:
             if not run.state.finished:
                 mine = [b for b in lost if b in run.state.branch.values() or b == run.options.default_branch_id]
                 run.lost_branches.extend({"branch_id": b, "reason": f"branch store {name} died"} for b in mine)
-        updates = []
-        for worker_index, worker in enumerate(self.workers.handles):
-            if self.workers.alive[worker_index]:
-                updates.append(self._update_worker_store(worker_index, worker, index, handle, name))
-        await asyncio.gather(*updates)
+        await asyncio.gather(*(self._update_worker_store(slot, index, handle, name)
+                               for slot in self.worker_slots if self.workers.alive[slot.index]))
 
-    async def _update_worker_store(self, worker_index: int, worker: Any, index: int, handle: Any, name: str) -> None:
+    async def _update_worker_store(self, slot: PoolSlot, index: int, handle: Any, name: str) -> None:
+        worker = slot.stub()
         try:
-            await worker.set_store.remote(index, handle, name)
-        except Exception as exc:  # noqa: BLE001 - a worker that cannot be told is taken for dead if it is
-            if is_actor_death(exc):
-                self.workers.mark_dead(worker_index, worker, "could not be told of a new branch store")
-            else:
-                self.tell_failures += 1
+            await ask(worker, WorkerStub.set_store, index, handle, name)
+        except RuntimeLostError:  # a worker that cannot be told is taken for dead if it is
+            self.workers.mark_dead(slot.index, worker.handle, "could not be told of a new branch store")
+        except OpGraphError:
+            self.tells.failures += 1
 
 
 def _branch_work_done(task: asyncio.Task) -> None:
@@ -976,8 +1025,8 @@ class _SetupBranch:
         self._run_id = run_id
 
     def append(self, *messages: Any) -> None:
-        self._pending.append(self._registry.call(self._shard, "append", self.id, list(messages), os.urandom(8),
-                                                 run_id=self._run_id, branch_id=self.id))
+        self._pending.append(ask(self._registry.store(self._shard), BranchStoreStub.append, self.id, list(messages),
+                                 os.urandom(8), run_id=self._run_id, branch_id=self.id))
 
 
 def _share_large_results(run: _Run, shared: dict[str, Any], calls: list[CallRow]) -> list[CallRow]:

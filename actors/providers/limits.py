@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import RayError
 
+from opgraph.kernel import OpGraphError
+
+from ..calls import ProviderLimiterStub, ask, start
 from ..models import ProviderConfigError, ProviderUnavailable, Usage
 from ..statistics import LatencyHistogram
 from .adaptive import AdaptiveGate, RateBudget
@@ -156,20 +158,21 @@ class ProviderLimiter:
         return self._gate.statistics()
 
 
-_limiter_handle: Any = None
+_limiter_stub: ProviderLimiterStub | None = None
 _local_tables: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, PermitTable] = weakref.WeakKeyDictionary()
 _local_gates: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AdaptiveGate] = weakref.WeakKeyDictionary()
 
 
-def _limiter() -> Any:
-    global _limiter_handle
-    if _limiter_handle is None:
+def _limiter() -> ProviderLimiterStub:
+    """The namespace's limiter, found by name or started. Its tells (releases, settlements) go
+    unwatched: nothing supervises the limiter, and a caller that gave up must not wait on it."""
+    global _limiter_stub
+    if _limiter_stub is None:
         # Detached: the limiter must outlive whichever worker happened to create it.
-        _limiter_handle = ProviderLimiter.options(
-            name=LIMITER_NAME, get_if_exists=True, lifetime="detached",
-            max_concurrency=LIMITER_CONCURRENCY,
-        ).remote()
-    return _limiter_handle
+        options = {"name": LIMITER_NAME, "get_if_exists": True, "lifetime": "detached",
+                   "max_concurrency": LIMITER_CONCURRENCY}
+        _limiter_stub = ProviderLimiterStub(start(ProviderLimiter, options), LIMITER_NAME)
+    return _limiter_stub
 
 
 def _local_table() -> PermitTable:
@@ -187,7 +190,7 @@ async def provider_slot(provider: str, limit: int | None) -> AsyncIterator[None]
     With Ray running the permits live in the ``ProviderLimiter`` actor, so the cap holds
     across every worker process; without Ray they are per event loop in this process.
     """
-    global _limiter_handle
+    global _limiter_stub
     if limit is None:
         yield
         return
@@ -207,23 +210,23 @@ async def provider_slot(provider: str, limit: int | None) -> AsyncIterator[None]
 
     limiter = _limiter()
     try:
-        granted = await limiter.acquire.remote(provider, limit, token)
-    except RayError as exc:
-        _limiter_handle = None  # look the actor up again next time
+        granted = await ask(limiter, ProviderLimiterStub.acquire, provider, limit, token)
+    except OpGraphError as exc:
+        _limiter_stub = None  # look the actor up again next time
         raise ProviderUnavailable(f"provider limiter unreachable while acquiring a permit for {provider!r}: {exc}",
                                   provider=provider) from exc
     except BaseException:
         # Cancelled while queued: the remote acquire may still be granted later. Calls from
         # one caller reach an actor in order, so this release lands after it and undoes it.
-        limiter.release.remote(provider, token)
+        limiter.release(provider, token)
         raise
     if not granted:
         raise ProviderUnavailable(f"permit for {provider!r} was abandoned before it was granted", provider=provider)
     try:
         yield
     finally:
-        # Fire-and-forget: awaiting here could be cancelled again and leak the permit.
-        limiter.release.remote(provider, token)
+        # A tell: awaiting here could be cancelled again and leak the permit.
+        limiter.release(provider, token)
 
 
 @dataclass
@@ -248,7 +251,7 @@ async def adaptive_slot(provider: str, budget: RateBudget, tokens: int) -> Async
     The ticket's outcome is reported when the body ends (fire-and-forget on Ray, so a
     cancelled caller cannot leak its grant).
     """
-    global _limiter_handle
+    global _limiter_stub
     token = uuid.uuid4().hex
     ticket = AdmissionTicket()
     if not ray.is_initialized():
@@ -269,21 +272,21 @@ async def adaptive_slot(provider: str, budget: RateBudget, tokens: int) -> Async
 
     limiter = _limiter()
     try:
-        granted = await limiter.admit.remote(provider, budget, tokens, token)
-    except RayError as exc:
-        _limiter_handle = None
+        granted = await ask(limiter, ProviderLimiterStub.admit, provider, budget, tokens, token)
+    except OpGraphError as exc:
+        _limiter_stub = None
         raise ProviderUnavailable(f"provider limiter unreachable while admitting a call to {provider!r}: {exc}",
                                   provider=provider) from exc
     except BaseException:
         # Cancelled while queued: this settle reaches the actor after the admit and withdraws it.
-        limiter.settle.remote(provider, token, "failed")
+        limiter.settle(provider, token, "failed")
         raise
     if granted is None:
         raise ProviderUnavailable(f"admission to {provider!r} was withdrawn before it was granted", provider=provider)
     try:
         yield ticket
     finally:
-        limiter.settle.remote(provider, token, ticket.outcome, ticket.retry_after, ticket.reported)
+        limiter.settle(provider, token, ticket.outcome, ticket.retry_after, ticket.reported)
 
 
 async def adaptive_statistics() -> dict[str, dict[str, Any]]:
@@ -291,7 +294,7 @@ async def adaptive_statistics() -> dict[str, dict[str, Any]]:
     if not ray.is_initialized():
         gate = _local_gates.get(asyncio.get_running_loop())
         return gate.statistics() if gate is not None else {}
-    return await _limiter().adaptive_statistics.remote()
+    return await ask(_limiter(), ProviderLimiterStub.adaptive_statistics)
 
 
 # -- usage accounting ----------------------------------------------------------------------

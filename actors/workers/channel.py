@@ -289,8 +289,10 @@ class WorkerChannels:
 
     async def _connect(self, key: Any, handle: Any, name: str) -> _Channel | None:
         try:
-            host, port, secret = await asyncio.wait_for(_await(handle.channel_address.remote()),
-                                                        CONNECT_TIMEOUT_SECONDS)
+            from ..calls import WorkerStub, ask  # local: the seam's errors import this module
+
+            host, port, secret = await ask(WorkerStub(handle, name), WorkerStub.channel_address,
+                                           timeout=CONNECT_TIMEOUT_SECONDS)
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_SECONDS)
             writer.write(_LENGTH.pack(len(secret)) + secret)
         except Exception as exc:  # noqa: BLE001 - no channel: this worker's calls go through Ray
@@ -322,6 +324,3 @@ class WorkerChannels:
         return {"enabled": self.enabled, "open": sum(1 for c in self._open.values() if c.lost is None),
                 "opened": self.opened, "failed": self.failed}
 
-
-async def _await(ref: Any) -> Any:
-    return await ref

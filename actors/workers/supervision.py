@@ -15,9 +15,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ..calls import ActorStub, ping
 from ..errors import RuntimeLostError, is_actor_death
 
-__all__ = ["REPLACEMENT_ATTEMPTS", "ActorPool", "ping"]
+__all__ = ["REPLACEMENT_ATTEMPTS", "ActorPool"]
 
 log = logging.getLogger(__name__)
 REPLACEMENT_ATTEMPTS = 20  # starts tried for one slot (about half a minute) before it is given up
@@ -151,7 +152,7 @@ class ActorPool:
                     if self._setup is not None:
                         await self._setup(index, handle)
                     else:
-                        await handle.ping.remote()
+                        await ActorStub(handle).ping()
                 except Exception as exc:  # noqa: BLE001 - a replacement that fails to start: try the next generation
                     self.generations[index] = generation
                     log.warning("opgraph %s replacement %d for slot %d failed (%s: %s); retrying",
@@ -179,7 +180,8 @@ class ActorPool:
         slots = [(index, handle) for index, handle in enumerate(self.handles) if self.alive[index]]
         if not slots:
             return 0
-        results = await asyncio.gather(*(ping(handle, timeout) for _, handle in slots))
+        results = await asyncio.gather(*(ping(ActorStub(handle, self.names[index]), timeout)
+                                         for index, handle in slots))
         died = 0
         for (index, handle), error in zip(slots, results, strict=True):
             if error is None:
@@ -194,17 +196,3 @@ class ActorPool:
         return {"size": len(self.handles), "alive": sum(self.alive), "deaths": self.deaths,
                 "replacements": self.replacements, "names": list(self.names)}
 
-
-async def ping(handle: Any, timeout: float) -> BaseException | None:
-    """None when ``handle`` answers a ping within ``timeout``; else what the ping raised."""
-    try:
-        await asyncio.wait_for(_await(handle.ping.remote()), timeout)
-    except TimeoutError as exc:  # alive but busy, or hung: not taken for dead
-        return exc
-    except Exception as exc:  # noqa: BLE001 - the probe's answer; classified by the caller
-        return exc
-    return None
-
-
-async def _await(ref: Any) -> Any:
-    return await ref

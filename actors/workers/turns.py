@@ -55,12 +55,13 @@ def _summed(total: dict[str, Any], usage: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _attempt(shell: ExecutorShell, key: str, call: CallRow) -> tuple[OutcomeRow, dict[str, Any]]:
-    index, worker = await shell.workers.live()
+    index, _ = await shell.workers.live()
+    worker = shell.worker(index)
     try:
-        return await worker.run_turn.remote(key, call, shell.slot)
+        return await worker.run_turn(key, call, shell.slot)
     except Exception as exc:  # noqa: BLE001 - every failure becomes the turn's typed outcome
-        failure = call_failure(exc, shell.workers.name_of(index), "the turn")
-        if failure.died and shell.workers.mark_dead(index, worker, "while running a turn"):
+        failure = call_failure(exc, worker.name, "the turn")
+        if failure.died and shell.workers.mark_dead(index, worker.handle, "while running a turn"):
             shell.worker_deaths += 1
         now = time.time()
         return (call[0], call[1], "failed", None, failure.text, failure.error_type, [], now, now), {}

@@ -36,7 +36,8 @@ from opgraph.kernel.failures import (
     UNSERIALISABLE_OUTCOME,
 )
 
-from ..errors import BranchStoreLostError, clean_text, translate
+from ..calls import BranchStoreStub, ExecutorStub, Tells, WorkerStore, ask
+from ..errors import BranchStoreLostError, clean_text
 from ..models import parse_model_id
 from ..protocol import ACKNOWLEDGED, CallRow, OutcomeRow, RunResources, SharedResult
 from ..settings import tune_garbage_collector
@@ -72,11 +73,12 @@ class RemoteBranch:
     """
 
     def __init__(self, branch_id: str | None, worker: OperationWorker, store_index: int, run_id: str,
-                 node_id: str, attempt: int, executor: Any, emitted: list[tuple[str, Any, Any, bool]],
+                 node_id: str, attempt: int, executor: ExecutorStub | None, emitted: list[tuple[str, Any, Any, bool]],
                  identities: dict[int, Any], run: RunResources | None = None) -> None:
         self.id = branch_id
         self._worker = worker
         self._store_index = store_index
+        self._store: WorkerStore | None = None  # where its store calls go, made on the first
         self.run_id = run_id
         self.node_id = node_id
         self.attempt = attempt
@@ -107,38 +109,25 @@ class RemoteBranch:
     async def messages(self) -> list[Any]:
         if self.id is None:
             return []
-        return await self._call("messages", self.id)
+        return await ask(self._store_target(), BranchStoreStub.messages, self.id, run_id=self.run_id,
+                         node_id=self.node_id, branch_id=self.id, doing="messages on the branch")
 
     async def append(self, *messages: Any) -> int:
         if self.id is None:
             return 0
-        # One token for this append, kept if ``_call`` sends it again to a replaced store:
-        # an append the dead store had written before it could answer is not made twice.
-        return await self._call("append", self.id, list(messages), os.urandom(8))
+        # One token for this append, kept if it is sent again to a replaced store: an append
+        # the dead store had written before it could answer is not made twice.
+        return await ask(self._store_target(), BranchStoreStub.append, self.id, list(messages), os.urandom(8),
+                         run_id=self.run_id, node_id=self.node_id, branch_id=self.id, doing="append on the branch")
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        """A store call, with Ray's errors translated at this boundary.
-
-        Should the store be dead, the call waits for its replacement (the executor starts
-        it) and is made once more there: a durable store comes back with every branch, so
-        the operation never notices; a volatile one comes back without, and that is a
-        typed failure of this node."""
-        store, name = self._worker.store(self._store_index)
-        for attempt in (1, 2):
-            try:
-                return await getattr(store, method).remote(*args)
-            except Exception as exc:  # translated: a dead store is a typed, per-node failure
-                error = translate(exc, actor=name, run_id=self.run_id, node_id=self.node_id, branch_id=self.id,
-                                  doing=f"{method} on the branch")
-                if attempt == 1 and isinstance(error, BranchStoreLostError):
-                    replacement = await self._worker.replacement_store(self._store_index, name, self._executor)
-                    if replacement is not None:
-                        store, name = replacement
-                        continue
-                if error is exc:
-                    raise
-                raise error from None
-        raise AssertionError("unreachable: the loop returns or raises")
+    def _store_target(self) -> WorkerStore:
+        """Where this branch's store calls go. Should the store be dead, a call waits for its
+        replacement (the executor starts it) and is made once more there: a durable store comes
+        back with every branch, so the operation never notices; a volatile one comes back
+        without, and that is a typed failure of this node (BranchStoreLostError)."""
+        if self._store is None:
+            self._store = WorkerStore(self._worker, self._store_index, self._executor)
+        return self._store
 
     def emit(self, request: SpawnRequest | EscalationRequest) -> None:
         kind = "escalation" if isinstance(request, EscalationRequest) else "spawn"
@@ -152,7 +141,7 @@ class RemoteBranch:
             return
         item = (self.node_id, kind, request, key)
         if not self._worker.live.add(self.run_id, self._executor, item):
-            self._worker.tell(self._executor.receive_request.remote(self.run_id, *item))
+            self._executor.receive_request(self.run_id, *item)
 
 
 class LiveEmissions:
@@ -169,7 +158,7 @@ class LiveEmissions:
         self._pending: dict[str, tuple[Any, list[tuple[str, str, Any, Any]]]] = {}
         self.withdrawn = 0  # requests not sent live, since their emitter's outcome carried them
 
-    def add(self, run_id: str, executor: Any, item: tuple[str, str, Any, Any]) -> bool:
+    def add(self, run_id: str, executor: ExecutorStub, item: tuple[str, str, Any, Any]) -> bool:
         """Queue ``(emitter_id, kind, request, key)``; False off the worker's event loop
         (an operation emitting from a thread), where the caller sends it at once instead."""
         try:
@@ -186,7 +175,7 @@ class LiveEmissions:
     def _send(self, run_id: str) -> None:
         executor, items = self._pending.pop(run_id)
         if items:
-            self._worker.tell(executor.receive_requests.remote(run_id, items))
+            executor.receive_requests(run_id, items)
 
     def withdraw(self, run_id: str, node_id: str, attempt: int) -> None:
         """Take back what one call emitted and is not sent yet: the call has ended, and its
@@ -285,10 +274,17 @@ class OperationWorker:
         tune_garbage_collector()
         self.index = index
         self.name = name or f"opgraph-worker-{index}"
-        self.stores = list(stores or [])
-        self.store_names = list(store_names or [f"opgraph-branches-{i}" for i in range(len(self.stores))])
+        # Messages sent without waiting (live emissions to an executor): watched, and counted should
+        # one fail (the outcome carries what it carried). Its loop is the actor's, for emissions
+        # sent from an operation's own thread.
+        self.tells = Tells()
+        names = list(store_names or [f"opgraph-branches-{i}" for i in range(len(stores or []))])
+        self.stores: list[BranchStoreStub | None] = [BranchStoreStub(store, name)
+                                                     for store, name in zip(stores or [], names, strict=False)]
         # Pool slot -> the executor of that slot (the newest one introduced).
-        self.executors: dict[int, Any] = {} if executor is None else {slot: executor}
+        self.executors: dict[int, ExecutorStub] = {}
+        if executor is not None:
+            self.executors[slot] = self._executor_stub(executor)
         self.resources: dict[str, RunResources] = {}
         self._fetching: dict[str, asyncio.Future] = {}
         self._forgotten_fetches: set[str] = set()  # keys forgotten while their fetch was out
@@ -307,9 +303,6 @@ class OperationWorker:
         # in transit): the call is cancelled as soon as it arrives.
         self.cancelled_early: dict[str, set[str]] = {}
         self.live = LiveEmissions(self)
-        self.told: set[Any] = set()
-        self.tell_failures = 0
-        self.loop: asyncio.AbstractEventLoop | None = None  # the actor's loop, for tells from threads
         self.executed = 0
         self.failed = 0
         self.in_flight = 0
@@ -322,30 +315,35 @@ class OperationWorker:
         self.channel: ChannelServer | None = None  # opened by the first executor that asks
 
     async def ping(self) -> int:
-        self.loop = asyncio.get_running_loop()
+        self.tells.loop = asyncio.get_running_loop()
         return self.index
 
     @property
-    def executor(self) -> Any:
+    def executor(self) -> ExecutorStub | None:
         """Pool slot 0's executor (the one a single-executor runtime has)."""
         return self.executors.get(0)
+
+    @property
+    def tell_failures(self) -> int:
+        return self.tells.failures
+
+    def _executor_stub(self, executor: Any) -> ExecutorStub:
+        return ExecutorStub(executor, "executor", self.tells)
 
     async def set_executor(self, executor: Any, slot: int = 0) -> None:
         """The executor of pool slot ``slot`` now (one that adopted this worker, maybe after its
         predecessor in that slot died)."""
         previous = self.executors.get(slot)
-        if previous is not None and getattr(previous, "_actor_id", None) != getattr(executor, "_actor_id", None):
+        if previous is not None and getattr(previous.handle, "_actor_id", None) != getattr(executor, "_actor_id", None):
             self.epochs[slot] = self.epochs.get(slot, 0) + 1
-        self.executors[slot] = executor
+        self.executors[slot] = self._executor_stub(executor)
 
     # -- what the executor tells it ----------------------------------------------------
     async def set_store(self, index: int, store: Any, name: str) -> None:
         """A branch store was replaced: later calls use the new one."""
         while len(self.stores) <= index:
             self.stores.append(None)
-            self.store_names.append("")
-        self.stores[index] = store
-        self.store_names[index] = name
+        self.stores[index] = BranchStoreStub(store, name)
 
     async def forget(self, key: str) -> None:
         self.resources.pop(key, None)
@@ -368,51 +366,28 @@ class OperationWorker:
                 cancelled += 1
         return cancelled
 
-    async def replacement_store(self, index: int, dead_name: str, executor: Any = None) -> tuple[Any, str] | None:
+    async def replacement_store(self, index: int, dead_name: str,
+                                executor: ExecutorStub | None = None) -> BranchStoreStub | None:
         """The store that replaced ``dead_name`` (waited for, from ``executor``, the asking run's),
         or None when none can be had."""
         current = self.store(index)
-        if current[1] != dead_name:  # already told of the replacement
+        if current.name != dead_name:  # already told of the replacement
             return current
         executor = executor if executor is not None else self.executor
         if executor is None:
             return None
         try:
-            handle, name = await executor.live_store.remote(index, dead_name)
+            handle, name = await ask(executor, ExecutorStub.live_store, index, dead_name)
         except Exception:  # noqa: BLE001 - no replacement to be had: the caller's own typed error stands
             return None
         await self.set_store(index, handle, name)
-        return handle, name
+        return self.stores[index]
 
-    def store(self, index: int) -> tuple[Any, str]:
-        if index >= len(self.stores) or self.stores[index] is None:
+    def store(self, index: int) -> BranchStoreStub:
+        store = self.stores[index] if index < len(self.stores) else None
+        if store is None:
             raise ExecutionError(f"this worker knows no branch store {index}", actor=self.name)
-        return self.stores[index], self.store_names[index]
-
-    def tell(self, ref: Any) -> None:
-        """Send and do not wait, but watch: a failed tell is counted, never silently lost.
-
-        Live emissions are also carried in the outcome, so a lost one costs nothing; the
-        count shows in ``statistics()``.
-        """
-        self.told.add(ref)
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # an operation emitting from a thread: watch it on the actor's loop
-            if self.loop is None:
-                raise ExecutionError("a message sent from a thread before the worker's loop was known",
-                                     actor=self.name) from None
-            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._watch_tell(ref)))
-            return
-        asyncio.ensure_future(self._watch_tell(ref))
-
-    async def _watch_tell(self, ref: Any) -> None:
-        try:
-            await ref
-        except Exception:  # noqa: BLE001 - counted; the outcome redelivers what the tell carried
-            self.tell_failures += 1
-        finally:
-            self.told.discard(ref)
+        return store
 
     # -- resources: shipped with a run's first call here, else fetched once per run ------
     def _take(self, key: str, shipped: bytes) -> RunResources:
@@ -421,8 +396,8 @@ class OperationWorker:
         resources = self.resources.get(key)
         if resources is not None:  # another call brought them first
             return resources
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
+        if self.tells.loop is None:
+            self.tells.loop = asyncio.get_running_loop()
         resources = cloudpickle.loads(shipped)
         self.resources_shipped += 1
         if key not in self.forgotten:
@@ -430,8 +405,8 @@ class OperationWorker:
         return resources
 
     async def _resources_for(self, key: str, slot: int = 0) -> RunResources:
-        if self.loop is None:
-            self.loop = asyncio.get_running_loop()
+        if self.tells.loop is None:
+            self.tells.loop = asyncio.get_running_loop()
         resources = self.resources.get(key)
         if resources is not None:
             return resources
@@ -443,10 +418,8 @@ class OperationWorker:
             if executor is None:
                 return RunResources()
             self.resource_fetches += 1
-            try:
-                resources = await executor.resources.remote(key)
-            except Exception as exc:  # noqa: BLE001 - translated; every call of the run then fails typed
-                raise translate(exc, actor="executor", run_id=key, doing="fetching the run's operations") from None
+            resources = await ask(executor, ExecutorStub.resources, key, run_id=key,
+                                  doing="fetching the run's operations")  # raised: every call of the run fails typed
             if key in self._forgotten_fetches:  # forgotten meanwhile: kept, they would never be let go
                 return resources
             self.resources[key] = resources
@@ -477,11 +450,8 @@ class OperationWorker:
             if executor is None:
                 raise ExecutionError(f"no executor to fetch the result of {source} from", run_id=run_id,
                                      node_id=node_id, actor=self.name)
-            try:
-                value = await executor.shared_result.remote(run_id, source)
-            except Exception as exc:  # noqa: BLE001 - translated: the node fails, typed
-                raise translate(exc, actor="executor", run_id=run_id, node_id=node_id,
-                                doing=f"fetching the result of {source} it depends on") from None
+            value = await ask(executor, ExecutorStub.shared_result, run_id, source, run_id=run_id, node_id=node_id,
+                              doing=f"fetching the result of {source} it depends on")  # raised: the node fails, typed
             self.shared_fetches += 1
             if run_id in self.resources:  # not kept for a run already let go
                 self.shared.setdefault(run_id, {})[source] = value

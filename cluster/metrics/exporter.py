@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from opgraph.actors import Runtime, connect, find_executors
+from opgraph.actors.calls import BranchStoreStub, ExecutorStub, WorkerStub, answers
 from opgraph.actors.statistics import LatencyHistogram
 from opgraph.engines import engine_statistics
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS
@@ -74,39 +75,27 @@ class RuntimeCollector(Collector):
     # -- polling ------------------------------------------------------------------------
     def _poll(self) -> list[_Reading]:
         with self._lock:
-            actors = [("executor", member, handle) for member, handle in enumerate(self.runtime.executors)]
-            actors += [("worker", index, handle) for index, handle in enumerate(self.runtime.workers)]
-            actors += [("branch_store", index, handle) for index, handle in enumerate(self.runtime.stores)]
-        refs = []
-        for _, _, handle in actors:
-            try:
-                refs.append(handle.statistics.remote())
-            except ray.exceptions.RayError:
-                refs.append(None)
-        live = [ref for ref in refs if ref is not None]
-        ready: set[Any] = set()
-        if live:
-            done, _ = ray.wait(live, num_returns=len(live), timeout=self.timeout)
-            ready = set(done)
+            actors = [("executor", member, ExecutorStub(handle))
+                      for member, handle in enumerate(self.runtime.executors)]
+            actors += [("worker", index, WorkerStub(handle)) for index, handle in enumerate(self.runtime.workers)]
+            actors += [("branch_store", index, BranchStoreStub(handle))
+                       for index, handle in enumerate(self.runtime.stores)]
+        # Every snapshot asked at once, and waited for together for at most the scrape timeout.
+        found = answers([stub for _, _, stub in actors], _statistics, timeout=self.timeout)
         readings = []
-        for (component, index, _), ref in zip(actors, refs, strict=True):
-            snapshot = None
-            if ref is not None and ref in ready:
-                try:
-                    snapshot = ray.get(ref)
-                except ray.exceptions.RayActorError:
-                    self._refresh(component, index)
-                except ray.exceptions.RayError:
-                    pass  # alive but its statistics() raised: reported as up 0 below
-            readings.append(_Reading(component, index, snapshot))
+        for (component, index, _), answer in zip(actors, found, strict=True):
+            if answer.died:
+                self._refresh(component, index)
+            # Dead, too slow, or alive but its statistics() raised: reported as up 0 below.
+            readings.append(_Reading(component, index, answer.value if answer.error is None else None))
         return readings
 
     def _refresh(self, component: str, index: int) -> None:
         """A dead worker or store is replaced by the executor: read its current handles."""
-        try:
-            pool = ray.get(self.runtime.executor.pool.remote(), timeout=self.timeout)
-        except ray.exceptions.RayError:
+        (answer,) = answers([ExecutorStub(self.runtime.executor)], ExecutorStub.pool, timeout=self.timeout)
+        if answer.error is not None:
             return  # the executor itself is down: reported as up 0; the next scrape tries again
+        pool = answer.value
         with self._lock:
             self.runtime.workers[:] = pool["workers"]
             self.runtime.stores[:] = pool["stores"]
@@ -133,6 +122,11 @@ class RuntimeCollector(Collector):
         with self.scraped:
             self.scrapes += 1
             self.scraped.notify_all()
+
+
+def _statistics(stub: Any) -> Any:
+    """Any opgraph actor's ``statistics()`` (executor, worker, branch store)."""
+    return stub.statistics()
 
 
 _SUMMED = ("in_flight", "queued", "active_runs", "runs_started", "dispatched", "spawned", "worker_deaths")
@@ -387,20 +381,18 @@ def find_runtime() -> Runtime | None:
             runtime_name, member = base, "0"
         key = (runtime_name, int(member))
         rank = int(generation) if generation.isdigit() else 0
-        try:
-            if ray.get(executor.is_standby.remote(), timeout=30):
-                continue  # a spare executor standing by is not the runtime's
-        except ray.exceptions.RayError:
-            continue
+        (standby,) = answers([ExecutorStub(executor, name)], ExecutorStub.is_standby, timeout=30)
+        if standby.error is not None or standby.value:
+            continue  # a spare executor standing by is not the runtime's (nor one that does not answer)
         if key not in newest or rank > newest[key][0]:
             newest[key] = (rank, name, executor)
     # The runtime with a member 0 whose name sorts last (as the single executor's did before pools).
     for runtime_name in sorted({key[0] for key in newest if key[1] == 0}, reverse=True):
         members = sorted((member, found) for (owner, member), found in newest.items() if owner == runtime_name)
-        try:
-            pool = ray.get(members[0][1][2].pool.remote(), timeout=30)
-        except ray.exceptions.RayError:
+        (answer,) = answers([ExecutorStub(members[0][1][2], members[0][1][1])], ExecutorStub.pool, timeout=30)
+        if answer.error is not None:
             continue
+        pool = answer.value
         return Runtime(executors=[found[2] for _, found in members], executor_names=[found[1] for _, found in members],
                        workers=list(pool["workers"]), stores=list(pool["stores"]), pool_size=len(members))
     return None

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from opgraph.actors.calls import ExecutorStub, ask
 from opgraph.engines import PlanningEngine
 from opgraph.engines.planning import DEFAULT_ROLES, TaskOutput
 from opgraph.engines.port import SessionPort
@@ -54,8 +55,8 @@ class ScopedPort(SessionPort):
 
     async def new_branch(self, name: str, messages: list[dict[str, Any]]) -> str:
         branch_id = f"{self.scope}-{name}"
-        shard = await self.session.runtime.call("create_branch", branch_id, list(messages), self.scope,
-                                                retry_if_dead=True)
+        shard = await ask(self.session.runtime.member(0), ExecutorStub.create_branch, branch_id, list(messages),
+                          self.scope)
         # Known to the Session, so its runs use the branch as it is rather than cloning it.
         self.session._locations[branch_id] = shard
         return branch_id
@@ -63,7 +64,7 @@ class ScopedPort(SessionPort):
 
 async def release_roles(session: Any, run_id: str) -> None:
     """Drop the run's agent branches (once recorded)."""
-    await session.runtime.call("drop_scope", role_scope(run_id), retry_if_dead=True)
+    await ask(session.runtime.member(0), ExecutorStub.drop_scope, role_scope(run_id))
     for branch_id in [branch for branch in session._locations if branch.startswith(role_scope(run_id) + "-")]:
         session._locations.pop(branch_id, None)
 
