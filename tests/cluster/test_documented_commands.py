@@ -33,6 +33,7 @@ from documented_commands import (
     BLOCK_KINDS,
     COMMAND_BLOCKS,
     REPOSITORY,
+    AfterInstall,
     Environment,
     HeadFixture,
     NotRun,
@@ -57,14 +58,15 @@ DOCUMENTATION_DEADLINE = 900
 SIDE_BY_SIDE = 3  # items run at once: most of a command's time is process and actor start-up
 MINUTES = "runs for minutes; the README's scaled-down `opgraph bench` runs for real"
 
+INSTALL = "pip install -e '.[test]'"
 ADD = "opgraph workflows add triage cluster/lanes/fixed/examples/support-triage.json"
 
 # Every documented command, exactly as shown, and how it is checked. ``after`` names what must
 # have run first: what the docs say comes first (a stored workflow, a server, the run an id is from).
 CHECKS = {
     # README.md
-    "pip install -e '.[test]'": NotRun("installs packages; test_the_readme_commands_are_what_ci_runs checks it"),
-    "opgraph demo": Run(r"run \S+ completed(.|\n)*escalate:", embedded=True, early=True),
+    f"{INSTALL} && opgraph demo": AfterInstall(INSTALL, Run(r"run \S+ completed(.|\n)*escalate:", embedded=True,
+                                                           early=True)),
     "python -m pytest -q": NotRun("the test command itself; test_the_readme_commands_are_what_ci_runs checks it"),
     "opgraph demo --kernel": Run(r"status=completed completed=4"),
     ADD: Run(r"added triage@1 sha256:", name="triage"),
@@ -344,7 +346,10 @@ def _documented_items(home: Path) -> list[tuple[str, str, object]]:
             if block.tag in COMMAND_BLOCKS:
                 for command in read_commands(block):
                     check = CHECKS.get(command.text)
-                    if isinstance(check, (Run, Serve, Environment, HeadFixture)):
+                    if isinstance(check, AfterInstall):
+                        installed = command.text.removeprefix(f"{check.install} && ")
+                        items.setdefault(command.text, (command.text, installed, check.then))
+                    elif isinstance(check, (Run, Serve, Environment, HeadFixture)):
                         items.setdefault(command.text, (command.text, command.text, check))
             elif block.tag == "python" and (key := _program_key(block)):
                 script = home / f"program-{block.line}.py"
@@ -398,6 +403,9 @@ def test_documented_command(command, check, request):
     if isinstance(check, ParsedOnly):
         _assert_parses(command.text, request.getfixturevalue("parsed_help")[command.text])
         return
+    if isinstance(check, AfterInstall):
+        assert command.text.startswith(f"{check.install} && "), command.text
+        check = check.then
     documentation = request.getfixturevalue("documentation")
     _assert_outcome(documentation.outcomes[command.text], check, f"`{command.text}` ({command.where})")
 
@@ -509,9 +517,10 @@ def test_the_readme_is_a_front_door():
 
 
 def test_the_readme_commands_are_what_ci_runs():
-    """The README's test command is the one `.ci/run` ends with, and its install extra exists."""
+    """The README's two commands: its install is the one `.ci/run` makes (and its extra exists),
+    and its test command is the one `.ci/run` ends with."""
     commands = [command.text for command in COMMANDS if command.document == "README.md"]
-    assert "python -m pytest -q" in commands and "pip install -e '.[test]'" in commands
+    assert commands[:2] == [f"{INSTALL} && opgraph demo", "python -m pytest -q"]
     ci = (REPOSITORY / ".ci" / "run").read_text()
     assert "exec python -m pytest -q" in ci and "pip install -e '.[test]'" in ci
     project = (REPOSITORY / "pyproject.toml").read_text()

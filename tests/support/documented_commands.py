@@ -27,6 +27,7 @@ from pathlib import Path
 __all__ = [
     "BLOCK_KINDS",
     "help_of",
+    "AfterInstall",
     "COMMAND_BLOCKS",
     "REPOSITORY",
     "Block",
@@ -162,6 +163,19 @@ class Run:
     early: bool = False
 
     label = "run"
+
+
+@dataclass(frozen=True)
+class AfterInstall:
+    """``INSTALL && COMMAND``: the install is not run (the tests run in the installed tree, and
+    the module checks CI installs the same way); ``then`` checks COMMAND, which runs for real."""
+
+    install: str
+    then: Run
+
+    @property
+    def label(self) -> str:
+        return f"install not run, then {self.then.label}"
 
 
 @dataclass(frozen=True)
