@@ -1,16 +1,20 @@
 """Every command and complete Python program shown in README.md and docs/*.md runs, or says why not.
 
-    a Ray head of this module (`ray start --head ...` as docs/operating.md shows it, free ports)
-      <- every documented command and program, in document order (README.md, then docs/*.md
-         by name), each in its own process group, on one temp store (OPGRAPH_HOME, OPGRAPH_DB),
-         joined to the head through RAY_ADDRESS so that none pays for a Ray start of its own
-      <- `opgraph demo`, the front door, as written: on an embedded Ray of its own
+    a Ray head of this module, with token authentication (`ray start --head ... --block`, as
+    docs/operating.md shows it, on free ports; the doc's options are checked against it)
+      <- every documented command and program, each in its own process group, on one temp
+         store (OPGRAPH_HOME, OPGRAPH_DB), joined to the head through RAY_ADDRESS so that none
+         pays for a Ray start of its own
+      <- the README's `opgraph demo`, the front door, as written: on an embedded Ray of its own
 
-One module fixture runs the documentation once, in order (a command may use what an earlier
-one made: a stored workflow, a server, a captured RUN_ID); each test then asserts one item's
-exit status and output. What is not run says why in its test id, and a meta-test fails when
-a documented command or program has no check here, or a check no longer matches the docs.
-The ports the docs show (8000, 9464, 6379, 8265) are mapped to free ones, or the head's.
+One module fixture runs the documentation once: each item after the items it names in
+``after`` (a stored workflow, a server, the run a RUN_ID comes from), the rest side by side,
+three at a time. Each test then asserts one item's exit status and output. What is not run
+says why in its test id; what cannot run here for minutes is parsed instead. A meta-test
+fails when a documented command or program has no check here, or a check no longer matches
+the docs. The ports the docs show (8000, 9464, 6379, 8265) are mapped to free ones or the
+head's, and commands on the head run without a warm spare executor each (it changes no
+output; see Documentation.env).
 """
 
 from __future__ import annotations
@@ -133,6 +137,8 @@ CHECKS = {
     "opgraph metrics serve --address 127.0.0.1:6379 --port 9464":
         Serve("http://127.0.0.1:9464/metrics", name="metrics"),
     "curl -s http://127.0.0.1:9464/metrics": Run(r"opgraph_up", after=("metrics",)),
+    # docs/python.md
+    "python -m opgraph.cluster.example_three_nodes": Run(r"run completed: 4 nodes"),
     # docs/workflows.md
     "opgraph workflows list": Run(r"triage", after=("triage",)),
     "opgraph workflows versions triage": Run(r"triage@1", after=("triage",)),
