@@ -60,6 +60,7 @@ POLL_DEADLINE = 120.0  # seconds a polled command may keep answering "not yet"
 # The first test to ask for the documentation's run waits for all of it (the head's start included).
 DOCUMENTATION_DEADLINE = 900
 SIDE_BY_SIDE = 3  # items run at once: most of a command's time is process and actor start-up
+CONTINUATION_ROOM = 2  # places beyond SIDE_BY_SIDE that only items following a started one may take
 MINUTES = "runs for minutes; the README's scaled-down `opgraph bench` runs for real"
 
 INSTALL = "pip install -e '.[test]'"
@@ -212,7 +213,8 @@ def _program_items():
 # -- running the documentation --------------------------------------------------------------------
 class Documentation:
     """The documentation run once against one head and one temp store: each item after what it
-    names in ``after``, up to ``SIDE_BY_SIDE`` at once, continuations of a started story first."""
+    names in ``after``, up to ``SIDE_BY_SIDE`` at once (plus ``CONTINUATION_ROOM`` for items that
+    follow one already run), continuations of a started story first."""
 
     def __init__(self, head, home: Path, ports: dict[int, int]) -> None:
         self.head = head
@@ -251,11 +253,16 @@ class Documentation:
         waiting = list(items)
         running: dict[Future, str] = {}
         done: set[str] = set()
-        with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+        with ThreadPoolExecutor(SIDE_BY_SIDE + CONTINUATION_ROOM) as pool:
             while waiting or running:
                 ready = [item for item in waiting if all(names[name] in done for name in getattr(item[2], "after", ()))]
                 ready.sort(key=_priority)
-                for item in ready[:SIDE_BY_SIDE - len(running)]:
+                for item in ready:
+                    # A story already begun may take one of CONTINUATION_ROOM extra places: what it
+                    # follows may be live only for a while (a run that `run watch` must still find).
+                    room = SIDE_BY_SIDE + (CONTINUATION_ROOM if _priority(item) == 0 else 0)
+                    if len(running) >= room:
+                        continue
                     waiting.remove(item)
                     running[pool.submit(self.run, *item, names)] = item[0]
                 if not running:  # nothing can start: an ``after`` names what never ran
