@@ -20,6 +20,7 @@ output; see Documentation.env).
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 import os
 import re
@@ -380,24 +381,20 @@ def _documented_items(home: Path) -> list[tuple[str, str, object]]:
 def documentation(local_head_starter):
     """Runs every documented command and program once; yields what each did."""
     home = Path(tempfile.mkdtemp(prefix="opgraph-docs-"))
-    with pytest.MonkeyPatch.context() as patch:
-        # The head's processes (and the job drivers it starts) use the same store as the commands.
-        patch.setenv("OPGRAPH_HOME", str(home))
-        patch.setenv("OPGRAPH_DB", str(home / "opgraph.db"))
-        head = local_head_starter()
-    ports = {8000: free_port(), 9464: free_port(), 6379: head.gcs_port, 8265: head.dashboard_port}
-    run = Documentation(head, home, ports)
-    started = time.monotonic()
-    try:
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as patch:
+            # The head's processes (and the job drivers it starts) use the same store as the commands.
+            patch.setenv("OPGRAPH_HOME", str(home))
+            patch.setenv("OPGRAPH_DB", str(home / "opgraph.db"))
+            head = stack.enter_context(local_head_starter())  # stopped (and checked) when the stack closes
+        stack.callback(shutil.rmtree, home, ignore_errors=True)
+        ports = {8000: free_port(), 9464: free_port(), 6379: head.gcs_port, 8265: head.dashboard_port}
+        run = Documentation(head, home, ports)
+        stack.callback(run.stop)
+        started = time.monotonic()
         run.run_all(_documented_items(home))
         print(run.summary(), f"\n{time.monotonic() - started:7.1f} s wall time")  # shown with -s
         yield run
-    finally:
-        run.stop()
-        survivors = head.stop()
-        shutil.rmtree(head.temp_dir, ignore_errors=True)
-        shutil.rmtree(home, ignore_errors=True)
-        assert not survivors, f"processes of the module's head survived: {sorted(survivors)}"
 
 
 def _assert_outcome(outcome: Outcome, check, what: str) -> None:
