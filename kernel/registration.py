@@ -17,7 +17,7 @@ from . import events as ev
 from .errors import OperationError
 from .events import new_record as _new_record
 from .graph import Operation
-from .states import TERMINAL, WAITING
+from .states import TERMINAL, UNREGISTERED, WAITING
 
 __all__ = ["NodeRegistration"]
 
@@ -82,11 +82,15 @@ class NodeRegistration:
             # turn below, which is how a dependency not registered yet shows. The empty
             # internal indexes are replaced outright; ``state`` is public, so it is filled.
             # Plain roots have no dependencies: each holds its final, empty ones at once.
-            state.update(dict.fromkeys(nodes, WAITING))
+            self._transition_batch(nodes, UNREGISTERED, WAITING)
             self.unsettled = unsettled = dict.fromkeys(nodes, 0)
             self.deps = all_deps = dict.fromkeys(nodes, NO_DEPENDENCIES if plain else None)
             self.attempt = dict.fromkeys(nodes, 0)
-        items = nodes.items() if fresh else [(node_id, node) for node_id, node in nodes.items() if node_id not in early]
+        if fresh:
+            items = nodes.items()
+        else:  # registered in one batch too, in graph order, as the loop below would reach them
+            items = [(node_id, node) for node_id, node in nodes.items() if node_id not in early]
+            self._transition_batch([node_id for node_id, _ in items], UNREGISTERED, WAITING)
         if self._stories:  # registration starts a node's story afresh
             for node_id, _ in items:
                 self._stories.pop(node_id, None)
@@ -122,8 +126,6 @@ class NodeRegistration:
                 roots.append(node_id)
                 if not fresh:
                     unsettled[node_id] = 0
-            if not fresh:
-                state[node_id] = WAITING
             all_deps[node_id] = deps
         self.open_nodes += len(nodes) - len(early)
         return in_order, roots
@@ -135,6 +137,7 @@ class NodeRegistration:
         state, dependents = self.state, self.dependents
         if self._stories:  # registration starts a node's story afresh
             self._stories.pop(node_id, None)
+        # The fast step (UNREGISTERED, WAITING): admission hands over a node new to the graph.
         state[node_id] = WAITING
         self.deps[node_id] = deps
         unsettled = 0

@@ -28,10 +28,7 @@ from .contracts import (
     request_sightings,
 )
 from .dispatch import OperationDispatch
-from .errors import (
-    OperationError,
-    StateTransitionError,
-)
+from .errors import OperationError
 from .events import new_record as _new_record
 from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION_ERROR, RetryPolicy
 from .graph import Graph, Operation, condition_is_async, validate_condition
@@ -45,6 +42,7 @@ from .states import (
     COMPLETED,
     EVALUATING,
     FAILED,
+    FAST_STEPS,
     IMPLIED_STEPS,
     READY,
     RUNNING,
@@ -52,12 +50,14 @@ from .states import (
     TERMINAL,
     TRANSITIONS,
     WAITING,
+    illegal_transition,
     implied_story,
 )
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "FlowState", "TRANSITIONS"]
 
 DEFAULT_MAX_CONCURRENCY = 10_000
+
 
 class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompletion, DurableRecords,
                 InvariantChecks):
@@ -66,7 +66,171 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     Cost per settlement is O(degree): dependents are found through the reverse
     dependency index and readiness through a counter of unsettled dependencies.
     ``validate()`` states the cross-structure invariants.
+
+    Every attribute is declared below, with what it holds and which code changes it. The
+    mixins (registration.py, admission.py, dispatch.py, completion.py, runlog.py,
+    invariants.py) keep no state of their own: they change these, and only from a
+    handler that ``handle`` called. A node's entry in ``state`` changes only through the
+    TRANSITIONS table (``_transition``, ``_transition_batch`` and the FAST_STEPS sites).
     """
+
+    # -- the run's options: set by __init__ and never changed after, unless said ------
+    #: The graph being run. Admission (admission.py ``_accept``) adds each admitted child
+    #: and its edge; a run finished without write-back swaps it for an empty graph
+    #: (completion.py ``_maybe_finish``).
+    graph: Graph
+    #: The run's id: in every signal, and in the ids of the branches it clones.
+    run_id: str
+    #: At most this many operations in flight (``max_concurrent``; 1 without ``parallel``).
+    capacity: int
+    #: Whether the run admits spawns, escalation children and injections (admission.py).
+    reactive: bool
+    #: The cap on admitted nodes (``spawn_count``).
+    max_spawn: int
+    #: Routing of a SpawnRequest to the child Operation (or None to drop it), user code.
+    node_builder: Callable[[SpawnRequest, Operation | None], Operation | None]
+    #: The request type an outcome's spawn requests are found by and validated against.
+    spawn_type: type
+    #: The flow's default branch: roots without a branch of their own run on it.
+    default_branch_id: str | None
+    #: The branch that dependent and inheriting nodes are cloned from (ADR-0023 D3).
+    clone_source_branch_id: str | None
+    #: Operation name -> its RetryPolicy; read by ``_on_finished``.
+    retry_policies: dict[str, RetryPolicy]
+    #: Branches that exist, or None for "any branch a node names exists". Grows with each
+    #: clone (registration.py ``_clone_branch``).
+    known_branches: set[str] | None
+    #: The shared context. Merged into by ``_settle_completed``; ``_on_operator_message``
+    #: appends to its steer queue, and dispatch.py ``_render_steer`` marks entries rendered.
+    shared: SharedContext
+    #: Whether the finished run writes status, response and error onto its Operations.
+    write_back: bool
+    #: Whether a finished run let its graph go (completion.py ``_maybe_finish``).
+    graph_released: bool
+    #: Whether NodeQueued, NodeStarted and NodeSpawned signals are emitted.
+    progress_signals: bool
+
+    # -- per node: changed as nodes are registered, dispatched and settled ------------
+    #: Node id -> its internal state (states.py), in registration order. Changed only
+    #: through the TRANSITIONS table: ``_transition``, ``_transition_batch`` (registration
+    #: of the submitted graph, its roots made ready) and the FAST_STEPS sites (``_register``,
+    #: ``_make_ready``, dispatch.py ``_dispatch_ready``, ``_settle_completed``).
+    state: dict[str, str]
+    #: Node id -> its dependencies: edge heads, then aggregation sources. Written once per
+    #: node by registration.py (``_register_initial_nodes``, ``_register``).
+    deps: dict[str, Sequence[str]]
+    #: Node id -> the nodes that depend on it; only nodes that have dependents. Appended
+    #: to by registration.py.
+    dependents: dict[str, list[str]]
+    #: Node id -> how many of its dependencies have not settled. Set by registration.py,
+    #: counted down by ``_release_dependents``.
+    unsettled: dict[str, int]
+    #: Node id -> dispatches so far (0 or absent: none). Counted up by dispatch.py
+    #: ``_dispatch_ready``; each dispatch is a new attempt.
+    attempt: dict[str, int]
+    #: Node id -> its rank, which orders shared-context writes. Read through ``_ranks()``;
+    #: set by registration.py (``_rank_initial_nodes``, ``_ranks``) and by ``_accept``.
+    rank: dict[str, tuple[int, ...]]
+    #: How many of the graph's first nodes have an insertion-order rank not yet written to
+    #: ``rank``: set by ``_rank_initial_nodes``, written out and zeroed by ``_ranks``.
+    _deferred_ranks: int
+    #: Node id -> the branch it runs on; absent: the default branch. Set by registration.py
+    #: (``_preallocate_branch``, ``_clone_branch``).
+    branch: dict[str, str | None]
+    #: Nodes whose clone takes their primary's history before their first dispatch. Added
+    #: by ``_preallocate_branch`` and ``recover``, taken out by ``_inherit_primary_history``.
+    pending_inheritance: set[str]
+    #: Node id -> its result: a completed node's response, a failed node's error payload,
+    #: a restored node's response. Set by ``_settle_completed``, ``_settle_failed``, ``_restore``.
+    results: dict[str, Any]
+    #: Node id -> the one mapping of its result that its dependents share; filled lazily
+    #: by dispatch.py ``_mapped_result``.
+    _mapped_results: dict[str, Any]
+    #: Node id -> its error message. Set by ``_settle_failed``, ``_restore`` and
+    #: ``_on_cancel_grace``.
+    errors: dict[str, str]
+    #: Nodes restored as FAILED: reported failed, but their payload reaches no dependent
+    #: (``_gate``). Added to by ``_restore``.
+    restored_failed: set[str]
+    #: READY nodes in dispatch order. Appended by ``_make_ready`` and the start, put back
+    #: in front by ``_requeue``, popped by ``_dispatch_ready``, cleared by a cancel.
+    ready: deque[str]
+    #: Operations in flight: node id -> (attempt, node, dependencies), so that settling
+    #: reads one small dict. Filled by ``_dispatch_ready``; emptied by ``_on_finished``,
+    #: ``_on_undelivered``, ``_requeue`` and ``_on_cancel_grace``.
+    running: dict[str, tuple[int, Operation, Sequence[str]]]
+    #: Registered nodes not yet terminal. Counted up by registration.py, down by every
+    #: terminal step (``_transition``, ``_settle_completed``).
+    open_nodes: int
+    #: Node id -> its recorded story, for nodes that left the common path (``story``).
+    #: Written out by ``_recorded_story`` (also for a stale result, ``_on_finished``),
+    #: appended to by ``_transition`` and by the fast steps of ``_dispatch_ready`` and
+    #: ``_settle_completed``; dropped when a node is registered afresh (registration.py).
+    _stories: dict[str, list[tuple[str, str, str, int]]]
+
+    # -- the run's lifecycle: changed by the control handlers --------------------------
+    #: Whether dispatch is paused (``_on_pause``, ``_on_resume``).
+    paused: bool
+    #: Whether the shell holds dispatch back, for backpressure (``_on_hold``).
+    held: bool
+    #: Ready nodes announced paused since the last pause or resume (``_announce_pause``).
+    _pause_announced: set[str]
+    #: Whether the run is being cancelled: set once by ``_on_cancel``, never cleared.
+    cancelling: bool
+    #: The reason the cancel gave, for every node it cancels (``_on_cancel``).
+    _cancel_reason: str
+    #: Whether FlowStarted arrived (``_on_started``).
+    started: bool
+    #: Whether FinishRun went out (completion.py ``_maybe_finish``).
+    finished: bool
+    #: ``now`` of FlowStarted (``_on_started``).
+    start_time: float
+    #: The latest ``now`` of any event (``handle``).
+    now: float
+    #: Seconds since the start, never negative: the signals' elapsed time (``handle``).
+    _elapsed: float
+
+    # -- reactive admission (admission.py), restored from the run log by runlog.py ------
+    #: Children admitted so far, held at most ``max_spawn`` (``_accept``).
+    spawn_count: int
+    #: Ids of admitted children in order of admission (``_accept``).
+    spawned_ids: list[str]
+    #: Emitters of escalation requests, in order (``_on_escalation``, ``_on_restored``).
+    escalated_operations: list[str]
+    #: The dropped-spawn ledger: one entry per rejected request (``_drop``, ``_on_restored``).
+    dropped_spawns: list[dict[str, Any]]
+    #: De-duplication keys of requests seen (``_is_duplicate_request``, ``_on_restored``).
+    _seen_requests: set[Any]
+    #: Emitter id -> children admitted after it, for the children's ranks (``_accept``).
+    _children: dict[str, int]
+    #: Emitter id -> higher-tier children made for it, for their ids (``_on_escalation``).
+    _escalations: dict[str, int]
+    #: Injections admitted without an emitter, for their ranks (``_accept``).
+    _injected: int
+
+    # -- what goes out ---------------------------------------------------------------
+    #: Events handled, dispatches, settlements, stale results and re-dispatches, for
+    #: ``statistics()``: counted by ``handle``, ``_dispatch_ready``, the terminal steps,
+    #: ``_on_finished``, ``_on_undelivered`` and ``_requeue``.
+    counters: dict[str, int]
+    #: The instructions of the ``handle`` call under way: a new list per call (``handle``),
+    #: appended to by every handler.
+    _out: list[ev.Instruction]
+
+    # -- the durable run log (runlog.py) ------------------------------------------------
+    #: Whether the run records what changes it (set by __init__).
+    durable: bool
+    #: Whether the state is being rebuilt from its log, so records are not written again
+    #: (set and cleared by ``DurableRecords.rebuild``).
+    _replaying: bool
+    #: Records of the ``handle`` call under way: appended by ``_record``, handed out as one
+    #: AppendRecords and emptied by ``handle``.
+    _pending_records: list[tuple]
+
+    #: Whether ``handle`` runs ``validate()`` before it returns, as dask's worker state
+    #: does with ``validate``. Off for the runtime, which pays for no check per step; the
+    #: kernel's tests switch it on for every FlowState (tests/kernel/conftest.py).
+    validate_each_step: bool = False
 
     def __init__(
         self,
@@ -216,6 +380,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             # First, so the shell makes the batch durable before it acts on anything it decided.
             out.insert(0, ev.AppendRecords(tuple(self._pending_records)))
             self._pending_records = []
+        if self.validate_each_step:
+            self.validate()
         return out
 
     # -- queries ----------------------------------------------------------------
@@ -311,7 +477,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             # Nothing has settled, so exactly the nodes without dependencies are ready, in
             # insertion order: ``_make_ready`` for each, in bulk. No story is recorded yet
             # (registration starts them afresh), so the step is implied, as for one node.
-            state.update(dict.fromkeys(roots, READY))
+            self._transition_batch(roots, WAITING, READY)
             self.ready.extend(roots)
             if self.paused:
                 for node_id in roots:
@@ -498,7 +664,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         state = self.state
         old = state[node_id]
         if new not in _ALLOWED_FROM[old]:  # the TRANSITIONS table, keyed by ``old``
-            raise StateTransitionError(f"illegal transition {old} -> {new} ({reason})", node_id=node_id)
+            raise illegal_transition(old, new, reason, node_id)
         stories = self._stories
         if node_id in stories:
             stories[node_id].append((old, new, reason, self.attempt.get(node_id, 0)))
@@ -508,6 +674,21 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         if new in TERMINAL:
             self.open_nodes -= 1
             self.counters["settled"] += 1
+
+    def _transition_batch(self, node_ids: Iterable[str], old: str | None, new: str) -> None:
+        """Move every node of ``node_ids`` from ``old`` to ``new``: ``_transition`` in bulk, for
+        the start of a run (registering the submitted graph, readying its roots).
+
+        The row is checked against the table once for the whole batch, not per node, so a
+        fan-out of a million nodes is registered by one update in C. It must be one of
+        ``FAST_STEPS`` and settle nothing: a step that writes no story and moves no
+        counter. The caller guarantees what ``_transition`` would check node by node:
+        every node is in ``old`` and has no recorded story (``validate()`` holds it to that
+        in the tests).
+        """
+        if (old, new) not in FAST_STEPS or new in TERMINAL:
+            raise illegal_transition(old, new, "as a batch")
+        self.state.update(dict.fromkeys(node_ids, new))
 
     def _recorded_story(self, node_id: str) -> list[tuple[str, str, str, int]]:
         """The node's recorded story, written out from its current state the first time."""
@@ -607,7 +788,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
 
     def _make_ready(self, node_id: str) -> None:
         if self.state[node_id] == WAITING and node_id not in self._stories:
-            self.state[node_id] = READY  # the common path's first step: legal, and implied by the story
+            # The common path's first step, implied by the story: the fast step (WAITING, READY).
+            self.state[node_id] = READY
         else:
             self._transition(node_id, READY, "dependencies settled, path valid")
         self.ready.append(node_id)
@@ -632,9 +814,10 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
 
         RUNNING -> COMPLETED is the common path's last step. Like READY -> RUNNING in
         ``_dispatch_ready`` (dispatch.py) it is applied inline rather than through
-        ``_transition``: both are rows of TRANSITIONS (states.py asserts it), the caller
-        has checked the old state, and the step is implied by the story unless that is
-        recorded already.
+        ``_transition``: both are ``FAST_STEPS``, rows of TRANSITIONS checked at import
+        (states.py); the old state is pinned (``running`` holds exactly the RUNNING
+        nodes, and the caller found the node there); and the step is implied by the
+        story unless that is recorded already.
         """
         if update is not None:
             try:
@@ -649,7 +832,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 return
         self.results[node_id] = response
         attempt, node, deps = in_flight
-        self.state[node_id] = COMPLETED
+        self.state[node_id] = COMPLETED  # the fast step (RUNNING, COMPLETED)
         stories = self._stories
         if node_id in stories:
             stories[node_id].append((RUNNING, COMPLETED, "operation completed", attempt))
