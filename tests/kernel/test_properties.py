@@ -8,9 +8,9 @@ and about one node in five restored: already completed or failed when the run st
 Half the runs declare a reducer for the shared key "beta".
 The driver plays the executor shell: it answers DispatchOperation and
 EvaluateConditions instructions in a seeded random order, one to three per
-``handle()``, sometimes toggles pause and backpressure, and calls ``validate()``
-after every ``handle()``. Spawned children always complete with a response derived
-from their instruction. Some properties add control events before the start, a
+``handle()``, and sometimes toggles pause and backpressure; every ``handle()`` runs
+``validate()`` before it returns (tests/kernel/conftest.py). Spawned children always
+complete with a response derived from their instruction. Some properties add control events before the start, a
 cancel at a random step, or events a live run may receive at any time.
 """
 
@@ -356,13 +356,11 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
         paused = (kind == "pause") if kind in ("pause", "resume") else paused
         held = (kind == "hold") if kind in ("hold", "release") else held
         state.handle(_prelude_event(kind, index))
-        state.validate()
     events: list[Any] = [FlowStarted(now=0.0)]
     cancelled = False
     reported: list[OperationFinished] = []  # outcomes already handed over, for stale copies
     for step in range(1, STEP_LIMIT):
         instructions = state.handle(*events)
-        state.validate()
         cancelled = cancelled or any(isinstance(event, CancelRequested) for event in events)
         for instruction in instructions:
             if isinstance(instruction, EmitSignal) and instruction.kind in TERMINAL_SIGNALS:
