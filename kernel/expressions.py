@@ -256,6 +256,15 @@ class CompiledExpression:
 
     __slots__ = ("_body", "edge_id", "names", "text")
 
+    #: The expression's source: what it pickles as, re-validated on load.
+    text: str
+    #: The edge it gates, for the errors it raises; None outside an edge.
+    edge_id: str | None
+    #: The top-level names it may read; None: any name.
+    names: frozenset[str] | None
+    #: The validated tree that ``evaluate`` walks. Set once by __init__, as every slot is.
+    _body: ast.AST
+
     def __init__(
         self,
         text: str,
@@ -372,6 +381,13 @@ class ExpressionCondition(EdgeCondition):
     naming anything but ``result`` and ``context`` -- fails before the graph runs.
     ``apply`` is synchronous, so the scheduler evaluates it in place.
     """
+
+    #: The compiled expression ``apply`` evaluates. Set once by __init__, as every attribute is.
+    _compiled: CompiledExpression
+    #: The expression's text: what the condition equals, hashes, pickles and travels as.
+    expression: str
+    #: The edge it gates, for the errors its expression raises.
+    edge_id: str | None
 
     def __init__(self, expression: str, *, edge_id: str | None = None) -> None:
         self._compiled = parse_expression(expression, edge_id=edge_id, names=CONDITION_NAMES)
