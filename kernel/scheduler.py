@@ -271,29 +271,12 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
 
         ``durable`` runs record what changes them, one ``AppendRecords`` instruction per
         ``handle()`` (runlog.py); ``FlowState.rebuild`` restores such a run from them."""
-        if not isinstance(graph, Graph):
-            raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
-        graph.check_references()
-        if context is not None and not isinstance(context, Mapping):
-            raise OperationError(f"context must be a mapping, got {type(context).__name__}")
-        for key, reducer in (reducers or {}).items():
-            if not callable(reducer):
-                raise OperationError(f"the reducer for context key {key!r} is not callable: {type(reducer).__name__}")
-        if not isinstance(max_spawn, int) or isinstance(max_spawn, bool) or max_spawn < 0:
-            raise OperationError(f"max_spawn must be a whole number of at least 0, got {max_spawn!r}")
-        if max_concurrent is None:
-            max_concurrent = DEFAULT_MAX_CONCURRENCY
-        if not parallel:
-            max_concurrent = 1
-        if max_concurrent < 1:
-            raise OperationError(f"max_concurrent must be at least 1, got {max_concurrent}")
-        for name, policy in (retry_policies or {}).items():
-            if not isinstance(policy, RetryPolicy):
-                raise OperationError(f"the retry policy for operation {name!r} is not a RetryPolicy: "
-                                     f"{type(policy).__name__}")
+        _check_inputs(graph, context, reducers, max_spawn)
+        capacity = _capacity(max_concurrent, parallel)
+        _check_retry_policies(retry_policies)
         self.graph = graph
         self.run_id = run_id
-        self.capacity = max_concurrent
+        self.capacity = capacity
         self.reactive = reactive
         self.max_spawn = max_spawn
         self.node_builder = node_builder or default_node_builder
@@ -440,29 +423,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         for edge in graph.edges.values():
             if edge.condition is not None:
                 validate_condition(edge.condition, edge.id)
-        restored = []
-        # Bound once: this loop runs for every node of the submitted graph.
-        out, deps = self._out, self.deps
-        run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
-        progress, cancelling = self.progress_signals, self.cancelling
-        # Registration filled ``deps`` in node order when nothing was registered before.
-        deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
-        # Plain roots (registration.plain_roots) have no branch to make and none is restored:
-        # only their progress signals need this pass over the nodes.
-        if not plain or progress:
-            for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order, strict=True):
-                if early and node_id in early:
-                    continue
-                if node.status not in TERMINAL:
-                    if cancelling:  # cancelled before the start: not queued, and no branch to clone
-                        continue
-                    if progress:
-                        out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
-                    if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
-                        self._preallocate_branch(node)
-                    # else the common root: it runs on the default branch, which ``branch`` leaves implicit
-                else:
-                    restored.append(node)
+        restored = self._queue_initial_nodes(early, plain)
         # Restored terminal nodes short-circuit without invocation (ADR-0023 D5). All
         # of them settle before any is released, so no restored node is ever gated.
         for node in restored:
@@ -471,21 +432,55 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             self._release_dependents(node.id)
         if self.cancelling:  # cancelled before it started: nothing runs, and the run ends
             self._cancel_open_nodes(announce=False)
-            return
-        state, unsettled, incoming = self.state, self.unsettled, graph._in
-        if fresh and not restored:
-            # Nothing has settled, so exactly the nodes without dependencies are ready, in
-            # insertion order: ``_make_ready`` for each, in bulk. No story is recorded yet
-            # (registration starts them afresh), so the step is implied, as for one node.
-            self._transition_batch(roots, WAITING, READY)
-            self.ready.extend(roots)
-            if self.paused:
-                for node_id in roots:
-                    self._announce_pause(node_id)
-            return
-        # Restored (or early-registered) nodes may have unblocked any node: scan them all.
+        elif fresh and not restored:
+            self._ready_roots(roots)
+        else:
+            self._ready_unblocked_nodes()
+
+    def _queue_initial_nodes(self, early: set[str], plain: bool) -> list[Operation]:
+        """Announce each open node of the submitted graph (NodeQueued) and give it its branch.
+
+        Skips the ``early`` nodes (announced on admission). Returns the nodes that arrived
+        terminal, for the start to restore, in graph order.
+        """
+        graph, restored, progress = self.graph, [], self.progress_signals
+        # Plain roots (registration.plain_roots) have no branch to make and none is restored:
+        # only their progress signals need this pass over the nodes.
+        if plain and not progress:
+            return restored
+        # Bound once: this loop runs for every node of the submitted graph.
+        out, deps, cancelling = self._out, self.deps, self.cancelling
+        run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
+        # Registration filled ``deps`` in node order when nothing was registered before.
+        deps_in_order = deps.values() if not early else [deps[node_id] for node_id in graph.nodes]
+        for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order, strict=True):
+            if early and node_id in early:
+                continue
+            if node.status in TERMINAL:
+                restored.append(node)
+            elif not cancelling:  # cancelled before the start: not queued, and no branch to clone
+                if progress:
+                    out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
+                if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
+                    self._preallocate_branch(node)
+                # else the common root: it runs on the default branch, which ``branch`` leaves implicit
+        return restored
+
+    def _ready_roots(self, roots: list[str]) -> None:
+        """Nothing has settled, so exactly the nodes without dependencies are ready, in
+        insertion order: ``_make_ready`` for each, in bulk. No story is recorded yet
+        (registration starts them afresh), so the step is implied, as for one node."""
+        self._transition_batch(roots, WAITING, READY)
+        self.ready.extend(roots)
+        if self.paused:
+            for node_id in roots:
+                self._announce_pause(node_id)
+
+    def _ready_unblocked_nodes(self) -> None:
+        """Restored (or early-registered) nodes may have unblocked any node: scan them all."""
+        state, unsettled, incoming = self.state, self.unsettled, self.graph._in
         make_ready, gate = self._make_ready, self._gate
-        for node_id in graph.nodes:
+        for node_id in self.graph.nodes:
             if state[node_id] == WAITING and unsettled[node_id] == 0:
                 # A root has no incoming path to gate on (what _gate would conclude).
                 (gate if incoming[node_id] else make_ready)(node_id)
@@ -511,18 +506,14 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         running = self.running
         in_flight = running.get(node_id)  # running holds exactly the nodes in state RUNNING
         if in_flight is None or in_flight[0] != event.attempt:
-            # Stale or duplicate result of an attempt that no longer owns the node.
-            self.counters["stale_results"] += 1
-            current = self.state.get(node_id)
-            if current is not None:  # an id this run never had gets no story of its own
-                self._recorded_story(node_id).append((current, current, "stale result dropped", event.attempt))
+            self._drop_stale_result(event)
             return
         if self.durable:
             self._record("finished", event.now, node_id, event.attempt, status, response, event.error,
                          event.error_type)
         del running[node_id]
         plain = type(response) in PLAIN_TYPES  # carries no context update and no request objects
-        if status == COMPLETED:
+        if status == COMPLETED:  # inline, not a method: every settlement of a run comes this way
             if plain:
                 update = None
             elif type(response) is dict or isinstance(response, Mapping):
@@ -536,29 +527,49 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             else:
                 self._settle_completed(node_id, in_flight, response, update)
         elif status == FAILED:
-            policy = self.retry_policies.get(in_flight[1].operation) if self.retry_policies else None
-            if policy is not None and not self.cancelling and policy.allows(event.attempt, event.error_type):
-                self._requeue(node_id, f"retried after {event.error_type} on attempt {event.attempt}")
-            else:
-                self._settle_failed(node_id, event.error or "operation failed", event.error_type)
+            self._retry_or_fail(event, in_flight[1])
         elif status == CANCELLED:
             self._cancel_node(node_id, "operation cancelled")
         else:
             raise OperationError(f"unknown operation outcome {event.status!r}", node_id=node_id)
         requests: Iterable[ev.Event] = event.requests
         if not requests and not plain and not event.extracted and status == COMPLETED:
-            # In-process drivers may hand back live request objects in the response. The
-            # de-duplication key is durable: the same object seen twice shares the ordinal
-            # of its first sighting (ADR-0023 D6 identity semantics, without ``id()``).
-            requests = [
-                (ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested)(
-                    now=event.now, emitter_id=node_id, request=found,
-                    dedupe_key=(node_id, event.attempt, "result", ordinal),
-                )
-                for found, ordinal in request_sightings(response, (self.spawn_type, EscalationRequest))
-            ]
+            requests = self._requests_in_response(event)
         for request in requests:
             _HANDLERS[type(request)](self, request)
+
+    def _drop_stale_result(self, event: ev.OperationFinished) -> None:
+        """A stale or duplicate result, of an attempt that no longer owns the node: counted,
+        and told in the node's story."""
+        self.counters["stale_results"] += 1
+        current = self.state.get(event.node_id)
+        if current is not None:  # an id this run never had gets no story of its own
+            self._recorded_story(event.node_id).append((current, current, "stale result dropped", event.attempt))
+
+    def _retry_or_fail(self, event: ev.OperationFinished, node: Operation) -> None:
+        """A failed attempt goes back to the queue if the operation's retry policy allows
+        another (and the run is not cancelling); else the node settles ``failed``."""
+        policy = self.retry_policies.get(node.operation) if self.retry_policies else None
+        if policy is not None and not self.cancelling and policy.allows(event.attempt, event.error_type):
+            self._requeue(event.node_id, f"retried after {event.error_type} on attempt {event.attempt}")
+        else:
+            self._settle_failed(event.node_id, event.error or "operation failed", event.error_type)
+
+    def _requests_in_response(self, event: ev.OperationFinished) -> list[ev.Event]:
+        """Spawn and escalation requests found in a completed response, as events.
+
+        In-process drivers may hand back live request objects in the response. The
+        de-duplication key is durable: the same object seen twice shares the ordinal
+        of its first sighting (ADR-0023 D6 identity semantics, without ``id()``).
+        """
+        node_id = event.node_id
+        return [
+            (ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested)(
+                now=event.now, emitter_id=node_id, request=found,
+                dedupe_key=(node_id, event.attempt, "result", ordinal),
+            )
+            for found, ordinal in request_sightings(event.response, (self.spawn_type, EscalationRequest))
+        ]
 
     def _on_undelivered(self, event: ev.DispatchUndelivered) -> None:
         node_id = event.node_id
@@ -866,6 +877,38 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     def _emit(self, kind: type, node_id: str, extra: dict[str, Any] | None = None) -> None:
         node = self.graph.nodes[node_id]
         self._out.append(ev.EmitSignal(kind, self.run_id, node, self._elapsed, self.deps.get(node_id, ()), extra))
+
+
+def _check_inputs(graph: Any, context: Any, reducers: Mapping[str, Any] | None, max_spawn: Any) -> None:
+    """Refuse, before any state exists, a graph, context, reducer or spawn cap a run cannot take."""
+    if not isinstance(graph, Graph):
+        raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
+    graph.check_references()
+    if context is not None and not isinstance(context, Mapping):
+        raise OperationError(f"context must be a mapping, got {type(context).__name__}")
+    for key, reducer in (reducers or {}).items():
+        if not callable(reducer):
+            raise OperationError(f"the reducer for context key {key!r} is not callable: {type(reducer).__name__}")
+    if not isinstance(max_spawn, int) or isinstance(max_spawn, bool) or max_spawn < 0:
+        raise OperationError(f"max_spawn must be a whole number of at least 0, got {max_spawn!r}")
+
+
+def _capacity(max_concurrent: int | None, parallel: bool) -> int:
+    """Operations a run may have in flight: ``max_concurrent`` (None: the default bound), 1 without ``parallel``."""
+    if max_concurrent is None:
+        max_concurrent = DEFAULT_MAX_CONCURRENCY
+    if not parallel:
+        max_concurrent = 1
+    if max_concurrent < 1:
+        raise OperationError(f"max_concurrent must be at least 1, got {max_concurrent}")
+    return max_concurrent
+
+
+def _check_retry_policies(retry_policies: Mapping[str, Any] | None) -> None:
+    for name, policy in (retry_policies or {}).items():
+        if not isinstance(policy, RetryPolicy):
+            raise OperationError(f"the retry policy for operation {name!r} is not a RetryPolicy: "
+                                 f"{type(policy).__name__}")
 
 
 _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
