@@ -1,8 +1,9 @@
 """Node states of the scheduler and the one declared table of legal transitions.
 
 Owns the vocabulary every kernel module shares: internal states, their public projection,
-``TRANSITIONS``, and the common path whose steps a node's story implies rather than
-records. Anything not in the table is a kernel bug (StateTransitionError).
+``TRANSITIONS`` (registration included), the common path whose steps a node's story
+implies rather than records, and the fast steps hot paths may write without a call per
+node. Anything not in the table is a kernel bug (StateTransitionError).
 """
 
 from __future__ import annotations
