@@ -76,6 +76,7 @@ from .expressions import (
 )
 from .failures import FAILURE_KINDS, RETRYABLE_KINDS, RetryPolicy
 from .graph import BRANCH_OPERATIONS, Edge, EdgeCondition, Graph, Operation, create_operation, settle_completed
+from .invariants import INVARIANTS
 from .patterns import build_dag_graph, build_fanout_graph, normalise_dependency_ordinals
 from .results import FlowEvent, compact_envelope, expand_envelope
 from .scheduler import DEFAULT_MAX_CONCURRENCY, TRANSITIONS, FlowState
@@ -127,6 +128,7 @@ __all__ = [
     "FlowState",
     "Graph",
     "GraphCycleError",
+    "INVARIANTS",
     "InjectRequested",
     "InvariantViolation",
     "NODE_PROGRESS_KINDS",

@@ -40,6 +40,14 @@ class OperationGraphBuilder:
     The record could not tell the two apart, which serialised fan-outs by accident.
     """
 
+    #: The name given to the graph.
+    name: str
+    #: The graph being built; every ``add_*`` and ``expand_from_result`` adds to it.
+    graph: Graph
+    #: The nodes a next ``add_operation(depends_on=None)`` chains after. Replaced by each
+    #: ``add_*`` call and ``expand_from_result``; read through ``current_heads``.
+    _current_heads: list[str]
+
     def __init__(self, name: str = "DynamicGraph") -> None:
         self.name = name
         self.graph = Graph(name)

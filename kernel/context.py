@@ -120,6 +120,23 @@ class SharedContext:
     writer (``follows(previous)``), is recorded as a collision for the envelope.
     """
 
+    #: The initial context, a deep copy, never changed: every replay starts from it.
+    _initial: dict[str, Any]
+    #: The current context. Written by ``_apply`` and ``_replay`` (so by ``merge`` and
+    #: ``_withdraw``); FlowState appends operator messages to its steer queue, and
+    #: dispatch marks those entries rendered.
+    data: dict[str, Any]
+    #: Key -> its declared reducer, set at construction.
+    reducers: dict[str, Reducer]
+    #: Key -> every successful write to it, in rank order: what ``_replay`` applies.
+    #: Added to by ``merge``, taken from by ``_withdraw``.
+    _writes: dict[str, list[_Write]]
+    #: Key -> path -> (rank, writer) of the write that set that leaf (or, for a key with
+    #: a reducer, the key as a whole). Kept by ``_apply``, ``_merge_into`` and ``_replay``.
+    _owners: dict[str, dict[tuple[str, ...], tuple[Any, str]]]
+    #: Key -> the collisions recorded on it (``_record``), cleared when it replays.
+    _collisions: dict[str, list[dict[str, Any]]]
+
     def __init__(self, initial: Mapping[str, Any] | None = None, reducers: Mapping[str, Reducer] | None = None):
         self._initial: dict[str, Any] = copy.deepcopy(dict(initial or {}))
         self.data: dict[str, Any] = copy.deepcopy(self._initial)

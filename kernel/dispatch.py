@@ -16,10 +16,9 @@ from . import events as ev
 from . import signals as sig
 from .context import OPERATOR_MESSAGES_KEY, render_operator_messages, to_mapping
 from .contracts import PLAIN_TYPES
-from .errors import StateTransitionError
 from .events import new_record as _new_record
 from .graph import Operation
-from .states import COMPLETED, FAILED, READY, RUNNING, SKIPPED
+from .states import COMPLETED, FAILED, READY, RUNNING, SKIPPED, illegal_transition
 
 __all__ = ["OperationDispatch"]
 
@@ -41,8 +40,8 @@ class OperationDispatch:
 
         One loop with the per-node lookups bound once, because it runs for every node of
         a run (and once per link of a chain, so the binding is kept short too);
-        READY -> RUNNING is the common path's second step, applied inline (see
-        ``_settle_completed`` in scheduler.py).
+        READY -> RUNNING is the common path's second step, a fast step applied inline
+        once the old state is checked (see ``FAST_STEPS`` in states.py).
 
         A node whose parameters cannot be prepared (a dependency's result that will not
         convert to a mapping, or nests past the interpreter's recursion limit) fails
@@ -56,9 +55,8 @@ class OperationDispatch:
         try:
             for _ in range(count):
                 node_id = ready.popleft()
-                if state[node_id] != READY:
-                    raise StateTransitionError(f"illegal transition {state[node_id]} -> {RUNNING} (dispatched)",
-                                               node_id=node_id)
+                if state[node_id] != READY:  # pins the old state of the fast step (READY, RUNNING)
+                    raise illegal_transition(state[node_id], RUNNING, "dispatched", node_id)
                 attempt = attempts.get(node_id, 0) + 1
                 attempts[node_id] = attempt
                 state[node_id] = RUNNING

@@ -41,6 +41,7 @@ from __future__ import annotations
 import ast
 import operator
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -169,55 +170,85 @@ def _validate(node: ast.AST, depth: int, edge_id: str | None, names: frozenset[s
     The depth check comes first, so this recursion is bounded by ``MAX_AST_DEPTH``
     whatever the parser produced.
     """
-    if depth > MAX_AST_DEPTH:
-        raise UnsafeExpressionError(
-            f"edge expression nests deeper than {MAX_AST_DEPTH} levels; simplify it", edge_id=edge_id
-        )
-    child = depth + 1
+    return _Grammar(edge_id, names).check(node, depth)
 
-    def check(sub: ast.AST) -> ast.AST:
-        return _validate(sub, child, edge_id, names)
 
-    if isinstance(node, ast.Constant):
+@dataclass(frozen=True, slots=True)
+class _Grammar:
+    """The expression grammar as checks, one method per kind of node it allows.
+
+    ``check`` bounds the depth and hands a node to the method for its type; a type
+    without one is refused. Each method checks its node, checks its children one level
+    deeper, and returns the node to keep.
+    """
+
+    edge_id: str | None
+    names: frozenset[str] | None  # the top-level names an expression may read; None: any
+
+    def check(self, node: ast.AST, depth: int) -> ast.AST:
+        if depth > MAX_AST_DEPTH:
+            raise UnsafeExpressionError(
+                f"edge expression nests deeper than {MAX_AST_DEPTH} levels; simplify it", edge_id=self.edge_id
+            )
+        method = _GRAMMAR.get(type(node))
+        if method is None:
+            what = _REJECTED_NAMES.get(type(node), f"the construct {type(node).__name__}")
+            raise _reject(node, what, self.edge_id)
+        return method(self, node, depth + 1)
+
+    def constant(self, node: ast.Constant, child: int) -> ast.AST:
+        """A literal of an allowed type."""
         value = node.value
         if not isinstance(value, _LITERAL_TYPES):
-            raise _reject(node, f"a {type(value).__name__} literal", edge_id)
+            raise _reject(node, f"a {type(value).__name__} literal", self.edge_id)
         return node
-    if isinstance(node, ast.Name):
-        _check_load(node, edge_id)
+
+    def name(self, node: ast.Name, child: int) -> ast.AST:
+        """A public name, one of ``names`` if they are given."""
+        _check_load(node, self.edge_id)
         if node.id.startswith("_"):
-            raise _reject(node, f"the private name {node.id!r}", edge_id)
-        if names is not None and node.id not in names:
+            raise _reject(node, f"the private name {node.id!r}", self.edge_id)
+        if self.names is not None and node.id not in self.names:
             raise UnsafeExpressionError(
                 f"edge expression uses the unknown name {node.id!r}; "
-                f"available names: {', '.join(sorted(names))}",
-                edge_id=edge_id,
+                f"available names: {', '.join(sorted(self.names))}",
+                edge_id=self.edge_id,
             )
         return node
-    if isinstance(node, ast.Attribute):
-        _check_load(node, edge_id)
+
+    def attribute(self, node: ast.Attribute, child: int) -> ast.AST:
+        """A public attribute of an allowed value."""
+        _check_load(node, self.edge_id)
         if node.attr.startswith("_"):
-            raise _reject(node, f"the private attribute {node.attr!r}", edge_id)
-        node.value = check(node.value)
+            raise _reject(node, f"the private attribute {node.attr!r}", self.edge_id)
+        node.value = self.check(node.value, child)
         return node
-    if isinstance(node, ast.Subscript):
-        _check_load(node, edge_id)
-        node.value = check(node.value)
-        node.slice = check(node.slice)
+
+    def subscript(self, node: ast.Subscript, child: int) -> ast.AST:
+        """An allowed value subscripted by an allowed value."""
+        _check_load(node, self.edge_id)
+        node.value = self.check(node.value, child)
+        node.slice = self.check(node.slice, child)
         return node
-    if isinstance(node, ast.Compare):
+
+    def compare(self, node: ast.Compare, child: int) -> ast.AST:
+        """A comparison whose every operator is an allowed one."""
         for op in node.ops:
             if type(op) not in _COMPARISONS:
-                raise _reject(node, f"the operator {type(op).__name__!r} (use == or !=)", edge_id)
-        node.left = check(node.left)
-        node.comparators = [check(item) for item in node.comparators]
+                raise _reject(node, f"the operator {type(op).__name__!r} (use == or !=)", self.edge_id)
+        node.left = self.check(node.left, child)
+        node.comparators = [self.check(item, child) for item in node.comparators]
         return node
-    if isinstance(node, ast.BoolOp):
-        node.values = [check(item) for item in node.values]
+
+    def bool_op(self, node: ast.BoolOp, child: int) -> ast.AST:
+        """``and`` / ``or`` of allowed values."""
+        node.values = [self.check(item, child) for item in node.values]
         return node
-    if isinstance(node, ast.UnaryOp):
+
+    def unary_op(self, node: ast.UnaryOp, child: int) -> ast.AST:
+        """``not`` of an allowed value, or a negative number literal, folded to a Constant."""
         if isinstance(node.op, ast.Not):
-            node.operand = check(node.operand)
+            node.operand = self.check(node.operand, child)
             return node
         operand = node.operand
         if (
@@ -228,13 +259,27 @@ def _validate(node: ast.AST, depth: int, edge_id: str | None, names: frozenset[s
         ):
             # A negative number literal: fold it, so evaluation only ever sees Constants.
             return ast.copy_location(ast.Constant(-operand.value), node)
-        raise _reject(node, "an arithmetic sign (only a literal negative number is allowed)", edge_id)
-    if isinstance(node, (ast.List, ast.Tuple)):
-        _check_load(node, edge_id)
-        node.elts = [check(item) for item in node.elts]
+        raise _reject(node, "an arithmetic sign (only a literal negative number is allowed)", self.edge_id)
+
+    def sequence(self, node: ast.List | ast.Tuple, child: int) -> ast.AST:
+        """A list or tuple display of allowed values."""
+        _check_load(node, self.edge_id)
+        node.elts = [self.check(item, child) for item in node.elts]
         return node
-    what = _REJECTED_NAMES.get(type(node), f"the construct {type(node).__name__}")
-    raise _reject(node, what, edge_id)
+
+
+# Node type -> the _Grammar method that checks it. Exact types: ast.parse makes nothing else.
+_GRAMMAR: dict[type, Callable[[_Grammar, Any, int], ast.AST]] = {
+    ast.Constant: _Grammar.constant,
+    ast.Name: _Grammar.name,
+    ast.Attribute: _Grammar.attribute,
+    ast.Subscript: _Grammar.subscript,
+    ast.Compare: _Grammar.compare,
+    ast.BoolOp: _Grammar.bool_op,
+    ast.UnaryOp: _Grammar.unary_op,
+    ast.List: _Grammar.sequence,
+    ast.Tuple: _Grammar.sequence,
+}
 
 
 _Loadable = ast.Name | ast.Attribute | ast.Subscript | ast.List | ast.Tuple
@@ -255,6 +300,15 @@ class CompiledExpression:
     """
 
     __slots__ = ("_body", "edge_id", "names", "text")
+
+    #: The expression's source: what it pickles as, re-validated on load.
+    text: str
+    #: The edge it gates, for the errors it raises; None outside an edge.
+    edge_id: str | None
+    #: The top-level names it may read; None: any name.
+    names: frozenset[str] | None
+    #: The validated tree that ``evaluate`` walks. Set once by __init__, as every slot is.
+    _body: ast.AST
 
     def __init__(
         self,
@@ -372,6 +426,13 @@ class ExpressionCondition(EdgeCondition):
     naming anything but ``result`` and ``context`` -- fails before the graph runs.
     ``apply`` is synchronous, so the scheduler evaluates it in place.
     """
+
+    #: The compiled expression ``apply`` evaluates. Set once by __init__, as every attribute is.
+    _compiled: CompiledExpression
+    #: The expression's text: what the condition equals, hashes, pickles and travels as.
+    expression: str
+    #: The edge it gates, for the errors its expression raises.
+    edge_id: str | None
 
     def __init__(self, expression: str, *, edge_id: str | None = None) -> None:
         self._compiled = parse_expression(expression, edge_id=edge_id, names=CONDITION_NAMES)

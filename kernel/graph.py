@@ -368,6 +368,20 @@ class Graph:
     close a cycle; whole-graph acyclicity is ``is_acyclic()``.
     """
 
+    #: The graph's name, shown in ``repr`` and kept through pickling.
+    name: str
+    #: Node id -> Operation, in insertion order. Changed by ``add_node`` and ``remove_node``
+    #: (for a running flow, by admission: FlowState's ``_accept``).
+    nodes: dict[str, Operation]
+    #: Edge id -> Edge, in insertion order. Changed by ``add_edge``, ``_attach`` (the codec's
+    #: rebuilt graphs) and ``remove_edge``, and so by ``remove_node``.
+    edges: dict[str, Edge]
+    #: Node id -> ids of its outgoing edges: a list, or the shared read-only empty tuple
+    #: when it has none. Kept by the same methods as ``edges``, and ``add_node``.
+    _out: dict[str, list[str] | tuple[str, ...]]
+    #: Node id -> ids of its incoming edges, kept as ``_out`` is.
+    _in: dict[str, list[str] | tuple[str, ...]]
+
     def __init__(self, name: str = "DynamicGraph") -> None:
         self.name = name
         self.nodes: dict[str, Operation] = {}

@@ -9,6 +9,7 @@ of its own and is reached only through ``handle``.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from itertools import islice, repeat
 from operator import attrgetter, is_not
 from typing import Any
@@ -17,7 +18,7 @@ from . import events as ev
 from .errors import OperationError
 from .events import new_record as _new_record
 from .graph import Operation
-from .states import TERMINAL, WAITING
+from .states import TERMINAL, UNREGISTERED, WAITING
 
 __all__ = ["NodeRegistration"]
 
@@ -69,30 +70,51 @@ class NodeRegistration:
         which lets ranking skip its heap), and the nodes without dependencies, in
         insertion order: the only ones that can be ready before anything settles.
         """
-        graph = self.graph
-        nodes, edges, incoming = graph.nodes, graph.edges, graph._in
-        state, all_deps, dependents, unsettled = self.state, self.deps, self.dependents, self.unsettled
-        # Nothing registered before the start (a node spawned early may sit anywhere):
-        # every dependency is then waiting, so a node waits on all of them.
-        fresh = not early
-        in_order = fresh
-        if fresh:
-            # Built in one step, at full size: growing a dict of 100,000 entries one key
-            # at a time rebuilds its table over and over. ``deps`` is None until a node's
-            # turn below, which is how a dependency not registered yet shows. The empty
-            # internal indexes are replaced outright; ``state`` is public, so it is filled.
-            # Plain roots have no dependencies: each holds its final, empty ones at once.
-            state.update(dict.fromkeys(nodes, WAITING))
-            self.unsettled = unsettled = dict.fromkeys(nodes, 0)
-            self.deps = all_deps = dict.fromkeys(nodes, NO_DEPENDENCIES if plain else None)
-            self.attempt = dict.fromkeys(nodes, 0)
-        items = nodes.items() if fresh else [(node_id, node) for node_id, node in nodes.items() if node_id not in early]
-        if self._stories:  # registration starts a node's story afresh
-            for node_id, _ in items:
-                self._stories.pop(node_id, None)
+        nodes = self.graph.nodes
+        items = self._enter_initial_nodes(early, plain)
         if plain:  # every node a root, registered above
             self.open_nodes += len(nodes)
             return True, list(nodes)
+        in_order, roots = self._index_initial_dependencies(items, fresh=not early)
+        self.open_nodes += len(nodes) - len(early)
+        return in_order, roots
+
+    def _enter_initial_nodes(self, early: set[str], plain: bool) -> Iterable[tuple[str, Operation]]:
+        """The submitted graph's nodes not in ``early``, registered WAITING in one batch with
+        their stories started afresh; returned as (id, node) pairs, in graph order.
+
+        On a fresh start (nothing ``early``) the per-node indexes are made at full size here.
+        """
+        nodes = self.graph.nodes
+        if not early:
+            # Built in one step, at full size: growing a dict of 100,000 entries one key
+            # at a time rebuilds its table over and over. ``deps`` is None until a node's
+            # turn in ``_index_initial_dependencies``, which is how a dependency not
+            # registered yet shows. The empty internal indexes are replaced outright;
+            # ``state`` is public, so it is filled. Plain roots have no dependencies: each
+            # holds its final, empty ones at once.
+            self._transition_batch(nodes, UNREGISTERED, WAITING)
+            self.unsettled = dict.fromkeys(nodes, 0)
+            self.deps = dict.fromkeys(nodes, NO_DEPENDENCIES if plain else None)
+            self.attempt = dict.fromkeys(nodes, 0)
+            items: Iterable[tuple[str, Operation]] = nodes.items()
+        else:
+            items = [(node_id, node) for node_id, node in nodes.items() if node_id not in early]
+            self._transition_batch([node_id for node_id, _ in items], UNREGISTERED, WAITING)
+        if self._stories:  # registration starts a node's story afresh
+            for node_id, _ in items:
+                self._stories.pop(node_id, None)
+        return items
+
+    def _index_initial_dependencies(self, items: Iterable[tuple[str, Operation]],
+                                    fresh: bool) -> tuple[bool, list[str]]:
+        """Each node's dependencies, its place in the dependents of each, and its unsettled
+        counter. Returns whether insertion order is topological, and the roots in order."""
+        nodes, edges, incoming = self.graph.nodes, self.graph.edges, self.graph._in
+        state, all_deps, dependents, unsettled = self.state, self.deps, self.dependents, self.unsettled
+        # Nothing registered before the start (a node spawned early may sit anywhere):
+        # every dependency is then waiting, so a node waits on all of them.
+        in_order = fresh
         roots, terminal = [], TERMINAL
         for node_id, node in items:
             edge_ids = incoming[node_id]
@@ -122,10 +144,7 @@ class NodeRegistration:
                 roots.append(node_id)
                 if not fresh:
                     unsettled[node_id] = 0
-            if not fresh:
-                state[node_id] = WAITING
             all_deps[node_id] = deps
-        self.open_nodes += len(nodes) - len(early)
         return in_order, roots
 
     def _register(self, node_id: str, deps: list[str]) -> int:
@@ -135,6 +154,7 @@ class NodeRegistration:
         state, dependents = self.state, self.dependents
         if self._stories:  # registration starts a node's story afresh
             self._stories.pop(node_id, None)
+        # The fast step (UNREGISTERED, WAITING): admission hands over a node new to the graph.
         state[node_id] = WAITING
         self.deps[node_id] = deps
         unsettled = 0

@@ -7,7 +7,7 @@ one batch per ``handle()`` call (``AppendRecords``). ``FlowState.rebuild`` repla
 batches through ``handle`` in the same grouping, so the rebuilt state is the state the run
 had: node builders are never called again (their children are restored as they were),
 and ``recover()`` sends the attempts that were in flight again, each as a new attempt.
-A mixin of FlowState: it keeps no state of its own beyond the replay flag.
+A mixin of FlowState: the replay flag and the pending records it keeps are declared there.
 """
 
 from __future__ import annotations
@@ -44,11 +44,10 @@ def hashable_key(key: Any) -> Any:
 
 
 class DurableRecords:
-    """Recording, rebuild and recovery, mixed into FlowState."""
+    """Recording, rebuild and recovery, mixed into FlowState.
 
-    durable: bool
-    _replaying: bool
-    _pending_records: list[tuple]
+    Its flags (``durable``, ``_replaying``, ``_pending_records``) are declared on FlowState
+    with the rest of the run's state."""
 
     def _record(self, *record: Any) -> None:
         if self.durable and not self._replaying:

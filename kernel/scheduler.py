@@ -28,10 +28,7 @@ from .contracts import (
     request_sightings,
 )
 from .dispatch import OperationDispatch
-from .errors import (
-    OperationError,
-    StateTransitionError,
-)
+from .errors import OperationError
 from .events import new_record as _new_record
 from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION_ERROR, RetryPolicy
 from .graph import Graph, Operation, condition_is_async, validate_condition
@@ -45,6 +42,7 @@ from .states import (
     COMPLETED,
     EVALUATING,
     FAILED,
+    FAST_STEPS,
     IMPLIED_STEPS,
     READY,
     RUNNING,
@@ -52,12 +50,14 @@ from .states import (
     TERMINAL,
     TRANSITIONS,
     WAITING,
+    illegal_transition,
     implied_story,
 )
 
 __all__ = ["DEFAULT_MAX_CONCURRENCY", "FlowState", "TRANSITIONS"]
 
 DEFAULT_MAX_CONCURRENCY = 10_000
+
 
 class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompletion, DurableRecords,
                 InvariantChecks):
@@ -66,7 +66,171 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     Cost per settlement is O(degree): dependents are found through the reverse
     dependency index and readiness through a counter of unsettled dependencies.
     ``validate()`` states the cross-structure invariants.
+
+    Every attribute is declared below, with what it holds and which code changes it. The
+    mixins (registration.py, admission.py, dispatch.py, completion.py, runlog.py,
+    invariants.py) keep no state of their own: they change these, and only from a
+    handler that ``handle`` called. A node's entry in ``state`` changes only through the
+    TRANSITIONS table (``_transition``, ``_transition_batch`` and the FAST_STEPS sites).
     """
+
+    # -- the run's options: set by __init__ and never changed after, unless said ------
+    #: The graph being run. Admission (admission.py ``_accept``) adds each admitted child
+    #: and its edge; a run finished without write-back swaps it for an empty graph
+    #: (completion.py ``_maybe_finish``).
+    graph: Graph
+    #: The run's id: in every signal, and in the ids of the branches it clones.
+    run_id: str
+    #: At most this many operations in flight (``max_concurrent``; 1 without ``parallel``).
+    capacity: int
+    #: Whether the run admits spawns, escalation children and injections (admission.py).
+    reactive: bool
+    #: The cap on admitted nodes (``spawn_count``).
+    max_spawn: int
+    #: Routing of a SpawnRequest to the child Operation (or None to drop it), user code.
+    node_builder: Callable[[SpawnRequest, Operation | None], Operation | None]
+    #: The request type an outcome's spawn requests are found by and validated against.
+    spawn_type: type
+    #: The flow's default branch: roots without a branch of their own run on it.
+    default_branch_id: str | None
+    #: The branch that dependent and inheriting nodes are cloned from (ADR-0023 D3).
+    clone_source_branch_id: str | None
+    #: Operation name -> its RetryPolicy; read by ``_on_finished``.
+    retry_policies: dict[str, RetryPolicy]
+    #: Branches that exist, or None for "any branch a node names exists". Grows with each
+    #: clone (registration.py ``_clone_branch``).
+    known_branches: set[str] | None
+    #: The shared context. Merged into by ``_settle_completed``; ``_on_operator_message``
+    #: appends to its steer queue, and dispatch.py ``_render_steer`` marks entries rendered.
+    shared: SharedContext
+    #: Whether the finished run writes status, response and error onto its Operations.
+    write_back: bool
+    #: Whether a finished run let its graph go (completion.py ``_maybe_finish``).
+    graph_released: bool
+    #: Whether NodeQueued, NodeStarted and NodeSpawned signals are emitted.
+    progress_signals: bool
+
+    # -- per node: changed as nodes are registered, dispatched and settled ------------
+    #: Node id -> its internal state (states.py), in registration order. Changed only
+    #: through the TRANSITIONS table: ``_transition``, ``_transition_batch`` (registration
+    #: of the submitted graph, its roots made ready) and the FAST_STEPS sites (``_register``,
+    #: ``_make_ready``, dispatch.py ``_dispatch_ready``, ``_settle_completed``).
+    state: dict[str, str]
+    #: Node id -> its dependencies: edge heads, then aggregation sources. Written once per
+    #: node by registration.py (``_register_initial_nodes``, ``_register``).
+    deps: dict[str, Sequence[str]]
+    #: Node id -> the nodes that depend on it; only nodes that have dependents. Appended
+    #: to by registration.py.
+    dependents: dict[str, list[str]]
+    #: Node id -> how many of its dependencies have not settled. Set by registration.py,
+    #: counted down by ``_release_dependents``.
+    unsettled: dict[str, int]
+    #: Node id -> dispatches so far (0 or absent: none). Counted up by dispatch.py
+    #: ``_dispatch_ready``; each dispatch is a new attempt.
+    attempt: dict[str, int]
+    #: Node id -> its rank, which orders shared-context writes. Read through ``_ranks()``;
+    #: set by registration.py (``_rank_initial_nodes``, ``_ranks``) and by ``_accept``.
+    rank: dict[str, tuple[int, ...]]
+    #: How many of the graph's first nodes have an insertion-order rank not yet written to
+    #: ``rank``: set by ``_rank_initial_nodes``, written out and zeroed by ``_ranks``.
+    _deferred_ranks: int
+    #: Node id -> the branch it runs on; absent: the default branch. Set by registration.py
+    #: (``_preallocate_branch``, ``_clone_branch``).
+    branch: dict[str, str | None]
+    #: Nodes whose clone takes their primary's history before their first dispatch. Added
+    #: by ``_preallocate_branch`` and ``recover``, taken out by ``_inherit_primary_history``.
+    pending_inheritance: set[str]
+    #: Node id -> its result: a completed node's response, a failed node's error payload,
+    #: a restored node's response. Set by ``_settle_completed``, ``_settle_failed``, ``_restore``.
+    results: dict[str, Any]
+    #: Node id -> the one mapping of its result that its dependents share; filled lazily
+    #: by dispatch.py ``_mapped_result``.
+    _mapped_results: dict[str, Any]
+    #: Node id -> its error message. Set by ``_settle_failed``, ``_restore`` and
+    #: ``_on_cancel_grace``.
+    errors: dict[str, str]
+    #: Nodes restored as FAILED: reported failed, but their payload reaches no dependent
+    #: (``_gate``). Added to by ``_restore``.
+    restored_failed: set[str]
+    #: READY nodes in dispatch order. Appended by ``_make_ready`` and the start, put back
+    #: in front by ``_requeue``, popped by ``_dispatch_ready``, cleared by a cancel.
+    ready: deque[str]
+    #: Operations in flight: node id -> (attempt, node, dependencies), so that settling
+    #: reads one small dict. Filled by ``_dispatch_ready``; emptied by ``_on_finished``,
+    #: ``_on_undelivered``, ``_requeue`` and ``_on_cancel_grace``.
+    running: dict[str, tuple[int, Operation, Sequence[str]]]
+    #: Registered nodes not yet terminal. Counted up by registration.py, down by every
+    #: terminal step (``_transition``, ``_settle_completed``).
+    open_nodes: int
+    #: Node id -> its recorded story, for nodes that left the common path (``story``).
+    #: Written out by ``_recorded_story`` (also for a stale result, ``_on_finished``),
+    #: appended to by ``_transition`` and by the fast steps of ``_dispatch_ready`` and
+    #: ``_settle_completed``; dropped when a node is registered afresh (registration.py).
+    _stories: dict[str, list[tuple[str, str, str, int]]]
+
+    # -- the run's lifecycle: changed by the control handlers --------------------------
+    #: Whether dispatch is paused (``_on_pause``, ``_on_resume``).
+    paused: bool
+    #: Whether the shell holds dispatch back, for backpressure (``_on_hold``).
+    held: bool
+    #: Ready nodes announced paused since the last pause or resume (``_announce_pause``).
+    _pause_announced: set[str]
+    #: Whether the run is being cancelled: set once by ``_on_cancel``, never cleared.
+    cancelling: bool
+    #: The reason the cancel gave, for every node it cancels (``_on_cancel``).
+    _cancel_reason: str
+    #: Whether FlowStarted arrived (``_on_started``).
+    started: bool
+    #: Whether FinishRun went out (completion.py ``_maybe_finish``).
+    finished: bool
+    #: ``now`` of FlowStarted (``_on_started``).
+    start_time: float
+    #: The latest ``now`` of any event (``handle``).
+    now: float
+    #: Seconds since the start, never negative: the signals' elapsed time (``handle``).
+    _elapsed: float
+
+    # -- reactive admission (admission.py), restored from the run log by runlog.py ------
+    #: Children admitted so far, held at most ``max_spawn`` (``_accept``).
+    spawn_count: int
+    #: Ids of admitted children in order of admission (``_accept``).
+    spawned_ids: list[str]
+    #: Emitters of escalation requests, in order (``_on_escalation``, ``_on_restored``).
+    escalated_operations: list[str]
+    #: The dropped-spawn ledger: one entry per rejected request (``_drop``, ``_on_restored``).
+    dropped_spawns: list[dict[str, Any]]
+    #: De-duplication keys of requests seen (``_is_duplicate_request``, ``_on_restored``).
+    _seen_requests: set[Any]
+    #: Emitter id -> children admitted after it, for the children's ranks (``_accept``).
+    _children: dict[str, int]
+    #: Emitter id -> higher-tier children made for it, for their ids (``_on_escalation``).
+    _escalations: dict[str, int]
+    #: Injections admitted without an emitter, for their ranks (``_accept``).
+    _injected: int
+
+    # -- what goes out ---------------------------------------------------------------
+    #: Events handled, dispatches, settlements, stale results and re-dispatches, for
+    #: ``statistics()``: counted by ``handle``, ``_dispatch_ready``, the terminal steps,
+    #: ``_on_finished``, ``_on_undelivered`` and ``_requeue``.
+    counters: dict[str, int]
+    #: The instructions of the ``handle`` call under way: a new list per call (``handle``),
+    #: appended to by every handler.
+    _out: list[ev.Instruction]
+
+    # -- the durable run log (runlog.py) ------------------------------------------------
+    #: Whether the run records what changes it (set by __init__).
+    durable: bool
+    #: Whether the state is being rebuilt from its log, so records are not written again
+    #: (set and cleared by ``DurableRecords.rebuild``).
+    _replaying: bool
+    #: Records of the ``handle`` call under way: appended by ``_record``, handed out as one
+    #: AppendRecords and emptied by ``handle``.
+    _pending_records: list[tuple]
+
+    #: Whether ``handle`` runs ``validate()`` before it returns, as dask's worker state
+    #: does with ``validate``. Off for the runtime, which pays for no check per step; the
+    #: kernel's tests switch it on for every FlowState (tests/kernel/conftest.py).
+    validate_each_step: bool = False
 
     def __init__(
         self,
@@ -107,29 +271,12 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
 
         ``durable`` runs record what changes them, one ``AppendRecords`` instruction per
         ``handle()`` (runlog.py); ``FlowState.rebuild`` restores such a run from them."""
-        if not isinstance(graph, Graph):
-            raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
-        graph.check_references()
-        if context is not None and not isinstance(context, Mapping):
-            raise OperationError(f"context must be a mapping, got {type(context).__name__}")
-        for key, reducer in (reducers or {}).items():
-            if not callable(reducer):
-                raise OperationError(f"the reducer for context key {key!r} is not callable: {type(reducer).__name__}")
-        if not isinstance(max_spawn, int) or isinstance(max_spawn, bool) or max_spawn < 0:
-            raise OperationError(f"max_spawn must be a whole number of at least 0, got {max_spawn!r}")
-        if max_concurrent is None:
-            max_concurrent = DEFAULT_MAX_CONCURRENCY
-        if not parallel:
-            max_concurrent = 1
-        if max_concurrent < 1:
-            raise OperationError(f"max_concurrent must be at least 1, got {max_concurrent}")
-        for name, policy in (retry_policies or {}).items():
-            if not isinstance(policy, RetryPolicy):
-                raise OperationError(f"the retry policy for operation {name!r} is not a RetryPolicy: "
-                                     f"{type(policy).__name__}")
+        _check_inputs(graph, context, reducers, max_spawn)
+        capacity = _capacity(max_concurrent, parallel)
+        _check_retry_policies(retry_policies)
         self.graph = graph
         self.run_id = run_id
-        self.capacity = max_concurrent
+        self.capacity = capacity
         self.reactive = reactive
         self.max_spawn = max_spawn
         self.node_builder = node_builder or default_node_builder
@@ -216,6 +363,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             # First, so the shell makes the batch durable before it acts on anything it decided.
             out.insert(0, ev.AppendRecords(tuple(self._pending_records)))
             self._pending_records = []
+        if self.validate_each_step:
+            self.validate()
         return out
 
     # -- queries ----------------------------------------------------------------
@@ -274,29 +423,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         for edge in graph.edges.values():
             if edge.condition is not None:
                 validate_condition(edge.condition, edge.id)
-        restored = []
-        # Bound once: this loop runs for every node of the submitted graph.
-        out, deps = self._out, self.deps
-        run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
-        progress, cancelling = self.progress_signals, self.cancelling
-        # Registration filled ``deps`` in node order when nothing was registered before.
-        deps_in_order = deps.values() if fresh else [deps[node_id] for node_id in graph.nodes]
-        # Plain roots (registration.plain_roots) have no branch to make and none is restored:
-        # only their progress signals need this pass over the nodes.
-        if not plain or progress:
-            for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order, strict=True):
-                if early and node_id in early:
-                    continue
-                if node.status not in TERMINAL:
-                    if cancelling:  # cancelled before the start: not queued, and no branch to clone
-                        continue
-                    if progress:
-                        out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
-                    if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
-                        self._preallocate_branch(node)
-                    # else the common root: it runs on the default branch, which ``branch`` leaves implicit
-                else:
-                    restored.append(node)
+        restored = self._queue_initial_nodes(early, plain)
         # Restored terminal nodes short-circuit without invocation (ADR-0023 D5). All
         # of them settle before any is released, so no restored node is ever gated.
         for node in restored:
@@ -305,21 +432,55 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             self._release_dependents(node.id)
         if self.cancelling:  # cancelled before it started: nothing runs, and the run ends
             self._cancel_open_nodes(announce=False)
-            return
-        state, unsettled, incoming = self.state, self.unsettled, graph._in
-        if fresh and not restored:
-            # Nothing has settled, so exactly the nodes without dependencies are ready, in
-            # insertion order: ``_make_ready`` for each, in bulk. No story is recorded yet
-            # (registration starts them afresh), so the step is implied, as for one node.
-            state.update(dict.fromkeys(roots, READY))
-            self.ready.extend(roots)
-            if self.paused:
-                for node_id in roots:
-                    self._announce_pause(node_id)
-            return
-        # Restored (or early-registered) nodes may have unblocked any node: scan them all.
+        elif fresh and not restored:
+            self._ready_roots(roots)
+        else:
+            self._ready_unblocked_nodes()
+
+    def _queue_initial_nodes(self, early: set[str], plain: bool) -> list[Operation]:
+        """Announce each open node of the submitted graph (NodeQueued) and give it its branch.
+
+        Skips the ``early`` nodes (announced on admission). Returns the nodes that arrived
+        terminal, for the start to restore, in graph order.
+        """
+        graph, restored, progress = self.graph, [], self.progress_signals
+        # Plain roots (registration.plain_roots) have no branch to make and none is restored:
+        # only their progress signals need this pass over the nodes.
+        if plain and not progress:
+            return restored
+        # Bound once: this loop runs for every node of the submitted graph.
+        out, deps, cancelling = self._out, self.deps, self.cancelling
+        run_id, elapsed, queued, emit_signal = self.run_id, self._elapsed, sig.NodeQueued, ev.EmitSignal
+        # Registration filled ``deps`` in node order when nothing was registered before.
+        deps_in_order = deps.values() if not early else [deps[node_id] for node_id in graph.nodes]
+        for (node_id, node), node_deps in zip(graph.nodes.items(), deps_in_order, strict=True):
+            if early and node_id in early:
+                continue
+            if node.status in TERMINAL:
+                restored.append(node)
+            elif not cancelling:  # cancelled before the start: not queued, and no branch to clone
+                if progress:
+                    out.append(_new_record(emit_signal, (queued, run_id, node, elapsed, node_deps, None)))
+                if node.branch_id is not None or node_deps or node.metadata.get("inherit_context"):
+                    self._preallocate_branch(node)
+                # else the common root: it runs on the default branch, which ``branch`` leaves implicit
+        return restored
+
+    def _ready_roots(self, roots: list[str]) -> None:
+        """Nothing has settled, so exactly the nodes without dependencies are ready, in
+        insertion order: ``_make_ready`` for each, in bulk. No story is recorded yet
+        (registration starts them afresh), so the step is implied, as for one node."""
+        self._transition_batch(roots, WAITING, READY)
+        self.ready.extend(roots)
+        if self.paused:
+            for node_id in roots:
+                self._announce_pause(node_id)
+
+    def _ready_unblocked_nodes(self) -> None:
+        """Restored (or early-registered) nodes may have unblocked any node: scan them all."""
+        state, unsettled, incoming = self.state, self.unsettled, self.graph._in
         make_ready, gate = self._make_ready, self._gate
-        for node_id in graph.nodes:
+        for node_id in self.graph.nodes:
             if state[node_id] == WAITING and unsettled[node_id] == 0:
                 # A root has no incoming path to gate on (what _gate would conclude).
                 (gate if incoming[node_id] else make_ready)(node_id)
@@ -345,18 +506,14 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         running = self.running
         in_flight = running.get(node_id)  # running holds exactly the nodes in state RUNNING
         if in_flight is None or in_flight[0] != event.attempt:
-            # Stale or duplicate result of an attempt that no longer owns the node.
-            self.counters["stale_results"] += 1
-            current = self.state.get(node_id)
-            if current is not None:  # an id this run never had gets no story of its own
-                self._recorded_story(node_id).append((current, current, "stale result dropped", event.attempt))
+            self._drop_stale_result(event)
             return
         if self.durable:
             self._record("finished", event.now, node_id, event.attempt, status, response, event.error,
                          event.error_type)
         del running[node_id]
         plain = type(response) in PLAIN_TYPES  # carries no context update and no request objects
-        if status == COMPLETED:
+        if status == COMPLETED:  # inline, not a method: every settlement of a run comes this way
             if plain:
                 update = None
             elif type(response) is dict or isinstance(response, Mapping):
@@ -370,29 +527,49 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             else:
                 self._settle_completed(node_id, in_flight, response, update)
         elif status == FAILED:
-            policy = self.retry_policies.get(in_flight[1].operation) if self.retry_policies else None
-            if policy is not None and not self.cancelling and policy.allows(event.attempt, event.error_type):
-                self._requeue(node_id, f"retried after {event.error_type} on attempt {event.attempt}")
-            else:
-                self._settle_failed(node_id, event.error or "operation failed", event.error_type)
+            self._retry_or_fail(event, in_flight[1])
         elif status == CANCELLED:
             self._cancel_node(node_id, "operation cancelled")
         else:
             raise OperationError(f"unknown operation outcome {event.status!r}", node_id=node_id)
         requests: Iterable[ev.Event] = event.requests
         if not requests and not plain and not event.extracted and status == COMPLETED:
-            # In-process drivers may hand back live request objects in the response. The
-            # de-duplication key is durable: the same object seen twice shares the ordinal
-            # of its first sighting (ADR-0023 D6 identity semantics, without ``id()``).
-            requests = [
-                (ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested)(
-                    now=event.now, emitter_id=node_id, request=found,
-                    dedupe_key=(node_id, event.attempt, "result", ordinal),
-                )
-                for found, ordinal in request_sightings(response, (self.spawn_type, EscalationRequest))
-            ]
+            requests = self._requests_in_response(event)
         for request in requests:
             _HANDLERS[type(request)](self, request)
+
+    def _drop_stale_result(self, event: ev.OperationFinished) -> None:
+        """A stale or duplicate result, of an attempt that no longer owns the node: counted,
+        and told in the node's story."""
+        self.counters["stale_results"] += 1
+        current = self.state.get(event.node_id)
+        if current is not None:  # an id this run never had gets no story of its own
+            self._recorded_story(event.node_id).append((current, current, "stale result dropped", event.attempt))
+
+    def _retry_or_fail(self, event: ev.OperationFinished, node: Operation) -> None:
+        """A failed attempt goes back to the queue if the operation's retry policy allows
+        another (and the run is not cancelling); else the node settles ``failed``."""
+        policy = self.retry_policies.get(node.operation) if self.retry_policies else None
+        if policy is not None and not self.cancelling and policy.allows(event.attempt, event.error_type):
+            self._requeue(event.node_id, f"retried after {event.error_type} on attempt {event.attempt}")
+        else:
+            self._settle_failed(event.node_id, event.error or "operation failed", event.error_type)
+
+    def _requests_in_response(self, event: ev.OperationFinished) -> list[ev.Event]:
+        """Spawn and escalation requests found in a completed response, as events.
+
+        In-process drivers may hand back live request objects in the response. The
+        de-duplication key is durable: the same object seen twice shares the ordinal
+        of its first sighting (ADR-0023 D6 identity semantics, without ``id()``).
+        """
+        node_id = event.node_id
+        return [
+            (ev.EscalationRequested if isinstance(found, EscalationRequest) else ev.SpawnRequested)(
+                now=event.now, emitter_id=node_id, request=found,
+                dedupe_key=(node_id, event.attempt, "result", ordinal),
+            )
+            for found, ordinal in request_sightings(event.response, (self.spawn_type, EscalationRequest))
+        ]
 
     def _on_undelivered(self, event: ev.DispatchUndelivered) -> None:
         node_id = event.node_id
@@ -498,7 +675,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         state = self.state
         old = state[node_id]
         if new not in _ALLOWED_FROM[old]:  # the TRANSITIONS table, keyed by ``old``
-            raise StateTransitionError(f"illegal transition {old} -> {new} ({reason})", node_id=node_id)
+            raise illegal_transition(old, new, reason, node_id)
         stories = self._stories
         if node_id in stories:
             stories[node_id].append((old, new, reason, self.attempt.get(node_id, 0)))
@@ -508,6 +685,21 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         if new in TERMINAL:
             self.open_nodes -= 1
             self.counters["settled"] += 1
+
+    def _transition_batch(self, node_ids: Iterable[str], old: str | None, new: str) -> None:
+        """Move every node of ``node_ids`` from ``old`` to ``new``: ``_transition`` in bulk, for
+        the start of a run (registering the submitted graph, readying its roots).
+
+        The row is checked against the table once for the whole batch, not per node, so a
+        fan-out of a million nodes is registered by one update in C. It must be one of
+        ``FAST_STEPS`` and settle nothing: a step that writes no story and moves no
+        counter. The caller guarantees what ``_transition`` would check node by node:
+        every node is in ``old`` and has no recorded story (``validate()`` holds it to that
+        in the tests).
+        """
+        if (old, new) not in FAST_STEPS or new in TERMINAL:
+            raise illegal_transition(old, new, "as a batch")
+        self.state.update(dict.fromkeys(node_ids, new))
 
     def _recorded_story(self, node_id: str) -> list[tuple[str, str, str, int]]:
         """The node's recorded story, written out from its current state the first time."""
@@ -607,7 +799,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
 
     def _make_ready(self, node_id: str) -> None:
         if self.state[node_id] == WAITING and node_id not in self._stories:
-            self.state[node_id] = READY  # the common path's first step: legal, and implied by the story
+            # The common path's first step, implied by the story: the fast step (WAITING, READY).
+            self.state[node_id] = READY
         else:
             self._transition(node_id, READY, "dependencies settled, path valid")
         self.ready.append(node_id)
@@ -632,9 +825,10 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
 
         RUNNING -> COMPLETED is the common path's last step. Like READY -> RUNNING in
         ``_dispatch_ready`` (dispatch.py) it is applied inline rather than through
-        ``_transition``: both are rows of TRANSITIONS (states.py asserts it), the caller
-        has checked the old state, and the step is implied by the story unless that is
-        recorded already.
+        ``_transition``: both are ``FAST_STEPS``, rows of TRANSITIONS checked at import
+        (states.py); the old state is pinned (``running`` holds exactly the RUNNING
+        nodes, and the caller found the node there); and the step is implied by the
+        story unless that is recorded already.
         """
         if update is not None:
             try:
@@ -649,7 +843,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
                 return
         self.results[node_id] = response
         attempt, node, deps = in_flight
-        self.state[node_id] = COMPLETED
+        self.state[node_id] = COMPLETED  # the fast step (RUNNING, COMPLETED)
         stories = self._stories
         if node_id in stories:
             stories[node_id].append((RUNNING, COMPLETED, "operation completed", attempt))
@@ -683,6 +877,38 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     def _emit(self, kind: type, node_id: str, extra: dict[str, Any] | None = None) -> None:
         node = self.graph.nodes[node_id]
         self._out.append(ev.EmitSignal(kind, self.run_id, node, self._elapsed, self.deps.get(node_id, ()), extra))
+
+
+def _check_inputs(graph: Any, context: Any, reducers: Mapping[str, Any] | None, max_spawn: Any) -> None:
+    """Refuse, before any state exists, a graph, context, reducer or spawn cap a run cannot take."""
+    if not isinstance(graph, Graph):
+        raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
+    graph.check_references()
+    if context is not None and not isinstance(context, Mapping):
+        raise OperationError(f"context must be a mapping, got {type(context).__name__}")
+    for key, reducer in (reducers or {}).items():
+        if not callable(reducer):
+            raise OperationError(f"the reducer for context key {key!r} is not callable: {type(reducer).__name__}")
+    if not isinstance(max_spawn, int) or isinstance(max_spawn, bool) or max_spawn < 0:
+        raise OperationError(f"max_spawn must be a whole number of at least 0, got {max_spawn!r}")
+
+
+def _capacity(max_concurrent: int | None, parallel: bool) -> int:
+    """Operations a run may have in flight: ``max_concurrent`` (None: the default bound), 1 without ``parallel``."""
+    if max_concurrent is None:
+        max_concurrent = DEFAULT_MAX_CONCURRENCY
+    if not parallel:
+        max_concurrent = 1
+    if max_concurrent < 1:
+        raise OperationError(f"max_concurrent must be at least 1, got {max_concurrent}")
+    return max_concurrent
+
+
+def _check_retry_policies(retry_policies: Mapping[str, Any] | None) -> None:
+    for name, policy in (retry_policies or {}).items():
+        if not isinstance(policy, RetryPolicy):
+            raise OperationError(f"the retry policy for operation {name!r} is not a RetryPolicy: "
+                                 f"{type(policy).__name__}")
 
 
 _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {

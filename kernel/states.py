@@ -1,19 +1,25 @@
 """Node states of the scheduler and the one declared table of legal transitions.
 
 Owns the vocabulary every kernel module shares: internal states, their public projection,
-``TRANSITIONS``, and the common path whose steps a node's story implies rather than
-records. Anything not in the table is a kernel bug (StateTransitionError).
+``TRANSITIONS`` (registration included), the common path whose steps a node's story
+implies rather than records, and the fast steps hot paths may write without a call per
+node. Anything not in the table is a kernel bug (StateTransitionError).
 """
 
 from __future__ import annotations
 
+from .errors import StateTransitionError
+
 __all__ = [
-    "CANCELLED", "COMPLETED", "EVALUATING", "FAILED", "IMPLIED_STATES", "IMPLIED_STEPS", "READY",
-    "RUNNING", "SKIPPED", "TERMINAL", "TRANSITIONS", "WAITING", "implied_story",
+    "CANCELLED", "COMPLETED", "EVALUATING", "FAILED", "FAST_STEPS", "IMPLIED_STATES", "IMPLIED_STEPS", "READY",
+    "RUNNING", "SKIPPED", "TERMINAL", "TRANSITIONS", "UNREGISTERED", "WAITING", "illegal_transition",
+    "implied_story",
 ]
 
 # Internal node states. "waiting", "evaluating" and "ready" all project to the public
-# status "pending"; the rest are public statuses as they are.
+# status "pending"; the rest are public statuses as they are. A node the run has not
+# registered has no state at all (``state.get(node_id)`` is None): ``UNREGISTERED``.
+UNREGISTERED = None
 WAITING, EVALUATING, READY, RUNNING = "waiting", "evaluating", "ready", "running"
 COMPLETED, FAILED, SKIPPED, CANCELLED = "completed", "failed", "skipped", "cancelled"
 TERMINAL = frozenset({COMPLETED, FAILED, SKIPPED, CANCELLED})
@@ -21,8 +27,9 @@ _PUBLIC_STATUS = {WAITING: "pending", EVALUATING: "pending", READY: "pending", R
                  COMPLETED: COMPLETED, FAILED: FAILED, SKIPPED: SKIPPED, CANCELLED: CANCELLED}
 
 # Every legal node transition. Anything else is a kernel bug (StateTransitionError).
-TRANSITIONS: frozenset[tuple[str, str]] = frozenset(
+TRANSITIONS: frozenset[tuple[str | None, str]] = frozenset(
     {
+        (UNREGISTERED, WAITING),  # registration: the node enters the run (registration.py)
         (WAITING, EVALUATING),
         (WAITING, READY),
         (WAITING, SKIPPED),
@@ -42,9 +49,9 @@ TRANSITIONS: frozenset[tuple[str, str]] = frozenset(
     }
 )
 # The same table keyed by the state left, so the per-transition check is one set probe.
-_ALLOWED_FROM: dict[str, frozenset[str]] = {
+_ALLOWED_FROM: dict[str | None, frozenset[str]] = {
     old: frozenset(new for source, new in TRANSITIONS if source == old)
-    for old in (WAITING, EVALUATING, READY, RUNNING, COMPLETED, FAILED, SKIPPED, CANCELLED)
+    for old in (UNREGISTERED, WAITING, EVALUATING, READY, RUNNING, COMPLETED, FAILED, SKIPPED, CANCELLED)
 }
 
 # The path almost every node takes, one step per state left: (next state, reason).
@@ -58,7 +65,29 @@ IMPLIED_STEPS: dict[str, tuple[str, str]] = {
     RUNNING: (COMPLETED, "operation completed"),
 }
 IMPLIED_STATES = frozenset({WAITING, READY, RUNNING, COMPLETED})
-assert all((old, new) in TRANSITIONS for old, (new, _) in IMPLIED_STEPS.items())
+
+# The rows a hot path may write without a call per node to ``FlowState._transition``:
+# registration and the common path's three steps, none of which writes a story. A single
+# node takes them inline (``_register``, ``_make_ready``, ``_dispatch_ready``,
+# ``_settle_completed``), each site having pinned the node's old state, so the row is a
+# constant there and is checked against the table once, here, at import, not per node;
+# many nodes at once take them through ``FlowState._transition_batch``, which checks the
+# row once per batch. tests/kernel/test_transitions.py holds every write of a node's
+# state to ``_transition``, ``_transition_batch`` and those four sites.
+FAST_STEPS: frozenset[tuple[str | None, str]] = frozenset(
+    {(UNREGISTERED, WAITING), *((old, new) for old, (new, _) in IMPLIED_STEPS.items())}
+)
+
+
+def illegal_transition(old: str | None, new: str, reason: str, node_id: str | None = None) -> StateTransitionError:
+    """The error for a step that is not a row of TRANSITIONS (raised by the caller)."""
+    return StateTransitionError(f"illegal transition {old} -> {new} ({reason})", node_id=node_id)
+
+
+for _old, _new in FAST_STEPS:  # not ``assert``: python -O must not skip it
+    if _new not in _ALLOWED_FROM[_old]:
+        raise illegal_transition(_old, _new, "declared a fast step")
+del _old, _new
 
 
 def implied_story(current: str | None, attempt: int) -> list[tuple[str, str, str, int]]:

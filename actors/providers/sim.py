@@ -180,46 +180,65 @@ def _from_pattern(pattern: str) -> str | None:
     body = pattern[1:] if pattern.startswith("^") else pattern
     body = body[:-1] if body.endswith("$") and not body.endswith("\\$") else body
     while index < len(body):
-        char = body[index]
-        if char in "()|":
+        atom = _pattern_atom(body, index)
+        if atom is None:
             return None
-        if char == "\\" and index + 1 < len(body):
-            atom = _CLASS_SAMPLES.get(body[index + 1], body[index + 1])
-            index += 2
-        elif char == "[":
-            end = body.find("]", index + 2)
-            if end == -1:
-                return None
-            members = body[index + 1:end]
-            if members.startswith("^"):
-                atom = "a" if "a" not in members else "_"
-            elif len(members) >= 3 and members[1] == "-":
-                atom = members[0]
-            else:
-                atom = members[0] if members[0] != "\\" else _CLASS_SAMPLES.get(members[1:2], members[1:2])
-            index = end + 1
-        elif char == ".":
-            atom, index = "a", index + 1
-        else:
-            atom, index = char, index + 1
-        repeat = 1
-        if index < len(body) and body[index] in "*+?{":
-            if body[index] in "*?":
-                repeat, index = 0, index + 1
-            elif body[index] == "+":
-                repeat, index = 1, index + 1
-            else:
-                end = body.find("}", index)
-                if end == -1:
-                    return None
-                low = body[index + 1:end].split(",")[0]
-                if not low.isdigit():
-                    return None
-                repeat, index = int(low), end + 1
-            if index < len(body) and body[index] in "?+":  # lazy or possessive suffix
-                index += 1
-        out.append(atom * repeat)
+        sample, index = atom
+        quantified = _pattern_repeat(body, index)
+        if quantified is None:
+            return None
+        repeat, index = quantified
+        out.append(sample * repeat)
     return "".join(out)
+
+
+def _pattern_atom(body: str, index: int) -> tuple[str, int] | None:
+    """A sample of the atom at ``index`` (an escape, a class, ``.`` or a literal) and the index
+    after it; None for a group, an alternation or an unclosed class."""
+    char = body[index]
+    if char in "()|":
+        return None
+    if char == "\\" and index + 1 < len(body):
+        return _CLASS_SAMPLES.get(body[index + 1], body[index + 1]), index + 2
+    if char == "[":
+        end = body.find("]", index + 2)
+        if end == -1:
+            return None
+        return _class_sample(body[index + 1:end]), end + 1
+    if char == ".":
+        return "a", index + 1
+    return char, index + 1
+
+
+def _class_sample(members: str) -> str:
+    """A character the bracket class ``[members]`` matches."""
+    if members.startswith("^"):
+        return "a" if "a" not in members else "_"
+    if len(members) >= 3 and members[1] == "-":
+        return members[0]
+    return members[0] if members[0] != "\\" else _CLASS_SAMPLES.get(members[1:2], members[1:2])
+
+
+def _pattern_repeat(body: str, index: int) -> tuple[int, int] | None:
+    """How often a shortest match repeats the atom before ``index`` (its quantifier's least
+    count; 1 without one) and the index after the quantifier; None for a count that is not a number."""
+    if index >= len(body) or body[index] not in "*+?{":
+        return 1, index
+    if body[index] in "*?":
+        repeat, index = 0, index + 1
+    elif body[index] == "+":
+        repeat, index = 1, index + 1
+    else:
+        end = body.find("}", index)
+        if end == -1:
+            return None
+        low = body[index + 1:end].split(",")[0]
+        if not low.isdigit():
+            return None
+        repeat, index = int(low), end + 1
+    if index < len(body) and body[index] in "?+":  # lazy or possessive suffix
+        index += 1
+    return repeat, index
 
 
 def _string(schema: dict[str, Any], hint: str) -> str:
@@ -271,50 +290,72 @@ def example_from_schema(schema: dict[str, Any], *, hint: str = "example", root: 
     bounds; enum members and bounded numbers vary with the hint. Defaults are used for
     scalars only, so a list field with an empty default still gets items.
     """
-    root = schema if root is None else root
-    if depth > 16:  # a recursive schema: stop rather than recurse forever
-        return None
-    if "$ref" in schema:
-        target: Any = root
-        for part in schema["$ref"].lstrip("#/").split("/"):
-            target = target[part]
-        return example_from_schema(target, hint=hint, root=root, depth=depth + 1, list_items=list_items)
-    if "const" in schema:
-        return schema["const"]
-    if schema.get("enum"):
-        return _choice(list(schema["enum"]), hint)
-    if "allOf" in schema:
+    return _SchemaExamples(schema if root is None else root, list_items).value(schema, hint, depth)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _SchemaExamples:
+    """Values for the parts of one root schema, one method per kind of schema node.
+
+    ``value`` reads a node's reference or combinator first (``$ref``, ``const``, ``enum``,
+    ``allOf``, ``anyOf``/``oneOf``), then its type; ``root`` is what ``$ref`` points into."""
+
+    root: dict[str, Any]
+    list_items: int
+
+    def value(self, schema: dict[str, Any], hint: str, depth: int) -> Any:
+        if depth > 16:  # a recursive schema: stop rather than recurse forever
+            return None
+        if "$ref" in schema:
+            return self.value(_referenced(schema["$ref"], self.root), hint, depth + 1)
+        if "const" in schema:
+            return schema["const"]
+        if schema.get("enum"):
+            return _choice(list(schema["enum"]), hint)
+        if "allOf" in schema:
+            return self.all_of(schema, hint, depth)
+        for combinator in ("anyOf", "oneOf"):
+            if combinator in schema:
+                return self.one_of(schema, combinator, hint, depth)
+        kind = _type_of(schema)
+        if "default" in schema and kind not in ("object", "array"):
+            return schema["default"]
+        if kind == "object":
+            return self.object_value(schema, hint, depth)
+        if kind == "array":
+            return self.array_value(schema, hint, depth)
+        return _scalar_value(schema, kind, hint)
+
+    def all_of(self, schema: dict[str, Any], hint: str, depth: int) -> Any:
+        """``allOf``: the value of its parts merged into one schema, the node's own keys last."""
         merged: dict[str, Any] = {}
         for part in schema["allOf"]:
-            part = _resolved(part, root)
-            merged.update(part)
+            merged.update(_resolved(part, self.root))
         merged.update({k: v for k, v in schema.items() if k != "allOf"})
-        return example_from_schema(merged, hint=hint, root=root, depth=depth + 1, list_items=list_items)
-    for combinator in ("anyOf", "oneOf"):
-        if combinator in schema:
-            options = [s for s in schema[combinator] if s.get("type") != "null"] or schema[combinator]
-            if "default" in schema and _scalar(schema, root):
-                return schema["default"]
-            return example_from_schema(options[0], hint=hint, root=root, depth=depth + 1, list_items=list_items)
-    kind = schema.get("type", "object" if "properties" in schema else "string")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    if "default" in schema and kind not in ("object", "array"):
-        return schema["default"]
-    if kind == "object":
-        value = {name: example_from_schema(sub, hint=f"{hint}-{name}", root=root, depth=depth + 1,
-                                           list_items=list_items)
+        return self.value(merged, hint, depth + 1)
+
+    def one_of(self, schema: dict[str, Any], combinator: str, hint: str, depth: int) -> Any:
+        """``anyOf``/``oneOf``: a scalar default if every option is scalar, else the first non-null option's value."""
+        options = [s for s in schema[combinator] if s.get("type") != "null"] or schema[combinator]
+        if "default" in schema and _scalar(schema, self.root):
+            return schema["default"]
+        return self.value(options[0], hint, depth + 1)
+
+    def object_value(self, schema: dict[str, Any], hint: str, depth: int) -> dict[str, Any]:
+        """Every property filled, plus ``additionalProperties`` values up to ``minProperties``."""
+        value = {name: self.value(sub, f"{hint}-{name}", depth + 1)
                  for name, sub in schema.get("properties", {}).items()}
         extra = schema.get("additionalProperties")
         needed = schema.get("minProperties", 0) - len(value)
         if isinstance(extra, dict) and needed > 0:
             for index in range(needed):
-                value[f"{hint}-key{index}"] = example_from_schema(extra, hint=f"{hint}-value{index}", root=root,
-                                                                  depth=depth + 1, list_items=list_items)
+                value[f"{hint}-key{index}"] = self.value(extra, f"{hint}-value{index}", depth + 1)
         return value
-    if kind == "array":
+
+    def array_value(self, schema: dict[str, Any], hint: str, depth: int) -> list[Any]:
+        """``list_items`` items (``prefixItems`` first) within ``minItems``/``maxItems``, unique if asked."""
         prefix = schema.get("prefixItems") or []
-        count = max(len(prefix), schema.get("minItems", 0), list_items)
+        count = max(len(prefix), schema.get("minItems", 0), self.list_items)
         if schema.get("maxItems") is not None:
             count = min(count, schema["maxItems"])
         if schema.get("items") is False:
@@ -322,15 +363,20 @@ def example_from_schema(schema: dict[str, Any], *, hint: str = "example", root: 
         items = []
         for index in range(count):
             item_schema = prefix[index] if index < len(prefix) else (schema.get("items") or {})
-            items.append(example_from_schema(item_schema, hint=f"{hint}-{index}" if index else hint, root=root,
-                                             depth=depth + 1, list_items=list_items))
-        if schema.get("uniqueItems"):
-            unique: list[Any] = []
-            for item in items:
-                if item not in unique:
-                    unique.append(item)
-            items = unique
-        return items
+            items.append(self.value(item_schema, f"{hint}-{index}" if index else hint, depth + 1))
+        return _unique(items) if schema.get("uniqueItems") else items
+
+
+def _type_of(schema: dict[str, Any]) -> Any:
+    """The node's type: its first non-null ``type``, else object if it has properties, else string."""
+    kind = schema.get("type", "object" if "properties" in schema else "string")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    return kind
+
+
+def _scalar_value(schema: dict[str, Any], kind: Any, hint: str) -> Any:
+    """A value of a scalar type: integer, number, boolean, null, or else a string."""
     if kind == "integer":
         return _number(schema, hint, integer=True)
     if kind == "number":
@@ -342,13 +388,27 @@ def example_from_schema(schema: dict[str, Any], *, hint: str = "example", root: 
     return _string(schema, hint)
 
 
+def _unique(items: list[Any]) -> list[Any]:
+    """``items`` without repeats, first occurrences in order (values may be unhashable)."""
+    unique: list[Any] = []
+    for item in items:
+        if item not in unique:
+            unique.append(item)
+    return unique
+
+
+def _referenced(reference: str, root: dict[str, Any]) -> Any:
+    """The schema a local ``$ref`` (``#/$defs/Name``) points to inside ``root``."""
+    target: Any = root
+    for part in reference.lstrip("#/").split("/"):
+        target = target[part]
+    return target
+
+
 def _resolved(schema: dict[str, Any], root: dict[str, Any]) -> dict[str, Any]:
     seen = 0
     while "$ref" in schema and seen < 16:
-        target: Any = root
-        for part in schema["$ref"].lstrip("#/").split("/"):
-            target = target[part]
-        schema, seen = target, seen + 1
+        schema, seen = _referenced(schema["$ref"], root), seen + 1
     return schema
 
 

@@ -1,8 +1,11 @@
 """Fixtures for the pure kernel tests: fast, deterministic, no Ray.
 
-``Driver`` plays the GraphExecutor's part by hand: it feeds events into a FlowState,
-runs ``validate()`` after every step, and remembers what came out, so a test reads as
-a sequence of outside facts ("a completed", "b failed") and checks the instructions.
+Every FlowState in these tests runs ``validate()`` at the end of every ``handle()``
+(``validate_each_step``, switched on for each test by an autouse fixture), so every
+scheduling step of the suite, the run log's replays included, is checked against every
+invariant (kernel/invariants.py). ``Driver`` plays the GraphExecutor's part by hand: it
+feeds events into a FlowState and remembers what came out, so a test reads as a
+sequence of outside facts ("a completed", "b failed") and checks the instructions.
 """
 
 from __future__ import annotations
@@ -22,6 +25,12 @@ from opgraph.kernel import (
 )
 
 
+@pytest.fixture(autouse=True)
+def validate_every_step(monkeypatch):
+    """Every FlowState of the test validates its invariants after each ``handle()``."""
+    monkeypatch.setattr(FlowState, "validate_each_step", True)
+
+
 class Driver:
     """A FlowState plus the instructions it produced, checked after every step."""
 
@@ -35,8 +44,7 @@ class Driver:
 
     # -- feeding events -------------------------------------------------------
     def handle(self, *events: Any) -> list[Any]:
-        out = self.state.handle(*events)
-        self.state.validate()
+        out = self.state.handle(*events)  # validated at its end (validate_every_step)
         self.last = out
         self.instructions.extend(out)
         for instruction in out:

@@ -8,9 +8,9 @@ and about one node in five restored: already completed or failed when the run st
 Half the runs declare a reducer for the shared key "beta".
 The driver plays the executor shell: it answers DispatchOperation and
 EvaluateConditions instructions in a seeded random order, one to three per
-``handle()``, sometimes toggles pause and backpressure, and calls ``validate()``
-after every ``handle()``. Spawned children always complete with a response derived
-from their instruction. Some properties add control events before the start, a
+``handle()``, and sometimes toggles pause and backpressure; every ``handle()`` runs
+``validate()`` before it returns (tests/kernel/conftest.py). Spawned children always
+complete with a response derived from their instruction. Some properties add control events before the start, a
 cancel at a random step, or events a live run may receive at any time.
 """
 
@@ -21,7 +21,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -347,83 +347,133 @@ def run_flow(spec: FlowSpec, choose: Callable[[int], int], prelude: tuple[str, .
         reactive=spec.reactive,
         max_spawn=spec.max_spawn,
     )
-    run = Run(envelope={})
-    settled: set[str] = restored_ids(spec)
-    in_flight: dict[str, DispatchOperation] = {}
-    evaluations: dict[str, EvaluateConditions] = {}
-    paused = held = False
+    shell = Shell(spec, graph, choose, settled=restored_ids(spec))
     for index, kind in enumerate(prelude):
-        paused = (kind == "pause") if kind in ("pause", "resume") else paused
-        held = (kind == "hold") if kind in ("hold", "release") else held
+        shell.hand_over_before_the_start(kind)
         state.handle(_prelude_event(kind, index))
-        state.validate()
     events: list[Any] = [FlowStarted(now=0.0)]
-    cancelled = False
-    reported: list[OperationFinished] = []  # outcomes already handed over, for stale copies
     for step in range(1, STEP_LIMIT):
-        instructions = state.handle(*events)
-        state.validate()
-        cancelled = cancelled or any(isinstance(event, CancelRequested) for event in events)
+        shell.read(events, state.handle(*events))
+        if shell.run.envelope:
+            shell.check_nothing_is_left(state)
+            return shell.run
+        events = shell.next_events(step, cancel_at, noise)
+    raise AssertionError(f"no FinishRun after {STEP_LIMIT} steps")
+
+
+@dataclass
+class Shell:
+    """The executor's part in ``run_flow``: what is outstanding and what the kernel said.
+
+    ``read`` takes in one ``handle()``'s instructions, one method per kind it answers;
+    ``next_events`` makes the events of the next step.
+    """
+
+    spec: FlowSpec
+    graph: Graph
+    choose: Callable[[int], int]
+    settled: set[str]  # nodes whose settling signal came out (restored nodes from the start)
+    run: Run = field(default_factory=lambda: Run(envelope={}))
+    in_flight: dict[str, DispatchOperation] = field(default_factory=dict)
+    evaluations: dict[str, EvaluateConditions] = field(default_factory=dict)
+    reported: list[OperationFinished] = field(default_factory=list)  # outcomes handed over, for stale copies
+    paused: bool = False
+    held: bool = False
+    cancelled: bool = False
+
+    def hand_over_before_the_start(self, kind: str) -> None:
+        """Note a control event of the prelude (``PRELUDE_EVENTS``) that gates dispatch."""
+        self.paused = (kind == "pause") if kind in ("pause", "resume") else self.paused
+        self.held = (kind == "hold") if kind in ("hold", "release") else self.held
+
+    # -- what the kernel said ------------------------------------------------------------
+    def read(self, events: list[Any], instructions: list[Any]) -> None:
+        self.cancelled = self.cancelled or any(isinstance(event, CancelRequested) for event in events)
         for instruction in instructions:
-            if isinstance(instruction, EmitSignal) and instruction.kind in TERMINAL_SIGNALS:
-                run.terminal_signals[instruction.op_id] += 1
-                settled.add(instruction.op_id)
-            elif isinstance(instruction, DispatchOperation):
-                run.dispatches[instruction.node_id] += 1
-                unsettled = [dep for dep in _dependencies(graph, instruction.node_id) if dep not in settled]
-                if unsettled:
-                    run.premature_dispatches.append((instruction.node_id, unsettled))
-                if paused or held:
-                    run.dispatched_while_gated.append(instruction.node_id)
-                if cancelled:
-                    run.dispatched_after_cancel.append(instruction.node_id)
-                in_flight[instruction.node_id] = instruction
-            elif isinstance(instruction, EvaluateConditions):
-                evaluations[instruction.node_id] = instruction
-            elif isinstance(instruction, FinishRun):
-                assert not run.envelope, "FinishRun emitted twice"
-                run.envelope = instruction.envelope
-        run.peak_in_flight = max(run.peak_in_flight, len(in_flight))
-        if run.envelope:
-            # A cancel settles a node awaiting its async conditions; their verdict is moot.
-            moot = cancelled and all(state.status_of(node) == "cancelled" for node in evaluations)
-            assert not in_flight and (not evaluations or moot), "finished with work outstanding"
-            run.stale_counted = state.counters["stale_results"]
-            return run
+            reader = self._READERS.get(type(instruction))
+            if reader is not None:
+                reader(self, instruction)
+        self.run.peak_in_flight = max(self.run.peak_in_flight, len(self.in_flight))
+
+    def _signal(self, instruction: EmitSignal) -> None:
+        if instruction.kind in TERMINAL_SIGNALS:
+            self.run.terminal_signals[instruction.op_id] += 1
+            self.settled.add(instruction.op_id)
+
+    def _dispatch(self, instruction: DispatchOperation) -> None:
+        run, node = self.run, instruction.node_id
+        run.dispatches[node] += 1
+        unsettled = [dep for dep in _dependencies(self.graph, node) if dep not in self.settled]
+        if unsettled:
+            run.premature_dispatches.append((node, unsettled))
+        if self.paused or self.held:
+            run.dispatched_while_gated.append(node)
+        if self.cancelled:
+            run.dispatched_after_cancel.append(node)
+        self.in_flight[node] = instruction
+
+    def _evaluate(self, instruction: EvaluateConditions) -> None:
+        self.evaluations[instruction.node_id] = instruction
+
+    def _finish(self, instruction: FinishRun) -> None:
+        assert not self.run.envelope, "FinishRun emitted twice"
+        self.run.envelope = instruction.envelope
+
+    _READERS: ClassVar[dict[type, Callable[[Shell, Any], None]]] = {
+        EmitSignal: _signal, DispatchOperation: _dispatch, EvaluateConditions: _evaluate, FinishRun: _finish,
+    }
+
+    def check_nothing_is_left(self, state: FlowState) -> None:
+        """After FinishRun: no work outstanding, and the stale results the kernel counted."""
+        # A cancel settles a node awaiting its async conditions; their verdict is moot.
+        moot = self.cancelled and all(state.status_of(node) == "cancelled" for node in self.evaluations)
+        assert not self.in_flight and (not self.evaluations or moot), "finished with work outstanding"
+        self.run.stale_counted = state.counters["stale_results"]
+
+    # -- what the shell says next --------------------------------------------------------
+    def next_events(self, step: int, cancel_at: int | None, noise: bool) -> list[Any]:
+        """Settle 1-3 outstanding items, plus the step's noise, cancel and interruption."""
         # Insertion order, not sorted ids: spawned children have random UUIDs, and the
         # choice must replay identically when Hypothesis shrinks.
-        outstanding = [("dispatch", key) for key in in_flight] + [("conditions", key) for key in evaluations]
-        events = []
+        outstanding = [("dispatch", key) for key in self.in_flight] + [("conditions", key) for key in self.evaluations]
         if not outstanding:
-            assert paused or held, "stalled: nothing outstanding, dispatch open, and no FinishRun"
-            paused = held = False
-            events += [ResumeRequested(now=float(step)), DispatchHeld(now=float(step), held=False)]
-            continue
-        for _ in range(1 + choose(min(3, len(outstanding)))):  # settle 1-3 items in one handle()
-            kind, key = outstanding.pop(choose(len(outstanding)))
-            if kind == "dispatch":
-                events.append(_completion(spec, in_flight.pop(key), now=float(step)))
-                reported.append(events[-1])
-            else:
-                request = evaluations.pop(key)
-                results = tuple((edge_id, graph.edges[edge_id].condition.verdict) for edge_id, _ in request.edges)
-                events.append(ConditionsEvaluated(now=float(step), node_id=key, results=results))
-            if not outstanding:
-                break
-        if noise and choose(2) == 0:
-            event = _noise_event(spec, step, choose, reported)
-            run.stale_sent += isinstance(event, OperationFinished)
+            assert self.paused or self.held, "stalled: nothing outstanding, dispatch open, and no FinishRun"
+            self.paused = self.held = False
+            return [ResumeRequested(now=float(step)), DispatchHeld(now=float(step), held=False)]
+        events = self._settle(outstanding, step)
+        if noise and self.choose(2) == 0:
+            event = _noise_event(self.spec, step, self.choose, self.reported)
+            self.run.stale_sent += isinstance(event, OperationFinished)
             events.append(event)
         if step == cancel_at:
             events.append(CancelRequested(now=float(step), reason="cancelled mid-run"))
-        if spec.interruptions and choose(3) == 0:
-            if choose(2):
-                paused = not paused
-                events.append(PauseRequested(now=float(step)) if paused else ResumeRequested(now=float(step)))
+        if self.spec.interruptions and self.choose(3) == 0:
+            events.append(self._interruption(step))
+        return events
+
+    def _settle(self, outstanding: list[tuple[str, str]], step: int) -> list[Any]:
+        """Outcomes or verdicts for 1-3 of the ``outstanding`` items, chosen at random."""
+        events: list[Any] = []
+        for _ in range(1 + self.choose(min(3, len(outstanding)))):
+            kind, key = outstanding.pop(self.choose(len(outstanding)))
+            if kind == "dispatch":
+                events.append(_completion(self.spec, self.in_flight.pop(key), now=float(step)))
+                self.reported.append(events[-1])
             else:
-                held = not held
-                events.append(DispatchHeld(now=float(step), held=held))
-    raise AssertionError(f"no FinishRun after {STEP_LIMIT} steps")
+                request = self.evaluations.pop(key)
+                results = tuple((edge_id, self.graph.edges[edge_id].condition.verdict) for edge_id, _ in request.edges)
+                events.append(ConditionsEvaluated(now=float(step), node_id=key, results=results))
+            if not outstanding:
+                break
+        return events
+
+    def _interruption(self, step: int) -> Any:
+        """Toggle pause or backpressure."""
+        if self.choose(2):
+            self.paused = not self.paused
+            return PauseRequested(now=float(step)) if self.paused else ResumeRequested(now=float(step))
+        self.held = not self.held
+        return DispatchHeld(now=float(step), held=self.held)
 
 
 PRELUDE_EVENTS = ("pause", "resume", "hold", "release", "spawn", "independent spawn", "orphan spawn", "message",

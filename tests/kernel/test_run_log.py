@@ -190,7 +190,6 @@ def drive(state: FlowState, spec: Spec, first: list[Any], choose: Callable[[int]
                 evaluations[instruction.node_id] = instruction
             elif isinstance(instruction, FinishRun):
                 envelope = instruction.envelope
-        state.validate()
         if envelope is not None:
             return Driven(envelope, batches)
         outstanding = [("d", key) for key in in_flight] + [("c", key) for key in evaluations]
