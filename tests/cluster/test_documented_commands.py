@@ -148,7 +148,7 @@ CHECKS = {
     'opgraph flow run triage@1 --input ticket="printer on fire" --input priority=low --json':
         Run(r'"status": "completed"', after=("triage",)),
     "opgraph play list": Run(r"research-brief"),
-    'opgraph engine run research "solid-state batteries" --max-agents 20': Run(r"Findings tree"),
+    'opgraph engine run research "solid-state batteries" --max-depth 2': Run(r"Findings tree"),
     'opgraph engine run hypothesis "sodium-ion cells lose capacity fast below -10 C" "LFP cathodes tolerate heat"':
         Run(r"F1 finding: sodium-ion"),
     'opgraph engine run coding "make add() add its arguments" --workspace docs/examples/adder '
