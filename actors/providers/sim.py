@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hashlib
 import json
 import math
 import random
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderUnavailable, Usage, parse_model_id
 from .limits import estimate_tokens, record_call, record_failure
 from .scripted import prompt_text
+from .sim_words import plain_reply, topic_of, words_for
 
 __all__ = ["MALFORMED_STYLES", "PRESETS", "SimulatedProvider", "SimulationSettings", "example_from_schema",
            "malformed_reply"]
@@ -139,11 +142,12 @@ class SimulatedProvider:
         if response_format.get("type") == "json_schema":
             schema = response_format.get("json_schema", {})
             schema = schema.get("schema", schema)
-            return json.dumps(example_from_schema(schema, hint=f"sim-{digest}", list_items=list_items))
+            return json.dumps(example_from_schema(schema, hint=f"sim-{digest}", list_items=list_items,
+                                                  words=functools.partial(words_for, topic=topic_of(last_user))))
+        topic = topic_of(last_user)
         if response_format.get("type") == "json_object":
-            return json.dumps({"reply": f"sim-{digest}", "prompt": last_user[:80]})
-        snippet = " ".join(last_user.split())[:80]
-        return f"[{model_name} {digest}] simulated reply to: {snippet}"
+            return json.dumps({"reply": plain_reply(topic, digest), "topic": topic})
+        return f"[{model_name} {digest}] simulated reply: {plain_reply(topic, digest)}"
 
 
 # -- schema-valid values -----------------------------------------------------------------------
@@ -241,8 +245,8 @@ def _pattern_repeat(body: str, index: int) -> tuple[int, int] | None:
     return repeat, index
 
 
-def _string(schema: dict[str, Any], hint: str) -> str:
-    value = _FORMATS.get(schema.get("format", ""), hint)
+def _string(schema: dict[str, Any], hint: str, words: Callable[[str], str] | None = None) -> str:
+    value = _FORMATS.get(schema.get("format", "")) or (words(hint) if words else hint)
     pattern = schema.get("pattern")
     if pattern is not None and re.search(pattern, value) is None:
         value = _from_pattern(pattern) or value
@@ -281,16 +285,18 @@ def _number(schema: dict[str, Any], hint: str, integer: bool) -> int | float:
 
 
 def example_from_schema(schema: dict[str, Any], *, hint: str = "example", root: dict[str, Any] | None = None,
-                        depth: int = 0, list_items: int = 1) -> Any:
+                        depth: int = 0, list_items: int = 1, words: Callable[[str], str] | None = None) -> Any:
     """A value that fits a JSON schema (pydantic's: objects, arrays, scalars, enums, $ref, anyOf...).
 
     Every property is filled, not only the required ones; strings carry ``hint`` (one
     more segment per property and list index, so list items differ). Arrays get
     ``list_items`` items within ``minItems``/``maxItems``; numbers stay within their
     bounds; enum members and bounded numbers vary with the hint. Defaults are used for
-    scalars only, so a list field with an empty default still gets items.
+    scalars only, so a list field with an empty default still gets items. ``words`` turns a
+    string's hint into its text (the sim provider's readable sentences); without it the hint
+    is the text.
     """
-    return _SchemaExamples(schema if root is None else root, list_items).value(schema, hint, depth)
+    return _SchemaExamples(schema if root is None else root, list_items, words).value(schema, hint, depth)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -302,6 +308,7 @@ class _SchemaExamples:
 
     root: dict[str, Any]
     list_items: int
+    words: Callable[[str], str] | None = None
 
     def value(self, schema: dict[str, Any], hint: str, depth: int) -> Any:
         if depth > 16:  # a recursive schema: stop rather than recurse forever
@@ -324,7 +331,7 @@ class _SchemaExamples:
             return self.object_value(schema, hint, depth)
         if kind == "array":
             return self.array_value(schema, hint, depth)
-        return _scalar_value(schema, kind, hint)
+        return _scalar_value(schema, kind, hint, self.words)
 
     def all_of(self, schema: dict[str, Any], hint: str, depth: int) -> Any:
         """``allOf``: the value of its parts merged into one schema, the node's own keys last."""
@@ -375,7 +382,7 @@ def _type_of(schema: dict[str, Any]) -> Any:
     return kind
 
 
-def _scalar_value(schema: dict[str, Any], kind: Any, hint: str) -> Any:
+def _scalar_value(schema: dict[str, Any], kind: Any, hint: str, words: Callable[[str], str] | None = None) -> Any:
     """A value of a scalar type: integer, number, boolean, null, or else a string."""
     if kind == "integer":
         return _number(schema, hint, integer=True)
@@ -385,7 +392,7 @@ def _scalar_value(schema: dict[str, Any], kind: Any, hint: str) -> Any:
         return True
     if kind == "null":
         return None
-    return _string(schema, hint)
+    return _string(schema, hint, words)
 
 
 def _unique(items: list[Any]) -> list[Any]:

@@ -223,7 +223,9 @@ def test_concurrent_judgements_share_one_judge_agent(session, model, sink):
 
 def test_research_on_sim_grows_a_tree_of_typed_findings(session):
     session.register_provider("sim", SimulatedProvider(latency=0.0, seed=5))
-    result = run(ResearchEngine().run(TOPIC, session=session))
+    # sim/'s findings read as distinct sentences, so few merge and the tree branches wide:
+    # room for a whole three-level tree, so the run completes instead of filling its bound.
+    result = run(ResearchEngine(max_agents=200).run(TOPIC, session=session))
     research = result.run
     assert not result.degraded and result.skipped == []
     assert len(research.nodes) > 3 and max(node.depth for node in research.nodes.values()) == 3
@@ -231,4 +233,4 @@ def test_research_on_sim_grows_a_tree_of_typed_findings(session):
     assert all(f.finding.aspect in ("background", "mechanism", "evidence", "performance", "limitations", "risks",
                                     "costs", "applications", "alternatives", "open questions")
                for f in research.findings)
-    assert research.agents_made <= 50 and "Findings tree:" in result.text
+    assert research.agents_made <= 200 and "Findings tree:" in result.text

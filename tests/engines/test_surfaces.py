@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import re
 from typing import Literal
 
 import pytest
@@ -98,7 +99,10 @@ def test_engine_run_research_on_sim_prints_a_tree_of_findings(session, tmp_path,
                  "--plain"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert captured.out.startswith("Research: solid-state batteries\nStatus: complete · 3 node(s)")
+    # One level deep: the root and its children (how many, sim/'s text decides).
+    assert re.match(r"Research: solid-state batteries\nStatus: complete · [2-9] node\(s\)", captured.out)
+    # sim/ writes sentences about the topic, not placeholder ids.
+    assert "sim-" not in captured.out and captured.out.count("solid-state batteries") > 5
     assert "Findings tree:\n● solid-state batteries\n│ F1 [" in captured.out and "└── ● " in captured.out
     run_id = captured.err.split("engine run ", 1)[1].split()[0]
     assert main(["run", "show", run_id, "--store", store]) == 0
