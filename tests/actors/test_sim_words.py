@@ -38,7 +38,8 @@ def test_structured_and_plain_replies_are_readable_and_on_topic():
     texts = [finding.description, finding.question, *finding.sources]
     assert all("tidal power" in text.lower() and "sim-" not in text for text in texts)
     assert finding.question.endswith("?") and len(set(finding.sources)) == 2
-    plain = asyncio.run(provider.complete(ChatRequest("sim/default", [{"role": "user", "content": "topic: tidal power"}])))
+    asked = [{"role": "user", "content": "topic: tidal power"}]
+    plain = asyncio.run(provider.complete(ChatRequest("sim/default", asked)))
     assert "simulated reply" in plain.content and "tidal power" in plain.content
     loose = ChatRequest("sim/default", [{"role": "user", "content": "topic: tidal power"}],
                         response_format={"type": "json_object"})
