@@ -14,7 +14,8 @@ import datetime
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ..command_line import JSON, STORE, ExitCode, add_options, duration_seconds, nonnegative_int, positive_int
 from ..store import (
@@ -33,17 +34,28 @@ from .spine import command_group, refused, subcommand
 
 __all__ = ["add_retention_options", "add_runs_parser", "add_store_parser", "retention_schedule"]
 
+T = TypeVar("T")
 _RESUMABLE_HELP = ("also delete runs that can still be resumed: orphaned (`opgraph run resume`), replayable "
                    "(`opgraph o flow --resume`), or not ended (a run still going loses its record)")
 
 
-def _open(prefix: str, store: str | None) -> StoreDatabase | None:
-    """The store at ``--store``, or None (said on stderr) when there is none: a prune never makes one."""
+_CODES = (ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE)
+
+
+def _on_store(prefix: str, store: str | None, work: Callable[[StoreDatabase], T]) -> T | ExitCode:
+    """``work(store)`` on the store at ``--store``; else the exit code, said on stderr, when there is no
+    store there (none is made) or it cannot be used."""
+    from opgraph.kernel import OpGraphError
+
     path = store_location(store)
     if not store_exists(path):
         print(f"{prefix}: there is no run store at {path}", file=sys.stderr)
-        return None
-    return StoreDatabase(path)
+        return ExitCode.USAGE
+    try:
+        with StoreDatabase(path) as opened:
+            return work(opened)
+    except OpGraphError as exc:
+        return refused(prefix, exc)
 
 
 def _replaying_lanes() -> frozenset[str]:
@@ -64,17 +76,10 @@ def _when(stamp: float | None) -> str:
 
 # -- opgraph runs list ------------------------------------------------------------------------
 def runs_list(arguments: argparse.Namespace) -> int:
-    from opgraph.kernel import OpGraphError
-
-    try:
-        store = _open("opgraph runs list", arguments.store)
-        if store is None:
-            return ExitCode.USAGE
-        with store:
-            runs = stored_runs(store, replaying_lanes=_replaying_lanes(),
-                               run_log_here=holds_run_log(store_location(arguments.store)))
-    except OpGraphError as exc:
-        return refused("opgraph runs list", exc)
+    runs = _on_store("opgraph runs list", arguments.store, lambda store: stored_runs(
+        store, replaying_lanes=_replaying_lanes(), run_log_here=holds_run_log(store.path)))
+    if isinstance(runs, ExitCode):
+        return runs
     now = datetime.datetime.now().timestamp()
     shown = [run for run in runs if (not arguments.status or run.status in arguments.status)
              and (arguments.older_than is None or now - run.at >= arguments.older_than)][:arguments.limit]
@@ -93,8 +98,6 @@ def runs_list(arguments: argparse.Namespace) -> int:
 
 # -- opgraph runs prune -----------------------------------------------------------------------
 def runs_prune(arguments: argparse.Namespace) -> int:
-    from opgraph.kernel import OpGraphError
-
     policy = RetentionPolicy(older_than=arguments.older_than, keep_last=arguments.keep_last,
                              statuses=frozenset(arguments.status) if arguments.status else None,
                              include_resumable=arguments.include_resumable)
@@ -102,24 +105,18 @@ def runs_prune(arguments: argparse.Namespace) -> int:
         print("opgraph runs prune: say which runs go: --older-than, --keep-last and/or --status "
               "(every ended run: --older-than 0s)", file=sys.stderr)
         return ExitCode.USAGE
-    path = store_location(arguments.store)
-    vacuumed: dict[str, Any] | None = None
-    try:
-        store = _open("opgraph runs prune", arguments.store)
-        if store is None:
-            return ExitCode.USAGE
-        with store:
-            report = prune_runs(store, policy, dry_run=arguments.dry_run, replaying_lanes=_replaying_lanes(),
-                                run_log_here=holds_run_log(path), batch_size=arguments.batch_size)
-            if arguments.vacuum and not arguments.dry_run:
-                vacuumed = _vacuum(store)
-                if vacuumed is None:
-                    _print_prune(report, arguments.json, None)
-                    return ExitCode.FAILED
-    except OpGraphError as exc:
-        return refused("opgraph runs prune", exc)
+
+    def prune(store: StoreDatabase) -> tuple[PruneReport, dict[str, Any] | None]:
+        report = prune_runs(store, policy, dry_run=arguments.dry_run, replaying_lanes=_replaying_lanes(),
+                            run_log_here=holds_run_log(store.path), batch_size=arguments.batch_size)
+        return report, _vacuum(store) if arguments.vacuum and not arguments.dry_run else None
+
+    done = _on_store("opgraph runs prune", arguments.store, prune)
+    if isinstance(done, ExitCode):
+        return done
+    report, vacuumed = done
     _print_prune(report, arguments.json, vacuumed)
-    return ExitCode.OK
+    return ExitCode.FAILED if arguments.vacuum and not arguments.dry_run and vacuumed is None else ExitCode.OK
 
 
 def _vacuum(store: StoreDatabase) -> dict[str, Any] | None:
@@ -170,16 +167,9 @@ def _print_prune(report: PruneReport, as_json: bool, vacuumed: dict[str, Any] | 
 
 # -- opgraph store vacuum ---------------------------------------------------------------------
 def store_vacuum(arguments: argparse.Namespace) -> int:
-    from opgraph.kernel import OpGraphError
-
-    try:
-        store = _open("opgraph store vacuum", arguments.store)
-        if store is None:
-            return ExitCode.USAGE
-        with store:
-            vacuumed = _vacuum(store)
-    except OpGraphError as exc:
-        return refused("opgraph store vacuum", exc)
+    vacuumed = _on_store("opgraph store vacuum", arguments.store, _vacuum)
+    if isinstance(vacuumed, ExitCode):
+        return vacuumed
     if vacuumed is None:
         return ExitCode.FAILED
     if arguments.json:
@@ -207,7 +197,7 @@ def add_runs_parser(subcommands: Any) -> None:
     actions = command_group(subcommands, "runs", "the runs the store keeps: list them, prune old ones")
     listing = subcommand(
         actions, "list", "list the runs the store keeps, newest first, and which can still be resumed",
-        codes=(ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE),
+        codes=_CODES,
         description="Every run the database keeps: lane runs (the run store's records), engine runs, and "
                     "runs only the runtime's run log knows (a Python Session.flow), with whether each can "
                     "still be resumed, which `opgraph runs prune` never deletes unless told.")
@@ -217,7 +207,7 @@ def add_runs_parser(subcommands: Any) -> None:
     listing.set_defaults(handler=runs_list)
     prune = subcommand(
         actions, "prune", "delete old runs with their signals, run log and branches, in short batches",
-        codes=(ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE),
+        codes=_CODES,
         description="Delete the runs a policy selects: of the runs with --status (any by default), the "
                     "--keep-last most recent stay, and of the others those --older-than go. A run goes with "
                     "its record, signals, node results, recorded branches, engine events, run log and the "
@@ -243,7 +233,7 @@ def add_store_parser(subcommands: Any) -> None:
     actions = command_group(subcommands, "store", "the run store's database")
     vacuum = subcommand(
         actions, "vacuum", "rebuild a SQLite store with VACUUM, giving free space back (needs it to itself)",
-        codes=(ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE),
+        codes=_CODES,
         description="SQLite: VACUUM rebuilds the file without its free pages and turns incremental vacuum on "
                     "(a file made before opgraph did so can be converted no other way), so later prunes give "
                     "their space back as they go. It needs the database to itself: stop `opgraph serve` and "
