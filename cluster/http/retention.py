@@ -98,7 +98,7 @@ class ScheduledPruning:
             report = await asyncio.to_thread(prune_runs, pruning, self.schedule.policy,
                                              replaying_lanes=self.replaying_lanes,
                                              run_log_here=holds_run_log(pruning.path), stop=self._stopping)
-        except OpGraphError as exc:  # a store error: said, and tried again at the next interval
+        except (OpGraphError, OSError) as exc:  # the store failed (or its file went): said, tried again later
             say(f"retention: the prune failed: {exc}; trying again in {self.schedule.interval:g} s")
             return
         self.runs += 1

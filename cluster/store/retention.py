@@ -46,6 +46,7 @@ __all__ = [
     "RETENTION_STATUSES",
     "PruneReport",
     "RetentionPolicy",
+    "Selection",
     "StoredRun",
     "holds_run_log",
     "prune_runs",

@@ -31,9 +31,10 @@ from opgraph.cluster.store import RetentionPolicy
 
 
 @pytest.fixture
-def six_runs(tmp_path):
-    """A SQLite store with five ended runs and one orphan whose run log is elsewhere (so: resumable)."""
-    target = tmp_path / "opgraph.db"
+def six_runs(database_target):
+    """A store (SQLite, then PostgreSQL) with five ended runs and one orphan whose run log is elsewhere
+    (OPGRAPH_DB is another database: so it may be resumable there, and is kept)."""
+    target = database_target
     with RunRows(target) as rows:
         ids = [rows.lane_run(at=1000.0 + index) for index in range(5)]
         ids.append(rows.orphaned_run(at=900.0))
@@ -66,9 +67,13 @@ def test_runs_prune_refuses_to_guess_which_runs_go(six_runs, capsys):
     with pytest.raises(SystemExit) as exited:
         cli_main(["runs", "prune", "--older-than", "ten days", "--store", str(target)])
     assert exited.value.code == 2
-    assert cli_main(["runs", "prune", "--older-than", "1d", "--store", str(target.parent / "none.db")]) == 2
+
+
+
+def test_runs_prune_makes_no_store_where_there_is_none(tmp_path, capsys):
+    assert cli_main(["runs", "prune", "--older-than", "1d", "--store", str(tmp_path / "none.db")]) == 2
     assert "there is no run store at" in capsys.readouterr().err
-    assert not (target.parent / "none.db").exists()
+    assert not (tmp_path / "none.db").exists()
 
 
 def test_runs_list_shows_every_kind_and_what_can_still_be_resumed(tmp_path, capsys):
