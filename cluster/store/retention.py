@@ -360,18 +360,21 @@ class _Pruner:
 
     def _branch_heads(self, db: Connection, run_ids: Sequence[str], leaving: set[str]) -> list[Any]:
         """The heads of the batch's branches: those named in its runs' own scopes, and those its runs
-        recorded, except a Session's and any another run (one not leaving) still records or owns."""
+        recorded, except a Session's and any another run (one not leaving) still records or owns.
+        Only branches that still have a head are looked up further (a lane's run drops its own at its
+        end), so a batch of such runs reads no more than the branch-id index."""
         recorded: set[str] = set()
         for part in chunks(run_ids):
             recorded.update(row[0] for row in db.execute(
                 f"SELECT branch_id FROM run_branches WHERE run_id IN ({', '.join('?' * len(part))})", list(part)))
         named = branch_heads_in_scopes(db, [prefix for run_id in run_ids for prefix in run_scope_prefixes(run_id)])
-        candidates = {head.branch_id for head in named}
-        candidates.update(branch for branch in recorded if not branch.startswith(SESSION_BRANCH_PREFIX))
-        needed = self._still_referenced(db, candidates, leaving)
         found = {head.branch_id for head in named}
-        return [*(head for head in named if head.branch_id not in needed),
-                *branch_heads(db, candidates - needed - found)]
+        heads = [*named, *branch_heads(db, {branch for branch in recorded - found
+                                             if not branch.startswith(SESSION_BRANCH_PREFIX)})]
+        if not heads:
+            return []
+        needed = self._still_referenced(db, {head.branch_id for head in heads}, leaving)
+        return [head for head in heads if head.branch_id not in needed]
 
     def _still_referenced(self, db: Connection, branch_ids: set[str], leaving: set[str]) -> set[str]:
         referenced: set[str] = set()
