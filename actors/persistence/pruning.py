@@ -25,8 +25,10 @@ __all__ = [
     "branch_heads",
     "branch_heads_in_scopes",
     "chunks",
+    "delete_rows",
     "delete_run_logs",
     "logged_run_rows",
+    "placeholders",
     "run_scope_prefixes",
     "runtime_schema_version",
 ]
@@ -43,7 +45,8 @@ def chunks(items: Sequence[Any], size: int = CHUNK) -> Iterator[Sequence[Any]]:
         yield items[start:start + size]
 
 
-def _marks(count: int) -> str:
+def placeholders(count: int) -> str:
+    """``?, ?, ...``: ``count`` parameters of an IN list."""
     return ", ".join("?" * count)
 
 
@@ -88,7 +91,7 @@ def logged_run_rows(connection: Connection, run_ids: Collection[str] | None = No
         return [LoggedRunRow(*row[:5], bool(row[5])) for row in connection.execute(sql).fetchall()]
     found: list[LoggedRunRow] = []
     for part in chunks(list(run_ids)):
-        rows = connection.execute(f"{sql} WHERE r.run_id IN ({_marks(len(part))})", part).fetchall()
+        rows = connection.execute(f"{sql} WHERE r.run_id IN ({placeholders(len(part))})", part).fetchall()
         found.extend(LoggedRunRow(*row[:5], bool(row[5])) for row in rows)
     return found
 
@@ -98,13 +101,14 @@ def delete_run_logs(connection: Connection, run_ids: Sequence[str], *, count_onl
     counts = dict.fromkeys(RUN_LOG_TABLES, 0)
     for part in chunks(run_ids):
         for table in RUN_LOG_TABLES:
-            counts[table] += _delete_where(connection, table, f"run_id IN ({_marks(len(part))})", part,
+            counts[table] += delete_rows(connection, table, f"run_id IN ({placeholders(len(part))})", part,
                                            count_only=count_only)
     return counts
 
 
-def _delete_where(connection: Connection, table: str, where: str, parameters: Sequence[Any], *,
-                  count_only: bool) -> int:
+def delete_rows(connection: Connection, table: str, where: str, parameters: Sequence[Any], *,
+                count_only: bool) -> int:
+    """Delete the rows of ``table`` that match ``where``, or (``count_only``) count them; how many."""
     if count_only:
         return int(connection.execute(f"SELECT COUNT(*) FROM {table} WHERE {where}", parameters).fetchone()[0])
     return max(0, connection.execute(f"DELETE FROM {table} WHERE {where}", parameters).rowcount)
@@ -151,7 +155,7 @@ def branch_heads(connection: Connection, branch_ids: Collection[str]) -> list[Br
     found: list[BranchHead] = []
     for part in chunks(sorted(branch_ids)):
         found.extend(BranchHead(*row) for row in connection.execute(
-            f"{_HEADS} WHERE branch_id IN ({_marks(len(part))})", part))
+            f"{_HEADS} WHERE branch_id IN ({placeholders(len(part))})", part))
     return found
 
 
@@ -208,11 +212,11 @@ class BranchSweep:
         doomed = {record_id for record_id in doomed if (owner, shard, record_id) not in self.collected}
         counts = {"runtime_branch_records": 0, "runtime_branch_messages": 0}
         for part in chunks(sorted(doomed)):
-            where = f"owner = ? AND shard = ? AND record_id IN ({_marks(len(part))})"
+            where = f"owner = ? AND shard = ? AND record_id IN ({placeholders(len(part))})"
             parameters = (owner, shard, *part)
-            counts["runtime_branch_messages"] += _delete_where(connection, "runtime_branch_messages", where,
+            counts["runtime_branch_messages"] += delete_rows(connection, "runtime_branch_messages", where,
                                                                parameters, count_only=self.count_only)
-            counts["runtime_branch_records"] += _delete_where(connection, "runtime_branch_records", where,
+            counts["runtime_branch_records"] += delete_rows(connection, "runtime_branch_records", where,
                                                               parameters, count_only=self.count_only)
         if self.count_only:
             self.collected.update((owner, shard, record_id) for record_id in doomed)

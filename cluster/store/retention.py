@@ -25,12 +25,15 @@ from opgraph.actors.persistence.backends import Connection, describe, is_postgre
 from opgraph.actors.persistence.pruning import (
     BRANCH_TABLES,
     RUN_LOG_TABLES,
+    BranchHead,
     BranchSweep,
     branch_heads,
     branch_heads_in_scopes,
     chunks,
+    delete_rows,
     delete_run_logs,
     logged_run_rows,
+    placeholders,
     run_scope_prefixes,
     runtime_schema_version,
 )
@@ -132,7 +135,7 @@ def _id_filter(run_ids: Collection[str] | None, column: str = "run_id") -> Itera
         yield "", []
         return
     for part in chunks(sorted(run_ids)):
-        yield f" WHERE {column} IN ({', '.join('?' * len(part))})", list(part)
+        yield f" WHERE {column} IN ({placeholders(len(part))})", list(part)
 
 
 def _json(text: str | None) -> Any:
@@ -339,9 +342,9 @@ class _Pruner:
                 report.add({"runtime_branch_heads": self.sweep.drop(db, self._branch_heads(db, run_ids, leaving))})
                 report.add(delete_run_logs(db, run_ids, count_only=self.dry_run))
             for part in chunks(run_ids):
-                where, marks = f"run_id IN ({', '.join('?' * len(part))})", list(part)
+                where, marks = f"run_id IN ({placeholders(len(part))})", list(part)
                 for table in (*STORE_RUN_TABLES, *ENGINE_RUN_TABLES):
-                    report.add({table: _delete(db, table, where, marks, count_only=self.dry_run)})
+                    report.add({table: delete_rows(db, table, where, marks, count_only=self.dry_run)})
         self.gone.update(run_ids)
         report.runs += len(run_ids)
         report.batches += 1
@@ -358,7 +361,7 @@ class _Pruner:
         report.changed += len(kept)
         return [run_id for run_id in run_ids if run_id not in kept]
 
-    def _branch_heads(self, db: Connection, run_ids: Sequence[str], leaving: set[str]) -> list[Any]:
+    def _branch_heads(self, db: Connection, run_ids: Sequence[str], leaving: set[str]) -> list[BranchHead]:
         """The heads of the batch's branches: those named in its runs' own scopes, and those its runs
         recorded, except a Session's and any another run (one not leaving) still records or owns.
         Only branches that still have a head are looked up further (a lane's run drops its own at its
@@ -366,7 +369,7 @@ class _Pruner:
         recorded: set[str] = set()
         for part in chunks(run_ids):
             recorded.update(row[0] for row in db.execute(
-                f"SELECT branch_id FROM run_branches WHERE run_id IN ({', '.join('?' * len(part))})", list(part)))
+                f"SELECT branch_id FROM run_branches WHERE run_id IN ({placeholders(len(part))})", list(part)))
         named = branch_heads_in_scopes(db, [prefix for run_id in run_ids for prefix in run_scope_prefixes(run_id)])
         found = {head.branch_id for head in named}
         heads = [*named, *branch_heads(db, {branch for branch in recorded - found
@@ -381,7 +384,7 @@ class _Pruner:
         ordered = sorted(branch_ids)
         for part in chunks(ordered):
             for run_id, branch_id in db.execute("SELECT run_id, branch_id FROM run_branches WHERE branch_id IN "
-                                                f"({', '.join('?' * len(part))})", list(part)):
+                                                f"({placeholders(len(part))})", list(part)):
                 if run_id not in leaving:
                     referenced.add(branch_id)
         # A branch named in another run's own scope is that run's while it stays.
@@ -394,7 +397,7 @@ class _Pruner:
                         owners.setdefault(rest[:end], set()).add(branch_id)
         candidates = [run_id for run_id in owners if run_id not in leaving]
         for part in chunks(candidates):
-            marks = ", ".join("?" * len(part))
+            marks = placeholders(len(part))
             for table in ("runs", "engine_runs", *(("runtime_runs",) if self.runtime else ())):
                 for (run_id,) in db.execute(f"SELECT run_id FROM {table} WHERE run_id IN ({marks})", list(part)):
                     referenced.update(owners[run_id])
@@ -405,12 +408,6 @@ class _Pruner:
         for owner, shard in self.sweep.shards():
             with self.store.transaction(write=not self.dry_run) as db:
                 report.add(self.sweep.collect(db, owner, shard))
-
-
-def _delete(db: Connection, table: str, where: str, parameters: Sequence[Any], *, count_only: bool) -> int:
-    if count_only:
-        return int(db.execute(f"SELECT COUNT(*) FROM {table} WHERE {where}", parameters).fetchone()[0])
-    return max(0, db.execute(f"DELETE FROM {table} WHERE {where}", parameters).rowcount)
 
 
 # A batch whose transaction took longer than this is halved next time (and one far quicker
