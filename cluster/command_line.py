@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ __all__ = [
     "ExitCode",
     "SharedOption",
     "add_options",
+    "duration_seconds",
     "exit_codes_epilog",
     "exit_codes_table",
     "nonnegative_int",
@@ -101,6 +103,18 @@ def positive_int(text: str) -> int:
 def nonnegative_int(text: str) -> int:
     """An argparse type: a whole number, 0 or more."""
     return _whole_number(text, 0)
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+def duration_seconds(text: str) -> float:
+    """An argparse type: a duration such as ``30d``, ``12h``, ``90m``, ``45s``, ``2w`` or ``1h30m``, in seconds."""
+    spec = text.strip().lower()
+    if not spec or _DURATION.sub("", spec):
+        raise argparse.ArgumentTypeError(f"must be a duration such as 30d, 12h, 90m, 45s or 1h30m, got {text!r}")
+    return float(sum(float(number) * _DURATION_UNITS[unit] for number, unit in _DURATION.findall(spec)))
 
 
 # -- the shared options --------------------------------------------------------------------------------

@@ -186,6 +186,13 @@ class SqliteConnection(Connection):
     @classmethod
     def open(cls, path: str, *, timeout: float, named_rows: bool) -> SqliteConnection:
         connection = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
+        # Pages freed by pruning (opgraph runs prune) go back to the file system, a step at a
+        # time, by PRAGMA incremental_vacuum. SQLite takes this only on an empty file (before the
+        # first table and the switch to WAL); an older file is converted only by a full VACUUM
+        # (opgraph store vacuum). Asked only of an empty file: on one that has it already, the
+        # pragma rewrites the header, and so waits for any other writer.
+        if connection.execute("PRAGMA page_count").fetchone()[0] == 0:
+            connection.execute("PRAGMA auto_vacuum = INCREMENTAL")
         if named_rows:
             connection.row_factory = sqlite3.Row
         connection.execute(f"PRAGMA busy_timeout = {int(timeout * 1000):d}")

@@ -29,6 +29,7 @@ from .engine import add_engine_parser, add_run_show_parser
 from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workflows_parser
 from .orchestrate import add_orchestrate_parser, add_play_parser
 from .results import add_result_parsers
+from .runs import add_retention_options, add_runs_parser, add_store_parser, retention_schedule
 from .spine import command_group, refused, subcommand
 
 __all__ = ["main"]
@@ -57,7 +58,7 @@ def _serve_api(arguments: argparse.Namespace) -> int:
 
     try:
         serve(arguments.host, arguments.port, store_path=arguments.store, address=arguments.address,
-              max_body_bytes=arguments.max_body_bytes)
+              max_body_bytes=arguments.max_body_bytes, retention=retention_schedule(arguments))
     except OpGraphError as exc:  # the store cannot be opened: nothing was served
         return refused("opgraph serve", exc, ExitCode.USAGE)
     return ExitCode.OK
@@ -131,6 +132,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_metrics_parser(subcommands)
     _add_job_parser(subcommands)
     _add_run_parser(subcommands)
+    add_runs_parser(subcommands)
+    add_store_parser(subcommands)
     return parser
 
 
@@ -149,6 +152,7 @@ def _add_serve_parser(subcommands: Any) -> None:
     api.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                      help=f"largest request body taken; a larger one is refused with 413 before it is read "
                           f"whole ({DEFAULT_MAX_BODY_BYTES})")
+    add_retention_options(api)
     api.set_defaults(handler=_serve_api)
 
 

@@ -53,6 +53,7 @@ from ..lanes import (
     follow_submitted,
     lane_adapter,
     open_store,
+    replaying_lanes,
     settle_from_log,
 )
 from ..store import RunRecord, RunStore, WorkflowVersion, WorkflowVersionNotFoundError
@@ -67,6 +68,7 @@ from .problems import (
     links,
     run_links,
 )
+from .retention import RetentionSchedule, ScheduledPruning
 from .runs import CANCEL_GRACE_SECONDS, RunTasks, SessionSlot, say
 
 __all__ = [
@@ -230,7 +232,8 @@ def _session_factory(address: str | None = None) -> Callable[[], Any]:
 
 def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = None,
                max_concurrent: int = 5, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               start_runtime: bool = True, submit_runs: bool | None = None) -> FastAPI:
+               start_runtime: bool = True, submit_runs: bool | None = None,
+               retention: RetentionSchedule | None = None) -> FastAPI:
     """The API over ``store``; runs use one Session from ``session_factory`` (default ``Session()``).
 
     The Session starts with the app (``start_runtime``), before it takes requests, so
@@ -244,6 +247,7 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
     run is driven through ``Session.flow`` by this server, with every lifecycle signal.
     The caller owns ``store`` and the Session; shutting the app down stops following (a
     run it drives through ``flow`` is cancelled and recorded ``cancelled``) but closes neither.
+    ``retention`` prunes the store on a schedule, in the background (``ScheduledPruning``).
     """
     runs = RunTasks(store)
     sessions = SessionSlot(session_factory or _session_factory())
@@ -262,7 +266,13 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
                 say(f"{exc.message}; serving definitions, and each run will try again")
             else:
                 say(f"runtime ready in {time.monotonic() - started:.1f} s")
+        pruning = ScheduledPruning(store, retention, replaying_lanes()) if retention is not None else None
+        if pruning is not None:
+            pruning.start()
+        app.state.retention = pruning
         yield
+        if pruning is not None:
+            await pruning.stop()
         await runs.cancel_all()
 
     app = FastAPI(title="opgraph fixed workflows", lifespan=lifespan,
@@ -509,10 +519,12 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = None,
-          address: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+          address: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+          retention: RetentionSchedule | None = None) -> None:
     """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray starts with the server."""
     import uvicorn
 
     with open_store(store_path) as store:
-        app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes)
+        app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes,
+                         retention=retention)
         uvicorn.run(app, host=host, port=port)

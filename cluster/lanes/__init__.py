@@ -62,6 +62,7 @@ from .registry import (
     lane_kinds,
     open_store,
     register_lane,
+    replaying_lanes,
     unregister_lane,
     validate_provenance,
 )
@@ -110,6 +111,7 @@ __all__ = [
     "parse_inputs",
     "recorded_recovery",
     "register_lane",
+    "replaying_lanes",
     "resume_recorded",
     "run_prepared",
     "settle_from_log",

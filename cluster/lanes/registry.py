@@ -37,6 +37,7 @@ __all__ = [
     "lane_kinds",
     "open_store",
     "register_lane",
+    "replaying_lanes",
     "unregister_lane",
     "validate_provenance",
 ]
@@ -55,7 +56,9 @@ class LaneEntry:
     ``capabilities`` is the matrix a default invocation publishes, for help text and for
     checks by lane name; each invocation's own comes from its adapter. A lane whose
     definitions live in the run store gives their ``definition_rules``; ``examples``
-    names its bundled definitions.
+    names its bundled definitions. ``replays_ended_runs``: a run of this lane that ended
+    failed or cancelled can still be replayed from its checkpoint (``opgraph o flow
+    --resume``), so retention keeps it as resumable until another run replays it.
     """
 
     kind: str
@@ -63,6 +66,7 @@ class LaneEntry:
     capabilities: LaneCapabilities
     definition_rules: DefinitionRules | None = None
     examples: Mapping[str, Path] = field(default_factory=dict)
+    replays_ended_runs: bool = False
 
 
 class UnknownLaneError(OpGraphError):
@@ -114,6 +118,10 @@ class LaneRegistry:
 
     def capabilities(self, kind: str) -> LaneCapabilities:
         return self.entry(kind).capabilities
+
+    def replaying_lanes(self) -> frozenset[str]:
+        """The lanes whose ended (failed or cancelled) runs can still be replayed: what retention keeps."""
+        return frozenset(kind for kind in self.kinds() if self.entry(kind).replays_ended_runs)
 
     def check_control(self, lane: str | LaneCapabilities, request_kind: str) -> None:
         """Return when ``lane`` (a lane kind, or an invocation's matrix) honours ``request_kind``,
@@ -168,6 +176,10 @@ def lane_kinds() -> tuple[str, ...]:
 
 def lane_entry(kind: str) -> LaneEntry:
     return LANES.entry(kind)
+
+
+def replaying_lanes() -> frozenset[str]:
+    return LANES.replaying_lanes()
 
 
 def lane_adapter(kind: str, store: RunStore | None = None) -> LaneAdapter:

@@ -2,9 +2,10 @@
 
 Owns the schema and its migrations, versioned definitions, runs of any lane with their
 provenance, capabilities, lifecycle signals, per-node results and branch messages, engine
-runs and their events, the writer thread, and which process owns a run. It knows nothing
-lane-specific: a lane brings its definition rules (``RunStore(validate_definition=...)``)
-and checks its own provenance before it asks for a row.
+runs and their events, the writer thread, which process owns a run, and retention (pruning
+old runs and giving their space back). It knows nothing lane-specific: a lane brings its
+definition rules (``RunStore(validate_definition=...)``) and checks its own provenance
+before it asks for a row.
 """
 
 from .database import StoreDatabase
@@ -41,6 +42,16 @@ from .errors import (
 )
 from .owners import ProcessIdentity, current_process, owner_is_alive
 from .recorder import MAX_BACKLOG, RunRecorder
+from .retention import (
+    RETENTION_STATUSES,
+    PruneReport,
+    RetentionPolicy,
+    StoredRun,
+    holds_run_log,
+    prune_runs,
+    select_runs,
+    stored_runs,
+)
 from .runs import OWNER_PROCESS_LOST, REGISTRY_SOURCE, RunRecord, RunStore, provenance_columns
 from .schema import (
     MAX_VERSION,
@@ -55,6 +66,7 @@ from .schema import (
     store_exists,
     store_location,
 )
+from .space import StoreSize, store_size, vacuum_store
 from .writer import StoreWriter
 
 __all__ = [
@@ -66,6 +78,7 @@ __all__ = [
     "MIGRATIONS",
     "OWNER_PROCESS_LOST",
     "REGISTRY_SOURCE",
+    "RETENTION_STATUSES",
     "RUN_STATUSES",
     "RUN_TRANSITIONS",
     "SCHEMA_VERSION",
@@ -78,6 +91,8 @@ __all__ = [
     "Migration",
     "ProcessIdentity",
     "ProvenanceError",
+    "PruneReport",
+    "RetentionPolicy",
     "RunConflictError",
     "RunNotFoundError",
     "RunNotResumableError",
@@ -86,7 +101,9 @@ __all__ = [
     "RunStore",
     "StoreDatabase",
     "StoreSchemaError",
+    "StoreSize",
     "StoreWriter",
+    "StoredRun",
     "WorkflowDefinitionError",
     "WorkflowNameConflictError",
     "WorkflowNotFoundError",
@@ -99,6 +116,7 @@ __all__ = [
     "current_process",
     "default_store_path",
     "digest",
+    "holds_run_log",
     "is_unicode_text",
     "migrate",
     "normalise_name",
@@ -106,8 +124,13 @@ __all__ = [
     "parse_ref",
     "problem",
     "provenance_columns",
+    "prune_runs",
     "read_definition_file",
+    "select_runs",
     "store_exists",
     "store_location",
+    "store_size",
+    "stored_runs",
+    "vacuum_store",
     "validate_name",
 ]

@@ -132,6 +132,25 @@ class StoreDatabase:
                 db.rollback()
                 raise WorkflowStoreError(f"the run store {describe(self.path)} failed: {exc}") from exc
 
+    def transaction(self, *, write: bool = False) -> Any:
+        """One locked transaction on this store's connection (a context manager yielding it), for
+        code beyond the store's own methods: retention deletes a run's runtime rows in the same
+        transaction as its record. ``write`` excludes other writers from its start."""
+        return self._transaction(write=write)
+
+    @contextmanager
+    def outside_transaction(self) -> Iterator[Connection]:
+        """The connection under this store's lock with no transaction open, for the statements that
+        must run outside one (SQLite's VACUUM and incremental vacuum, PostgreSQL's VACUUM)."""
+        with self._lock:
+            if self._db is None:
+                raise WorkflowStoreError(f"the run store {describe(self.path)} is closed")
+            db = self._db
+            try:
+                yield db
+            except db.errors as exc:
+                raise WorkflowStoreError(f"the run store {describe(self.path)} failed: {exc}") from exc
+
     def schema_version(self) -> int:
         with self._transaction() as db:
             return db.user_version()

@@ -23,7 +23,8 @@ from .contract import (
 from .planning import DEFAULT_MAX_ASSIGNMENTS, PlannedGraph, plan_run
 from .replay import Replay, build_replay
 
-LANE = LaneEntry(kind=PLANNED_REACTIVE_FLOW, factory=PlannedFlowLane, capabilities=planned_capabilities("all"))
+LANE = LaneEntry(kind=PLANNED_REACTIVE_FLOW, factory=PlannedFlowLane, capabilities=planned_capabilities("all"),
+                 replays_ended_runs=True)
 
 __all__ = [
     "DEFAULT_MAX_ASSIGNMENTS",

@@ -26,7 +26,8 @@ from .playbook import (
 REACTIVE_PLAY = PlayLane.lane
 EXAMPLES = {path.name[: -len(SUFFIX)]: path for path in sorted(EXAMPLES_DIR.glob(f"*{SUFFIX}"))}
 
-LANE = LaneEntry(kind=REACTIVE_PLAY, factory=PlayLane, capabilities=planned_capabilities("all"), examples=EXAMPLES)
+LANE = LaneEntry(kind=REACTIVE_PLAY, factory=PlayLane, capabilities=planned_capabilities("all"), examples=EXAMPLES,
+                 replays_ended_runs=True)
 
 __all__ = [
     "ARG_TYPES",
