@@ -10,7 +10,9 @@ and checks its own provenance before it asks for a row.
 from .database import StoreDatabase
 from .definitions import (
     CONTENT_HASH,
+    DEFAULT_MAX_VERSIONS,
     MAX_NAME_LENGTH,
+    NAME_PATTERN,
     DefinitionRules,
     Definitions,
     WorkflowSummary,
@@ -36,6 +38,7 @@ from .errors import (
     WorkflowNotFoundError,
     WorkflowStoreError,
     WorkflowValidationError,
+    WorkflowVersionLimitError,
     WorkflowVersionNotFoundError,
     problem,
 )
@@ -59,11 +62,13 @@ from .writer import StoreWriter
 
 __all__ = [
     "CONTENT_HASH",
+    "DEFAULT_MAX_VERSIONS",
     "ENGINE_RUN_STATUSES",
     "MAX_BACKLOG",
     "MAX_NAME_LENGTH",
     "MAX_VERSION",
     "MIGRATIONS",
+    "NAME_PATTERN",
     "OWNER_PROCESS_LOST",
     "REGISTRY_SOURCE",
     "RUN_STATUSES",
@@ -94,6 +99,7 @@ __all__ = [
     "WorkflowSummary",
     "WorkflowValidationError",
     "WorkflowVersion",
+    "WorkflowVersionLimitError",
     "WorkflowVersionNotFoundError",
     "canonical_json",
     "current_process",

@@ -307,10 +307,23 @@ def test_a_blank_name_is_rejected():
     assert validate_name("   ")[0]["error"].startswith("the workflow name is empty")
 
 
-def test_a_name_of_121_characters_is_rejected_and_120_accepted():
-    assert validate_name("x" * 120) == []
-    with pytest.raises(WorkflowValidationError, match="121 characters"):
-        normalise_name("x" * 121)
+def test_a_name_of_129_characters_is_rejected_and_128_accepted():
+    assert validate_name("x" * 128) == []
+    with pytest.raises(WorkflowValidationError, match="129 characters"):
+        normalise_name("x" * 129)
+
+
+@pytest.mark.parametrize("name", ["a\x00b", "tab\tname", "line\nbreak", "esc\x1b[31m", "del\x7f", "a/b", "../up",
+                                  "a\\b", "triage@2", "with space", "caf\u00e9", "\u0430dmin", ".", "..", "..."])
+def test_a_name_holds_only_letters_digits_dots_dashes_and_underscores(name):
+    """Control characters, a path's '/', NAME@VERSION's '@', spaces and look-alike letters are refused
+    (issue #32, finding 8): a name is a URL path segment, a file name stem and a reference's left side."""
+    problems = validate_name(name)
+    assert len(problems) == 1 and "may hold only letters" in problems[0]["error"], problems
+
+
+def test_the_allowed_characters_make_a_name():
+    assert validate_name("Daily_review-2.v1") == [] and validate_name(".hidden-but-named") == []
 
 
 def test_a_name_must_be_a_string():
