@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,10 +61,11 @@ def tune_garbage_collector() -> None:
     gc.set_threshold(50_000, second, third)
 
 
-def opgraph_home() -> Path:
+def opgraph_home(environ: Mapping[str, str] | None = None) -> Path:
     """The folder opgraph keeps its files in on this machine: ``$OPGRAPH_HOME``, else ``~/.opgraph``
-    (the default database, the server's generated token, the user's playbooks)."""
-    configured = os.environ.get("OPGRAPH_HOME")
+    (the default database, the server's generated token, the user's playbooks); ``environ`` is
+    the environment to read (default: this process's)."""
+    configured = (os.environ if environ is None else environ).get("OPGRAPH_HOME")
     return Path(configured).expanduser() if configured else Path.home() / ".opgraph"
 
 

@@ -354,7 +354,6 @@ def test_playbook_refusals_come_before_any_planning(tmp_path):
 def test_the_api_starts_planned_runs_and_applies_their_live_controls(session, store, tmp_path):
     """POST /api/flows/runs (crash-plan, slow ops): pause, message and resume reach the run (202);
     the same controls on a fixed run stay 409; an unknown playbook is 404 before any planning."""
-    import httpx
     from api_server import serve
 
     from opgraph.cluster.http import create_app
@@ -363,7 +362,7 @@ def test_the_api_starts_planned_runs_and_applies_their_live_controls(session, st
     session.register_provider("scripted", ScriptedProvider(PlannedScript(log)))
     served = serve(create_app(store, session_factory=lambda: session, submit_runs=False))
     try:
-        with httpx.Client(base_url=served.url, timeout=60) as http:
+        with served.client(timeout=60) as http:
             started = http.post("/api/flows/runs", json={"prompt": "crash-plan", "model": MODEL,
                                                          "synthesis": False})
             assert started.status_code == 202, started.text
