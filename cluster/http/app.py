@@ -228,7 +228,7 @@ def _run_json(record: RunRecord) -> dict[str, Any]:
 
 # -- the app ----------------------------------------------------------------------------
 def _name_parameter(what: str) -> Any:
-    """A name in a path: the store's rule (letters, digits, '.', '_', '-'; 1 to 128), else 422."""
+    """A name in a path: the store's rule (letters, digits, '.', '_', '-'; 1 to MAX_NAME_LENGTH), else 422."""
     return PathParameter(pattern=NAME_PATTERN, min_length=1, max_length=MAX_NAME_LENGTH,
                          description=f"{what}: 1 to {MAX_NAME_LENGTH} of A-Z a-z 0-9 . _ - (not dots alone)")
 

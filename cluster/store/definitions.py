@@ -51,7 +51,8 @@ __all__ = [
     "validate_name",
 ]
 
-MAX_NAME_LENGTH = 128
+# The store's own bound since its first schema (CHECK length(name) BETWEEN 1 AND 120).
+MAX_NAME_LENGTH = 120
 # What a name may hold: it is a path segment of the HTTP API (/api/workflows/NAME), a file
 # name stem (NAME.playbook.yaml) and the left of NAME@VERSION, so no '/', '@', space or control
 # character; a name of dots alone ('.', '..') is a path step, not a name.
@@ -121,7 +122,7 @@ def digest(definition: Any) -> str:
 
 
 def validate_name(name: Any) -> list[dict[str, Any]]:
-    """Problems with a definition name: once trimmed, 1 to 128 of ``A-Z a-z 0-9 . _ -`` (not dots alone)."""
+    """Problems with a definition name: once trimmed, 1 to 120 of ``A-Z a-z 0-9 . _ -`` (not dots alone)."""
     if not isinstance(name, str):
         return [problem(f"the workflow name must be a string, got {type(name).__name__}")]
     if not is_unicode_text(name):

@@ -341,14 +341,14 @@ def test_read_deadlines_close_a_slow_head_and_a_slow_body_but_not_a_slow_route(s
 
 # -- finding 8: names ------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["a\x01b", "tab\tname", "new\nline", "a/b", "a@b", "triage@2", "with space", "..",
-                                  "x" * 129, "caf\u00e9"])
+                                  "x" * 121, "caf\u00e9"])
 def test_a_name_with_control_characters_a_slash_or_an_at_is_refused(client, name):
     reply = client.post("/api/workflows", json={"name": name, "spec": _spec()})
     assert reply.status_code == 422, reply.text
     assert name.strip() not in {row["name"] for row in client.get("/api/workflows").json()["workflows"]}
 
 
-@pytest.mark.parametrize("segment", ["a%01b", "a%40b", "a%20b", "x" * 129, "%2E%2E%2E"])
+@pytest.mark.parametrize("segment", ["a%01b", "a%40b", "a%20b", "x" * 121, "%2E%2E%2E"])
 def test_a_name_in_a_path_is_held_to_the_same_rule(client, segment):
     for method, path in (("GET", f"/api/workflows/{segment}"), ("GET", f"/api/workflows/{segment}/versions"),
                          ("POST", f"/api/workflows/{segment}/runs"), ("DELETE", f"/api/workflows/{segment}"),

@@ -307,10 +307,10 @@ def test_a_blank_name_is_rejected():
     assert validate_name("   ")[0]["error"].startswith("the workflow name is empty")
 
 
-def test_a_name_of_129_characters_is_rejected_and_128_accepted():
-    assert validate_name("x" * 128) == []
-    with pytest.raises(WorkflowValidationError, match="129 characters"):
-        normalise_name("x" * 129)
+def test_a_name_of_121_characters_is_rejected_and_120_accepted():
+    assert validate_name("x" * 120) == []
+    with pytest.raises(WorkflowValidationError, match="121 characters"):
+        normalise_name("x" * 121)
 
 
 @pytest.mark.parametrize("name", ["a\x00b", "tab\tname", "line\nbreak", "esc\x1b[31m", "del\x7f", "a/b", "../up",
