@@ -25,31 +25,30 @@ __all__ = ["add_serve_parser"]
 ALLOWED_HOSTS_ENV = "OPGRAPH_ALLOWED_HOSTS"
 ALLOWED_ORIGINS_ENV = "OPGRAPH_ALLOWED_ORIGINS"
 
-# The server's bounds and paths: each a flag whose default comes from its environment variable.
+def _setting(flag: str, variable: str, help_text: str, kind: Any, default: Any, metavar: str) -> SharedOption:
+    """One of the server's settings: ``flag``, whose default is ``variable`` when set, else ``default``."""
+    shown = f"{default:g}" if isinstance(default, float) else default
+    return SharedOption((flag,), f"{help_text} ({variable}, else {shown})",
+                        {"type": kind, "default": default, "metavar": metavar}, environment=variable)
+
+
+# The server's bounds: each a flag whose default comes from its environment variable.
 _SETTINGS = (
-    SharedOption(("--max-runs",), f"runs admitted at once; one more is refused with 429 and Retry-After "
-                                  f"(OPGRAPH_MAX_RUNS, else {DEFAULT_MAX_RUNS})",
-                 {"type": positive_int, "default": DEFAULT_MAX_RUNS, "metavar": "N"}, environment="OPGRAPH_MAX_RUNS"),
-    SharedOption(("--max-versions",), f"versions one workflow may have; one more is refused with 409 "
-                                      f"(OPGRAPH_MAX_VERSIONS, else {DEFAULT_MAX_VERSIONS})",
-                 {"type": positive_int, "default": DEFAULT_MAX_VERSIONS, "metavar": "N"},
-                 environment="OPGRAPH_MAX_VERSIONS"),
-    SharedOption(("--max-body-bytes",), f"largest request body taken; a larger one is refused with 413 before it "
-                                        f"is read whole (OPGRAPH_MAX_BODY_BYTES, else {DEFAULT_MAX_BODY_BYTES})",
-                 {"type": positive_int, "default": DEFAULT_MAX_BODY_BYTES, "metavar": "N"},
-                 environment="OPGRAPH_MAX_BODY_BYTES"),
-    SharedOption(("--head-timeout",), f"seconds a connection has to send a request's line and headers, then it is "
-                                      f"answered 408 and closed (OPGRAPH_HEAD_TIMEOUT, else {DEFAULT_HEAD_TIMEOUT:g})",
-                 {"type": positive_float, "default": DEFAULT_HEAD_TIMEOUT, "metavar": "SECONDS"},
-                 environment="OPGRAPH_HEAD_TIMEOUT"),
-    SharedOption(("--body-timeout",), f"seconds a request has to send its body once its headers are in, then it is "
-                                      f"closed (OPGRAPH_BODY_TIMEOUT, else {DEFAULT_BODY_TIMEOUT:g})",
-                 {"type": positive_float, "default": DEFAULT_BODY_TIMEOUT, "metavar": "SECONDS"},
-                 environment="OPGRAPH_BODY_TIMEOUT"),
-    SharedOption(("--workflow-root",), "the folder a coding node's cwd must be inside (OPGRAPH_WORKFLOW_ROOT; "
-                                       "default: none, and such a node cannot run here); a client never picks it",
-                 {"default": None, "metavar": "DIR"}, environment="OPGRAPH_WORKFLOW_ROOT"),
+    _setting("--max-runs", "OPGRAPH_MAX_RUNS", "runs admitted at once; one more is refused with 429 and "
+             "Retry-After", positive_int, DEFAULT_MAX_RUNS, "N"),
+    _setting("--max-versions", "OPGRAPH_MAX_VERSIONS", "versions one workflow may have; one more is refused with "
+             "409", positive_int, DEFAULT_MAX_VERSIONS, "N"),
+    _setting("--max-body-bytes", "OPGRAPH_MAX_BODY_BYTES", "largest request body taken; a larger one is refused "
+             "with 413 before it is read whole", positive_int, DEFAULT_MAX_BODY_BYTES, "N"),
+    _setting("--head-timeout", "OPGRAPH_HEAD_TIMEOUT", "seconds a connection has to send a request's line and "
+             "headers, then it is answered 408 and closed", positive_float, DEFAULT_HEAD_TIMEOUT, "SECONDS"),
+    _setting("--body-timeout", "OPGRAPH_BODY_TIMEOUT", "seconds a request has to send its body once its headers "
+             "are in, then it is closed", positive_float, DEFAULT_BODY_TIMEOUT, "SECONDS"),
 )
+WORKFLOW_ROOT = SharedOption(
+    ("--workflow-root",), "the folder a coding node's cwd must be inside (OPGRAPH_WORKFLOW_ROOT; default: none, and "
+                          "such a node cannot run here); a client never picks it",
+    {"default": None, "metavar": "DIR"}, environment="OPGRAPH_WORKFLOW_ROOT")
 
 
 def _listed(given: list[str] | None, variable: str) -> tuple[str, ...]:
@@ -117,5 +116,5 @@ def add_serve_parser(subcommands: Any) -> None:
     api.add_argument("--allowed-origin", action="append", default=None, metavar="SCHEME://HOST[:PORT]",
                      help=f"a web origin whose pages may change things here besides the server's own (repeat it; "
                           f"also {ALLOWED_ORIGINS_ENV}, comma-separated); any other Origin is refused with 403")
-    add_options(api, *_SETTINGS)
+    add_options(api, *_SETTINGS, WORKFLOW_ROOT)
     api.set_defaults(handler=_serve_api)

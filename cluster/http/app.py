@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 import time
 import uuid
@@ -610,12 +611,13 @@ def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = No
     """
     token = server_token() if token is None else token
     check_bind(host, token)
-    token = token.ensure()
-    if token.source == "none":
-        say("WARNING: --no-auth: any program or web page that can reach this port may start and control runs")
-    policy = AccessPolicy(token.value, bound_host=host, allowed_hosts=tuple(allowed_hosts),
-                          allowed_origins=tuple(allowed_origins))
+    policy = AccessPolicy(None, bound_host=host, allowed_hosts=tuple(allowed_hosts),
+                          allowed_origins=tuple(allowed_origins))  # a bad host or origin: refused before the store
     with open_store(store_path, max_versions=max_versions) as store:
+        token = token.ensure()  # a store that cannot be opened leaves no token file behind
+        if token.source == "none":
+            say("WARNING: --no-auth: any program or web page that can reach this port may start and control runs")
+        policy = dataclasses.replace(policy, token=token.value)
         app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes,
                          access=policy, max_runs=max_runs, workflow_root=workflow_root)
         # No WebSocket protocol: no route takes one, and an upgrade is then a plain (guarded) request.

@@ -85,11 +85,8 @@ def served(store, tmp_path_factory):
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    running = serve(app)
-    try:
+    with serve(app) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")
@@ -218,16 +215,11 @@ def test_the_checks_run_in_the_order_token_host_origin_content_type(served, stra
 
 def test_without_a_token_the_host_and_origin_checks_still_hold(store):
     app = create_app(store, session_factory=NoRuntime(), start_runtime=False, access=AccessPolicy(None))
-    running = serve(app)
-    try:
-        with httpx.Client(base_url=running.url, timeout=30) as http:
-            assert http.get("/api/workflows").status_code == 200
-            assert http.get("/api/workflows", headers={"host": "attacker.example"}).status_code == 421
-            reply = http.post("/api/runs/x/cancel", json={}, headers={"origin": ATTACKER})
-            assert reply.status_code == 403
-            assert "security" not in http.get("/openapi.json").json()
-    finally:
-        running.stop()
+    with serve(app) as running, running.client() as http:
+        assert http.get("/api/workflows").status_code == 200
+        assert http.get("/api/workflows", headers={"host": "attacker.example"}).status_code == 421
+        assert http.post("/api/runs/x/cancel", json={}, headers={"origin": ATTACKER}).status_code == 403
+        assert "security" not in http.get("/openapi.json").json()
 
 
 def test_an_app_made_without_a_policy_has_a_random_token_and_is_not_open(store):
@@ -314,9 +306,14 @@ def _answer(connection: socket.socket, deadline: float) -> tuple[bytes, float]:
 
 def test_read_deadlines_close_a_slow_head_and_a_slow_body_but_not_a_slow_route(store):
     app = create_app(store, session_factory=NoRuntime(), start_runtime=False, access=AccessPolicy(TOKEN))
-    running = serve(app, http=deadline_protocol(head_timeout=0.5, body_timeout=1.0))
-    head = f"POST /api/workflows HTTP/1.1\r\nhost: 127.0.0.1:{running.port}\r\nauthorization: Bearer {TOKEN}\r\n"
-    try:
+
+    @app.get("/api/test-slow", include_in_schema=False)
+    async def slow() -> dict[str, bool]:
+        await asyncio.sleep(1.5)  # longer than both deadlines: the route's own time is not the client's
+        return {"slow": True}
+
+    with serve(app, http=deadline_protocol(head_timeout=0.5, body_timeout=1.0)) as running:
+        head = f"POST /api/workflows HTTP/1.1\r\nhost: 127.0.0.1:{running.port}\r\nauthorization: Bearer {TOKEN}\r\n"
         with socket.create_connection(("127.0.0.1", running.port)) as silent:  # connects, sends nothing
             answer, after = _answer(silent, 5)
             assert answer.startswith(b"HTTP/1.1 408") and 0.4 < after < 2.5, (answer, after)
@@ -331,12 +328,12 @@ def test_read_deadlines_close_a_slow_head_and_a_slow_body_but_not_a_slow_route(s
             slow_body.sendall((head + "content-type: application/json\r\ncontent-length: 100\r\n\r\n{").encode())
             answer, after = _answer(slow_body, 5)
             assert answer == b"" and 0.8 < after < 3.5, (answer, after)
-        with httpx.Client(base_url=running.url, headers={"authorization": f"Bearer {TOKEN}"}) as http:
+        with running.client() as http:
             assert http.get("/api/workflows").status_code == 200
-            time.sleep(0.7)  # an idle keep-alive connection past the head deadline is still usable or reopened
+            time.sleep(0.7)  # an idle keep-alive connection past the head deadline is still usable
             assert http.get("/api/workflows").status_code == 200
-    finally:
-        running.stop()
+            assert http.get("/api/test-slow").json() == {"slow": True}
+            assert http.post("/api/workflows", json={"name": "after-slow", "spec": _spec()}).status_code == 201
 
 
 # -- finding 8: names ------------------------------------------------------------------------------

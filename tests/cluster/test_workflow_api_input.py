@@ -54,11 +54,9 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(store):
-    running = serve(create_app(store, session_factory=NoRuntime(), max_body_bytes=BODY_LIMIT, start_runtime=False))
-    try:
+    with serve(create_app(store, session_factory=NoRuntime(), max_body_bytes=BODY_LIMIT,
+                          start_runtime=False)) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")

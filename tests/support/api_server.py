@@ -39,6 +39,12 @@ class Served:
         settings.setdefault("timeout", 30)
         return httpx.Client(base_url=self.url, headers=self.headers, **settings)
 
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
@@ -46,8 +52,8 @@ class Served:
 
 
 def serve(app: Any, **config: Any) -> Served:
-    """Serve ``app`` until ``stop()``; returns once uvicorn listens (after the app's startup). ``config``
-    overrides uvicorn settings (``http=`` a protocol, say)."""
+    """Serve ``app`` until ``stop()`` (or the end of a ``with`` block); returns once uvicorn listens (after
+    the app's startup). ``config`` overrides uvicorn settings (``http=`` a protocol, say)."""
     config = uvicorn.Config(app, **{"host": "127.0.0.1", "port": 0, "log_level": "warning", "lifespan": "on",
                                     "loop": "asyncio", "http": "h11", "ws": "none", **config})
     server = uvicorn.Server(config)
