@@ -311,6 +311,8 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
     install_error_handlers(app, authenticated=access.token is not None)
     app.add_middleware(RequestBodyGuard, max_body_bytes=max_body_bytes)
     # Added last, so outermost: nothing (not the body guard, which reads bodies) runs before it.
+    # Routes and mounted apps added later pass it; a middleware added later would run before
+    # it, so one that answers requests itself must not be added after create_app.
     app.add_middleware(AccessGuard, policy=access)
 
     @app.get(SIGN_IN_PATH, operation_id="index", responses=errors())
