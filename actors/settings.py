@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = [
     "CANCEL_GRACE_SECONDS",
@@ -23,6 +25,7 @@ __all__ = [
     "ActorNames",
     "names_in",
     "newest_generation",
+    "opgraph_home",
     "cancel_grace_seconds",
     "default_max_concurrency",
     "direct_calls",
@@ -56,6 +59,14 @@ def tune_garbage_collector() -> None:
     """
     _, second, third = gc.get_threshold()
     gc.set_threshold(50_000, second, third)
+
+
+def opgraph_home(environ: Mapping[str, str] | None = None) -> Path:
+    """The folder opgraph keeps its files in on this machine: ``$OPGRAPH_HOME``, else ``~/.opgraph``
+    (the default database, the server's generated token, the user's playbooks); ``environ`` is
+    the environment to read (default: this process's)."""
+    configured = (os.environ if environ is None else environ).get("OPGRAPH_HOME")
+    return Path(configured).expanduser() if configured else Path.home() / ".opgraph"
 
 
 def direct_calls() -> bool:

@@ -36,6 +36,7 @@ __all__ = [
     "exit_codes_epilog",
     "exit_codes_table",
     "nonnegative_int",
+    "positive_float",
     "positive_int",
 ]
 
@@ -98,6 +99,17 @@ def _whole_number(text: str, least: int) -> int:
 def positive_int(text: str) -> int:
     """An argparse type: a whole number above 0 (argparse exits 2 before anything starts)."""
     return _whole_number(text, 1)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number above 0 (seconds, say)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be above 0 and finite, got {text!r}")
+    return value
 
 
 def nonnegative_int(text: str) -> int:
@@ -163,5 +175,8 @@ DEFAULT_MODEL = SharedOption(
 # What a command that runs a run takes (`flow run`, `demo`, `o flow`, `play`).
 RUN_OPTIONS = (DEFAULT_MODEL, STORE, RAY_ADDRESS, JSON, PLAIN)
 # The token of an `opgraph serve` server, for the commands that call one: sent as a bearer token.
-TOKEN = SharedOption(("--token",), "the token of the opgraph server (default: OPGRAPH_TOKEN)",
+# Without it, opgraph.cluster.http.auth.client_token looks further (OPGRAPH_TOKEN_FILE, then the
+# token a server on this machine generated in the opgraph home).
+TOKEN = SharedOption(("--token",), "the token of the opgraph server (default: OPGRAPH_TOKEN, else the file "
+                                   "OPGRAPH_TOKEN_FILE names, else $OPGRAPH_HOME/server-token)",
                      {"default": None, "metavar": "TOKEN"}, environment="OPGRAPH_TOKEN")

@@ -54,6 +54,7 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     ├── WorkflowStoreError           the run store failed, or is closed (cluster/store/errors.py)
     │   ├── StoreSchemaError         the file's schema is newer than this code knows
     │   ├── WorkflowNameConflictError  a live workflow already has the name
+    │   ├── WorkflowVersionLimitError  the workflow has as many versions as the store keeps
     │   ├── WorkflowNotFoundError    no live workflow by that name or id
     │   │   └── WorkflowVersionNotFoundError  the workflow exists, the version does not
     │   ├── RunNotFoundError         no run with that id
@@ -70,6 +71,10 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     ├── RunStateConflictError        a run control that its state forbids (cluster/http/problems.py)
     ├── RuntimeUnavailableError      the HTTP API has no runtime to run on (problems.py)
     ├── UnknownNameError             the HTTP API found no playbook by the path's name (problems.py)
+    ├── RunCapacityError             the HTTP API already runs as many runs as it admits: 429 (problems.py)
+    ├── ServerRequestError           `opgraph serve` answered a client with an error status (cluster/http/client.py)
+    ├── ServerTokenError             a server token that cannot be used: a file others read, too short (http/auth.py)
+    ├── BindRefusedError             `opgraph serve` will not listen there without an operator's token (http/auth.py)
     └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
         └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
             └── ClusterAuthenticationError  the cluster refused this process's token, or its lack of one

@@ -18,6 +18,7 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
+from ..settings import opgraph_home
 from .backends import Connection, describe, driver_errors, is_postgres, location, open_connection
 
 __all__ = ["RUNTIME_SCHEMA_VERSION", "Checkpointer", "Database", "DatabaseError", "database_exists", "database_path"]
@@ -127,9 +128,7 @@ def database_path() -> Path | str:
     ``$OPGRAPH_HOME/opgraph.db``, else ``~/.opgraph/opgraph.db``."""
     if os.environ.get("OPGRAPH_DB"):
         return location(os.environ["OPGRAPH_DB"])
-    if os.environ.get("OPGRAPH_HOME"):
-        return Path(os.environ["OPGRAPH_HOME"]).expanduser() / "opgraph.db"
-    return Path.home() / ".opgraph" / "opgraph.db"
+    return opgraph_home() / "opgraph.db"
 
 
 def database_exists(target: Path | str) -> bool:

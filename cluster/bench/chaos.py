@@ -13,12 +13,12 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from typing import Any
 
@@ -254,36 +254,33 @@ def _rss_of(pids: set[int], title: str) -> float:
     return round(total, 1)
 
 
-def _http(method: str, url: str, body: Any = None) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
-        return json.loads(response.read() or b"null")
-
-
 def memory_under_serve(runs: int) -> dict[str, Any]:
     """``opgraph serve`` in its own process; ``runs`` support-triage runs through the HTTP API."""
+    from opgraph.cluster.http import ServerClient
     from opgraph.cluster.lanes import FIXED_WORKFLOW, lane_entry
 
     spec = json.loads(lane_entry(FIXED_WORKFLOW).examples["support-triage"].read_text())
     port = free_port()
     store = tempfile.NamedTemporaryFile(suffix=".db", delete=False).name
     base = f"http://127.0.0.1:{port}"
+    token = secrets.token_urlsafe(32)  # the server's, for this bench alone
+    signed = {"authorization": f"Bearer {token}"}
     rows = []
     try:
         with start_server([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port)],
-                          ready=lambda: http_body(f"{base}/api/workflows"), timeout=SERVE_DEADLINE,
-                          what="opgraph serve", env={**os.environ, "OPGRAPH_DB": store},
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server:
-            _http("POST", f"{base}/api/workflows", {"name": "triage", "spec": spec})
+                          ready=lambda: http_body(f"{base}/api/workflows", headers=signed),
+                          timeout=SERVE_DEADLINE, what="opgraph serve",
+                          env={**os.environ, "OPGRAPH_DB": store, "OPGRAPH_TOKEN": token},
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as server, \
+                ServerClient(base, token=token, timeout=60) as api:
+            api.create_workflow("triage", spec)
             for index in range(runs):
-                run = _http("POST", f"{base}/api/workflows/triage/runs",
-                            {"inputs": {"ticket": f"ticket {index}: card payments fail", "priority": "high"}})
-                run_id = run["run_id"]
-                while _http("GET", f"{base}/api/runs/{run_id}")["status"] not in ("completed", "failed", "cancelled"):
+                run_id = api.start_workflow("triage", {"ticket": f"ticket {index}: card payments fail",
+                                                       "priority": "high"})["run_id"]
+                while api.run(run_id)["status"] not in ("completed", "failed", "cancelled"):
                     time.sleep(0.1)
                 pids = descendants(process_table(), {server.pid}) - {server.pid}
-                rows.append({"run": run_id, "status": _http("GET", f"{base}/api/runs/{run_id}")["status"],
+                rows.append({"run": run_id, "status": api.run(run_id)["status"],
                              "executor_rss_mib": _rss_of(pids, "ray::GraphExecutor"),
                              "store_rss_mib": _rss_of(pids, "ray::BranchStore")})
             server.stop(signal.SIGINT)

@@ -21,16 +21,15 @@ from ..command_line import (
     ExitCode,
     add_options,
     exit_codes_table,
-    positive_int,
 )
-from ..http.body import DEFAULT_MAX_BODY_BYTES
 from .client import RUN_EXIT_CODES
 from .engine import add_engine_parser, add_run_show_parser
 from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workflows_parser
 from .orchestrate import add_orchestrate_parser, add_play_parser
 from .results import add_result_parsers
-from .runs import add_retention_options, add_runs_parser, add_store_parser, retention_schedule
-from .spine import command_group, refused, subcommand
+from .runs import add_runs_parser, add_store_parser
+from .serve import add_serve_parser
+from .spine import command_group, subcommand
 
 __all__ = ["main"]
 
@@ -48,20 +47,6 @@ def _run_demo(arguments: argparse.Namespace) -> int:
     from .demo import main as demo_main
 
     return demo_main(kernel_only=arguments.kernel, arguments=arguments)
-
-
-def _serve_api(arguments: argparse.Namespace) -> int:
-    # Lazy: FastAPI and uvicorn load only for the server.
-    from opgraph.kernel import OpGraphError
-
-    from ..http import serve
-
-    try:
-        serve(arguments.host, arguments.port, store_path=arguments.store, address=arguments.address,
-              max_body_bytes=arguments.max_body_bytes, retention=retention_schedule(arguments))
-    except OpGraphError as exc:  # the store cannot be opened: nothing was served
-        return refused("opgraph serve", exc, ExitCode.USAGE)
-    return ExitCode.OK
 
 
 def _serve_metrics(arguments: argparse.Namespace) -> int:
@@ -124,7 +109,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_orchestrate_parser(subcommands)
     add_play_parser(subcommands)
     add_engine_parser(subcommands)
-    _add_serve_parser(subcommands)
+    add_serve_parser(subcommands)
     # Parsed by opgraph.cluster.bench itself: main() hands `bench ...` over before argparse
     # (a REMAINDER positional would not take options such as --repeat).
     subcommands.add_parser("bench", add_help=False,
@@ -135,25 +120,6 @@ def _build_parser() -> argparse.ArgumentParser:
     add_runs_parser(subcommands)
     add_store_parser(subcommands)
     return parser
-
-
-def _add_serve_parser(subcommands: Any) -> None:
-    api = subcommand(
-        subcommands, "serve", "serve the workflow HTTP API (definitions CRUD, 202-admitted runs) until Ctrl-C",
-        codes=(ExitCode.OK, ExitCode.USAGE, ExitCode.RUNTIME),
-        description="FastAPI server of the fixed-workflow lane: /api/workflows (CRUD, versions) and "
-                    "/api/workflows/NAME/runs (202 admission), /api/runs/ID (status, signals, results, "
-                    "cancel). Interactive docs at /docs. The runtime starts with the server (on --address), "
-                    "before it takes requests.",
-    )
-    api.add_argument("--host", default="127.0.0.1", help="interface to listen on (127.0.0.1)")
-    api.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
-    add_options(api, STORE, RAY_ADDRESS)
-    api.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
-                     help=f"largest request body taken; a larger one is refused with 413 before it is read "
-                          f"whole ({DEFAULT_MAX_BODY_BYTES})")
-    add_retention_options(api)
-    api.set_defaults(handler=_serve_api)
 
 
 def _add_metrics_parser(subcommands: Any) -> None:

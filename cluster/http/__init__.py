@@ -1,22 +1,62 @@
-"""The HTTP API (`opgraph serve`): the FastAPI app, its request-body guard and its error answers.
+"""The HTTP API (`opgraph serve`): the FastAPI app, the gates every request passes, its error answers, and a client.
 
 Routes resolve lanes through the lane registry and read runs from the run store; nothing
-here compiles or executes a definition.
+here compiles or executes a definition. Every request passes the access guard (token, Host,
+Origin, content type) and the body guard before any route; connections are held to read
+deadlines; ``ServerClient`` calls the API with the token ``client_token`` finds.
 """
 
-from .app import CANCEL_GRACE_SECONDS, RunTasks, create_app, serve
+from .app import CANCEL_GRACE_SECONDS, RunTasks, create_app, serve, sign_in_url
+from .auth import (
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    BindRefusedError,
+    ServerToken,
+    ServerTokenError,
+    check_bind,
+    client_token,
+    home_token_path,
+    is_loopback,
+    server_token,
+)
 from .body import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH, RequestBodyGuard
-from .problems import ErrorBody, RunStateConflictError, RuntimeUnavailableError
+from .client import ServerClient, ServerRequestError
+from .deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT, DeadlineProtocol, deadline_protocol
+from .guard import AccessGuard, AccessPolicy
+from .problems import ErrorBody, RunCapacityError, RunStateConflictError, RuntimeUnavailableError
+from .runs import DEFAULT_MAX_RUNS, RETRY_AFTER_SECONDS
 
 __all__ = [
     "CANCEL_GRACE_SECONDS",
+    "DEFAULT_BODY_TIMEOUT",
+    "DEFAULT_HEAD_TIMEOUT",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_RUNS",
     "MAX_JSON_DEPTH",
+    "RETRY_AFTER_SECONDS",
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "AccessGuard",
+    "AccessPolicy",
+    "BindRefusedError",
+    "DeadlineProtocol",
     "ErrorBody",
     "RequestBodyGuard",
+    "RunCapacityError",
     "RunStateConflictError",
     "RunTasks",
     "RuntimeUnavailableError",
+    "ServerClient",
+    "ServerRequestError",
+    "ServerToken",
+    "ServerTokenError",
+    "check_bind",
+    "client_token",
     "create_app",
+    "deadline_protocol",
+    "home_token_path",
+    "is_loopback",
     "serve",
+    "server_token",
+    "sign_in_url",
 ]

@@ -18,12 +18,20 @@ store do), nor accept a control the run's capabilities exclude. Choices the reco
 - ``POST /api/flows/runs`` plans (the planner's call) before its 202, so a plan the planner
   could not make is 422 and no run; ``POST /api/playbooks/NAME/runs`` resolves the playbook
   first (404 for an unknown name, 422 for a bad arg).
+- Every request passes the access guard first (guard.py: token, Host, Origin, content type),
+  then the body guard (body.py); a route added to the app later passes them too.
+- A client chooses no path on the server's disk: a run's containment root for coding ``cwd``
+  is the server's ``workflow_root`` (``opgraph serve --workflow-root``), and no answer says
+  whether a path exists there. Names in paths are the store's (``NAME_PATTERN``), else 422.
+- At most ``max_runs`` runs are in flight at once (429 with ``Retry-After`` past it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -31,7 +39,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal
 
+import uvicorn
 from fastapi import FastAPI, Query
+from fastapi import Path as PathParameter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
@@ -56,8 +66,18 @@ from ..lanes import (
     replaying_lanes,
     settle_from_log,
 )
-from ..store import RunRecord, RunStore, WorkflowVersion, WorkflowVersionNotFoundError
+from ..store import (
+    MAX_NAME_LENGTH,
+    NAME_PATTERN,
+    RunRecord,
+    RunStore,
+    WorkflowVersion,
+    WorkflowVersionNotFoundError,
+)
+from .auth import ServerToken, check_bind, server_token
 from .body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
+from .deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT, deadline_protocol
+from .guard import SIGN_IN_PATH, AccessGuard, AccessPolicy, redact_in
 from .problems import (
     ErrorBody,
     RunStateConflictError,
@@ -69,11 +89,11 @@ from .problems import (
     run_links,
 )
 from .retention import RetentionSchedule, ScheduledPruning
-from .runs import CANCEL_GRACE_SECONDS, RunTasks, SessionSlot, say
+from .runs import CANCEL_GRACE_SECONDS, DEFAULT_MAX_RUNS, RunTasks, SessionSlot, say
 
 __all__ = [
     "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "ErrorBody", "RunStateConflictError", "RunTasks",
-    "RunWorkflowRequest", "RuntimeUnavailableError", "UpdateWorkflowRequest", "create_app", "serve",
+    "RunWorkflowRequest", "RuntimeUnavailableError", "UpdateWorkflowRequest", "create_app", "serve", "sign_in_url",
 ]
 # The largest integer a request may carry (versions, seq numbers): every JSON client holds
 # it exactly (2**53 - 1), where the store's own limit (2**63 - 1) is past a double's precision.
@@ -115,10 +135,12 @@ class UpdateWorkflowRequest(_Body):
 
 
 class RunWorkflowRequest(_Body):
+    """A run of a stored workflow. It names no path: a coding node's ``cwd`` is contained in the server's own
+    ``--workflow-root``, never in a root the client picks."""
+
     model_config = ConfigDict(json_schema_extra={"examples": [{"inputs": {"topic": "actors"}}]})
 
     inputs: dict[str, Any] | None = None
-    base_dir: str | None = None
     model: str | None = Field(default=None, pattern=r"^[^/]+/.+$", description="provider/model for every chat node")
     version: int | None = Field(default=None, ge=1, le=MAX_REQUEST_INTEGER)
 
@@ -208,6 +230,14 @@ def _run_json(record: RunRecord) -> dict[str, Any]:
 
 
 # -- the app ----------------------------------------------------------------------------
+def _name_parameter(what: str) -> Any:
+    """A name in a path: the store's rule (letters, digits, '.', '_', '-'; 1 to MAX_NAME_LENGTH), else 422."""
+    return PathParameter(pattern=NAME_PATTERN, min_length=1, max_length=MAX_NAME_LENGTH,
+                         description=f"{what}: 1 to {MAX_NAME_LENGTH} of A-Z a-z 0-9 . _ - (not dots alone)")
+
+
+_WORKFLOW_NAME = _name_parameter("the workflow's name or id")
+_PLAYBOOK_NAME = _name_parameter("the playbook's name")
 # OpenAPI links: how a client (or a fuzzer's stateful phase) gets from what one answer
 # holds to the next request, so generated clients and tests reach runs, not only 404s.
 _WORKFLOW_LINKS = links(201, "The workflow's first version", {
@@ -232,13 +262,18 @@ def _session_factory(address: str | None = None) -> Callable[[], Any]:
 
 def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = None,
                max_concurrent: int = 5, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               start_runtime: bool = True, submit_runs: bool | None = None,
+               start_runtime: bool = True, submit_runs: bool | None = None, access: AccessPolicy | None = None,
+               max_runs: int = DEFAULT_MAX_RUNS, workflow_root: str | Path | None = None,
                retention: RetentionSchedule | None = None) -> FastAPI:
     """The API over ``store``; runs use one Session from ``session_factory`` (default ``Session()``).
 
-    The Session starts with the app (``start_runtime``), before it takes requests, so
-    admission never waits for Ray; a failed start is reported and retried by each run
-    (503 until it works). Request bodies over ``max_body_bytes`` are refused with 413.
+    Every request passes ``access`` first (guard.py): without one, the app makes a policy
+    with a fresh random token, so an app is never open by accident (read it from
+    ``app.state.access.token``). The Session starts with the app (``start_runtime``), before
+    it takes requests, so admission never waits for Ray; a failed start is reported and
+    retried by each run (503 until it works). Request bodies over ``max_body_bytes`` are
+    refused with 413; past ``max_runs`` runs in flight, a new run is refused with 429. A
+    coding node's ``cwd`` is contained in ``workflow_root`` (none: such a node cannot run here).
 
     ``submit_runs`` (default: when the runtime is detached, joined through an address)
     admits each run with ``Session.submit``: the run goes on if this server exits, this
@@ -249,8 +284,10 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
     run it drives through ``flow`` is cancelled and recorded ``cancelled``) but closes neither.
     ``retention`` prunes the store on a schedule, in the background (``ScheduledPruning``).
     """
-    runs = RunTasks(store)
+    access = access or AccessPolicy(token=secrets.token_urlsafe(32))
+    runs = RunTasks(store, max_runs=max_runs)
     sessions = SessionSlot(session_factory or _session_factory())
+    root = None if workflow_root is None else Path(workflow_root).expanduser().resolve()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -276,11 +313,23 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         await runs.cancel_all()
 
     app = FastAPI(title="opgraph fixed workflows", lifespan=lifespan,
-                  description="Versioned fixed-workflow definitions (ADR-0073) and their runs. Every error "
-                              "answer is an ErrorBody: the first problem's message and the list of problems.")
+                  description="Versioned fixed-workflow definitions (ADR-0073) and their runs. Every request "
+                              "needs the server's token (Authorization: Bearer TOKEN). Every error answer is an "
+                              "ErrorBody: the first problem's message and the list of problems.")
     app.state.runs = runs
-    install_error_handlers(app)
+    app.state.access = access
+    install_error_handlers(app, authenticated=access.token is not None)
     app.add_middleware(RequestBodyGuard, max_body_bytes=max_body_bytes)
+    # Added last, so outermost: nothing (not the body guard, which reads bodies) runs before it.
+    # Routes and mounted apps added later pass it; a middleware added later would run before
+    # it, so one that answers requests itself must not be added after create_app.
+    app.add_middleware(AccessGuard, policy=access)
+
+    @app.get(SIGN_IN_PATH, operation_id="index", responses=errors())
+    def index() -> dict[str, Any]:
+        """Where a browser lands from the sign-in URL `opgraph serve` prints; what the server offers."""
+        return {"service": "opgraph", "signed_in": True, "docs": "/docs", "openapi": "/openapi.json",
+                "links": {"workflows": "/api/workflows", "runs": "/api/runs", "flows": "/api/flows/runs"}}
 
     # Definition routes are plain functions: FastAPI runs them in its thread pool, so the
     # synchronous SQLite calls never block the loop that drives the runs.
@@ -294,17 +343,17 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         return {"workflows": [asdict(summary) for summary in store.list_workflows()]}
 
     @app.get("/api/workflows/{name}", operation_id="get_workflow", responses=errors(404, 422))
-    def get_workflow(name: str,
+    def get_workflow(name: str = _WORKFLOW_NAME,
                      version: int | None = Query(default=None, ge=1, le=MAX_REQUEST_INTEGER)) -> dict[str, Any]:
         return _version_json(store.resolve(name, version))
 
     @app.get("/api/workflows/{name}/versions", operation_id="list_versions", responses=errors(404))
-    def list_versions(name: str) -> dict[str, Any]:
+    def list_versions(name: str = _WORKFLOW_NAME) -> dict[str, Any]:
         versions = store.versions(name)
         return {"name": versions[0].name, "versions": [_version_json(v, spec=False) for v in versions]}
 
-    @app.put("/api/workflows/{name}", operation_id="add_version", responses=errors(404, 413, 422))
-    def add_version(name: str, body: UpdateWorkflowRequest) -> dict[str, Any]:
+    @app.put("/api/workflows/{name}", operation_id="add_version", responses=errors(404, 409, 413, 422))
+    def add_version(body: UpdateWorkflowRequest, name: str = _WORKFLOW_NAME) -> dict[str, Any]:
         previous = store.resolve(name)
         version = store.add_version(name, body.spec, body.description)
         # An equal hash returns the existing version: versions are immutable and never duplicated.
@@ -312,37 +361,38 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
 
     @app.delete("/api/workflows/{name}", status_code=204, operation_id="delete_workflow", response_class=Response,
                 responses=errors(404))
-    def delete_workflow(name: str) -> Response:
+    def delete_workflow(name: str = _WORKFLOW_NAME) -> Response:
         store.delete_workflow(name)
         return Response(status_code=204)
 
     @app.post("/api/workflows/{name}/runs", status_code=202, operation_id="start_run",
-              responses={**errors(404, 413, 422), **_RUN_LINKS})
-    async def start_run(name: str, body: RunWorkflowRequest | None = None) -> dict[str, Any]:
+              responses={**errors(404, 413, 422, 429), **_RUN_LINKS})
+    async def start_run(name: str = _WORKFLOW_NAME, body: RunWorkflowRequest | None = None) -> dict[str, Any]:
         body = body or RunWorkflowRequest()
-        # A workflow run is the fixed lane's, resolved through the registry; the lane pins
-        # and compiles before any run row exists: a compile error is a 422 and no run.
-        lane = lane_adapter(FIXED_WORKFLOW, store)
-        invocation = LaneInvocation(
-            lane=FIXED_WORKFLOW, source_ref=name, source_kind="workflow_def", source_content_hash=None,
-            inputs=dict(body.inputs or {}), base_dir=None if body.base_dir is None else Path(body.base_dir),
-            source_version=body.version, model=body.model, run_id=str(uuid.uuid4()), max_concurrent=max_concurrent)
-        try:
-            prepared = await lane.prepare(invocation)
-        except WorkflowVersionNotFoundError as exc:
-            if body.version is None:
-                raise
-            # The workflow (the path's resource) exists; the body asks for a version it lacks.
-            raise RequestValidationError([{"loc": ("body", "version"), "msg": exc.message,
-                                           "type": "value_error"}]) from exc
-        session = await sessions.get()
-        run_id, control = prepared.run_id, {}
-        admitted = asyncio.get_running_loop().create_future()
-        if session.runtime.detached if submit_runs is None else submit_runs:
-            runs.start(run_id, control, _submitted(lane, prepared, session, control, admitted))
-        else:
-            runs.start(run_id, control, lane.execute(prepared, session=session,
-                                                     hooks=RunHooks(control=control, on_admitted=admitted)))
+        with runs.admission() as slot:  # 429 before anything is resolved when the server is full
+            # A workflow run is the fixed lane's, resolved through the registry; the lane pins
+            # and compiles before any run row exists: a compile error is a 422 and no run.
+            lane = lane_adapter(FIXED_WORKFLOW, store)
+            invocation = LaneInvocation(
+                lane=FIXED_WORKFLOW, source_ref=name, source_kind="workflow_def", source_content_hash=None,
+                inputs=dict(body.inputs or {}), base_dir=root, source_version=body.version, model=body.model,
+                run_id=str(uuid.uuid4()), max_concurrent=max_concurrent)
+            try:
+                prepared = await lane.prepare(invocation)
+            except WorkflowVersionNotFoundError as exc:
+                if body.version is None:
+                    raise
+                # The workflow (the path's resource) exists; the body asks for a version it lacks.
+                raise RequestValidationError([{"loc": ("body", "version"), "msg": exc.message,
+                                               "type": "value_error"}]) from exc
+            session = await sessions.get()
+            run_id, control = prepared.run_id, {}
+            admitted = asyncio.get_running_loop().create_future()
+            if session.runtime.detached if submit_runs is None else submit_runs:
+                runs.start(run_id, control, _submitted(lane, prepared, session, control, admitted), slot)
+            else:
+                runs.start(run_id, control, lane.execute(prepared, session=session,
+                                                         hooks=RunHooks(control=control, on_admitted=admitted)), slot)
         # The lane resolves ``admitted`` once the run row is written (or fails with what
         # stopped it first), so a client polling right after the 202 finds the run.
         status = await admitted
@@ -471,29 +521,36 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
 
     # -- planned flows and plays (ADR-0068 D1): planned before the 202 -------------------------
     async def start_planned(kind: str, make_invocation: Callable[[Any], Any]) -> dict[str, Any]:
-        lane = lane_adapter(kind, store)
-        try:
-            invocation = make_invocation(lane)
-        except OpGraphError as exc:
-            if getattr(exc, "suggestions", None) is not None:  # no playbook by that name
-                raise UnknownNameError(exc.message) from exc
-            raise RequestValidationError([{"loc": ("body",), "msg": exc.message, "type": "value_error"}]) from exc
-        except ValueError as exc:  # an option the lane cannot take
-            raise RequestValidationError([{"loc": ("body",), "msg": str(exc), "type": "value_error"}]) from exc
-        session = await sessions.get()
-        try:
-            prepared = await lane.prepare(invocation, session=session)
-        except PlanError as exc:
-            raise RequestValidationError([{"loc": ("body", "prompt"), "msg": f"no usable plan: {exc.message}",
-                                           "type": "value_error"}]) from exc
-        except (OpGraphError, ValueError) as exc:  # the planner's turn failed (an unknown model, say)
-            message = getattr(exc, "message", None) or str(exc)
-            raise RequestValidationError([{"loc": ("body",), "msg": f"the request could not be planned: {message}",
-                                           "type": "value_error"}]) from exc
-        run_id, control = prepared.run_id, {}
-        admitted = asyncio.get_running_loop().create_future()
-        runs.start(run_id, control, lane.execute(prepared, session=session,
-                                                 hooks=RunHooks(control=control, on_admitted=admitted)))
+        with runs.admission() as slot:  # 429 before any planning when the server is full
+            lane = lane_adapter(kind, store)
+            try:
+                invocation = make_invocation(lane)
+            except OpGraphError as exc:
+                # Said without the server's folders: the ones searched for an unknown name, or the
+                # file of a bad one. A client learns nothing of the server's disk.
+                suggestions = getattr(exc, "suggestions", None)
+                if suggestions is not None:  # no playbook by that name
+                    hint = f"; did you mean {', '.join(suggestions)}?" if suggestions else ""
+                    raise UnknownNameError(f"no playbook {getattr(exc, 'name', '')!r} on this server{hint}") from exc
+                path = getattr(exc, "path", None)
+                message = exc.message.replace(path, "<playbook file>") if path else exc.message
+                raise RequestValidationError([{"loc": ("body",), "msg": message, "type": "value_error"}]) from exc
+            except ValueError as exc:  # an option the lane cannot take
+                raise RequestValidationError([{"loc": ("body",), "msg": str(exc), "type": "value_error"}]) from exc
+            session = await sessions.get()
+            try:
+                prepared = await lane.prepare(invocation, session=session)
+            except PlanError as exc:
+                raise RequestValidationError([{"loc": ("body", "prompt"), "msg": f"no usable plan: {exc.message}",
+                                               "type": "value_error"}]) from exc
+            except (OpGraphError, ValueError) as exc:  # the planner's turn failed (an unknown model, say)
+                message = getattr(exc, "message", None) or str(exc)
+                raise RequestValidationError([{"loc": ("body",), "msg": f"the request could not be planned: "
+                                                                       f"{message}", "type": "value_error"}]) from exc
+            run_id, control = prepared.run_id, {}
+            admitted = asyncio.get_running_loop().create_future()
+            runs.start(run_id, control, lane.execute(prepared, session=session,
+                                                     hooks=RunHooks(control=control, on_admitted=admitted)), slot)
         status = await admitted
         source = prepared.provenance.source
         return {"run_id": run_id, "status": status, "workflow": source.ref, "version": None,
@@ -501,15 +558,15 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
                 "lane_capabilities": prepared.capabilities.as_metadata(), "links": run_links(run_id)}
 
     @app.post("/api/flows/runs", status_code=202, operation_id="start_flow_run",
-              responses={**errors(413, 422), **_RUN_LINKS})
+              responses={**errors(413, 422, 429), **_RUN_LINKS})
     async def start_flow_run(body: PlannedRunRequest) -> dict[str, Any]:
         return await start_planned(PLANNED_REACTIVE_FLOW, lambda lane: lane.invocation(
             body.prompt, model=body.model, reactive=body.reactive, max_ops=body.max_ops, roles=body.roles,
             synthesis=body.synthesis, max_concurrent=max_concurrent, run_id=str(uuid.uuid4())))
 
     @app.post("/api/playbooks/{name}/runs", status_code=202, operation_id="start_play_run",
-              responses={**errors(404, 413, 422), **_RUN_LINKS})
-    async def start_play_run(name: str, body: PlayRunRequest | None = None) -> dict[str, Any]:
+              responses={**errors(404, 413, 422, 429), **_RUN_LINKS})
+    async def start_play_run(name: str = _PLAYBOOK_NAME, body: PlayRunRequest | None = None) -> dict[str, Any]:
         body = body or PlayRunRequest()
         return await start_planned(REACTIVE_PLAY, lambda lane: lane.invocation(
             name, text=body.input, args=body.args or {}, model=body.model, reactive=body.reactive,
@@ -518,13 +575,70 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
     return app
 
 
+def sign_in_url(host: str, port: int, token: str | None) -> str:
+    """The URL a browser signs in with (``/?token=...``); without a token, the server's plain URL."""
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}{SIGN_IN_PATH}" + ("" if token is None else f"?token={token}")
+
+
+class _AnnouncingServer(uvicorn.Server):
+    """uvicorn's Server, which says once it listens how to sign in (the port is known only then)."""
+
+    def __init__(self, config: uvicorn.Config, *, host: str, token: ServerToken) -> None:
+        super().__init__(config)
+        self._host, self._token = host, token
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            _announce(self._host, self.servers[0].sockets[0].getsockname()[1], self._token)
+
+
+def _announce(host: str, port: int, token: ServerToken) -> None:
+    if token.source == "home":
+        say(f"the token is in {token.path} (mode 0600); clients on this machine read it from there. Sign in at:\n"
+            f"    {sign_in_url(host, port, token.value)}")
+    elif token.source == "none":
+        say(f"serving WITHOUT authentication (--no-auth) at {sign_in_url(host, port, None)}")
+    else:
+        where = "OPGRAPH_TOKEN" if token.source == "environment" else f"the token file {token.path}"
+        say(f"serving at {sign_in_url(host, port, None)}; every request needs the token in {where} "
+            "(Authorization: Bearer TOKEN)")
+
+
 def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = None,
           address: str | None = None, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          retention: RetentionSchedule | None = None) -> None:
-    """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray starts with the server."""
-    import uvicorn
+          token: ServerToken | None = None, allowed_hosts: tuple[str, ...] = (),
+          allowed_origins: tuple[str, ...] = (), max_runs: int = DEFAULT_MAX_RUNS, max_versions: int | None = None,
+          head_timeout: float = DEFAULT_HEAD_TIMEOUT, body_timeout: float = DEFAULT_BODY_TIMEOUT,
+          workflow_root: str | Path | None = None, retention: RetentionSchedule | None = None) -> bool:
+    """Serve the API with uvicorn until interrupted (``opgraph serve``); Ray starts with the server.
 
-    with open_store(store_path) as store:
+    ``token`` (default: ``server_token()``, from the environment or the opgraph home) is checked
+    against ``host`` first: ``BindRefusedError`` (nothing started) for a public bind without a
+    token the operator set, or ``--no-auth`` off loopback. A loopback server without one makes
+    one (a ``0600`` file in the opgraph home) and prints its sign-in URL. Each connection's
+    request head must arrive within ``head_timeout`` seconds and its body within
+    ``body_timeout``. ``retention`` prunes the store on a schedule. False when the server could
+    not start listening (a port in use).
+    """
+    token = server_token() if token is None else token
+    check_bind(host, token)
+    policy = AccessPolicy(None, bound_host=host, allowed_hosts=tuple(allowed_hosts),
+                          allowed_origins=tuple(allowed_origins))  # a bad host or origin: refused before the store
+    with open_store(store_path, max_versions=max_versions) as store:
+        token = token.ensure()  # a store that cannot be opened leaves no token file behind
+        if token.source == "none":
+            say("WARNING: --no-auth: any program or web page that can reach this port may start and control runs")
+        policy = dataclasses.replace(policy, token=token.value)
         app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes,
+                         access=policy, max_runs=max_runs, workflow_root=workflow_root,
                          retention=retention)
-        uvicorn.run(app, host=host, port=port)
+        # No WebSocket protocol: no route takes one, and an upgrade is then a plain (guarded) request.
+        config = uvicorn.Config(app, host=host, port=port, http=deadline_protocol(head_timeout, body_timeout),
+                                ws="none")
+        redact_in(("uvicorn.access", "uvicorn.error"))  # after Config, which sets up uvicorn's logging
+        server = _AnnouncingServer(config, host=host, token=token)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+        return bool(server.started)

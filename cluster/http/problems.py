@@ -27,12 +27,15 @@ from ..store import (
     WorkflowNameConflictError,
     WorkflowNotFoundError,
     WorkflowStoreError,
+    WorkflowVersionLimitError,
     problem,
 )
+from .guard import STATE_CHANGING
 
 __all__ = [
     "ErrorBody",
     "Problem",
+    "RunCapacityError",
     "RunStateConflictError",
     "RuntimeUnavailableError",
     "UnknownNameError",
@@ -50,6 +53,15 @@ class RunStateConflictError(OpGraphError):
     def __init__(self, message: str, run_id: str, status: str) -> None:
         super().__init__(message)
         self.run_id, self.status = run_id, status
+
+
+class RunCapacityError(OpGraphError):
+    """The server already runs as many runs as it admits (``opgraph serve --max-runs``); nothing was started.
+    HTTP 429, with ``Retry-After: retry_after`` seconds."""
+
+    def __init__(self, message: str, *, limit: int, retry_after: int) -> None:
+        super().__init__(message)
+        self.limit, self.retry_after = limit, retry_after
 
 
 class UnknownNameError(OpGraphError):
@@ -82,13 +94,23 @@ class ErrorBody(BaseModel):
 
 _DESCRIPTIONS = {
     400: "The request is malformed",
+    401: "The request lacks the server's token (Authorization: Bearer TOKEN)",
+    403: "The request's Origin may not change anything here (opgraph serve --allowed-origin)",
     404: "No such workflow, version, run or playbook",
     405: "The path does not take this method",
-    409: "The request conflicts with the workflow's or run's state, or the lane's capabilities",
+    409: "The request conflicts with the workflow's or run's state, or the lane's capabilities, or the workflow "
+         "has as many versions as the server keeps",
     413: "The request body is larger than the server's limit (opgraph serve --max-body-bytes)",
+    415: "The request body is not declared application/json",
+    421: "The request's Host is not a name of this server (opgraph serve --allowed-host)",
     422: "The request or the definition it carries is invalid; ``errors`` lists every problem",
+    429: "The server already runs as many runs as it admits (opgraph serve --max-runs); retry after Retry-After "
+         "seconds",
     503: "The store or the runtime is unavailable; retry later",
 }
+# What the access guard (guard.py) answers before any route runs: every operation may get these.
+_GUARD_STATUSES = (421,)  # and 401 on a server with a token
+_GUARD_STATE_CHANGING_STATUSES = (403, 415)
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -134,6 +156,8 @@ _ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any
     WorkflowDefinitionError: (422, _definition),
     RequestValidationError: (422, _request),
     WorkflowNameConflictError: (409, lambda exc: error_body(exc.message, name=exc.name)),
+    WorkflowVersionLimitError: (409, lambda exc: error_body(exc.message, name=exc.name, limit=exc.limit)),
+    RunCapacityError: (429, lambda exc: error_body(exc.message, limit=exc.limit)),
     LaneCapabilityError: (409, lambda exc: error_body(exc.message, request_kind=exc.request_kind,
                                                       lane=exc.lane, lane_capabilities=exc.capabilities)),
     RunStateConflictError: (409, lambda exc: error_body(exc.message, run_id=exc.run_id, status=exc.status,
@@ -148,7 +172,8 @@ _ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any
 
 async def _error_response(_: Request, exc: Exception) -> JSONResponse:
     status, body = next(_ERROR_RESPONSES[cls] for cls in type(exc).__mro__ if cls in _ERROR_RESPONSES)
-    return JSONResponse(body(exc), status_code=status)
+    headers = {"retry-after": str(exc.retry_after)} if isinstance(exc, RunCapacityError) else None
+    return JSONResponse(body(exc), status_code=status, headers=headers)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -164,9 +189,12 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code, headers=headers)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, *, authenticated: bool = True) -> None:
     """Answer every error as an ErrorBody, and document it so: FastAPI's own ``{detail}``
-    422, which it adds to every route with parameters, is replaced by ErrorBody."""
+    422, which it adds to every route with parameters, is replaced by ErrorBody; the access
+    guard's answers (401 and 421 anywhere, 403 and 415 on a state-changing request) are
+    added to every operation, and, when the server has a token (``authenticated``), the
+    bearer scheme every operation requires."""
     for error_type in _ERROR_RESPONSES:
         app.add_exception_handler(error_type, _error_response)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -175,14 +203,26 @@ def install_error_handlers(app: FastAPI) -> None:
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             document = generate()
+            error_content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
             for methods in document.get("paths", {}).values():
-                for operation in methods.values():
-                    invalid = operation.get("responses", {}).get("422")
+                for method, operation in methods.items():
+                    responses = operation.setdefault("responses", {})
+                    invalid = responses.get("422")
                     if invalid is not None and "HTTPValidationError" in str(invalid):
-                        operation["responses"]["422"] = {
-                            "description": _DESCRIPTIONS[422],
-                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
-            schemas = document.get("components", {}).get("schemas", {})
+                        responses["422"] = {"description": _DESCRIPTIONS[422], "content": error_content}
+                    guarded = ((401,) if authenticated else ()) + _GUARD_STATUSES + (
+                        _GUARD_STATE_CHANGING_STATUSES if method.upper() in STATE_CHANGING else ())
+                    for status in guarded:
+                        responses.setdefault(str(status), {"description": _DESCRIPTIONS[status],
+                                                           "content": error_content})
+            components = document.setdefault("components", {})
+            if authenticated:  # every operation needs the bearer token: the guard checks it before any route
+                components.setdefault("securitySchemes", {})["bearer"] = {
+                    "type": "http", "scheme": "bearer",
+                    "description": "The server's token: OPGRAPH_TOKEN, its token file, or the one it generated "
+                                   "(its sign-in URL)"}
+                document["security"] = [{"bearer": []}]
+            schemas = components.get("schemas", {})
             for unused in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(unused, None)
             app.openapi_schema = document

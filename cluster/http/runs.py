@@ -1,8 +1,10 @@
-"""This server's runs: one asyncio task per run it started, and the one Session they run on.
+"""This server's runs: one asyncio task per run it started, how many it admits, and the one Session they run on.
 
-Owns starting a lane's run as a task, cancelling it through its control handle (falling
-back to the task), recording a failure that escaped the lane, cancelling everything at
-shutdown, and starting the Session with the server. It must not decide what a run is:
+Owns admitting a run under the server's cap (``max_runs`` in flight, counting those being
+prepared; past it a ``RunCapacityError``, HTTP 429), starting a lane's run as a task,
+cancelling it through its control handle (falling back to the task), recording a failure
+that escaped the lane, cancelling everything at shutdown, and starting the Session with the
+server. It must not decide what a run is:
 the routes prepare it through the lane registry.
 """
 
@@ -13,21 +15,26 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi.concurrency import run_in_threadpool
 
 from ..store import RunNotFoundError, RunStore
-from .problems import RuntimeUnavailableError
+from .problems import RunCapacityError, RuntimeUnavailableError
 
-__all__ = ["CANCEL_GRACE_SECONDS", "SHUTDOWN_GRACE_SECONDS", "RunTasks", "SessionSlot", "say"]
+__all__ = ["CANCEL_GRACE_SECONDS", "DEFAULT_MAX_RUNS", "RETRY_AFTER_SECONDS", "SHUTDOWN_GRACE_SECONDS", "AdmissionSlot",
+           "RunTasks", "SessionSlot", "say"]
 
 # How long a cancel request waits for the executor to settle the run before it also
 # cancels the driving task (which cancels on the executor again, from Session.flow).
 CANCEL_GRACE_SECONDS = 5.0
 SHUTDOWN_GRACE_SECONDS = 10.0
+# Runs one server admits at once (`opgraph serve --max-runs`, OPGRAPH_MAX_RUNS): each holds a
+# Session flow, store writes and its executor's capacity; 60 admitted at once took 120 s to drain.
+DEFAULT_MAX_RUNS = 16
+RETRY_AFTER_SECONDS = 2  # what a 429 tells the client to wait: about a short run's length
 
 
 def say(text: str) -> None:
@@ -40,20 +47,49 @@ class _InFlight:
     control: dict[str, Any]  # the lane puts its LaneRunControl at "control" once admitted
 
 
+class AdmissionSlot:
+    """One run's place under the cap, held from the request's first step until its task starts (then the
+    task holds it until it settles) or the admission fails."""
+
+    def __init__(self) -> None:
+        self.held = True
+
+
 class RunTasks:
-    """The runs this server started: one asyncio task each, forgotten once it settles.
+    """The runs this server started: one asyncio task each, forgotten once it settles; at most ``max_runs``.
 
     Cancelling goes through the run's LaneRunControl (the executor settles the run and
     the runner records ``cancelled``); the task itself is cancelled only when that handle
     is not published yet or the run does not settle within ``CANCEL_GRACE_SECONDS``.
     """
 
-    def __init__(self, store: RunStore) -> None:
+    def __init__(self, store: RunStore, *, max_runs: int = DEFAULT_MAX_RUNS) -> None:
+        if type(max_runs) is not int or max_runs < 1:
+            raise ValueError(f"max_runs must be a positive integer, got {max_runs!r}")
         self._store = store
         self._runs: dict[str, _InFlight] = {}
+        self.max_runs = max_runs
+        self._admitting = 0  # slots held by requests still preparing their run
 
     def __contains__(self, run_id: str) -> bool:
         return run_id in self._runs
+
+    @contextlib.contextmanager
+    def admission(self) -> Iterator[AdmissionSlot]:
+        """A place for one more run, taken before anything is prepared; ``RunCapacityError`` when the
+        server already has ``max_runs`` runs in flight or being admitted. Give the slot to ``start``."""
+        if len(self._runs) + self._admitting >= self.max_runs:
+            raise RunCapacityError(
+                f"this server already runs {self.max_runs} runs, the most it admits at once (opgraph serve "
+                f"--max-runs); retry in {RETRY_AFTER_SECONDS} s", limit=self.max_runs,
+                retry_after=RETRY_AFTER_SECONDS)
+        slot = AdmissionSlot()
+        self._admitting += 1
+        try:
+            yield slot
+        finally:
+            if slot.held:
+                self._admitting -= 1
 
     async def control(self, run_id: str) -> Any:
         """The LaneRunControl of a run this server started, once published (None: not ours, or it ended)."""
@@ -66,8 +102,12 @@ class RunTasks:
             await asyncio.sleep(0.01)
         return run.control.get("control")
 
-    def start(self, run_id: str, control: dict[str, Any], run: Any) -> asyncio.Task:
+    def start(self, run_id: str, control: dict[str, Any], run: Any, slot: AdmissionSlot | None = None) -> asyncio.Task:
+        """Run ``run`` as this server's task; it takes ``slot``'s place under the cap until it settles."""
         task = asyncio.create_task(run, name=f"workflow-run-{run_id}")
+        if slot is not None and slot.held:
+            slot.held = False
+            self._admitting -= 1
         self._runs[run_id] = _InFlight(task, control)
         task.add_done_callback(lambda done: self._settled(run_id, done))
         return task
@@ -121,7 +161,7 @@ class RunTasks:
             await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE_SECONDS)
 
     def statistics(self) -> dict[str, int]:
-        return {"in_flight": len(self._runs)}
+        return {"in_flight": len(self._runs), "admitting": self._admitting, "max_runs": self.max_runs}
 
 
 class SessionSlot:

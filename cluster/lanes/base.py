@@ -54,7 +54,9 @@ class LaneInvocation:
     ``prepare``). ``model`` is a ``provider/model`` for every model node, ``run_id`` the
     id to record the run under (None: ``prepare`` makes one), ``max_concurrent`` the
     flow's capacity, ``durable`` whether the run is kept in the run log (and so whether it
-    can be resumed: a lane's ``checkpoint_resume`` follows it).
+    can be resumed: a lane's ``checkpoint_resume`` follows it). ``base_dir`` is the folder a
+    coding node's ``cwd`` must be inside; it comes from the caller's own configuration (the
+    CLI's ``--base-dir``, the server's ``--workflow-root``), never from a remote request.
     """
 
     lane: LaneKind

@@ -11,7 +11,9 @@ before it asks for a row.
 from .database import StoreDatabase
 from .definitions import (
     CONTENT_HASH,
+    DEFAULT_MAX_VERSIONS,
     MAX_NAME_LENGTH,
+    NAME_PATTERN,
     DefinitionRules,
     Definitions,
     WorkflowSummary,
@@ -37,6 +39,7 @@ from .errors import (
     WorkflowNotFoundError,
     WorkflowStoreError,
     WorkflowValidationError,
+    WorkflowVersionLimitError,
     WorkflowVersionNotFoundError,
     problem,
 )
@@ -71,11 +74,13 @@ from .writer import StoreWriter
 
 __all__ = [
     "CONTENT_HASH",
+    "DEFAULT_MAX_VERSIONS",
     "ENGINE_RUN_STATUSES",
     "MAX_BACKLOG",
     "MAX_NAME_LENGTH",
     "MAX_VERSION",
     "MIGRATIONS",
+    "NAME_PATTERN",
     "OWNER_PROCESS_LOST",
     "REGISTRY_SOURCE",
     "RETENTION_STATUSES",
@@ -111,6 +116,7 @@ __all__ = [
     "WorkflowSummary",
     "WorkflowValidationError",
     "WorkflowVersion",
+    "WorkflowVersionLimitError",
     "WorkflowVersionNotFoundError",
     "canonical_json",
     "current_process",

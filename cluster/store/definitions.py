@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import secrets
 from collections.abc import Callable, Iterable, Mapping
@@ -26,6 +27,7 @@ from .errors import (
     WorkflowNotFoundError,
     WorkflowStoreError,
     WorkflowValidationError,
+    WorkflowVersionLimitError,
     WorkflowVersionNotFoundError,
     problem,
 )
@@ -33,7 +35,9 @@ from .schema import MAX_VERSION
 
 __all__ = [
     "CONTENT_HASH",
+    "DEFAULT_MAX_VERSIONS",
     "MAX_NAME_LENGTH",
+    "NAME_PATTERN",
     "DefinitionRules",
     "Definitions",
     "WorkflowSummary",
@@ -47,7 +51,17 @@ __all__ = [
     "validate_name",
 ]
 
+# The store's own bound since its first schema (CHECK length(name) BETWEEN 1 AND 120).
 MAX_NAME_LENGTH = 120
+# What a name may hold: it is a path segment of the HTTP API (/api/workflows/NAME), a file
+# name stem (NAME.playbook.yaml) and the left of NAME@VERSION, so no '/', '@', space or control
+# character; a name of dots alone ('.', '..') is a path step, not a name.
+NAME_PATTERN = r"^[A-Za-z0-9._-]*[A-Za-z0-9_-][A-Za-z0-9._-]*$"  # and at most MAX_NAME_LENGTH long
+_NAME = re.compile(NAME_PATTERN)
+# How many versions one workflow may have (OPGRAPH_MAX_VERSIONS; `opgraph serve --max-versions`):
+# each PUT of a changed spec appends one, so without a bound one client could grow a workflow forever.
+DEFAULT_MAX_VERSIONS = 1000
+MAX_VERSIONS_ENV = "OPGRAPH_MAX_VERSIONS"
 CONTENT_HASH = re.compile(r"sha256:[0-9a-f]{64}")  # every stored hash: the algorithm, then 64 hex digits
 # A lane's rules for what a definition holds: every problem found, [] when it may be stored.
 DefinitionRules = Callable[[Any], list[dict[str, Any]]]
@@ -108,17 +122,33 @@ def digest(definition: Any) -> str:
 
 
 def validate_name(name: Any) -> list[dict[str, Any]]:
-    """Problems with a definition name: a string of 1-120 characters once trimmed."""
+    """Problems with a definition name: once trimmed, 1 to 120 of ``A-Z a-z 0-9 . _ -`` (not dots alone)."""
     if not isinstance(name, str):
         return [problem(f"the workflow name must be a string, got {type(name).__name__}")]
     if not is_unicode_text(name):
         return [problem("the workflow name is not valid Unicode text (it holds a lone surrogate)")]
     trimmed = name.strip()
     if not trimmed:
-        return [problem("the workflow name is empty; give it 1 to 120 characters")]
+        return [problem(f"the workflow name is empty; give it 1 to {MAX_NAME_LENGTH} characters")]
     if len(trimmed) > MAX_NAME_LENGTH:
         return [problem(f"the workflow name is {len(trimmed)} characters long; the limit is {MAX_NAME_LENGTH}")]
+    if not _NAME.match(trimmed):
+        refused = sorted({character for character in trimmed if not (character.isascii() and
+                                                                     (character.isalnum() or character in "._-"))})
+        what = f"it holds {', '.join(repr(character) for character in refused)}" if refused else "it is dots alone"
+        return [problem(f"the workflow name {trimmed!r} may hold only letters A-Z and a-z, digits, '.', '_' and '-', "
+                        f"and not be dots alone; {what}")]
     return []
+
+
+def max_versions_setting() -> int:
+    """``OPGRAPH_MAX_VERSIONS`` when it is a positive whole number, else ``DEFAULT_MAX_VERSIONS``."""
+    text = os.environ.get(MAX_VERSIONS_ENV, "").strip()
+    if not text:
+        return DEFAULT_MAX_VERSIONS
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{MAX_VERSIONS_ENV} must be a whole number from 1, got {text!r}")
+    return int(text)
 
 
 def normalise_name(name: Any) -> str:
@@ -180,9 +210,12 @@ class Definitions(StoreDatabase):
     """
 
     def __init__(self, path: str | Path | None = None, *, validate_definition: DefinitionRules | None = None,
-                 **options: Any) -> None:
+                 max_versions: int | None = None, **options: Any) -> None:
         super().__init__(path, **options)
         self._validate_definition = validate_definition
+        self.max_versions = max_versions_setting() if max_versions is None else max_versions
+        if type(self.max_versions) is not int or self.max_versions < 1:
+            raise ValueError(f"max_versions must be a positive integer, got {self.max_versions!r}")
 
     def _encode_spec(self, spec: Any, description: Any,
                      problems: Iterable[dict[str, Any]] = ()) -> tuple[str, str]:
@@ -238,6 +271,8 @@ class Definitions(StoreDatabase):
             latest = self._resolve(db, name_or_id, None, include_deleted=False)
             if latest.content_hash == hashed:
                 return latest
+            if latest.version >= self.max_versions:  # versions are numbered 1..N with no gap
+                raise WorkflowVersionLimitError(latest.name, self.max_versions)
             return self._insert_version(db, latest.workflow_id, latest.version + 1, hashed, spec_json,
                                         latest.description if description is None else description, self._clock())
 

@@ -38,6 +38,7 @@ __all__ = [
     "WorkflowNotFoundError",
     "WorkflowStoreError",
     "WorkflowValidationError",
+    "WorkflowVersionLimitError",
     "WorkflowVersionNotFoundError",
     "problem",
 ]
@@ -120,6 +121,17 @@ class WorkflowNameConflictError(WorkflowStoreError):
         super().__init__(f"a workflow named {name!r} already exists; add a version to it, delete it, "
                          "or choose another name")
         self.name = name
+
+
+class WorkflowVersionLimitError(WorkflowStoreError):
+    """The workflow already has as many versions as the store allows (HTTP 409); nothing was written."""
+
+    _fields = ("name", "limit")
+
+    def __init__(self, name: str, limit: int) -> None:
+        super().__init__(f"workflow {name!r} already has {limit} versions, the most this store keeps per workflow "
+                         "(opgraph serve --max-versions, OPGRAPH_MAX_VERSIONS); create a new workflow instead")
+        self.name, self.limit = name, limit
 
 
 class WorkflowNotFoundError(WorkflowStoreError):

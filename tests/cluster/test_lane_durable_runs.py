@@ -110,7 +110,7 @@ def test_the_api_submits_its_runs_follows_them_and_settles_their_rows(session, s
     store.create_workflow("slow", chain("sim/slow", 3))
     served = serve(create_app(store, session_factory=lambda: session, submit_runs=True))
     try:
-        with httpx.Client(base_url=served.url, timeout=30) as http:
+        with served.client() as http:
             run_id = http.post("/api/workflows/followed/runs", json={"inputs": {"topic": "x"}}).json()["run_id"]
             run = _wait(http, run_id, {"completed", "failed", "cancelled"})
             assert run["status"] == "completed" and run["outputs"]["n1"]["text"]

@@ -19,7 +19,6 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
 import pytest
 from api_server import free_port, serve
 from workflow_specs import draft_spec
@@ -383,7 +382,7 @@ def test_the_http_api_answers_each_control_from_the_runs_own_capabilities(echo_l
     echo_record(store, "echo-http")
     served = serve(create_app(store, session_factory=lambda: None, start_runtime=False))
     try:
-        with httpx.Client(base_url=served.url, timeout=30) as http:
+        with served.client() as http:
             run = http.get("/api/runs/echo-http").json()
             assert run["lane"] == ECHO and run["lane_capabilities"]["live_pause"] is True
             refused = http.post("/api/runs/echo-http/message", json={"text": "hurry"})

@@ -279,6 +279,7 @@ def test_playbooks_resolve_nearest_first_and_render_typed_args(tmp_path):
 
     project, home = tmp_path / "repo" / "sub", tmp_path / "home"
     project.mkdir(parents=True)
+    (tmp_path / "repo" / ".git").mkdir()  # repo is the project root: the search climbs to it
     _playbook(home / ".opgraph" / "playbooks", "brief", "prompt: home {input}\n")
     _playbook(tmp_path / "repo" / ".opgraph" / "playbooks", "brief",
               'prompt: "parent {input} in {words} words"\nargs: {words: {type: int, default: 100, help: length}}\n')
@@ -294,6 +295,35 @@ def test_playbooks_resolve_nearest_first_and_render_typed_args(tmp_path):
     assert invocation.source_kind == "playbook" and invocation.inputs["playbook"]["args"] == {"words": 50}
     assert invocation.source_content_hash == invocation.inputs["playbook"]["content_hash"]
     assert invocation.max_ops == 12 and "tea" in invocation.inputs["task"]  # the bundled example's settings
+
+
+def test_the_playbook_search_stops_at_the_project_root_and_the_config_folder(tmp_path, monkeypatch):
+    """A playbook planted above the project (a shared parent such as /tmp) is never found (issue #32, finding
+    6); the project's own folders and the user's config folder ($OPGRAPH_HOME/playbooks) are."""
+    from opgraph.cluster.lanes.play import UnknownPlaybookError, resolve_playbook
+    from opgraph.cluster.lanes.play.playbook import EXAMPLES_DIR, playbook_roots
+
+    shared, project = tmp_path / "shared", tmp_path / "shared" / "project"
+    start = project / "src" / "pkg"
+    start.mkdir(parents=True)
+    (project / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    config = tmp_path / "opgraph-home"
+    monkeypatch.setenv("OPGRAPH_HOME", str(config))
+    _playbook(shared / ".opgraph" / "playbooks", "planted", "prompt: stolen {input}\n")
+    _playbook(project / ".opgraph" / "playbooks", "ours", "prompt: ours {input}\n")
+    _playbook(config / "playbooks", "mine", "prompt: mine {input}\n")
+    assert playbook_roots(start) == [start / ".opgraph" / "playbooks", project / "src" / ".opgraph" / "playbooks",
+                                     project / ".opgraph" / "playbooks", config / "playbooks", EXAMPLES_DIR]
+    assert resolve_playbook("ours", start=start).prompt == "ours {input}"
+    assert resolve_playbook("mine", start=start).prompt == "mine {input}"
+    with pytest.raises(UnknownPlaybookError):
+        resolve_playbook("planted", start=start)
+    # Outside any project, only the folder itself is searched, never its parents.
+    loose = shared / "loose"
+    loose.mkdir()
+    assert playbook_roots(loose) == [loose / ".opgraph" / "playbooks", config / "playbooks", EXAMPLES_DIR]
+    with pytest.raises(UnknownPlaybookError):
+        resolve_playbook("planted", start=loose)
 
 
 def test_playbook_refusals_come_before_any_planning(tmp_path):
@@ -324,7 +354,6 @@ def test_playbook_refusals_come_before_any_planning(tmp_path):
 def test_the_api_starts_planned_runs_and_applies_their_live_controls(session, store, tmp_path):
     """POST /api/flows/runs (crash-plan, slow ops): pause, message and resume reach the run (202);
     the same controls on a fixed run stay 409; an unknown playbook is 404 before any planning."""
-    import httpx
     from api_server import serve
 
     from opgraph.cluster.http import create_app
@@ -333,7 +362,7 @@ def test_the_api_starts_planned_runs_and_applies_their_live_controls(session, st
     session.register_provider("scripted", ScriptedProvider(PlannedScript(log)))
     served = serve(create_app(store, session_factory=lambda: session, submit_runs=False))
     try:
-        with httpx.Client(base_url=served.url, timeout=60) as http:
+        with served.client(timeout=60) as http:
             started = http.post("/api/flows/runs", json={"prompt": "crash-plan", "model": MODEL,
                                                          "synthesis": False})
             assert started.status_code == 202, started.text

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import sys
 from pathlib import Path
@@ -34,24 +35,31 @@ def test_schemathesis_finds_nothing_against_the_live_server(ray_head, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
+    token = secrets.token_urlsafe(32)
+    signed = {"authorization": f"Bearer {token}"}
     with start_server([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port), "--store",
                        str(tmp_path / "opgraph.db"), "--address", ray_head.address],
-                      ready=lambda: http_body(f"{url}/openapi.json", timeout=5), timeout=SERVE_DEADLINE,
-                      what="opgraph serve", log_path=log, env=ray_head.env()) as server:
+                      ready=lambda: http_body(f"{url}/openapi.json", headers=signed, timeout=5),
+                      timeout=SERVE_DEADLINE, what="opgraph serve", log_path=log,
+                      env={**ray_head.env(), "OPGRAPH_TOKEN": token}) as server:
         document = json.loads(server.ready)
         # The runtime started with the server, before it listened.
         started = log.read_text()
         assert "runtime ready in" in started and started.index("runtime ready") < started.index("Uvicorn running")
 
+        # The token as every client sends it; schemathesis's ignored_auth check also sends requests
+        # without it (the document declares the bearer scheme) and expects them refused.
         command = [*_schemathesis(), "--config-file", str(CONFIG), "run", f"{url}/openapi.json", "--checks", "all",
+                   "--header", f"Authorization: Bearer {token}",
                    "--max-examples", str(MAX_EXAMPLES), "--workers", "1", "--seed", str(SEED),
                    "--generation-database", "none", "--no-color"]
         # In tmp_path: schemathesis keeps a cache of what it found in its working directory.
         fuzzed = run_command(command, timeout=FUZZ_TIMEOUT, env={**os.environ, "NO_COLOR": "1"}, cwd=tmp_path)
-        print(f"$ {' '.join(command)}\n{fuzzed.stdout[-3000:]}")  # the figures for the closing note (-s)
+        # The figures for the closing note (-s), the token blanked.
+        print(f"$ {' '.join(command).replace(token, '***')}\n{fuzzed.stdout[-3000:]}")
         assert fuzzed.returncode == 0, fuzzed.stdout[-6000:] + fuzzed.stderr[-2000:]
         summary = fuzzed.stdout[fuzzed.stdout.rindex("SUMMARY"):]
-        assert "Tested: 17" in summary and "failure" not in summary.lower(), summary
+        assert "Tested: 18" in summary and "failure" not in summary.lower(), summary
         server.stop(signal.SIGINT)
 
     # What the document promises, stated once more by hand for the answers this issue fixed.
@@ -67,4 +75,5 @@ def test_schemathesis_finds_nothing_against_the_live_server(ray_head, tmp_path):
                     schema = response["content"]["application/json"]["schema"]
                     assert schema == {"$ref": "#/components/schemas/ErrorBody"}, (method, path, status)
     assert "413" in paths["/api/workflows"]["post"]["responses"]
+    assert document["security"] == [{"bearer": []}]  # every operation needs the token
     assert "HTTPValidationError" not in json.dumps(paths)  # FastAPI's {detail} 422 is documented nowhere

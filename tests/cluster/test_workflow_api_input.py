@@ -54,16 +54,14 @@ def store(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def served(store):
-    running = serve(create_app(store, session_factory=NoRuntime(), max_body_bytes=BODY_LIMIT, start_runtime=False))
-    try:
+    with serve(create_app(store, session_factory=NoRuntime(), max_body_bytes=BODY_LIMIT,
+                          start_runtime=False)) as running:
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    with httpx.Client(base_url=served.url, timeout=30) as http:
+    with served.client() as http:
         yield http
 
 
@@ -137,23 +135,38 @@ def _length(answer: bytes) -> int:
     return 0
 
 
+def _head(served: Any, *lines: str, token: bool = True) -> bytes:
+    """A POST /api/workflows head to ``served``: its Host, the token (unless not ``token``), then ``lines``."""
+    fields = [f"host: 127.0.0.1:{served.port}", *([f"authorization: Bearer {served.token}"] if token else []), *lines]
+    return ("POST /api/workflows HTTP/1.1\r\n" + "".join(f"{field}\r\n" for field in fields) + "\r\n").encode()
+
+
 def test_a_body_over_the_limit_is_413_before_it_is_read_whole(served):
     """A 100 MB body is declared and 1 KiB of it sent: the 413 arrives with the rest unsent.
     Without a declared length (chunked), the 413 comes once the limit is passed."""
-    declared = (b"POST /api/workflows HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-                b"content-length: 100000000\r\n\r\n")
+    declared = _head(served, "content-type: application/json", "content-length: 100000000")
     answer = _raw_request(served.port, declared, b"{" + b" " * 1023)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
     assert "100000000 bytes" in body["error"] and body["errors"][0]["error"] == body["error"]
 
     chunk = b" " * (BODY_LIMIT // 2)
-    chunked = (b"POST /api/workflows HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-               b"transfer-encoding: chunked\r\n\r\n")
+    chunked = _head(served, "content-type: application/json", "transfer-encoding: chunked")
     encoded = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(3))  # 1.5 x the limit, no end
     answer = _raw_request(served.port, chunked, encoded)
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert str(BODY_LIMIT) in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+
+
+def test_an_oversized_body_without_the_token_is_401_and_is_not_read(served):
+    """The token comes first (issue #32): a stranger's 100 MB upload is refused before a byte of it
+    is read (401, not 413), and the same upload with the token still gets its 413."""
+    declared = ("content-type: application/json", "content-length: 100000000")
+    answer = _raw_request(served.port, _head(served, *declared, token=False), b"{" + b" " * 1023)
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+    assert b"www-authenticate: bearer" in answer.lower() and b"connection: close" in answer.lower()
+    answer = _raw_request(served.port, _head(served, *declared), b"{" + b" " * 1023)
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
 
 
 @pytest.mark.parametrize("condition", [

@@ -418,16 +418,16 @@ def test_an_absolute_cwd_inside_the_base_is_allowed(base):
 
 
 def test_an_absolute_cwd_outside_the_base_is_rejected(base, tmp_path):
-    with pytest.raises(WorkflowCompileError, match="outside the run's base_dir"):
+    with pytest.raises(WorkflowCompileError, match="not an existing directory inside the run's base_dir"):
         resolve_node_cwd("c", str(tmp_path / "outside"), str(base))
 
 
 def test_a_symlink_pointing_outside_the_base_is_an_escape(base, tmp_path):
-    """base/escape -> tmp/outside: lexically inside, really outside"""
+    """base/escape -> tmp/outside: lexically inside, really outside; the message shows neither side"""
     os.symlink(tmp_path / "outside", base / "escape")
-    with pytest.raises(WorkflowCompileError, match="outside the run's base_dir") as caught:
+    with pytest.raises(WorkflowCompileError, match="not an existing directory inside the run's base_dir") as caught:
         resolve_node_cwd("c", "escape", str(base))
-    assert str((tmp_path / "outside").resolve()) in caught.value.message
+    assert str(tmp_path) not in caught.value.message
 
 
 def test_a_symlinked_base_dir_is_resolved_before_containment(base, tmp_path):
@@ -444,6 +444,22 @@ def test_a_cwd_must_exist(base):
 def test_a_cwd_must_be_a_directory(base):
     with pytest.raises(WorkflowCompileError, match="not an existing directory"):
         resolve_node_cwd("c", "notes.txt", str(base))
+
+
+def test_a_refused_cwd_does_not_tell_what_exists_on_the_disk(base, tmp_path):
+    """Outside the base (existing or not), missing inside it, a file, a link out, a link loop: one
+    answer, with no resolved path and no base in it, so a definition's author learns nothing."""
+    (tmp_path / "exists-outside").mkdir()
+    os.symlink(tmp_path / "exists-outside", base / "link-out")
+    os.symlink(base / "loop", base / "loop")
+    refusals = set()
+    for cwd in (str(tmp_path / "exists-outside"), str(tmp_path / "missing-outside"), "/etc", "/no/such/folder",
+                "missing", "notes.txt", "link-out", "loop"):
+        with pytest.raises(WorkflowCompileError) as caught:
+            resolve_node_cwd("c", cwd, str(base))
+        refusals.add(caught.value.message.replace(repr(cwd), "CWD"))
+        assert str(base) not in caught.value.message or str(base) in cwd
+    assert refusals == {"config.cwd CWD is not an existing directory inside the run's base_dir"}
 
 
 def test_a_coding_engine_gets_its_resolved_workspace(base):

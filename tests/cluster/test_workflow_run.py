@@ -255,23 +255,27 @@ def test_flow_run_help_publishes_the_capability_matrix(capsys):
 
 
 def test_opgraph_serve_answers_over_http_and_stops_on_sigterm(tmp_path):
-    """`opgraph serve` in its own process: create a definition over HTTP, list it, stop cleanly."""
+    """`opgraph serve` in its own process: create a definition over HTTP, list it, stop cleanly. Its
+    token is the one it generated in its opgraph home, which a client on the machine reads."""
     import signal
 
-    import httpx
+    from opgraph.cluster.http import ServerClient, client_token
 
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "OPGRAPH_DB": str(tmp_path / "served.db")}
+    home = tmp_path / "home"
+    env = {**os.environ, "OPGRAPH_DB": str(tmp_path / "served.db"), "OPGRAPH_HOME": str(home)}
+    for variable in ("OPGRAPH_TOKEN", "OPGRAPH_TOKEN_FILE"):
+        env.pop(variable, None)
     log = tmp_path / "serve.log"
     with start_server([sys.executable, "-m", "opgraph.cluster.cli", "serve", "--port", str(port)],
-                      ready=lambda: http_body(f"{base}/api/workflows"), timeout=60, what="opgraph serve",
-                      log_path=log, env=env) as server:
-        created = httpx.post(f"{base}/api/workflows", json={"name": "served", "spec": draft_spec()}, timeout=5)
-        assert created.status_code == 201, created.text
-        assert created.json()["content_hash"].startswith("sha256:")
-        listed = httpx.get(f"{base}/api/workflows", timeout=5).json()["workflows"]
-        assert [row["name"] for row in listed] == ["served"]
+                      ready=lambda: (home / "server-token").exists() and http_body(
+                          f"{base}/api/workflows", headers={"authorization": f"Bearer {client_token(environ=env)}"}),
+                      timeout=60, what="opgraph serve", log_path=log, env=env) as server:
+        with ServerClient(base, token=client_token(environ=env), timeout=5) as api:
+            created = api.create_workflow("served", draft_spec())
+            assert created["content_hash"].startswith("sha256:")
+            assert [row["name"] for row in api.workflows()] == ["served"]
         code = server.stop(signal.SIGTERM)
     output = log.read_text()
     # uvicorn shuts down gracefully, then re-raises the signal it caught.

@@ -313,6 +313,19 @@ def test_a_name_of_121_characters_is_rejected_and_120_accepted():
         normalise_name("x" * 121)
 
 
+@pytest.mark.parametrize("name", ["a\x00b", "tab\tname", "line\nbreak", "esc\x1b[31m", "del\x7f", "a/b", "../up",
+                                  "a\\b", "triage@2", "with space", "caf\u00e9", "\u0430dmin", ".", "..", "..."])
+def test_a_name_holds_only_letters_digits_dots_dashes_and_underscores(name):
+    """Control characters, a path's '/', NAME@VERSION's '@', spaces and look-alike letters are refused
+    (issue #32, finding 8): a name is a URL path segment, a file name stem and a reference's left side."""
+    problems = validate_name(name)
+    assert len(problems) == 1 and "may hold only letters" in problems[0]["error"], problems
+
+
+def test_the_allowed_characters_make_a_name():
+    assert validate_name("Daily_review-2.v1") == [] and validate_name(".hidden-but-named") == []
+
+
 def test_a_name_must_be_a_string():
     assert validate_name(7) == [
         {"error": "the workflow name must be a string, got int", "node_id": None, "edge_id": None}

@@ -530,3 +530,28 @@ def test_store_errors_pickle_with_their_fields(error):
     assert type(copy) is type(error) and isinstance(copy, OpGraphError)
     assert str(copy) == str(error) and copy.message == error.message
     assert vars(copy) == vars(error)
+
+
+def test_a_workflow_keeps_at_most_max_versions_and_the_setting_reads_its_environment(tmp_path, monkeypatch):
+    """Issue #32, finding 7: versions per workflow were unbounded. Past the cap the store refuses the
+    new version and writes nothing; an identical spec is still the existing version."""
+    from opgraph.cluster.store import DEFAULT_MAX_VERSIONS, WorkflowVersionLimitError
+
+    with open_store(tmp_path / "capped.db", max_versions=2) as store:
+        store.create_workflow("capped", spec("v1"))
+        assert store.add_version("capped", spec("v2")).version == 2
+        assert store.add_version("capped", spec("v2")).version == 2  # the same hash: no new version
+        with pytest.raises(WorkflowVersionLimitError) as refused:
+            store.add_version("capped", spec("v3"))
+        assert (refused.value.name, refused.value.limit) == ("capped", 2)
+        assert pickle.loads(pickle.dumps(refused.value)).limit == 2
+        assert [version.version for version in store.versions("capped")] == [1, 2]
+    monkeypatch.delenv("OPGRAPH_MAX_VERSIONS", raising=False)
+    with open_store(tmp_path / "default.db") as store:
+        assert store.max_versions == DEFAULT_MAX_VERSIONS == 1000
+    monkeypatch.setenv("OPGRAPH_MAX_VERSIONS", "5")
+    with open_store(tmp_path / "from-env.db") as store:
+        assert store.max_versions == 5
+    monkeypatch.setenv("OPGRAPH_MAX_VERSIONS", "many")
+    with pytest.raises(ValueError, match="OPGRAPH_MAX_VERSIONS"):
+        open_store(tmp_path / "bad.db")

@@ -430,6 +430,12 @@ def resolve_node_cwd(node_id: str, raw_cwd: Any, base_dir: str | Path | None) ->
     inside; 3. a run-level ``base_dir`` is required; 4. relative joins the base,
     absolute must land inside it; 5. both sides resolve symlinks before containment;
     6. the result exists and is a directory. (7, coding kind only, is the caller's.)
+
+    A refusal names the ``cwd`` as written and nothing the disk said: a path outside the
+    base, one that does not exist, one that is a file and one that cannot be resolved (a
+    symlink loop) get the same message, which shows neither the base nor where a link led.
+    The author of a definition may be a remote client (`opgraph serve`), and an answer that
+    differed by case would tell them what exists on the server's disk.
     """
 
     def reject(error: str) -> WorkflowCompileError:
@@ -441,21 +447,16 @@ def resolve_node_cwd(node_id: str, raw_cwd: Any, base_dir: str | Path | None) ->
         raise reject(f"config.cwd {raw_cwd!r} contains '..'; give a path inside the run's base_dir")
     if base_dir is None or not str(base_dir).strip():
         raise reject(
-            "config.cwd needs a run-level base_dir (--base-dir or the run request's base_dir) "
-            "to contain it; a definition cannot choose its own root"
+            "config.cwd needs a run-level base_dir to contain it (`opgraph flow run --base-dir`, or the "
+            "server's `opgraph serve --workflow-root`); a definition cannot choose its own root"
         )
+    not_inside = reject(f"config.cwd {raw_cwd!r} is not an existing directory inside the run's base_dir")
     try:
         base = Path(base_dir).resolve()
         candidate = Path(raw_cwd)
         resolved = (candidate if candidate.is_absolute() else base / candidate).resolve()
-    except (OSError, ValueError, RuntimeError) as exc:  # null bytes, symlink loops
-        raise reject(f"config.cwd {raw_cwd!r} cannot be resolved: {exc}") from exc
-    try:
-        resolved.relative_to(base)
-    except ValueError:
-        raise reject(
-            f"config.cwd {raw_cwd!r} resolves to {str(resolved)!r}, outside the run's base_dir {str(base)!r}"
-        ) from None
-    if not resolved.is_dir():
-        raise reject(f"config.cwd {raw_cwd!r} resolves to {str(resolved)!r}, which is not an existing directory")
+    except (OSError, ValueError, RuntimeError):  # null bytes, symlink loops
+        raise not_inside from None
+    if not resolved.is_relative_to(base) or not resolved.is_dir():
+        raise not_inside
     return str(resolved)

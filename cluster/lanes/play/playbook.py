@@ -2,10 +2,10 @@
 
 Owns the playbook format (name, description, prompt template, typed args with defaults and
 help, model, max_ops, reactive, workers, roles, max_assignments, synthesis; nothing else),
-resolution (the project's ``.opgraph/playbooks/``, each parent directory's, the user's home,
-then the bundled examples), the refusals (an unknown name with suggestions, unknown fields,
-bad arg types, a symlink escaping its playbooks root) and rendering the prompt with the
-positional input and the args. It plans and runs nothing.
+resolution (the working directory's ``.opgraph/playbooks/`` and each parent's up to the
+project root, the user's config folder, then the bundled examples), the refusals (an unknown
+name with suggestions, unknown fields, bad arg types, a symlink escaping its playbooks root)
+and rendering the prompt with the positional input and the args. It plans and runs nothing.
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from opgraph.actors.settings import opgraph_home
 from opgraph.kernel import OpGraphError
 
-__all__ = ["ARG_TYPES", "EXAMPLES_DIR", "PLAYBOOK_FIELDS", "SUFFIX", "Playbook", "PlaybookArg", "PlaybookError",
-           "UnknownPlaybookError", "list_playbooks", "load_playbook", "playbook_roots", "resolve_playbook"]
+__all__ = ["ARG_TYPES", "EXAMPLES_DIR", "PLAYBOOK_FIELDS", "PROJECT_MARKERS", "SUFFIX", "Playbook", "PlaybookArg",
+           "PlaybookError", "UnknownPlaybookError", "list_playbooks", "load_playbook", "playbook_roots",
+           "project_root", "resolve_playbook"]
 
 SUFFIX = ".playbook.yaml"
+PROJECT_MARKERS = ("pyproject.toml", ".git")  # what marks a project's root folder
 EXAMPLES_DIR = Path(__file__).parent / "examples"
 PLAYBOOK_FIELDS = frozenset({"name", "description", "prompt", "args", "model", "max_ops", "reactive", "workers",
                              "roles", "max_assignments", "synthesis"})
@@ -113,14 +116,29 @@ class Playbook:
         return {key: by_name[key].convert(value) for key, value in values.items()}
 
 
-def playbook_roots(start: str | Path | None = None, home: str | Path | None = None) -> list[Path]:
-    """Where playbooks are looked for, in order: ``start``'s ``.opgraph/playbooks``, each parent's, the home's,
-    then the bundled examples."""
+def project_root(start: str | Path | None = None) -> Path | None:
+    """The nearest folder at or above ``start`` (default: the working directory) holding ``pyproject.toml``
+    or ``.git``; None when no ancestor does."""
     start = Path(start or Path.cwd()).expanduser().resolve()
-    roots = [directory / ".opgraph" / "playbooks" for directory in (start, *start.parents)]
-    home_root = Path(home or Path.home()).expanduser().resolve() / ".opgraph" / "playbooks"
-    if home_root not in roots:
-        roots.append(home_root)
+    return next((directory for directory in (start, *start.parents)
+                 if any((directory / marker).exists() for marker in PROJECT_MARKERS)), None)
+
+
+def playbook_roots(start: str | Path | None = None, home: str | Path | None = None) -> list[Path]:
+    """Where playbooks are looked for, in order: ``.opgraph/playbooks`` of ``start`` and of each folder
+    above it up to its project root (``project_root``; ``start`` alone when it is in no project), the
+    user's config folder (``$OPGRAPH_HOME/playbooks``, or ``HOME/.opgraph/playbooks`` for a given
+    ``home``), then the bundled examples.
+
+    The climb stops at the project root: a folder above it (a shared parent, ``/tmp``) is not this
+    project's and may be anyone's, so a playbook planted there is never picked up."""
+    start = Path(start or Path.cwd()).expanduser().resolve()
+    top = project_root(start) or start
+    folders = [start, *start.parents]
+    roots = [directory / ".opgraph" / "playbooks" for directory in folders[: folders.index(top) + 1]]
+    config = (Path(home).expanduser().resolve() / ".opgraph" if home is not None else opgraph_home().resolve())
+    if config / "playbooks" not in roots:
+        roots.append(config / "playbooks")
     roots.append(EXAMPLES_DIR)
     return roots
 
