@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from api_server import serve
 from stored_run_rows import RunRows, table_counts
@@ -136,7 +135,7 @@ def test_the_server_prunes_on_its_schedule_beside_requests_and_a_writer(tmp_path
                          retention=RetentionSchedule(RetentionPolicy(keep_last=5), interval=0.2))
         served = serve(app)
         try:
-            with httpx.Client(base_url=served.url, timeout=10) as client:
+            with served.client(timeout=10) as client:
                 wait_until(lambda: len(client.get("/api/runs").json()["runs"]) == 5, timeout=30,
                            what="the first scheduled prune")
                 script = Path(__file__).parent.parent / "support" / "stored_run_rows.py"
