@@ -28,7 +28,7 @@ from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workfl
 from .orchestrate import add_orchestrate_parser, add_play_parser
 from .results import add_result_parsers
 from .runs import add_runs_parser, add_store_parser
-from .serve import add_serve_parser
+from .serve import add_serve_parser, add_token_parser
 from .spine import command_group, subcommand
 
 __all__ = ["main"]
@@ -110,6 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_play_parser(subcommands)
     add_engine_parser(subcommands)
     add_serve_parser(subcommands)
+    add_token_parser(subcommands)
     # Parsed by opgraph.cluster.bench itself: main() hands `bench ...` over before argparse
     # (a REMAINDER positional would not take options such as --repeat).
     subcommands.add_parser("bench", add_help=False,

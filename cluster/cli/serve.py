@@ -13,7 +13,7 @@ import os
 import sys
 from typing import Any
 
-from ..command_line import RAY_ADDRESS, STORE, ExitCode, SharedOption, add_options, positive_float, positive_int
+from ..command_line import RAY_ADDRESS, STORE, TOKEN, ExitCode, SharedOption, add_options, positive_float, positive_int
 from ..http.body import DEFAULT_MAX_BODY_BYTES
 from ..http.deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT
 from ..http.runs import DEFAULT_MAX_RUNS
@@ -21,7 +21,7 @@ from ..store import DEFAULT_MAX_VERSIONS
 from .runs import add_retention_options, retention_schedule
 from .spine import refused, subcommand
 
-__all__ = ["add_serve_parser"]
+__all__ = ["add_serve_parser", "add_token_parser"]
 
 ALLOWED_HOSTS_ENV = "OPGRAPH_ALLOWED_HOSTS"
 ALLOWED_ORIGINS_ENV = "OPGRAPH_ALLOWED_ORIGINS"
@@ -120,3 +120,31 @@ def add_serve_parser(subcommands: Any) -> None:
     add_options(api, *_SETTINGS, WORKFLOW_ROOT)
     add_retention_options(api)
     api.set_defaults(handler=_serve_api)
+
+
+def _print_token(arguments: argparse.Namespace) -> int:
+    from ..http.auth import ServerTokenError, client_token
+
+    try:
+        token = client_token(arguments.token)
+    except ServerTokenError as exc:  # a token file others may read, say
+        print(f"opgraph token: {exc}", file=sys.stderr)
+        return ExitCode.USAGE
+    if token is None:
+        print("opgraph token: no token here: set OPGRAPH_TOKEN, or start `opgraph serve` on this machine once "
+              "(it generates one)", file=sys.stderr)
+        return ExitCode.FAILED
+    print(token)
+    return ExitCode.OK
+
+
+def add_token_parser(subcommands: Any) -> None:
+    """`opgraph token`: what this machine's clients send, for a shell (`curl -H "Authorization: Bearer ..."`)."""
+    token = subcommand(subcommands, "token", "print the token clients on this machine send to `opgraph serve`",
+                       codes=(ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE),
+                       description="Print the token the CLI and ServerClient send to `opgraph serve`: --token, "
+                                   "else OPGRAPH_TOKEN, else the file OPGRAPH_TOKEN_FILE names, else the token a "
+                                   "server on this machine generated in $OPGRAPH_HOME/server-token. For scripts: "
+                                   'curl -H "Authorization: Bearer $(opgraph token)" ...')
+    add_options(token, TOKEN)
+    token.set_defaults(handler=_print_token)

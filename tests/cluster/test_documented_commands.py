@@ -40,6 +40,7 @@ from documented_commands import (
     REPOSITORY,
     AfterInstall,
     Environment,
+    Export,
     HeadFixture,
     NotRun,
     Outcome,
@@ -65,6 +66,8 @@ CONTINUATION_ROOM = 2  # places beyond SIDE_BY_SIDE that only items following a 
 MINUTES = "runs for minutes; the README's scaled-down `opgraph bench` runs for real"
 
 INSTALL = "pip install -e '.[test]'"
+# How the docs call `opgraph serve`: with the token `export OPGRAPH_TOKEN=$(opgraph token)` read.
+CURL = 'curl -s -H "Authorization: Bearer $OPGRAPH_TOKEN"'
 ADD = "opgraph workflows add triage cluster/lanes/fixed/examples/support-triage.json"
 
 # Every documented command, exactly as shown, and how it is checked. ``after`` names what must
@@ -91,12 +94,13 @@ CHECKS = {
     "opgraph run watch tour-1 --address 127.0.0.1:6379 --limit 3": Run(r'"status": "completed"', after=("tour",)),
     "opgraph run result tour-1 --address 127.0.0.1:6379": Run(r'"status": "completed"', after=("tour",)),
     "opgraph serve --port 8000": Serve("http://127.0.0.1:8000/api/workflows", name="serve"),
-    "curl -s http://127.0.0.1:8000/api/workflows": Run(r'"name":"triage"', after=("serve", "triage")),
-    "curl -s -X POST http://127.0.0.1:8000/api/workflows/triage/runs -H 'content-type: application/json' "
+    "export OPGRAPH_TOKEN=$(opgraph token)": Export(r"[A-Za-z0-9_-]{32,}", name="token", after=("serve",)),
+    f"{CURL} http://127.0.0.1:8000/api/workflows": Run(r'"name":"triage"', after=("token", "triage")),
+    f"{CURL} -X POST http://127.0.0.1:8000/api/workflows/triage/runs -H 'content-type: application/json' "
     """-d '{"inputs": {"ticket": "card payments fail", "priority": "low"}}'""":
-        Run(r'"lane":"fixed_workflow"', capture=JSON_RUN_ID, name="triage run", after=("serve", "triage")),
-    "curl -s http://127.0.0.1:8000/api/runs/$RUN_ID": Run(r'"workflow":"triage"', after=("triage run",)),
-    "curl -s http://127.0.0.1:8000/api/runs/$RUN_ID/results":
+        Run(r'"lane":"fixed_workflow"', capture=JSON_RUN_ID, name="triage run", after=("token", "triage")),
+    f"{CURL} http://127.0.0.1:8000/api/runs/$RUN_ID": Run(r'"workflow":"triage"', after=("triage run",)),
+    f"{CURL} http://127.0.0.1:8000/api/runs/$RUN_ID/results":
         Run(r'"draft_reply":\{"status":"completed"', poll=True, after=("triage run",)),
     # docs/benchmarks.md
     "opgraph bench --repeat 5": ParsedOnly(MINUTES),
@@ -113,22 +117,22 @@ CHECKS = {
     "opgraph --help": Run(r"workflows"),
     "opgraph flow run --help": Run(r"NAME-OR-FILE"),
     # docs/http.md
-    "curl -s -X POST http://127.0.0.1:8000/api/workflows -H 'content-type: application/json' "
+    f"{CURL} -X POST http://127.0.0.1:8000/api/workflows -H 'content-type: application/json' "
     """-d '{"name": "drafts", "spec": {"version": 1, "nodes": [{"id": "in", "kind": "input", "pos": {"x": 0, """
     """"y": 0}}, {"id": "draft", "kind": "chat", "pos": {"x": 1, "y": 0}, "config": {"prompt": "Draft a short """
     """note about the topic."}}], "edges": [{"id": "e1", "from": "in", "to": "draft"}], "inputs": ["topic"], """
-    """"outputs": ["draft"]}}'""": Run(r'"ref":"drafts@1"', name="drafts", after=("serve",)),
-    "curl -s http://127.0.0.1:8000/api/workflows/drafts/versions":
+    """"outputs": ["draft"]}}'""": Run(r'"ref":"drafts@1"', name="drafts", after=("token",)),
+    f"{CURL} http://127.0.0.1:8000/api/workflows/drafts/versions":
         Run(r'"name":"drafts","versions":\[', after=("drafts",)),
-    "curl -s -X POST http://127.0.0.1:8000/api/workflows/drafts/runs -H 'content-type: application/json' "
+    f"{CURL} -X POST http://127.0.0.1:8000/api/workflows/drafts/runs -H 'content-type: application/json' "
     """-d '{"inputs": {"topic": "actors"}}'""":
         Run(r'"workflow":"drafts"', capture=JSON_RUN_ID, name="drafts run", after=("drafts",)),
-    'curl -s "http://127.0.0.1:8000/api/runs/$RUN_ID/signals?after=0"': Run(r'"signals":\[', after=("drafts run",)),
-    "curl -s -X POST http://127.0.0.1:8000/api/runs/$RUN_ID/pause":
+    f'{CURL} "http://127.0.0.1:8000/api/runs/$RUN_ID/signals?after=0"': Run(r'"signals":\[', after=("drafts run",)),
+    f"{CURL} -X POST http://127.0.0.1:8000/api/runs/$RUN_ID/pause":
         Run(r'"lane":"fixed_workflow"|already ended', after=("drafts run",)),
-    "curl -s -X POST http://127.0.0.1:8000/api/flows/runs -H 'content-type: application/json' "
+    f"{CURL} -X POST http://127.0.0.1:8000/api/flows/runs -H 'content-type: application/json' "
     """-d '{"prompt": "compare three battery chemistries", "max_ops": 6}'""":
-        Run(r'"lane":"planned_reactive_flow"', after=("serve",)),
+        Run(r'"lane":"planned_reactive_flow"', after=("token",)),
     # docs/operating.md
     "ray start --head --port=6379 --dashboard-host=127.0.0.1 --dashboard-port=8265 --block": HeadFixture(),
     "opgraph job submit --address http://127.0.0.1:8265 -- fanout --nodes 2000 --latency 0.01 --max-concurrent 200":
@@ -139,6 +143,11 @@ CHECKS = {
     "opgraph metrics serve --address 127.0.0.1:6379 --port 9464":
         Serve("http://127.0.0.1:9464/metrics", name="metrics"),
     "curl -s http://127.0.0.1:9464/metrics": Run(r"opgraph_up", after=("metrics",)),
+    "opgraph runs list --limit 5": Run(r"fixed_workflow +completed", after=("flow run",)),
+    "opgraph runs prune --older-than 30d --keep-last 200 --dry-run":
+        Run(r"would delete 0 of \d+ matching runs(.|\n)*nothing was deleted \(dry run\)", after=("flow run",)),
+    "opgraph runs prune --status failed --older-than 7d": Run(r"deleted 0 of 0 matching runs", after=("flow run",)),
+    "opgraph store vacuum": Run(r"vacuum: [\d.]+ MB -> [\d.]+ MB", after=("flow run",)),
     # docs/python.md
     "python -m opgraph.cluster.example_three_nodes": Run(r"run completed: 4 nodes"),
     # docs/workflows.md
@@ -228,6 +237,7 @@ class Documentation:
         self.ports = ports
         self.outcomes: dict[str, Outcome] = {}  # command text (or program key) -> what it did
         self.services: list[Service] = []
+        self.exported: dict[str, str] = {}  # what `export NAME=$(...)` lines set, for the commands after them
         self._lock = threading.Lock()
 
     def live(self, text: str) -> str:
@@ -249,6 +259,7 @@ class Documentation:
                        # No warm spare executor per command: it changes no output, and saves a process
                        # for each of the many short runtimes these commands start on one small head.
                        OPGRAPH_STANDBY_EXECUTOR="0")
+        env.update(self.exported)
         if run_id is not None:
             env["RUN_ID"] = run_id
         return env
@@ -289,6 +300,8 @@ class Documentation:
             outcome = self._serve(command, check)
         elif isinstance(check, Environment):
             outcome = self._export(command)
+        elif isinstance(check, Export):
+            outcome = self._export_output(command, check)
         else:
             outcome = self._compare_with_head(command)
         with self._lock:
@@ -327,6 +340,20 @@ class Documentation:
         given = self.env().get(name)
         problem = None if given == " ".join(shlex.split(value)) else f"the head's commands run with {name}={given!r}"
         return Outcome(0 if problem is None else None, f"{name}={given}", 0.0, problem)
+
+    def _export_output(self, command: str, check: Export) -> Outcome:
+        """``export NAME=$(COMMAND)``: run COMMAND as a reader's shell would; NAME holds what it printed."""
+        name, _, value = command.removeprefix("export ").partition("=")
+        if not (value.startswith("$(") and value.endswith(")")):
+            return Outcome(None, "", 0.0, f"not an `export NAME=$(COMMAND)` line: {command!r}")
+        outcome = run_shell(self.live(value[2:-1]), self.env(), 60.0)
+        printed = outcome.output.strip()
+        if outcome.status == 0 and re.fullmatch(check.expect, printed):
+            with self._lock:
+                self.exported[name] = printed
+        else:
+            outcome.problem = outcome.problem or f"printed {printed[:80]!r}, not {check.expect!r}"
+        return outcome
 
     def _compare_with_head(self, command: str) -> Outcome:
         shown = shlex.split(self.live(command))
@@ -368,7 +395,7 @@ def _documented_items(home: Path) -> list[tuple[str, str, object]]:
                     if isinstance(check, AfterInstall):
                         installed = command.text.removeprefix(f"{check.install} && ")
                         items.setdefault(command.text, (command.text, installed, check.then))
-                    elif isinstance(check, (Run, Serve, Environment, HeadFixture)):
+                    elif isinstance(check, (Run, Serve, Environment, Export, HeadFixture)):
                         items.setdefault(command.text, (command.text, command.text, check))
             elif block.tag == "python" and (key := _program_key(block)):
                 script = home / f"program-{block.line}.py"
@@ -540,3 +567,12 @@ def test_the_readme_commands_are_what_ci_runs():
     assert "exec python -m pytest -q" in ci and "pip install -e '.[test]'" in ci
     project = (REPOSITORY / "pyproject.toml").read_text()
     assert re.search(r"^test = \[", project, re.MULTILINE)
+
+
+def test_the_exit_code_table_is_the_one_the_commands_use():
+    """docs/cli.md's table is ExitCode's, row for row, so the two cannot drift apart."""
+    from opgraph.cluster.command_line import ExitCode
+
+    text = (REPOSITORY / "docs" / "cli.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `(\w+)` \| (.+) \|$", text, re.MULTILINE)
+    assert rows == [(str(code.value), code.name, code.meaning) for code in ExitCode]

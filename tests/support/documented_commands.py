@@ -193,6 +193,18 @@ class Serve:
 
 
 @dataclass(frozen=True)
+class Export:
+    """``export NAME=$(COMMAND)``: COMMAND runs for real (after ``after``) and must print a value
+    matching ``expect``; every command after it (naming it in ``after``) runs with NAME so."""
+
+    expect: str
+    name: str | None = None
+    after: tuple[str, ...] = ()
+
+    label = "export"
+
+
+@dataclass(frozen=True)
 class Environment:
     """``export NAME=VALUE``: every command that joins the test's head runs with it set so."""
 
