@@ -295,7 +295,8 @@ def encode_logged(value: Any, *, dumps: Any = None, key: Callable[[], bytes] | N
 def decode_logged(data: bytes, *, key: Callable[[], bytes] | None = None, loads: Any = None) -> Any:
     """The value ``encode_logged`` wrote. A signed blob's tag is checked under ``key()`` before
     anything is read; a pickled value anywhere else is refused (``RunLogIntegrityError``)."""
-    if data[:1] == SIGNED:
+    signed = data[:1] == SIGNED
+    if signed:
         body = _authenticated(bytes(data), key)
         ext_hook = _signed_ext(loads or pickle.loads)
     else:
@@ -305,7 +306,11 @@ def decode_logged(data: bytes, *, key: Callable[[], bytes] | None = None, loads:
     except CodecError:
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise CodecError(f"cannot decode run-log records: {exc}") from exc
+        if signed:  # signed by this runtime, yet unreadable: a bug, not a plant
+            raise CodecError(f"cannot decode run-log records: {exc}") from exc
+        # A bare pickle (an older opgraph's header, or a plant) lands here, unread.
+        raise RunLogIntegrityError(f"a row where the run log expects one of its own is not a run-log row "
+                                   f"({type(exc).__name__}); nothing of it was read") from None
     if version != LOG_SCHEMA_VERSION:
         raise CodecError(f"run-log schema version {version} is not supported (expected {LOG_SCHEMA_VERSION})")
     return value

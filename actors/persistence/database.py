@@ -302,6 +302,16 @@ class Database:
         with self.lock:
             self.connection.close()
 
+    def rewrite(self) -> None:
+        """Rewrite a SQLite file whole (``VACUUM``) and empty its WAL: no free page, no old frame
+        keeps bytes a row held before (after ``trust_existing`` signed an older run log)."""
+        with self.lock:
+            try:
+                self.connection.execute("VACUUM")
+                self.connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except self.connection.errors as exc:
+                raise DatabaseError(f"rewriting {describe(self.path)} failed: {exc}") from exc
+
     def checkpoint_elsewhere(self) -> Checkpointer | None:
         """Stop this connection's commits from checkpointing; the Checkpointer returned does it instead.
 

@@ -30,6 +30,7 @@ from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workfl
 from .orchestrate import add_orchestrate_parser, add_play_parser
 from .results import add_result_parsers
 from .spine import command_group, refused, subcommand
+from .store_migration import add_store_parser
 
 __all__ = ["main"]
 
@@ -131,6 +132,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_metrics_parser(subcommands)
     _add_job_parser(subcommands)
     _add_run_parser(subcommands)
+    add_store_parser(subcommands)
     return parser
 
 

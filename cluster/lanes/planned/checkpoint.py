@@ -73,8 +73,8 @@ def _operation(value: Any) -> Operation:
 
 def read_checkpoint(record: RunRecord) -> Checkpoint:
     """What the run log keeps of ``record``'s run (``CheckpointRefusedError`` when it keeps nothing)."""
-    from opgraph.actors.persistence.headers import read_header  # local: only a replay reads the log
     from opgraph.actors.persistence import RunLog, database_exists, database_path
+    from opgraph.actors.persistence.headers import read_header  # local: only a replay reads the log
 
     path = database_path()
     logged = RunLog(path).load(record.run_id) if database_exists(path) else None
