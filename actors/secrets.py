@@ -166,7 +166,9 @@ def redact_credentials(text: str) -> str:
 
 # -- secrets about to be stored ------------------------------------------------------------------
 _SECRET_NAME = re.compile(r"(API_?KEY|_KEY$|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIALS?)", re.IGNORECASE)
-MIN_SECRET_CHARS = 8  # shorter values would be found in bytes by chance
+# Shorter values are not looked for: a graph of a megabyte holds many short strings by chance
+# (a password "opgraph" in a run about opgraph), and a false find would refuse every run.
+MIN_SECRET_CHARS = 12
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> dict[str, bytes]:
@@ -179,7 +181,7 @@ def secret_values(environ: Mapping[str, str] | None = None) -> dict[str, bytes]:
         if _SECRET_NAME.search(name) and len(value) >= MIN_SECRET_CHARS:
             found[name] = value.encode()
         for match in _URL_PASSWORD.finditer(value):
-            if len(match.group("password")) >= 4:
+            if len(match.group("password")) >= MIN_SECRET_CHARS:
                 found[f"the password in {name}"] = match.group("password").encode()
     return found
 
