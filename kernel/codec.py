@@ -5,29 +5,35 @@ contracts and lifecycle signals travel as msgpack extension types, each holding 
 own msgpack payload, and so do tuples. An extension type is a kind of value that user
 data cannot spell, so no mapping a model returned can ever be read back as a tuple, a
 model or a graph (schema version 1 tagged plain maps, which could). User conditions and
-callables do not belong here: they travel the Ray way, by cloudpickle.
+callables do not belong here: they travel the Ray way, by cloudpickle. The run log's own
+codec (below) holds them too, pickled, in blobs signed with a key the database never holds.
 """
 
 from __future__ import annotations
 
 import functools
+import hmac
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
 from pydantic import BaseModel, ValidationError
 
 from . import contracts, signals
-from .errors import CodecError
+from .errors import CodecError, RunLogIntegrityError
 from .graph import Edge, Graph, Operation
 
 __all__ = [
     "CODEC_SCHEMA_VERSION",
     "LOG_SCHEMA_VERSION",
+    "SIGNED",
+    "Pickled",
     "decode",
+    "decode_logged",
     "decode_records",
     "encode",
+    "encode_logged",
     "encode_records",
     "register_condition",
     "register_model",
@@ -208,15 +214,36 @@ def decode(data: bytes) -> Any:
 # One batch of run-log records (runlog.py) per message. Records and their plain values
 # pack natively, in C: that is the whole per-node cost a durable run pays here. A value
 # msgpack cannot hold (an operation's pydantic result, a restored Operation, any object)
-# travels pickled in its own extension type, so it comes back as it was. The log is the
-# runtime's own data, read only by the runtime. (A tuple inside a plain result, which
-# msgpack holds as an array, reads back as a list.)
-LOG_SCHEMA_VERSION = 1
+# travels pickled in its own extension type, so it comes back as it was. (A tuple inside
+# a plain result, which msgpack holds as an array, reads back as a list.)
+#
+# The log is not a way in (DESIGN.md): whoever can write the database must not be able to
+# run code in the process that reads it. So a blob holding a pickled value is signed: it
+# is ``SIGNED`` (a byte msgpack never uses, so no plain blob can pass for a signed one), an
+# HMAC-SHA256 tag under a key kept outside the database, then the msgpack body. A reader
+# checks the tag before it reads a byte of the body, and an unsigned blob with a pickled
+# value in it is refused unread. A blob of plain values needs no key and costs nothing more.
+LOG_SCHEMA_VERSION = 2
 _EXT_PICKLED = 9
+SIGNED = b"\xc1"
+_TAG_BYTES = 32
 
 
-def _log_default(dumps: Any) -> Any:
+class Pickled:
+    """A value already pickled (``data``), recorded as the pickled value it is: the blob is signed,
+    and a reader gets the value back, not these bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+def _log_default(dumps: Any, pickled: list) -> Any:
     def default(value: Any) -> Any:
+        pickled.append(True)
+        if type(value) is Pickled:
+            return msgpack.ExtType(_EXT_PICKLED, value.data)
         try:
             return msgpack.ExtType(_EXT_PICKLED, dumps(value))
         except Exception as exc:  # an unpicklable value (it raises anything): the run cannot be made durable
@@ -228,34 +255,84 @@ def _log_default(dumps: Any) -> Any:
 _PICKLE_DUMPS = functools.partial(pickle.dumps, protocol=5)
 
 
-def _log_ext(code: int, data: bytes) -> Any:
-    if code != _EXT_PICKLED:
-        raise CodecError(f"unknown run-log extension type {code}")
-    return pickle.loads(data)
+def _signed_ext(loads: Any) -> Any:
+    def ext_hook(code: int, data: bytes) -> Any:
+        if code != _EXT_PICKLED:
+            raise CodecError(f"unknown run-log extension type {code}")
+        return loads(data)
+
+    return ext_hook
 
 
-def encode_records(batch: Sequence[Sequence[Any]], *, dumps: Any = None) -> bytes:
-    """One batch of run-log records, with the log's schema version.
+def _unsigned_ext(code: int, data: bytes) -> Any:
+    if code == _EXT_PICKLED:  # refused before its bytes are read
+        raise RunLogIntegrityError("a run-log row holds a pickled value but is not signed: it was not written by "
+                                   "this runtime, and nothing of it was read")
+    raise CodecError(f"unknown run-log extension type {code}")
 
-    ``dumps`` pickles what msgpack cannot hold (default ``pickle.dumps``); the runtime
-    passes cloudpickle's, which also holds classes defined in scripts and tests."""
+
+def encode_logged(value: Any, *, dumps: Any = None, key: Callable[[], bytes] | None = None) -> bytes:
+    """``value`` as the run log keeps it, with the log's schema version; signed if anything in it is pickled.
+
+    ``dumps`` pickles what msgpack cannot hold (default ``pickle.dumps``; the runtime passes
+    one that also holds classes defined in scripts and tests). ``key`` returns the run-log
+    key, asked for only when a value had to be pickled; without one such a value is refused."""
+    pickled: list = []
     try:
-        return msgpack.packb([LOG_SCHEMA_VERSION, batch], default=_log_default(dumps or _PICKLE_DUMPS),
+        body = msgpack.packb([LOG_SCHEMA_VERSION, value], default=_log_default(dumps or _PICKLE_DUMPS, pickled),
                              use_bin_type=True)
     except CodecError:
         raise
     except (TypeError, ValueError, OverflowError) as exc:
         raise CodecError(f"cannot encode run-log records: {exc}") from exc
+    if not pickled:
+        return body
+    if key is None:
+        raise CodecError("a value that only pickle holds is recorded only signed, and no run-log key was given")
+    return SIGNED + hmac.digest(key(), body, "sha256") + body
 
 
-def decode_records(data: bytes) -> list[list[Any]]:
-    """The records ``encode_records`` wrote; another schema version is refused."""
+def decode_logged(data: bytes, *, key: Callable[[], bytes] | None = None, loads: Any = None) -> Any:
+    """The value ``encode_logged`` wrote. A signed blob's tag is checked under ``key()`` before
+    anything is read; a pickled value anywhere else is refused (``RunLogIntegrityError``)."""
+    signed = data[:1] == SIGNED
+    if signed:
+        body = _authenticated(bytes(data), key)
+        ext_hook = _signed_ext(loads or pickle.loads)
+    else:
+        body, ext_hook = data, _unsigned_ext
     try:
-        version, batch = msgpack.unpackb(data, ext_hook=_log_ext, raw=False, strict_map_key=False)
+        version, value = msgpack.unpackb(body, ext_hook=ext_hook, raw=False, strict_map_key=False)
     except CodecError:
         raise
     except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
-        raise CodecError(f"cannot decode run-log records: {exc}") from exc
+        if signed:  # signed by this runtime, yet unreadable: a bug, not a plant
+            raise CodecError(f"cannot decode run-log records: {exc}") from exc
+        # A bare pickle (an older opgraph's header, or a plant) lands here, unread.
+        raise RunLogIntegrityError(f"a row where the run log expects one of its own is not a run-log row "
+                                   f"({type(exc).__name__}); nothing of it was read") from None
     if version != LOG_SCHEMA_VERSION:
         raise CodecError(f"run-log schema version {version} is not supported (expected {LOG_SCHEMA_VERSION})")
-    return batch
+    return value
+
+
+def _authenticated(data: bytes, key: Callable[[], bytes] | None) -> bytes:
+    """The body of a signed blob, once its tag is found right under ``key()``."""
+    if key is None:
+        raise RunLogIntegrityError("a signed run-log row, and no run-log key to check it with: nothing of it was read")
+    tag, body = data[1:1 + _TAG_BYTES], data[1 + _TAG_BYTES:]
+    if len(tag) != _TAG_BYTES or not hmac.compare_digest(tag, hmac.digest(key(), body, "sha256")):
+        raise RunLogIntegrityError("a run-log row's signature does not match this machine's run-log key: it was "
+                                   "changed, or written under another key; nothing of it was read")
+    return body
+
+
+def encode_records(batch: Sequence[Sequence[Any]], *, dumps: Any = None,
+                   key: Callable[[], bytes] | None = None) -> bytes:
+    """One batch of run-log records (``encode_logged``)."""
+    return encode_logged(batch, dumps=dumps, key=key)
+
+
+def decode_records(data: bytes, *, key: Callable[[], bytes] | None = None, loads: Any = None) -> list[list[Any]]:
+    """The records ``encode_records`` wrote (``decode_logged``)."""
+    return decode_logged(data, key=key, loads=loads)

@@ -41,6 +41,8 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     ├── StateTransitionError         an illegal scheduler transition (a kernel bug)
     ├── InvariantViolation           ``FlowState.validate()`` found broken invariants
     ├── CodecError                   a value cannot be encoded or decoded on the wire
+    │   └── RunLogIntegrityError     a run-log row is unsigned where it must be, or its signature is wrong;
+    │                                nothing of it was read (kernel/codec.py)
     ├── DatabaseError                the runtime's database cannot be opened or written (actors/persistence/)
     ├── EngineError                  an engine run could not do what was asked; ``run_id`` (engines/errors.py)
     │   ├── EngineInputError (ValueError)     bad engine input, refused before any agent is made
@@ -93,6 +95,7 @@ __all__ = [
     "OpGraphError",
     "OperationError",
     "RoutingError",
+    "RunLogIntegrityError",
     "StateTransitionError",
     "UnknownNodeError",
 ]
@@ -187,3 +190,12 @@ class InvariantViolation(OpGraphError):
 
 class CodecError(OpGraphError):
     """A value cannot be encoded to, or decoded from, the msgpack wire format."""
+
+
+class RunLogIntegrityError(CodecError):
+    """A row read from the database fails the run log's integrity rule: it holds a pickled value
+    without a signature, or its signature does not match the run-log key (``OPGRAPH_RUNLOG_KEY``,
+    else ``runlog.key`` in the opgraph home). Nothing of the row was decoded, so nothing in it ran.
+    A database copied from another machine needs that machine's key; one written by an older
+    opgraph needs ``opgraph store migrate --trust-existing``.
+    """

@@ -1,9 +1,9 @@
 """Shared pytest setup for every test tree.
 tests/ has no __init__.py: discovery is rootdir-based (see pyproject.toml).
 
-The runtime is durable by default and keeps its run log and branches in ``OPGRAPH_DB``;
-a test session gets a database of its own (removed when the session ends), so no test
-reads or writes the user's ``~/.opgraph``.
+The runtime is durable by default and keeps its run log and branches in ``OPGRAPH_DB``,
+and its run-log key in ``OPGRAPH_HOME``; a test session gets a database and a home of its
+own (removed when the session ends), so no test reads or writes the user's ``~/.opgraph``.
 """
 
 import atexit
@@ -11,9 +11,10 @@ import os
 import shutil
 import tempfile
 
-if "OPGRAPH_DB" not in os.environ:
+if "OPGRAPH_DB" not in os.environ or "OPGRAPH_HOME" not in os.environ:
     _folder = tempfile.mkdtemp(prefix="opgraph-tests-")
-    os.environ["OPGRAPH_DB"] = os.path.join(_folder, "opgraph.db")
+    os.environ.setdefault("OPGRAPH_DB", os.path.join(_folder, "opgraph.db"))
+    os.environ.setdefault("OPGRAPH_HOME", os.path.join(_folder, "home"))
     atexit.register(shutil.rmtree, _folder, True)
 
 

@@ -30,6 +30,7 @@ from opgraph.kernel import (
     settle_completed,
 )
 
+from ..builtin_operations import builtin_operations
 from ..calls import ExecutorStub, FollowedRun, ask, ask_sync
 from ..errors import RuntimeLostError, TurnError, UnknownRunError
 from ..models import ModelProvider, parse_model_id
@@ -73,15 +74,6 @@ class BranchView:
 
     async def messages(self) -> list[Any]:
         return await self._session.messages(self.id)
-
-
-async def _noop(branch: Any, **parameters: Any) -> Any:
-    return parameters.get("result", parameters.get("instruction"))
-
-
-async def _sleep(branch: Any, seconds: float = 0.0, **parameters: Any) -> Any:
-    await asyncio.sleep(seconds)
-    return parameters.get("result", "slept")
 
 
 class Session:
@@ -136,13 +128,8 @@ class Session:
                                             database=str(database_path()) if durable else None)
         self.branches: dict[str, str] = {}
         self._locations: dict[str, int] = {}
-        from ..verbs import VERB_OPERATIONS  # local: verbs pull in the tool machinery
-
-        self.operations: dict[str, RegisteredOperation] = {
-            **VERB_OPERATIONS,
-            "noop": RegisteredOperation(_noop, record_turn=False),
-            "sleep": RegisteredOperation(_sleep, record_turn=False),
-        }
+        # The built-ins as they are, the objects a run's header names instead of pickling them.
+        self.operations: dict[str, RegisteredOperation] = dict(builtin_operations())
         self._turn_key: str | None = None
         self._turn_executor: Any = None
         self._resources_version = 0
@@ -508,10 +495,14 @@ class Session:
         """Have this Session's executor rebuild ``run_id`` from the run log, and drain it to its envelope.
 
         For a run whose owner died (``RunControl.resume_from_log``); the run's graph is the
-        one in its log, so nothing is mirrored onto a caller's graph objects."""
+        one in its log, so nothing is mirrored onto a caller's graph objects. The providers
+        the log describes (it keeps no key) are this Session's where it has one by that name."""
         member = await self.runtime.place()
         executor = await self.runtime.live_executor(member)
-        overrides = {"detached": False, "want_signals": bool(on_progress or on_signal or on_branch_created)}
+        # The run's log keeps its HTTP providers without their keys: this Session's (built from
+        # this process's environment) stand in for them.
+        overrides = {"detached": False, "want_signals": bool(on_progress or on_signal or on_branch_created),
+                     "providers": dict(self.providers)}
         following = _Following(self.runtime, executor, run_id, True)
         if not await ask(following, ExecutorStub.resume_run, run_id, overrides, run_id=run_id):
             reasons = (await ask(self.runtime.member(member), ExecutorStub.statistics))["recovery_errors"]

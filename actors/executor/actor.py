@@ -246,19 +246,22 @@ class GraphExecutor:
     async def resume_run(self, run_id: str, overrides: dict[str, Any] | None = None) -> bool:
         """Rebuild ``run_id`` from the run log and go on with it here (it must not be live elsewhere).
 
-        False, with the reason in ``recovery_errors``, when it cannot be rebuilt (the log
-        holds no such run, or its header no longer unpickles: code that changed since).
+        False, with the reason in ``recovery_errors``, when it cannot be rebuilt (its header no
+        longer unpickles: code that changed since; or a row fails the run log's integrity
+        check, ``RunLogIntegrityError``, and nothing of it was read).
         """
         self._bind()
         if self.run_log is None:
             raise UnknownRunError("this runtime keeps no run log (it is not durable)", run_id=run_id, actor=self.name)
         if run_id in self.shell.runs:
             return True
-        logged = await self.shell.logger.writer.run(self.run_log.load, run_id)
-        if logged is None:
-            raise UnknownRunError(f"run {run_id} is not in the run log", run_id=run_id, actor=self.name)
         try:
+            logged = await self.shell.logger.writer.run(self.run_log.load, run_id)
+            if logged is None:
+                raise UnknownRunError(f"run {run_id} is not in the run log", run_id=run_id, actor=self.name)
             await self.shell.recover_run(run_id, logged.header, logged.batches, overrides)
+        except UnknownRunError:
+            raise
         except Exception as exc:  # noqa: BLE001 - recorded, and the run is marked so in the log
             reason = f"{type(exc).__name__}: {exc}"
             self.recovery_errors[run_id] = reason

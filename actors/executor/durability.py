@@ -5,7 +5,8 @@ of every run are flushed together, in one transaction on the writer thread, as s
 the loop is free (a flush under way gathers the next one: group commit, no fixed
 window). Until its batch is durable, nothing a batch decided is acknowledged to anyone
 (driver signals, watcher events, the envelope) or dispatched, so a crash can lose only
-decisions nobody acted on.
+decisions nobody acted on. A run's header is written in that first flush; its format, and
+what it keeps of the run's options, is ``persistence/headers.py``'s.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, Any
 
-from ray import cloudpickle
-
 from ..persistence import RunLog, Writer
 from ..persistence.codec import encode
+from ..persistence.headers import decode_header, encode_header
 
 if TYPE_CHECKING:
     from .shell import _Run
@@ -27,22 +27,6 @@ __all__ = ["RunLogger", "decode_header", "encode_header"]
 # The largest flush committed on the executor's loop (SQLite); a larger one goes to the writer thread.
 INLINE_BYTES = 256 << 10
 YIELD_BEFORE_RECORDS = 256  # a flush of this many records lets the loop's ready tasks go first
-
-
-def encode_header(graph: Any, options: Any, started: float) -> bytes:
-    """A run's header: the graph as submitted and its options, pickled the Ray way (they hold callables).
-
-    ``graph`` may come already pickled (bytes: ``Session`` ships a durable run's graph so,
-    and the executor then never pickles a 10,000-node graph a second time)."""
-    return cloudpickle.dumps((graph, options, started))
-
-
-def decode_header(header: bytes) -> tuple[Any, Any, float]:
-    """(graph, options, started) of a header ``encode_header`` wrote."""
-    graph, options, started = cloudpickle.loads(header)
-    if isinstance(graph, bytes):
-        graph = cloudpickle.loads(graph)
-    return graph, options, started
 
 
 class RunLogger:

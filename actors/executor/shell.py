@@ -276,7 +276,7 @@ class ExecutorShell:
             options.default_branch_id = own
             options.clone_source_branch_id = own
         options.durable = bool(options.durable and self.logger is not None)
-        header = encode_header(shipped if shipped is not None else graph, options, time.time()) \
+        header = encode_header(shipped if shipped is not None else graph, options, time.time(), run_id=run_id) \
             if options.durable else b""
         state = FlowState(graph, **_flow_options(run_id, options))
         run = _Run(run_id, state, options)
@@ -301,10 +301,13 @@ class ExecutorShell:
         """Continue a durable run from its log: rebuilt, then every attempt in flight sent again.
 
         ``overrides`` change how the run is followed from now on (``want_signals``,
-        ``detached``: a run resumed by a new driver is drained by it)."""
+        ``detached``: a run resumed by a new driver is drained by it); ``providers`` among
+        them are the resuming caller's, built from its environment, used for the providers
+        the header describes (it keeps no key): else they are built from this process's."""
         self.bind_loop()
-        graph, options, started = decode_header(header)
-        for name, value in (overrides or {}).items():
+        overrides = dict(overrides or {})
+        graph, options, started = decode_header(header, overrides.pop("providers", None))
+        for name, value in overrides.items():
             setattr(options, name, value)
         submitted = len(graph.nodes)
         state = FlowState.rebuild(graph, batches, started_at=started, **_flow_options(run_id, options))

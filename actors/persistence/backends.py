@@ -18,6 +18,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..secrets import SQLITE_COMPANIONS, private_file, redact_url
+
 __all__ = [
     "POSTGRES_SCHEMES",
     "Connection",
@@ -49,9 +51,7 @@ def location(target: str | os.PathLike[str]) -> str | Path:
 def describe(target: Any) -> str:
     """The location for messages: a URL without its password."""
     text = os.fspath(target) if not isinstance(target, str) else target
-    if is_postgres(text):
-        return re.sub(r"^(postgres(?:ql)?://[^:/@]*):[^@/]*@", r"\1:***@", text)
-    return text
+    return redact_url(text) if is_postgres(text) else text
 
 
 def upsert(table: str, columns: Sequence[str], key: Sequence[str]) -> str:
@@ -185,6 +185,10 @@ class SqliteConnection(Connection):
 
     @classmethod
     def open(cls, path: str, *, timeout: float, named_rows: bool) -> SqliteConnection:
+        if path != ":memory:" and not path.startswith("file:"):
+            # Created 0600 before SQLite opens it (its -wal and -shm take the file's mode), and
+            # narrowed to 0600 if an older opgraph left it readable by others: it holds every run.
+            private_file(path, companions=SQLITE_COMPANIONS)
         connection = sqlite3.connect(path, timeout=timeout, isolation_level=None, check_same_thread=False)
         # Pages freed by pruning (opgraph runs prune) go back to the file system, a step at a
         # time, by PRAGMA incremental_vacuum. SQLite takes this only on an empty file (before the

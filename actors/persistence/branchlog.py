@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from opgraph.kernel import RunLogIntegrityError
+
 from .backends import upsert
 from .codec import decode, encode
 from .database import Database
@@ -128,13 +130,21 @@ def load_shard(database: Database, shard: int, owner: str = "") -> ShardRows:
     for record_id, _, blob in database.query(
             "SELECT record_id, seq, message FROM runtime_branch_messages WHERE owner = ? AND shard = ? "
             "ORDER BY record_id, seq", (owner, shard)):
-        row = decode(blob)[0]
+        row = _decoded(blob, f"a message of shard {shard}")[0]
         messages.setdefault(record_id, []).append(row[0])
         if len(row) > 1:
             tokens.setdefault(record_id, set()).add(_hashable(row[1]))
     heads = dict(database.query("SELECT branch_id, record_id FROM runtime_branch_heads WHERE owner = ? AND shard = ?",
                                 (owner, shard)))
     return ShardRows(records, messages, heads, tokens)
+
+
+def _decoded(blob: bytes, what: str, branch_id: str | None = None) -> list[list[Any]]:
+    """A stored message row, decoded; one that fails its integrity check says which it was."""
+    try:
+        return decode(blob)
+    except RunLogIntegrityError as exc:
+        raise RunLogIntegrityError(f"{what} cannot be trusted: {exc.message}", branch_id=branch_id) from None
 
 
 def _hashable(token: Any) -> Any:
@@ -164,9 +174,9 @@ def read_branch(database: Database, branch_id: str, besides: str) -> tuple[str, 
         record_id, _ = chain[index]
         if index + 1 < len(chain):
             del messages[chain[index][1]:]
-        messages.extend(decode(blob)[0][0] for (blob,) in database.query(
-            "SELECT message FROM runtime_branch_messages WHERE owner = ? AND shard = ? AND record_id = ? ORDER BY seq",
-            (owner, shard, record_id)))
+        rows = database.query("SELECT message FROM runtime_branch_messages WHERE owner = ? AND shard = ? "
+                              "AND record_id = ? ORDER BY seq", (owner, shard, record_id))
+        messages.extend(_decoded(blob, f"a message of branch {branch_id}", branch_id)[0][0] for (blob,) in rows)
     return owner, messages
 
 

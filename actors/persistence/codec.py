@@ -1,7 +1,8 @@
-"""How the runtime encodes what it keeps: the kernel's run-log codec, pickling the Ray way.
+"""How the runtime encodes what it keeps: the kernel's run-log codec, pickling the Ray way, signed.
 
 Owns the one choice of pickler for values msgpack cannot hold: cloudpickle's rules, as Ray
-uses to ship them, so a value that could cross to a worker can also be recorded.
+uses to ship them, so a value that could cross to a worker can also be recorded; and the
+key a blob with a pickled value is signed with and checked against (``secrets.runlog_key``).
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from ray import cloudpickle
 
 from opgraph.kernel import decode_records, encode_records
 
-__all__ = ["decode", "encode"]
+from ..secrets import runlog_key, runlog_key_reader
 
-def _dumps(value: Any) -> bytes:
+__all__ = ["decode", "encode", "pickle_value"]
+
+
+def pickle_value(value: Any) -> bytes:
     """``value`` pickled by the standard pickler where that gives what cloudpickle would give.
 
     cloudpickle runs Python code for every object it meets (is its class importable, is it
@@ -40,8 +44,11 @@ def _dumps(value: Any) -> bytes:
 
 
 def encode(batch: Sequence[Sequence[Any]]) -> bytes:
-    return encode_records(batch, dumps=_dumps)
+    """``batch`` as the run log keeps it: signed with the run-log key if anything in it is pickled."""
+    return encode_records(batch, dumps=pickle_value, key=runlog_key)
 
 
 def decode(data: bytes) -> list[list[Any]]:
-    return decode_records(data)
+    """What ``encode`` wrote; a pickled value is read only from a blob whose signature holds
+    (``RunLogIntegrityError`` otherwise, with nothing of the blob read)."""
+    return decode_records(data, key=runlog_key_reader, loads=cloudpickle.loads)

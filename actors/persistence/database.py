@@ -18,6 +18,7 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
+from ..secrets import private_directory
 from ..settings import opgraph_home
 from .backends import Connection, describe, driver_errors, is_postgres, location, open_connection
 
@@ -32,7 +33,13 @@ CHECKPOINT_BYTES = 4 << 20
 # the writer checkpoints itself, between two of its commits, as SQLite's default would.
 WAL_LIMIT_BYTES = 64 << 20
 
-RUNTIME_SCHEMA_VERSION = 3
+RUNTIME_SCHEMA_VERSION = 4
+
+# Version 4 changes no table: its run log signs every row that holds a pickled value, and
+# reads no pickle it did not sign (kernel/codec.py). Rows an older opgraph wrote are
+# unsigned pickles: the runtime refuses to open them until the operator says they can be
+# trusted (``opgraph store migrate --trust-existing``, which signs them: migration.py).
+SIGNED_SINCE_VERSION = 4
 
 # Version 2 keys branch rows by their owner (the runtime whose store wrote them: see
 # ``BranchStore``), so runtimes sharing one file never collide on record ids. Version 1's
@@ -119,6 +126,24 @@ def _has_column(connection: Connection, table: str, column: str) -> bool:
     return column in [described[0] for described in cursor.description]
 
 
+def _holds_logged_rows(connection: Connection) -> bool:
+    """Whether any table holds a row an older opgraph may have pickled into (headers, batches,
+    envelopes, branch messages)."""
+    return any(connection.execute(f"SELECT 1 FROM {table} WHERE {column} IS NOT NULL LIMIT 1").fetchone()
+               for table, column in (("runtime_run_headers", "header"), ("runtime_run_records", "batch"),
+                                     ("runtime_runs", "envelope"), ("runtime_branch_messages", "message")))
+
+
+def _unsigned_rows_refused(path: str, version: int) -> str:
+    where = describe(path)
+    return (f"the runtime tables of {where} were written by an older opgraph (runtime schema {version}), whose run "
+            "log kept pickles unsigned; this opgraph reads no pickle it did not sign, so it does not open them. "
+            f"Either move them aside (rename the file, or set OPGRAPH_DB to a new database: runs recorded in the "
+            f"old one stay there), or, if nobody but you could ever have written it (it never came from a backup, "
+            f"a shared server or another machine you do not trust), sign its rows: "
+            f"opgraph store migrate --trust-existing --store {where}")
+
+
 class DatabaseError(OpGraphError):
     """The runtime's database cannot be opened or written (``path`` says which)."""
 
@@ -162,27 +187,32 @@ class Database:
     transaction (``transaction()``).
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, trust_existing: bool = False) -> None:
         target = location(path)
         self.path = str(target)
         self.postgres = is_postgres(self.path)
         self.connection: Connection | None = None
         try:
             if not self.postgres:
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                private_directory(Path(self.path).parent)
             self.connection = open_connection(self.path, timeout=BUSY_TIMEOUT_MS / 1000)
             if not self.postgres:
                 _enter_wal(self.connection)
                 self.connection.execute("PRAGMA synchronous = NORMAL")
-            self._migrate()
-        except (*driver_errors(), OSError) as exc:
+            self.signed = self._migrate(trust_existing)
+        except BaseException as exc:
             if self.connection is not None:
                 self.connection.close()
-            raise DatabaseError(f"cannot open the runtime database {describe(self.path)}: {exc}") from exc
+            if isinstance(exc, (*driver_errors(), OSError)):
+                raise DatabaseError(f"cannot open the runtime database {describe(self.path)}: {exc}") from exc
+            raise
         self.lock = threading.Lock()
 
-    def _migrate(self) -> None:
+    def _migrate(self, trust_existing: bool) -> dict[str, int]:
+        """Bring the runtime's tables to this version, in one transaction; what was signed on the
+        operator's word (``trust_existing``), by kind of row."""
         connection = self.connection
+        signed: dict[str, int] = {}
         # One transaction under the write lock: processes opening the database at once
         # migrate it once (PostgreSQL would also refuse a second CREATE of the same table).
         connection.begin(write=True)
@@ -202,6 +232,12 @@ class Database:
                 connection.executescript(_BRANCH_ROWS_V1_TO_V2)
             if found is not None and found[0] <= 2 and _has_column(connection, "runtime_runs", "header"):
                 connection.executescript(_RUN_HEADERS_V2_TO_V3)
+            if found is not None and found[0] < SIGNED_SINCE_VERSION and _holds_logged_rows(connection):
+                if not trust_existing:
+                    raise DatabaseError(_unsigned_rows_refused(self.path, found[0]))
+                from .migration import sign_existing_rows  # local: it loads the runtime's pickler (Ray)
+
+                signed = sign_existing_rows(connection)
             if found is None:
                 connection.execute("INSERT INTO opgraph_runtime_schema (version) VALUES (?)",
                                    (RUNTIME_SCHEMA_VERSION,))
@@ -211,6 +247,7 @@ class Database:
         except BaseException:
             connection.rollback()
             raise
+        return signed
 
     def transaction(self, statements: list[tuple[str, tuple]]) -> None:
         """Run ``(sql, parameters)`` statements in one transaction (``executemany`` for lists of rows).
@@ -263,6 +300,16 @@ class Database:
     def close(self) -> None:
         with self.lock:
             self.connection.close()
+
+    def rewrite(self) -> None:
+        """Rewrite a SQLite file whole (``VACUUM``) and empty its WAL: no free page, no old frame
+        keeps bytes a row held before (after ``trust_existing`` signed an older run log)."""
+        with self.lock:
+            try:
+                self.connection.execute("VACUUM")
+                self.connection.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+            except self.connection.errors as exc:
+                raise DatabaseError(f"rewriting {describe(self.path)} failed: {exc}") from exc
 
     def checkpoint_elsewhere(self) -> Checkpointer | None:
         """Stop this connection's commits from checkpointing; the Checkpointer returned does it instead.

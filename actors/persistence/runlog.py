@@ -1,18 +1,21 @@
 """The durable run log: each run's header and its batches of records, and how the run ended.
 
-Owns the rows of the runtime's run tables. A header (the submitted graph and the run's
-options, pickled the Ray way because they hold user callables) is written when the run
-is admitted; record batches (kernel/runlog.py, through the kernel's run-log codec) as
-they are decided; the envelope when the run ends. Nothing here interprets a record.
+Owns the rows of the runtime's run tables. A header (headers.py: the submitted graph and
+the run's options, no secret in it, signed) is written when the run is admitted; record
+batches (kernel/runlog.py, through the kernel's run-log codec) as they are decided; the
+envelope when the run ends. Nothing here interprets a record. A row that fails the
+codec's integrity check is reported with its run's id, and nothing of it is read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from opgraph.kernel import compact_envelope, expand_envelope
+from opgraph.kernel import RunLogIntegrityError, compact_envelope, expand_envelope
 
 from .backends import upsert
 from .codec import decode, encode
@@ -135,15 +138,29 @@ class RunLog:
         if not rows:
             return None
         *fields, header, envelope = rows[0]
-        batches = [decode(blob) for (blob,) in self.database.query(
-            "SELECT batch FROM runtime_run_records WHERE run_id = ? ORDER BY seq", (run_id,))]
-        return LoggedRun(RunLogEntry(*fields), header, batches,
-                         decode_envelope(envelope) if envelope is not None else None)
+        blobs = self.database.query("SELECT batch FROM runtime_run_records WHERE run_id = ? ORDER BY seq", (run_id,))
+        with _integrity_of(run_id):
+            batches = [decode(blob) for (blob,) in blobs]
+            return LoggedRun(RunLogEntry(*fields), header, batches,
+                             decode_envelope(envelope) if envelope is not None else None)
 
     def envelope(self, run_id: str) -> dict[str, Any] | None:
         rows = self.database.query("SELECT envelope FROM runtime_runs WHERE run_id = ?", (run_id,))
-        return decode_envelope(rows[0][0]) if rows and rows[0][0] is not None else None
+        with _integrity_of(run_id):
+            return decode_envelope(rows[0][0]) if rows and rows[0][0] is not None else None
 
     def last_seq(self, run_id: str) -> int:
         rows = self.database.query("SELECT MAX(seq) FROM runtime_run_records WHERE run_id = ?", (run_id,))
         return rows[0][0] or 0
+
+
+@contextlib.contextmanager
+def _integrity_of(run_id: str) -> Iterator[None]:
+    """A row of ``run_id`` that fails its integrity check is reported as that run's."""
+    try:
+        yield
+    except RunLogIntegrityError as exc:
+        if exc.run_id is not None:
+            raise
+        raise RunLogIntegrityError(f"the run log of run {run_id} cannot be trusted: {exc.message}",
+                                   run_id=run_id) from None

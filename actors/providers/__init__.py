@@ -1,8 +1,10 @@
 """opgraph.actors.providers: the model providers operations call through ``branch.provider_for``.
 
 Owns the built-in providers (``openai``, ``anthropic``, ``sim``) and their per-process
-cache; a ``scripted`` provider is never built in, it is registered on the Session.
-Providers translate every HTTP or SDK failure into the ``ProviderError`` tree of ``models``.
+cache; a ``scripted`` provider is never built in, it is registered on the Session. Providers
+translate every HTTP or SDK failure into the ``ProviderError`` tree of ``models``. An HTTP
+provider is described without its key for a durable run's header, and built again from a
+description and the environment.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..models import ModelProvider, ProviderConfigError
+from ..models import ChatRequest, ChatResponse, ModelProvider, ProviderConfigError
+from ..secrets import redact_url
 from .adaptive import AdaptiveGate, AdaptiveLimit, RateBudget
 from .anthropic import AnthropicProvider
 from .http import ProviderHTTPClient, RetryPolicy, forget_rate_limited_providers, retry_after_seconds
@@ -45,11 +48,14 @@ __all__ = [
     "RetryPolicy",
     "ScriptedProvider",
     "SimulatedProvider",
+    "UnavailableProvider",
     "builtin_provider",
     "clear_builtin_providers",
+    "describe_provider",
     "environment_providers",
     "example_from_schema",
     "forget_rate_limited_providers",
+    "provider_from_description",
     "provider_from_environment",
     "provider_slot",
     "reset_usage_totals",
@@ -191,3 +197,53 @@ def clear_builtin_providers() -> None:
     """Forget the cached built-ins so the next lookup reads the environment again."""
     with _cache_lock:
         _cache.clear()
+
+
+# -- providers in a durable run's header ---------------------------------------------------
+_DESCRIBED = {"openai": OpenAICompatibleProvider, "anthropic": AnthropicProvider}
+
+
+def describe_provider(provider: Any) -> dict[str, Any] | None:
+    """What a run's header keeps of ``provider``: for the built-in HTTP providers, a description
+    with no key and the base URL without its password; None for any other (sim, scripted, a
+    class of the caller's own, a subclass), which the header keeps as it is."""
+    if type(provider) in _DESCRIBED.values():
+        return provider.description()
+    return None
+
+
+def provider_from_description(description: dict[str, Any], environ: Mapping[str, str] | None = None) -> ModelProvider:
+    """The provider ``describe_provider`` described, with its key from ``environ`` (this process's
+    environment): ``OPENAI_API_KEY`` or ``ANTHROPIC_API_KEY``. A base URL whose password was
+    cut out is taken from ``OPENAI_BASE_URL`` (``ANTHROPIC_BASE_URL``) when that is the same URL.
+    A provider that cannot be built so is an ``UnavailableProvider``: the nodes that call it
+    fail with the reason, and the rest of the run goes on."""
+    environ = os.environ if environ is None else environ
+    kind, name = description["kind"], description["name"]
+    prefix = kind.upper()
+    base_url = description["base_url"]
+    if ":***@" in base_url:  # redact_url cut its password out
+        configured = environ.get(f"{prefix}_BASE_URL") or ""
+        if redact_url(configured).rstrip("/") != base_url:
+            return UnavailableProvider(name, f"the run's provider {name!r} called {base_url}, whose password is "
+                                             f"not kept; set {prefix}_BASE_URL to that URL where the run goes on")
+        base_url = configured
+    try:
+        return _DESCRIBED[kind](base_url=base_url, api_key=environ.get(f"{prefix}_API_KEY"), name=name,
+                                **description["settings"])
+    except ProviderConfigError as exc:
+        return UnavailableProvider(name, exc.message)
+
+
+class UnavailableProvider:
+    """In place of a provider a recovered run could not build here: every call fails with ``reason``."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        self.name = name
+        self.reason = reason
+
+    async def complete(self, request: ChatRequest) -> ChatResponse:
+        raise ProviderConfigError(f"provider {self.name!r} is not available: {self.reason}", provider=self.name)
+
+    def __repr__(self) -> str:
+        return f"UnavailableProvider(name={self.name!r}, reason={self.reason!r})"

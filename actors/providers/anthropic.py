@@ -54,6 +54,7 @@ class AnthropicProvider(HTTPChatProvider):
     type no longer has it); empty turns in the history are left out (the API refuses them).
     """
 
+    kind = "anthropic"
     endpoint = "/v1/messages"
 
     def __init__(self, api_key: str | None = None, base_url: str | None = None, *, name: str = "anthropic",
@@ -71,6 +72,10 @@ class AnthropicProvider(HTTPChatProvider):
         self.name = name
         self.base_url = base_url
         self.max_tokens = check_max_tokens(max_tokens, name) or DEFAULT_MAX_TOKENS
+        self.settings = {"timeout": timeout, "max_tokens": max_tokens, "max_retries": max_retries, "backoff": backoff,
+                         "max_delay": max_delay, "concurrency": concurrency, "adaptive": adaptive,
+                         "requests_per_minute": requests_per_minute, "tokens_per_minute": tokens_per_minute,
+                         "rate_limit_patience": rate_limit_patience}
         headers = {"anthropic-version": ANTHROPIC_VERSION}
         if api_key:
             headers["x-api-key"] = api_key
@@ -81,9 +86,6 @@ class AnthropicProvider(HTTPChatProvider):
                               rate_limit_patience=rate_limit_patience,
                               statuses=RETRYABLE_STATUSES | {OVERLOADED}),
         )
-
-    def __repr__(self) -> str:
-        return f"AnthropicProvider(name={self.name!r}, base_url={self.base_url!r})"
 
     def request_body(self, request: ChatRequest, model_name: str) -> dict[str, Any]:
         system: list[str] = []

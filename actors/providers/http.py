@@ -6,7 +6,7 @@ provider rate-limits (``adaptive.py``: 429s are then waited out, not failed, wit
 patience), and the translation of every
 httpx failure into a ``ProviderError`` (``raise ProviderX(...) from exc``). It knows no
 provider's wire format (``HTTPChatProvider`` leaves that to subclasses); callers never see
-an httpx type.
+an httpx type, and no message shows the password of a ``user:password@`` base URL.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from ..models import (
     ProviderUnavailable,
     parse_model_id,
 )
+from ..secrets import redact_credentials, redact_url
 from .adaptive import RateBudget
 from .limits import adaptive_slot, provider_slot, record_call, record_failure, record_retry
 
@@ -272,8 +273,8 @@ class ProviderHTTPClient:
             except _RetryableFailure as failure:
                 if retries >= self.retry.max_retries:
                     raise ProviderUnavailable(
-                        f"{self.provider}: {failure.reason} at {url} after {retries + 1} attempts; "
-                        "check that the server is running and the base URL is right",
+                        f"{self.provider}: {redact_credentials(failure.reason)} at {redact_url(url)} after "
+                        f"{retries + 1} attempts; check that the server is running and the base URL is right",
                         provider=self.provider,
                     ) from failure.__cause__
                 await self._back_off(retries, None)
@@ -309,7 +310,7 @@ class ProviderHTTPClient:
             return json.loads(response.content)
         except ValueError as exc:
             raise ProviderResponseError(
-                f"{self.provider}: {url} answered {response.status_code} with a body that is not JSON: "
+                f"{self.provider}: {redact_url(url)} answered {response.status_code} with a body that is not JSON: "
                 f"{_excerpt(response)!r}",
                 provider=self.provider, status=response.status_code,
             ) from exc
@@ -341,27 +342,28 @@ class ProviderHTTPClient:
                     raise _NowRateLimited
                 return await self._client().post(url, json=payload, timeout=httpx.Timeout(timeout))
         except (TimeoutError, httpx.TimeoutException) as exc:
-            raise ProviderTimeout(f"{self.provider}: no answer from {url} within {timeout:g} s; give the node a "
-                                  f"longer timeout=, or the provider one ({self.provider.upper()}_TIMEOUT for a "
-                                  "built-in provider)", provider=self.provider) from exc
+            raise ProviderTimeout(f"{self.provider}: no answer from {redact_url(url)} within {timeout:g} s; give the "
+                                  f"node a longer timeout=, or the provider one ({self.provider.upper()}_TIMEOUT for "
+                                  "a built-in provider)", provider=self.provider) from exc
         except httpx.UnsupportedProtocol as exc:
             raise ProviderConfigError(
-                f"{self.provider}: base URL {self.base_url!r} needs an http:// or https:// scheme",
+                f"{self.provider}: base URL {redact_url(self.base_url)!r} needs an http:// or https:// scheme",
                 provider=self.provider) from exc
         except httpx.TransportError as exc:
             # Refused, reset, or the server hung up mid-answer: worth another try.
             raise _RetryableFailure(f"connection failed ({type(exc).__name__}: {exc})") from exc
         except httpx.InvalidURL as exc:
-            raise ProviderConfigError(f"{self.provider}: invalid URL {url!r}: {exc}", provider=self.provider) from exc
+            raise ProviderConfigError(f"{self.provider}: invalid URL {redact_url(url)!r}: "
+                                      f"{redact_credentials(str(exc))}", provider=self.provider) from exc
         except httpx.HTTPError as exc:
             # What is left: body decoding and redirect loops. Neither improves on a retry.
-            raise ProviderResponseError(f"{self.provider}: {url}: {type(exc).__name__}: {exc}",
-                                        provider=self.provider) from exc
+            raise ProviderResponseError(f"{self.provider}: {redact_url(url)}: {type(exc).__name__}: "
+                                        f"{redact_credentials(str(exc))}", provider=self.provider) from exc
 
     def _status_error(self, url: str, response: httpx.Response, retries: int) -> ProviderError:
         status = response.status_code
         tries = f"after {retries + 1} attempts" if retries else "on the first attempt"
-        detail = f"{self.provider}: {url} answered {status} {tries}: {_excerpt(response)!r}"
+        detail = f"{self.provider}: {redact_url(url)} answered {status} {tries}: {_excerpt(response)!r}"
         if status == 429:
             return ProviderRateLimited(detail, provider=self.provider, status=status)
         if status in self.retry.statuses or status >= 500:
@@ -392,15 +394,29 @@ def _excerpt(response: httpx.Response) -> str:
 
 
 class HTTPChatProvider:
-    """What every HTTP chat provider shares: the call, its accounting, and closing.
+    """What every HTTP chat provider shares: the call, its accounting, its description, and closing.
 
-    Subclasses set ``endpoint`` and ``self._http`` and implement ``request_body`` and
-    ``parse_body``; ``complete`` posts, parses, and records usage, latency and failures.
+    Subclasses set ``kind`` (the built-in it is: its environment's prefix), ``endpoint``,
+    ``self._http``, ``self.base_url`` and ``self.settings`` (the constructor's arguments
+    that are no secret) and implement ``request_body`` and ``parse_body``; ``complete``
+    posts, parses, and records usage, latency and failures.
     """
 
+    kind: str
     name: str
     endpoint: str
+    base_url: str
+    settings: dict[str, Any]
     _http: ProviderHTTPClient
+
+    def description(self) -> dict[str, Any]:
+        """What a durable run's header keeps of this provider: no key, no header, the base URL
+        without its password; ``providers.provider_from_description`` builds it again."""
+        return {"kind": self.kind, "name": self.name, "base_url": redact_url(self.base_url),
+                "settings": dict(self.settings)}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, base_url={redact_url(self.base_url)!r})"
 
     def request_body(self, request: ChatRequest, model_name: str) -> dict[str, Any]:
         raise NotImplementedError

@@ -47,6 +47,7 @@ class OpenAICompatibleProvider(HTTPChatProvider):
     (``provider_from_environment``).
     """
 
+    kind = "openai"
     endpoint = "/chat/completions"
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, name: str = "openai",
@@ -66,6 +67,10 @@ class OpenAICompatibleProvider(HTTPChatProvider):
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.max_tokens = check_max_tokens(max_tokens, name)
+        self.settings = {"timeout": timeout, "max_tokens": max_tokens, "max_retries": max_retries, "backoff": backoff,
+                         "max_delay": max_delay, "concurrency": concurrency, "adaptive": adaptive,
+                         "requests_per_minute": requests_per_minute, "tokens_per_minute": tokens_per_minute,
+                         "rate_limit_patience": rate_limit_patience}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = ProviderHTTPClient(
             name, self.base_url, headers, timeout=timeout, transport=transport, concurrency=concurrency,
@@ -73,9 +78,6 @@ class OpenAICompatibleProvider(HTTPChatProvider):
             retry=RetryPolicy(max_retries=max_retries, backoff=backoff, max_delay=max_delay,
                               rate_limit_patience=rate_limit_patience),
         )
-
-    def __repr__(self) -> str:
-        return f"OpenAICompatibleProvider(name={self.name!r}, base_url={self.base_url!r})"
 
     def request_body(self, request: ChatRequest, model_name: str) -> dict[str, Any]:
         body: dict[str, Any] = {"model": model_name, "messages": [_wire_message(m) for m in request.messages]}

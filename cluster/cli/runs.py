@@ -31,6 +31,7 @@ from ..store import (
     vacuum_store,
 )
 from .spine import command_group, refused, subcommand
+from .store_migration import add_migrate_parser
 
 __all__ = ["add_retention_options", "add_runs_parser", "add_store_parser", "retention_schedule"]
 
@@ -240,6 +241,7 @@ def add_store_parser(subcommands: Any) -> None:
                     "running runs first. PostgreSQL: a plain VACUUM (ANALYZE) of the store's tables.")
     add_options(vacuum, STORE, JSON)
     vacuum.set_defaults(handler=store_vacuum)
+    add_migrate_parser(actions)
 
 
 # -- opgraph serve --retention-... ------------------------------------------------------------

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match, Route
 
-from opgraph.kernel import OpGraphError
+from opgraph.kernel import OpGraphError, RunLogIntegrityError
 
 from ..lanes import LaneCapabilityError
 from ..store import (
@@ -166,6 +166,8 @@ _ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any
     RunNotFoundError: (404, lambda exc: error_body(exc.message)),
     UnknownNameError: (404, lambda exc: error_body(exc.message)),
     WorkflowStoreError: (503, lambda exc: error_body(exc.message)),  # the database failed or is closed
+    # A run-log row that fails its integrity check (planted, changed, or signed elsewhere): unread.
+    RunLogIntegrityError: (503, lambda exc: error_body(str(exc), run_id=exc.run_id)),
     RuntimeUnavailableError: (503, lambda exc: error_body(exc.message)),
 }
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from opgraph.actors.persistence.backends import Connection, describe, driver_errors, is_postgres, open_connection
+from opgraph.actors.secrets import private_directory
 
 from .errors import WorkflowStoreError
 from .owners import current_process
@@ -48,7 +49,7 @@ class StoreDatabase:
         self._owner = current_process()
         postgres = is_postgres(self.path)
         if self.path != ":memory:" and not postgres:
-            Path(self.path).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            private_directory(Path(self.path).expanduser().parent)
             self.path = str(Path(self.path).expanduser())
         self._db: Connection | None = None
         self._writer: StoreWriter | None = None

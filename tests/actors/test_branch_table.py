@@ -214,14 +214,17 @@ def test_two_owners_in_one_file_keep_their_own_record_ids_and_one_adopts_the_oth
 
 
 def test_a_version_1_file_keeps_its_branches_under_nobodys_owner(tmp_path):
-    """A file written by the first runtime schema (rows keyed by shard only) opens migrated: its
-    branches load under the owner "" and any runtime can adopt them."""
+    """A file written by the first runtime schema (rows keyed by shard only) opens migrated, once
+    its rows are trusted (schema 4 signs them): its branches load under the owner "" and any
+    runtime can adopt them."""
     import sqlite3
+
+    import msgpack
+    import pytest
 
     from opgraph.actors.persistence import Database
     from opgraph.actors.persistence.branchlog import load_shard, read_branch
-    from opgraph.actors.persistence.codec import encode
-    from opgraph.actors.persistence.database import RUNTIME_SCHEMA_VERSION
+    from opgraph.actors.persistence.database import RUNTIME_SCHEMA_VERSION, DatabaseError
 
     path = tmp_path / "v1.db"
     connection = sqlite3.connect(path)
@@ -238,11 +241,15 @@ def test_a_version_1_file_keeps_its_branches_under_nobodys_owner(tmp_path):
         INSERT INTO runtime_branch_records VALUES (0, 1, NULL, 0);
         INSERT INTO runtime_branch_heads VALUES ('old', 0, 1);
     """)
-    connection.execute("INSERT INTO runtime_branch_messages VALUES (0, 1, 0, ?)", (encode([["kept"]]),))
+    # A message as the first run-log codec wrote it: [schema 1, records].
+    connection.execute("INSERT INTO runtime_branch_messages VALUES (0, 1, 0, ?)", (msgpack.packb([1, [["kept"]]]),))
     connection.commit()
     connection.close()
 
-    database = Database(path)
+    with pytest.raises(DatabaseError, match="--trust-existing"):
+        Database(path)
+    database = Database(path, trust_existing=True)
+    assert database.signed["messages"] == 1
     assert database.query("SELECT version FROM opgraph_runtime_schema") == [(RUNTIME_SCHEMA_VERSION,)]
     assert load_shard(database, 0, "").heads == {"old": 1}
     assert read_branch(database, "old", besides="ns/new") == ("", ["kept"])

@@ -1,7 +1,8 @@
 """The run log's pickler: the standard one where it gives what cloudpickle would, cloudpickle otherwise.
 
-No Ray: values are encoded and decoded as the executor's log writer does. Decoding goes through
-``pickle.loads`` alone, so a value the log records must read back in any process.
+No Ray: values are encoded and decoded as the executor's log writer does. A blob holding a pickled
+value is signed with the run-log key; once its signature holds, decoding goes through the standard
+unpickler alone, so a value the log records must read back in any process.
 """
 
 from __future__ import annotations

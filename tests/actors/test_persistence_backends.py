@@ -67,10 +67,13 @@ def test_an_envelope_is_stored_compact_and_read_back_whole_by_another_reader(dat
 
 def test_a_version_2_file_keeps_its_runs_with_their_headers_moved_out_of_the_run_rows(tmp_path):
     """Schema 3 keeps headers in a table of their own (a status change no longer rewrites a
-    megabyte): a file written by schema 2 opens migrated, every run readable and resumable."""
+    megabyte): a file written by schema 2 opens migrated, every run readable and resumable,
+    once the operator has said its rows can be trusted (schema 4 signs the run log)."""
     import sqlite3
 
-    from opgraph.actors.persistence.database import RUNTIME_SCHEMA_VERSION
+    import pytest
+
+    from opgraph.actors.persistence.database import RUNTIME_SCHEMA_VERSION, DatabaseError
 
     path = tmp_path / "v2.db"
     connection = sqlite3.connect(path)
@@ -89,7 +92,9 @@ def test_a_version_2_file_keeps_its_runs_with_their_headers_moved_out_of_the_run
     connection.commit()
     connection.close()
 
-    log = RunLog(path)
+    with pytest.raises(DatabaseError, match="opgraph store migrate --trust-existing"):
+        RunLog(path)
+    log = RunLog(database=Database(path, trust_existing=True))
     assert log.database.query("SELECT version FROM opgraph_runtime_schema") == [(RUNTIME_SCHEMA_VERSION,)]
     loaded = log.load("old")
     assert (loaded.header, loaded.entry.status, loaded.entry.started) == (b"the old header", "live", 5.0)

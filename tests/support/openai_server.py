@@ -104,6 +104,7 @@ BY_MODEL: dict[str, Any] = {
     "structured": StructuredReply(),
     "malformed": Malformed(),
     "hold": Slow(3600.0),  # in flight until the server stops (then the connection closes unanswered)
+    "slow": Slow(1.0, Reply()),  # a second in flight, then an echo: long enough to kill what waits on it
     "refuses": Refusal(),
 }
 

@@ -73,8 +73,8 @@ def _operation(value: Any) -> Operation:
 
 def read_checkpoint(record: RunRecord) -> Checkpoint:
     """What the run log keeps of ``record``'s run (``CheckpointRefusedError`` when it keeps nothing)."""
-    from opgraph.actors.executor.durability import decode_header  # local: only a replay reads the log
     from opgraph.actors.persistence import RunLog, database_exists, database_path
+    from opgraph.actors.persistence.headers import read_header  # local: only a replay reads the log
 
     path = database_path()
     logged = RunLog(path).load(record.run_id) if database_exists(path) else None
@@ -82,7 +82,7 @@ def read_checkpoint(record: RunRecord) -> Checkpoint:
         raise CheckpointRefusedError(f"run {record.run_id} is not in the run log at {path}: it cannot be replayed "
                                      "(was it run with durable=False, or on another OPGRAPH_DB?)",
                                      run_id=record.run_id)
-    graph, _options, _started = decode_header(logged.header)
+    graph = read_header(logged.header).graph  # the graph alone: the replay runs on this process's options
     checkpoint = Checkpoint(record, graph, log_status=logged.entry.status)
     for batch in logged.batches:
         for item in batch:
