@@ -113,6 +113,7 @@ class CodeResultRecorded(EngineEvent):
     ``passed`` is the last test run's verdict (exit 0 within the timeout); ``verdict``
     adds the verification (see ``VERDICTS``). ``files_changed`` (with unified diffs) and
     ``patch`` are offered, not applied: ``apply()`` writes them into the workspace.
+    ``plan`` is the planner's plan, kept so that a run stopped early still reports it.
     """
 
     passed: bool
@@ -121,6 +122,7 @@ class CodeResultRecorded(EngineEvent):
     max_fix_rounds: int
     workspace: str
     test_cmd: str
+    plan: WorkPlanned | None = None
     files_changed: list[FileChange] = Field(default_factory=list)
     patch: str = ""
     test_runs: list[TestsRan] = Field(default_factory=list)
@@ -146,11 +148,13 @@ class CodeResultRecorded(EngineEvent):
         return apply_changes(self.files_changed, workspace or self.workspace)
 
     def report(self) -> str:
-        """The result as text: the verdict, each test run, refusals, caveats, then the patch."""
+        """The result as text: the verdict, the plan, each test run, refusals, caveats, then the patch."""
         lines = [f"Coding verdict: {self.verdict} (tests {'passed' if self.passed else 'did not pass'}; "
                  f"{self.rounds_used} of {self.max_fix_rounds} fix round(s) used)"]
         if self.degraded:
             lines.append(f"Degraded: {self.degrade_reason}")
+        if self.plan is not None:
+            lines.append(f"Plan (P1): {self.plan.approach}")
         for test in self.test_runs:
             state = "timed out" if test.timed_out else f"exit {test.returncode}"
             lines.append(f"- tests round {test.round} ({test.change or 'no change'}): {state}, "
@@ -462,11 +466,12 @@ class CodingEngine(Engine):
         if run.verification is not None and run.verification.unmet:
             caveats.append("unmet acceptance criteria: " + "; ".join(run.verification.unmet))
         changes = list(run.files_changed or [])
+        plans = run.by_type(WorkPlanned, agent="planner")  # also one that arrived just before a stop
         budget = run.budget.snapshot()
         record = CodeResultRecorded(
             passed=passed, verdict=verdict, rounds_used=run.rounds_used, max_fix_rounds=self.max_fix_rounds,
             workspace=spec.workspace if spec else "", test_cmd=spec.command_text if spec else "",
-            files_changed=changes, patch="".join(change.diff for change in changes),
+            plan=plans[-1] if plans else None, files_changed=changes, patch="".join(change.diff for change in changes),
             test_runs=list(run.test_runs), refusals=list(run.refusals),
             measurements={"test_runs": len(run.test_runs), "test_seconds": round(sum(t.duration_s for t in
                                                                                        run.test_runs), 3),

@@ -15,19 +15,28 @@ Each engine is one ``EngineCase`` in ``CASES``; every test below runs for every 
 
 A case names the engine's roles by the agent names its runs give them, scripts a clean run
 (``replies``: agent name or name prefix -> reply, as ``ByAgent`` takes them), and says
-what the contract looks like for it. The coding engine joins as one more entry: it must
-give ``make`` (the engine from settings: model, max_agents, deadline_s, max_tokens,
-max_cost_usd, prices, max_concurrent, judge_model), ``subject`` (its run arguments from a
-temporary folder: a workspace with a failing test and its test command), ``replies`` for a
-clean run in which at least three turns can be in flight at once, ``terminal`` (its exempt
+what the contract looks like for it: ``make`` (the engine from settings: model,
+max_agents, deadline_s, max_tokens, max_cost_usd, prices, max_concurrent, judge_model),
+``subject`` (its run arguments, made under a temporary folder), ``terminal`` (its exempt
 final agent's name and the text its reply puts in the result), ``min_agents``, the
-``prose`` agent and what its missing emission becomes, and ``diagnostics`` reading
-degraded, degrade_reason and skipped off its structured result.
+``prose`` agent and what its missing emission becomes, and how its result reads:
+``diagnostics`` (degraded, degrade_reason, skipped) and ``text``.
+
+The coding engine returns a structured record (``CodeResultRecorded``), not an
+EngineResult: its entry reads the diagnostics and the report off that record, and its
+subject is a fresh throw-away project whose one test fails until the implementer's change
+is written into the workspace copy (the gate is a real subprocess, a quick interpreter).
+It is a chain, so one turn is in flight at a time (``in_flight``): the concurrency test
+checks for it that the bound is never passed, not that it is reached. Only research
+consults the judge in its topology; for the others the judge test checks the one they
+inherit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,11 +45,16 @@ from typing import Any
 
 import pytest
 import ray
+from coding_fixtures import FIXED, PLAN, VERIFIED, change, edit, make_project
 from engine_scripts import HANG, ByAgent, js, last_user
 
 from opgraph.actors import RuntimeLostError
 from opgraph.actors.models import ProviderUnavailable
 from opgraph.engines import (
+    ChangeProposed,
+    CodeResultRecorded,
+    CodingEngine,
+    CodingSpec,
     Engine,
     EngineEvent,
     EngineResult,
@@ -67,6 +81,15 @@ def engine_result_diagnostics(result: Any) -> dict[str, Any]:
     return {"degraded": result.degraded, "degrade_reason": result.degrade_reason, "skipped": list(result.skipped)}
 
 
+def coding_record_diagnostics(result: Any) -> dict[str, Any]:
+    """The same diagnostics off coding's structured record, which also says ``stopped`` exactly
+    when a budget or the deadline ended the chain."""
+    assert isinstance(result, CodeResultRecorded), f"the coding engine returns its record, got {result!r}"
+    assert result.run is not None and result.run_id == result.run.run_id
+    assert (result.verdict == "stopped") == (result.degrade_reason in ("budget", "deadline"))
+    return {"degraded": result.degraded, "degrade_reason": result.degrade_reason, "skipped": list(result.skipped)}
+
+
 @dataclass(frozen=True)
 class EngineCase:
     """One engine under the contract (see the module docstring for what each field means)."""
@@ -79,8 +102,12 @@ class EngineCase:
     min_agents: int  # non-exempt agents a clean run makes
     prose: str  # an agent whose typed emission the topology needs
     prose_outcome: type[BaseException] | None = None  # None: the miss is a skipped diagnostic; else this raises
+    prose_event: type | None = None  # the event the prose agent owed: after its miss no agent has one
     miss_notification: str = "emission_missing"
     diagnostics: Callable[[Any], dict[str, Any]] = engine_result_diagnostics
+    text: Callable[[Any], str] = str  # the result as a reader gets it
+    partial_evidence: str = ""  # a text of the first turn's reply that a partial export must carry
+    in_flight: int | None = None  # the most turns its topology ever has at once (None: as many as allowed)
     settings: dict[str, Any] = field(default_factory=dict)  # fixed settings of this engine's clean run
 
     def __str__(self) -> str:
@@ -107,6 +134,7 @@ PLANNING = EngineCase(
     min_agents=1 + 4,  # the orchestrator and one agent per roster role
     prose="orchestrator",
     prose_outcome=PlanError,  # an empty plan is retried once, then the run fails: nothing to run
+    prose_event=PlanProposed,
     miss_notification="plan_empty",
 )
 
@@ -179,8 +207,36 @@ HYPOTHESIS = EngineCase(
     prose="questioner-F1",
 )
 
-CASES = [PLANNING, REVIEW, RESEARCH, HYPOTHESIS]
-# The coding engine's entry joins CASES here (see the module docstring for what it must provide).
+# The gate: the project's one test, as a quick interpreter rather than pytest (it runs in every coding run).
+_ADDS = (sys.executable, "-B", "-c", "from calc import add; raise SystemExit(add(2, 3) != 5)")
+
+
+def _coding_subject(folder: Path) -> tuple[CodingSpec]:
+    """A fresh throw-away project under ``folder`` whose test fails until ``add`` adds."""
+    project, _ = make_project(Path(tempfile.mkdtemp(prefix="coding-", dir=folder)))
+    return (CodingSpec.build("make add() add its arguments", workspace=str(project), test_cmd=_ADDS),)
+
+
+CODING = EngineCase(
+    name="coding",
+    make=CodingEngine,
+    subject=_coding_subject,
+    replies={"planner": PLAN, "implementer": change(edit("calc.py", FIXED), summary="add adds"),
+             "verifier": VERIFIED},
+    terminal=("verifier", "Coding verdict: passed"),  # only a verification that the criteria are met says so
+    min_agents=2,  # the planner and the implementer; the verifier is exempt
+    prose="implementer",
+    prose_event=ChangeProposed,  # TestsRan ("gate") and the record ("engine") are the engine's own measurements
+    diagnostics=coding_record_diagnostics,
+    text=CodeResultRecorded.report,
+    partial_evidence="make add add",  # the planner's approach: the plan is what exists when the budget stops it
+    in_flight=1,  # a chain: plan, implement, test, verify, each waiting for the one before
+    # No fix round: a clean run's change passes in round 0, and a missed change stays one stage's
+    # miss (each fix round is a further implementer stage with its own repair bound).
+    settings={"max_fix_rounds": 0, "test_timeout_s": 30.0, "turn_timeout_s": 60.0, "kill_grace_s": 0.5},
+)
+
+CASES = [PLANNING, REVIEW, RESEARCH, HYPOTHESIS, CODING]
 
 every_engine = pytest.mark.parametrize("case", CASES, ids=str)
 
@@ -259,10 +315,11 @@ def test_a_reused_engine_gives_isolated_runs(case, session, model, tmp_path):
 
 @every_engine
 def test_the_agent_bound_holds(case, session, model, tmp_path):
-    engine = build(case, model, max_agents=2)
+    bound = min(2, case.min_agents - 1)  # below what a clean run makes
+    engine = build(case, model, max_agents=bound)
     result, bounded = run(execute(engine, case, tmp_path, session))
     working = [agent for agent in bounded.agents.values() if not agent.exempt]
-    assert len(working) <= 2 and bounded.agents_made <= 2 + sum(a.exempt for a in bounded.agents.values())
+    assert len(working) <= bound and bounded.agents_made <= bound + sum(a.exempt for a in bounded.agents.values())
     assert case.diagnostics(result)["degrade_reason"] == "budget" and bounded.status == "degraded"
 
 
@@ -301,7 +358,10 @@ def test_the_cost_bound_holds(case, session, model, tmp_path):
     assert reported_calls * 0.01 <= 0.005 + 2 * 0.01 + 0.01 + 1e-9 and budget.estimated_calls <= 2
 
 
-@every_engine
+@pytest.mark.parametrize("case", [
+    case if case.in_flight is None else
+    pytest.param(case, id=f"{case.name}-a-chain-has-{case.in_flight}-turn-in-flight-so-2-is-never-reached")
+    for case in CASES], ids=str)
 def test_turns_in_flight_never_exceed_max_concurrent(case, session, model, tmp_path):
     async def slow(reply: Any) -> Any:
         await asyncio.sleep(0.3)
@@ -314,7 +374,7 @@ def test_turns_in_flight_never_exceed_max_concurrent(case, session, model, tmp_p
                    max_concurrent=2)
     result, bounded = run(execute(engine, case, tmp_path, session))
     assert not case.diagnostics(result)["degraded"]
-    assert most_in_flight(bounded) == 2  # reached, never passed
+    assert most_in_flight(bounded) == min(2, case.in_flight or 2)  # reached (as far as the topology goes), never passed
 
 
 # -- D3: emissions and the judge --------------------------------------------------------------
@@ -334,8 +394,8 @@ def test_a_missing_emission_is_observable_bounded_and_never_fabricated(case, rep
     assert turns_of(fresh, case.prose) == 2  # the turn and the one configured repair
     assert fresh.events.notifications(case.miss_notification)
     assert fresh.by_type(EngineEvent, agent=case.prose) == []
-    if case.name == "planning":
-        assert fresh.by_type(PlanProposed) == []
+    if case.prose_event is not None:
+        assert fresh.by_type(case.prose_event) == []
 
 
 @every_engine
@@ -363,7 +423,7 @@ def test_the_terminal_turn_is_exempt_from_the_agent_bound(case, session, model, 
     result, bounded = run(execute(engine, case, tmp_path, session))
     terminal, text = case.terminal
     assert bounded.agents[terminal].exempt and bounded.agents_made == case.min_agents + 1
-    assert text in str(result)
+    assert text in case.text(result)
 
 
 @every_engine
@@ -372,7 +432,8 @@ def test_a_partial_export_follows_a_spent_budget(case, session, model, tmp_path)
                    max_concurrent=2)
     result, bounded = run(execute(engine, case, tmp_path, session))
     assert case.diagnostics(result)["degraded"] and bounded.exhausted_reason == "tokens"
-    assert str(result).strip(), "evidence was collected, so the result reports it"
+    assert case.text(result).strip(), "evidence was collected, so the result reports it"
+    assert case.partial_evidence in case.text(result)
 
 
 @every_engine

@@ -3,8 +3,9 @@
 ``make_project`` writes a tiny Python project whose one test fails (``add`` subtracts)
 beside a sibling folder the run must never touch; ``CodingScript`` is a scripted model
 that answers each coding agent (planner, implementer, verifier) with typed emissions,
-deciding from the request (so any worker answers the same); ``coding_case`` builds an
-engine, its inputs and the project in one call, for the conformance suite.
+deciding from the request (so any worker answers the same); ``PLAN`` and ``VERIFIED`` are
+the planner's and the verifier's clean replies; ``coding_case`` builds an engine, its
+inputs and the project in one call.
 This module travels to the Ray workers by value (it registers itself), so its scripts work there.
 """
 
@@ -23,7 +24,9 @@ from ray import cloudpickle
 __all__ = [
     "BROKEN",
     "FIXED",
+    "PLAN",
     "PYTEST",
+    "VERIFIED",
     "CodingScript",
     "change",
     "coding_case",
@@ -136,7 +139,7 @@ class CodingScript:
 def coding_case(register_model: Callable[..., str], root: Path, *, changes: list[Any] | None = None,
                 replies: dict[str, Any] | None = None, test_cmd: str = PYTEST,
                 **settings: Any) -> tuple[Any, tuple, dict[str, Any]]:
-    """For the conformance suite: ``(engine, args, kwargs)`` so that ``engine.run(*args, **kwargs)``
+    """``(engine, args, kwargs)`` so that ``engine.run(*args, **kwargs)``
     runs a complete coding chain on a fresh tiny project under ``root``.
 
     ``register_model`` is the engine tests' ``model`` fixture (it registers a scripted
