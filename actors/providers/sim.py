@@ -147,7 +147,14 @@ class SimulatedProvider:
         topic = topic_of(last_user)
         if response_format.get("type") == "json_object":
             return json.dumps({"reply": plain_reply(topic, digest), "topic": topic})
-        return f"[{model_name} {digest}] simulated reply: {plain_reply(topic, digest)}"
+        return f"[{model_name} {digest}] simulated reply to {_asked(last_user)}: {plain_reply(topic, digest)}"
+
+
+def _asked(message: str, limit: int = 60) -> str:
+    """The start of what the sim was asked, quoted on one line, so a reader (or a test) can see
+    which prompt reached the model: a pinned version's, an edited template's, a row's."""
+    flat = " ".join(message.split())
+    return json.dumps(flat if len(flat) <= limit else flat[:limit].rstrip() + "...", ensure_ascii=False)
 
 
 # -- schema-valid values -----------------------------------------------------------------------

@@ -62,7 +62,7 @@ def test_reading_a_detached_run_whose_envelope_is_planted_is_a_503_and_runs_noth
 
     served = serve(create_app(store, session_factory=lambda: None, start_runtime=False))
     try:
-        with httpx.Client(base_url=served.url, timeout=30) as http:
+        with served.client() as http:
             reply = http.get(f"/api/runs/{run_id}")
     finally:
         served.stop()

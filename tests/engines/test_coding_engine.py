@@ -458,7 +458,7 @@ def test_the_marker_finder_sees_a_live_process(tmp_path):
 
     child = subprocess.Popen(["sleep", MARK])
     try:
-        assert _running(MARK)
+        assert _wait_until(lambda: child.pid in _running(MARK), 5), (child.poll(), _running(MARK))
     finally:
         child.kill()
         child.wait()
