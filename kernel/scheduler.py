@@ -31,7 +31,7 @@ from .dispatch import OperationDispatch
 from .errors import OperationError
 from .events import new_record as _new_record
 from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION_ERROR, RetryPolicy
-from .graph import Graph, Operation, condition_is_async, validate_condition
+from .graph import Graph, Operation, condition_is_async, require_graph, validate_condition
 from .invariants import InvariantChecks
 from .registration import NodeRegistration, plain_roots
 from .runlog import DurableRecords
@@ -881,9 +881,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
 
 def _check_inputs(graph: Any, context: Any, reducers: Mapping[str, Any] | None, max_spawn: Any) -> None:
     """Refuse, before any state exists, a graph, context, reducer or spawn cap a run cannot take."""
-    if not isinstance(graph, Graph):
-        raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
-    graph.check_references()
+    require_graph(graph).check_references()
     if context is not None and not isinstance(context, Mapping):
         raise OperationError(f"context must be a mapping, got {type(context).__name__}")
     for key, reducer in (reducers or {}).items():

@@ -27,6 +27,7 @@ from opgraph.kernel import (
     OperationError,
     OpGraphError,
     RetryPolicy,
+    require_graph,
     settle_completed,
 )
 
@@ -362,7 +363,8 @@ class Session:
         executor may admit it anyway (the call is on its way), so wait for the admission
         to settle, then cancel and forget the run before re-raising.
         """
-        graph.check_references()  # an edge to a missing node is refused before anything is shipped
+        # A non-graph, or an edge to a missing node, is refused before anything is shipped.
+        require_graph(graph).check_references()
         # Shipped pickled: the executor logs a durable run's very bytes as its header instead of
         # pickling the graph again (for 10,000 nodes, tens of ms of its loop). Pickled here, with
         # no await since the caller's call, the graph shipped is the one ``flow()`` read its
@@ -435,6 +437,7 @@ class Session:
         the log, and ``flow()`` keeps waiting and returns the whole envelope.
         """
         del alcall_params
+        require_graph(graph)  # before ``graph.nodes`` below: a builder or a dict is the typed refusal
         run_id = run_id or str(uuid.uuid4())
         options = self._options(
             run_id=run_id, context=context, max_concurrent=max_concurrent, parallel=parallel, reactive=reactive,
