@@ -178,8 +178,8 @@ class ExecutorStub(ActorStub["GraphExecutor"]):
     def load(self, exclude: list[str] | tuple[str, ...] = ()) -> ObjectRef[tuple[int, int]]:
         return self.handle.load.remote(exclude)
 
-    def has_run(self, run_id: str) -> ObjectRef[bool]:
-        return self.handle.has_run.remote(run_id)
+    def run_durability(self, run_id: str) -> ObjectRef[bool | None]:
+        return self.handle.run_durability.remote(run_id)
 
     # -- runs, from their driver
     def start_run(self, run_id: str, graph: Any, options: RunOptions) -> ObjectRef[str]:

@@ -451,7 +451,8 @@ class Session:
         following = _Following(self.runtime, executor, run_id, options.durable)
         following.node_ids = node_ids
         if executor_ref is not None:
-            following.control = RunControl(executor, run_id, self.runtime.name_of(executor), self.runtime.namespace)
+            following.control = RunControl(executor, run_id, self.runtime.name_of(executor), self.runtime.namespace,
+                                           durable=options.durable)
             executor_ref["executor"] = following.control
             executor_ref["run_id"] = run_id
         forgetting = None
@@ -602,13 +603,12 @@ class Session:
 
     def run_control(self, run_id: str) -> RunControl:
         """Control of a run of this session's runtime, by id (started here or elsewhere): on the
-        member of the pool that has it (member 0 when none has it, or the pool has one member)."""
+        member of the pool that has it (member 0 when none has it), knowing whether it is durable."""
         runtime = self.runtime
-        executor = runtime.executor
-        if runtime.pool_size > 1:
-            executor = next((handle for handle, has in zip(runtime.executors, runtime.has_run_sync(run_id),
-                                                            strict=True) if has), executor)
-        return RunControl(executor, run_id, runtime.name_of(executor), runtime.namespace)
+        held = zip(runtime.executors, runtime.run_durability_sync(run_id), strict=True)
+        executor, durable = next(((handle, durability) for handle, durability in held if durability is not None),
+                                 (runtime.executor, None))
+        return RunControl(executor, run_id, runtime.name_of(executor), runtime.namespace, durable=durable)
 
     def run(self, graph: Graph, **kwargs: Any) -> dict[str, Any]:
         """Synchronous ``flow`` for scripts (not from inside a running event loop)."""

@@ -492,8 +492,11 @@ class GraphExecutor:
         """True for a spare executor not yet promoted: it runs nothing and supervises nothing."""
         return self.standby
 
-    async def has_run(self, run_id: str) -> bool:
-        return run_id in self.shell.runs
+    async def run_durability(self, run_id: str) -> bool | None:
+        """None when this executor does not hold ``run_id``; else whether the run is durable (logged,
+        so a replacement would rebuild it should this executor die)."""
+        run = self.shell.runs.get(run_id)
+        return None if run is None else bool(run.options.durable)
 
     async def load(self, exclude: list[str] | tuple[str, ...] = ()) -> tuple[int, int]:
         """(live runs, their nodes not yet settled): what placing a new run on this member weighs;

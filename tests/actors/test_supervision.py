@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import ray
 
-from opgraph.actors import RuntimeLostError, Session
+from opgraph.actors import RunControl, RuntimeLostError, Session
 from opgraph.kernel import Graph, OperationGraphBuilder, create_operation
 
 FLOW_TIMEOUT = 90.0
@@ -337,6 +337,53 @@ def test_a_dead_volatile_executor_is_a_typed_error_within_seconds_and_the_next_f
     after = run(volatile.flow(labelled("held_again", f"{key}-after", ["a", "b"])[0]), timeout=WAIT)
     assert after["status"] == "completed"
     assert volatile.runtime.executor._actor_id != executor._actor_id
+
+
+LOST_WITHIN = 5.0  # seconds: losing a run that is not durable is reported at once, not after a search
+
+
+def test_a_run_that_is_not_durable_is_reported_lost_within_seconds_to_every_control(own, gauge):
+    """n0..n3 held, run with durable=False on a durable runtime; its executor is SIGKILLed.
+
+    flow(), and status() and watch() on each way of holding the run (the executor_ref handle,
+    Session.run_control, RunControl.attach) raise RuntimeLostError within seconds: nothing will
+    ever rebuild a run that was not logged, so no control looks for it (issue #32: 60 s each).
+    """
+    key = "volatile-run-controls"
+    own.register_operation("held", held_operation(gauge), record_turn=False)
+    graph, _ = labelled("held", key, ["n0", "n1", "n2", "n3"])
+    run_id = f"not-logged-{uuid.uuid4().hex[:8]}"
+    executor_ref: dict[str, Any] = {}
+
+    async def lost(call: Any) -> float:
+        started = time.monotonic()
+        with pytest.raises(RuntimeLostError) as raised:
+            await call()
+        assert raised.value.run_id == run_id
+        return time.monotonic() - started
+
+    async def watch_to_the_end(control: Any) -> None:
+        async for _ in control.watch():
+            pass
+
+    async def scenario() -> dict[str, float]:
+        flow = asyncio.create_task(own.flow(graph, max_concurrent=4, run_id=run_id, durable=False,
+                                            executor_ref=executor_ref))
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+        controls = {"executor_ref": executor_ref["executor"], "run_control": own.run_control(run_id),
+                    "attach": await asyncio.to_thread(RunControl.attach, run_id, address=None,
+                                                      namespace=own.runtime.namespace)}
+        assert {name: control.durable for name, control in controls.items()} == dict.fromkeys(controls, False)
+        kill(own.runtime.executor, "SIGKILL")
+        seconds = {"flow": await lost(lambda: flow)}
+        for name, control in controls.items():
+            seconds[f"{name}.status"] = await lost(control.status)
+            seconds[f"{name}.watch"] = await lost(lambda control=control: watch_to_the_end(control))
+        return seconds
+
+    seconds = run(scenario())
+    ray.get(gauge.release.remote(key))
+    assert max(seconds.values()) < LOST_WITHIN, seconds
 
 
 def test_a_detached_runtime_sets_a_replacement_up_before_it_runs_anything(gauge):
