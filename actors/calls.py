@@ -264,10 +264,6 @@ class ExecutorStub(ActorStub["GraphExecutor"]):
         """Told: the outcome carries every request again, so a lost one costs nothing."""
         self._tell(self.handle.receive_requests.remote(run_id, items))
 
-    def receive_request(self, run_id: str, emitter_id: str, kind: str, request: Any, key: Any) -> None:
-        """Told, as ``receive_requests``."""
-        self._tell(self.handle.receive_request.remote(run_id, emitter_id, kind, request, key))
-
 
 class WorkerStub(ActorStub["OperationWorker"]):
     """The OperationWorker's remote surface (actors/workers/worker.py), one method each."""
