@@ -41,7 +41,15 @@ from .errors import (
 )
 from .owners import ProcessIdentity, current_process, owner_is_alive
 from .recorder import MAX_BACKLOG, RunRecorder
-from .runs import OWNER_PROCESS_LOST, REGISTRY_SOURCE, RunRecord, RunStore, provenance_columns
+from .runs import (
+    OWNER_LOST_SIGNAL,
+    OWNER_PROCESS_LOST,
+    REGISTRY_SOURCE,
+    RESUMED_SIGNAL,
+    RunRecord,
+    RunStore,
+    provenance_columns,
+)
 from .schema import (
     MAX_VERSION,
     MIGRATIONS,
@@ -64,8 +72,10 @@ __all__ = [
     "MAX_NAME_LENGTH",
     "MAX_VERSION",
     "MIGRATIONS",
+    "OWNER_LOST_SIGNAL",
     "OWNER_PROCESS_LOST",
     "REGISTRY_SOURCE",
+    "RESUMED_SIGNAL",
     "RUN_STATUSES",
     "RUN_TRANSITIONS",
     "SCHEMA_VERSION",
