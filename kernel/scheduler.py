@@ -579,6 +579,12 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             return
         self._record("undelivered", event.now, node_id, event.attempt, event.reason)
         del self.running[node_id]
+        if self._inherits_into_clone(in_flight[1]):
+            # Nothing says the attempt's branch took its primary's history: the store write and the
+            # log's are not one, and an executor that died in between leaves an empty clone. The
+            # next attempt takes it again (ADR-0023 D3). Decided here, where a rebuild replays it
+            # too, not only at the recovery that sent the attempt back (issue #32).
+            self.pending_inheritance.add(node_id)
         if self.cancelling:
             self._cancel_node(node_id, "cancelled before it started")
         else:
