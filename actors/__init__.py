@@ -28,7 +28,7 @@ from typing import Any
 
 _SOURCES = {
     "branches.store": ("BranchStore", "BranchTable"),
-    "driver.control": ("EventsDropped", "RunControl", "RunFinished"),
+    "driver.control": ("EventsDropped", "Reconnected", "RunControl", "RunFinished"),
     "errors": ("BranchStoreLostError", "RuntimeLostError", "TurnError", "UnknownBranchError", "UnknownRunError"),
     "executor.actor": ("GraphExecutor",),
     "protocol": ("Outcome", "RegisteredOperation", "RunOptions", "RunResources", "TurnResult"),
@@ -48,6 +48,7 @@ __all__ = [
     "GraphExecutor",
     "OperationWorker",
     "Outcome",
+    "Reconnected",
     "RegisteredOperation",
     "RemoteBranch",
     "RunControl",

@@ -178,8 +178,8 @@ class ExecutorStub(ActorStub["GraphExecutor"]):
     def load(self, exclude: list[str] | tuple[str, ...] = ()) -> ObjectRef[tuple[int, int]]:
         return self.handle.load.remote(exclude)
 
-    def has_run(self, run_id: str) -> ObjectRef[bool]:
-        return self.handle.has_run.remote(run_id)
+    def run_durability(self, run_id: str) -> ObjectRef[bool | None]:
+        return self.handle.run_durability.remote(run_id)
 
     # -- runs, from their driver
     def start_run(self, run_id: str, graph: Any, options: RunOptions) -> ObjectRef[str]:
@@ -263,10 +263,6 @@ class ExecutorStub(ActorStub["GraphExecutor"]):
     def receive_requests(self, run_id: str, items: list[tuple[str, str, Any, Any]]) -> None:
         """Told: the outcome carries every request again, so a lost one costs nothing."""
         self._tell(self.handle.receive_requests.remote(run_id, items))
-
-    def receive_request(self, run_id: str, emitter_id: str, kind: str, request: Any, key: Any) -> None:
-        """Told, as ``receive_requests``."""
-        self._tell(self.handle.receive_request.remote(run_id, emitter_id, kind, request, key))
 
 
 class WorkerStub(ActorStub["OperationWorker"]):

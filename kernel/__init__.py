@@ -80,7 +80,16 @@ from .expressions import (
     parse_expression,
 )
 from .failures import FAILURE_KINDS, RETRYABLE_KINDS, RetryPolicy
-from .graph import BRANCH_OPERATIONS, Edge, EdgeCondition, Graph, Operation, create_operation, settle_completed
+from .graph import (
+    BRANCH_OPERATIONS,
+    Edge,
+    EdgeCondition,
+    Graph,
+    Operation,
+    create_operation,
+    require_graph,
+    settle_completed,
+)
 from .invariants import INVARIANTS
 from .patterns import build_dag_graph, build_fanout_graph, normalise_dependency_ordinals
 from .results import FlowEvent, compact_envelope, expand_envelope
@@ -191,6 +200,7 @@ __all__ = [
     "request_sightings",
     "render_operator_messages",
     "role_node_builder",
+    "require_graph",
     "settle_completed",
     "to_mapping",
     "CONDITION_NAMES",

@@ -34,15 +34,17 @@ class ReactiveAdmission:
             return
         request, emitter_id = event.request, event.emitter_id
         emitter = self.graph.nodes.get(emitter_id) if emitter_id else None
+        # Sightings first, validity second: an invalid request sent live arrives again in its
+        # emitter's outcome, and must make one ledger entry, not two (issue #32: 1,000 made 1,801).
+        if self._is_duplicate_request(event):
+            if not event.redelivery:
+                self._drop("duplicate", _recordable_assignee(request), emitter_id)
+            return
         problem = request_problem(request, self.spawn_type)
         if problem is not None:  # never routed, never admitted, and the run goes on
             self._drop("invalid_request", None, emitter_id, error=problem)
             return
         assignee = _attribute(request, "assignee")
-        if self._is_duplicate_request(event):
-            if not event.redelivery:
-                self._drop("duplicate", assignee, emitter_id)
-            return
         try:
             child = self.node_builder(request, emitter)
         except Exception as exc:  # noqa: BLE001 - user routing code: becomes a ledger entry, never a crash
@@ -58,13 +60,13 @@ class ReactiveAdmission:
         if not self.reactive or self.finished or self.cancelling:
             return
         request = event.request
+        if self._is_duplicate_request(event):  # first, as for a spawn
+            if not event.redelivery:
+                self._drop("duplicate", None, event.emitter_id)
+            return
         problem = request_problem(request, EscalationRequest)
         if problem is not None:
             self._drop("invalid_request", None, event.emitter_id, error=problem)
-            return
-        if self._is_duplicate_request(event):
-            if not event.redelivery:
-                self._drop("duplicate", None, event.emitter_id)
             return
         emitter = self.graph.nodes.get(event.emitter_id) if event.emitter_id else None
         if emitter is not None:
@@ -222,6 +224,13 @@ class ReactiveAdmission:
         if unsettled == 0:
             self._gate(child_id)
         return True
+
+
+def _recordable_assignee(request: Any) -> str | None:
+    """The assignee of a request not yet validated, for a ledger entry: a string within bounds, else None
+    (an invalid request's field may be anything, and the ledger is encoded into the run log)."""
+    assignee = _attribute(request, "assignee")
+    return assignee if type(assignee) is str and len(assignee) <= SPAWN_INSTRUCTION_CHARS else None
 
 
 def _attribute(value: Any, name: str) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -24,6 +25,7 @@ __all__ = [
     "EscalationRequest",
     "SpawnRequest",
     "TaskAssignment",
+    "UnpicklableRequest",
     "default_node_builder",
     "extract_requests",
     "request_problem",
@@ -169,6 +171,19 @@ def _spawn_fields_valid(fields: dict[str, Any]) -> bool:
             and type(fields["independent"]) is bool and type(fields["reason"]) in _TEXT_OR_NONE)
 
 
+@dataclass(frozen=True, slots=True)
+class UnpicklableRequest:
+    """Stands in for an emitted request that could not be pickled on its way to the executor.
+
+    The worker sends this in its place, under the same de-duplication key, so the request
+    is one ``invalid_request`` entry of ``dropped_spawns`` naming its type and the reason,
+    whichever route (live, or in the emitter's outcome) it took.
+    """
+
+    type_name: str
+    problem: str
+
+
 def request_problem(request: Any, kind: type) -> str | None:
     """Why ``request`` cannot be admitted as a ``kind``, or None when it can.
 
@@ -178,6 +193,8 @@ def request_problem(request: Any, kind: type) -> str | None:
     ``MAX_REQUEST_TEXT``. Reading a field may run user code (a property), so any
     error becomes the problem text rather than an escape.
     """
+    if type(request) is UnpicklableRequest:
+        return f"the {request.type_name} it emitted cannot be pickled: {request.problem}"
     try:
         if not isinstance(request, kind):
             return f"expected a {kind.__name__}, got {type(request).__name__}"

@@ -27,6 +27,7 @@ __all__ = [
     "NodeStatus",
     "Operation",
     "create_operation",
+    "require_graph",
     "settle_completed",
 ]
 
@@ -791,3 +792,14 @@ def _graph_from_rows(cls: type[Graph], name: str, nodes: list[Any], edges: list[
         _index_edge(incoming, edge.tail, edge_id)
     return graph
 
+
+def require_graph(value: Any) -> Graph:
+    """Return ``value`` if it is a Graph, else raise the one typed refusal every flow entry gives.
+
+    Checked first wherever a graph arrives (the driver before it reads or ships anything, the
+    scheduler before any state exists), so a builder, a dict or None never surfaces as an
+    AttributeError from whichever line touched it first.
+    """
+    if not isinstance(value, Graph):
+        raise OperationError(f"a flow runs a Graph, got {type(value).__name__}")
+    return value

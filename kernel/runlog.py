@@ -83,13 +83,9 @@ class DurableRecords:
         """
         if self.finished:  # the log ends with the run settled: only its envelope is left to deliver
             return [ev.FinishRun(self.envelope())]
-        nodes = self.graph.nodes
-        for node_id in self.running:
-            # The log says the attempt went out, not that its branch had taken the primary's
-            # history first (that write and the log's are not one): an inheriting node takes
-            # it again, or may run on an empty clone (ADR-0023 D3).
-            if self._inherits_into_clone(nodes[node_id]):
-                self.pending_inheritance.add(node_id)
+        # Each goes back to the queue as undelivered, which has an inheriting node take its
+        # primary's history again (``_on_undelivered``): the log says the attempt went out, not
+        # that its branch had taken that history first.
         lost = [ev.DispatchUndelivered(now, node_id, attempt, "the executor that ran it was replaced")
                 for node_id, (attempt, _, _) in self.running.items()]
         out = self.handle(*lost)

@@ -31,7 +31,7 @@ from .dispatch import OperationDispatch
 from .errors import OperationError
 from .events import new_record as _new_record
 from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION_ERROR, RetryPolicy
-from .graph import Graph, Operation, condition_is_async, validate_condition
+from .graph import Graph, Operation, condition_is_async, require_graph, validate_condition
 from .invariants import InvariantChecks
 from .registration import NodeRegistration, plain_roots
 from .runlog import DurableRecords
@@ -579,6 +579,12 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
             return
         self._record("undelivered", event.now, node_id, event.attempt, event.reason)
         del self.running[node_id]
+        if self._inherits_into_clone(in_flight[1]):
+            # Nothing says the attempt's branch took its primary's history: the store write and the
+            # log's are not one, and an executor that died in between leaves an empty clone. The
+            # next attempt takes it again (ADR-0023 D3). Decided here, where a rebuild replays it
+            # too, not only at the recovery that sent the attempt back (issue #32).
+            self.pending_inheritance.add(node_id)
         if self.cancelling:
             self._cancel_node(node_id, "cancelled before it started")
         else:
@@ -881,9 +887,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
 
 def _check_inputs(graph: Any, context: Any, reducers: Mapping[str, Any] | None, max_spawn: Any) -> None:
     """Refuse, before any state exists, a graph, context, reducer or spawn cap a run cannot take."""
-    if not isinstance(graph, Graph):
-        raise OperationError(f"a flow runs a Graph, got {type(graph).__name__}")
-    graph.check_references()
+    require_graph(graph).check_references()
     if context is not None and not isinstance(context, Mapping):
         raise OperationError(f"context must be a mapping, got {type(context).__name__}")
     for key, reducer in (reducers or {}).items():

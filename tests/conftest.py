@@ -29,9 +29,12 @@ import pytest  # noqa: E402 - after the environment above is set
 @pytest.fixture(scope="session")
 def postgres_server():
     """A PostgreSQL server of this test session (Debian's binaries, a temp dir, a free port),
-    started on first use and stopped at the session's end."""
+    started on first use and stopped at the session's end. Without the binaries the tests that
+    need it are skipped (failed under CI), naming the command that installs them."""
+    from components import require
     from postgres_server import PostgresServer
 
+    require("postgresql")
     server = PostgresServer.start()
     yield server
     server.stop()

@@ -64,11 +64,15 @@ class RunControl:
     """
 
     def __init__(self, executor: Any, run_id: str, executor_name: str | None = None,
-                 namespace: str | None = DEFAULT_NAMESPACE) -> None:
+                 namespace: str | None = DEFAULT_NAMESPACE, *, durable: bool | None = None) -> None:
         self.executor = executor
         self.run_id = run_id
         self.executor_name = executor_name
         self.namespace = namespace
+        # Whether the run is logged (None: not known). A run that is not died with its executor:
+        # no replacement will ever hold it, so its loss is reported at once instead of after
+        # REFIND_SECONDS of looking for it.
+        self.durable = durable
         self._attached = AttachedRun(self)  # where its calls go, found again should its executor die
 
     @classmethod
@@ -96,29 +100,35 @@ class RunControl:
                 return cls(None, run_id, None, namespace)
             raise UnknownRunError(f"run {run_id} is unknown or already finished (no executor in namespace "
                                   f"{namespace!r} has it, and the run log does not know it)", run_id=run_id)
-        return cls(found[1], run_id, found[0], namespace)
+        name, handle, durable = found
+        return cls(handle, run_id, name, namespace, durable=durable)
 
     @staticmethod
-    def _find(run_id: str, namespace: str | None) -> tuple[str, Any] | None:
-        """The (name, handle) of the live executor of ``namespace`` that has ``run_id``."""
+    def _find(run_id: str, namespace: str | None) -> tuple[str, Any, bool] | None:
+        """The (name, handle, whether the run is durable) of the live executor of ``namespace`` that
+        has ``run_id``."""
         executors = find_executors(namespace)
         stubs = [ExecutorStub(handle, name) for name, handle in executors]
-        for (name, handle), answer in zip(executors, answers(stubs, ExecutorStub.has_run, run_id), strict=True):
+        for (name, handle), answer in zip(executors, answers(stubs, ExecutorStub.run_durability, run_id),
+                                          strict=True):
             if answer.died:  # a dead executor holds no live run: ask the next
                 continue
             if answer.error is not None:
                 raise answer.error
-            if answer.value:
-                return name, handle
+            if answer.value is not None:
+                return name, handle, answer.value
         return None
 
     async def refind(self) -> bool:
-        """The executor died: find the run again (a replacement rebuilt it from the log)."""
+        """The executor died: find the run again (a replacement rebuilt it from the log). A run
+        known not to be durable is not looked for: it died with its executor."""
+        if self.durable is False:
+            return False
         deadline = asyncio.get_running_loop().time() + REFIND_SECONDS
         while asyncio.get_running_loop().time() < deadline:
             found = await asyncio.to_thread(self._find, self.run_id, self.namespace)
             if found is not None:
-                self.executor_name, self.executor = found
+                self.executor_name, self.executor, self.durable = found
                 return True
             await asyncio.sleep(0.25)
         return False

@@ -212,11 +212,13 @@ class Runtime:
         member = self.member_of(executor)
         return self.executor_names[member if member is not None else 0]
 
-    def has_run_sync(self, run_id: str) -> list[bool]:
-        """Per member, whether it has run ``run_id`` (a member that does not answer has not)."""
+    def run_durability_sync(self, run_id: str) -> list[bool | None]:
+        """Per member: None when it does not hold run ``run_id`` (or does not answer), else whether
+        the run is durable there."""
         stubs = [ExecutorStub(executor, name) for executor, name in zip(self.executors, self.executor_names,
                                                                        strict=True)]
-        return [answer.error is None and bool(answer.value) for answer in answers(stubs, ExecutorStub.has_run, run_id)]
+        return [answer.value if answer.error is None else None
+                for answer in answers(stubs, ExecutorStub.run_durability, run_id)]
 
     def member_of(self, executor: Any) -> int | None:
         """The pool member ``executor`` is (or was, before a replacement), or None."""

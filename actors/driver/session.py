@@ -27,6 +27,7 @@ from opgraph.kernel import (
     OperationError,
     OpGraphError,
     RetryPolicy,
+    require_graph,
     settle_completed,
 )
 
@@ -349,7 +350,8 @@ class Session:
         executor may admit it anyway (the call is on its way), so wait for the admission
         to settle, then cancel and forget the run before re-raising.
         """
-        graph.check_references()  # an edge to a missing node is refused before anything is shipped
+        # A non-graph, or an edge to a missing node, is refused before anything is shipped.
+        require_graph(graph).check_references()
         # Shipped pickled: the executor logs a durable run's very bytes as its header instead of
         # pickling the graph again (for 10,000 nodes, tens of ms of its loop). Pickled here, with
         # no await since the caller's call, the graph shipped is the one ``flow()`` read its
@@ -422,6 +424,7 @@ class Session:
         the log, and ``flow()`` keeps waiting and returns the whole envelope.
         """
         del alcall_params
+        require_graph(graph)  # before ``graph.nodes`` below: a builder or a dict is the typed refusal
         run_id = run_id or str(uuid.uuid4())
         options = self._options(
             run_id=run_id, context=context, max_concurrent=max_concurrent, parallel=parallel, reactive=reactive,
@@ -435,7 +438,8 @@ class Session:
         following = _Following(self.runtime, executor, run_id, options.durable)
         following.node_ids = node_ids
         if executor_ref is not None:
-            following.control = RunControl(executor, run_id, self.runtime.name_of(executor), self.runtime.namespace)
+            following.control = RunControl(executor, run_id, self.runtime.name_of(executor), self.runtime.namespace,
+                                           durable=options.durable)
             executor_ref["executor"] = following.control
             executor_ref["run_id"] = run_id
         forgetting = None
@@ -590,13 +594,12 @@ class Session:
 
     def run_control(self, run_id: str) -> RunControl:
         """Control of a run of this session's runtime, by id (started here or elsewhere): on the
-        member of the pool that has it (member 0 when none has it, or the pool has one member)."""
+        member of the pool that has it (member 0 when none has it), knowing whether it is durable."""
         runtime = self.runtime
-        executor = runtime.executor
-        if runtime.pool_size > 1:
-            executor = next((handle for handle, has in zip(runtime.executors, runtime.has_run_sync(run_id),
-                                                            strict=True) if has), executor)
-        return RunControl(executor, run_id, runtime.name_of(executor), runtime.namespace)
+        held = zip(runtime.executors, runtime.run_durability_sync(run_id), strict=True)
+        executor, durable = next(((handle, durability) for handle, durability in held if durability is not None),
+                                 (runtime.executor, None))
+        return RunControl(executor, run_id, runtime.name_of(executor), runtime.namespace, durable=durable)
 
     def run(self, graph: Graph, **kwargs: Any) -> dict[str, Any]:
         """Synchronous ``flow`` for scripts (not from inside a running event loop)."""

@@ -370,12 +370,9 @@ class GraphExecutor:
 
     async def receive_requests(self, run_id: str, items: list[tuple[str, str, Any, Any]]) -> None:
         """Spawns and escalations sent live by running operations (a tell, one per worker
-        window): ``(emitter_id, kind, request, dedupe key)`` each, in emission order."""
+        window, or one per request emitted off its worker's loop): ``(emitter_id, kind,
+        request, dedupe key)`` each, in emission order."""
         await self.shell.receive_requests(run_id, items)
-
-    async def receive_request(self, run_id: str, emitter_id: str, kind: str, request: Any, key: Any) -> None:
-        """One spawn or escalation sent live (an operation emitting off its worker's loop)."""
-        await self.shell.receive_requests(run_id, [(emitter_id, kind, request, key)])
 
     async def next_events(self, run_id: str, max_items: int = 2048, timeout: float = 5.0,
                           compact: bool = False) -> tuple[list, bool, Any]:
@@ -495,8 +492,11 @@ class GraphExecutor:
         """True for a spare executor not yet promoted: it runs nothing and supervises nothing."""
         return self.standby
 
-    async def has_run(self, run_id: str) -> bool:
-        return run_id in self.shell.runs
+    async def run_durability(self, run_id: str) -> bool | None:
+        """None when this executor does not hold ``run_id``; else whether the run is durable (logged,
+        so a replacement would rebuild it should this executor die)."""
+        run = self.shell.runs.get(run_id)
+        return None if run is None else bool(run.options.durable)
 
     async def load(self, exclude: list[str] | tuple[str, ...] = ()) -> tuple[int, int]:
         """(live runs, their nodes not yet settled): what placing a new run on this member weighs;

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import sys
 import time
 from collections.abc import Callable
 from functools import partial
@@ -27,7 +28,7 @@ from opgraph.kernel import (
     request_sightings,
     to_mapping,
 )
-from opgraph.kernel.contracts import PLAIN_TYPES
+from opgraph.kernel.contracts import PLAIN_TYPES, UnpicklableRequest
 from opgraph.kernel.failures import (
     BRANCH_STORE_LOST,
     CANCELLED,
@@ -141,7 +142,22 @@ class RemoteBranch:
             return
         item = (self.node_id, kind, request, key)
         if not self._worker.live.add(self.run_id, self._executor, item):
-            self._executor.receive_request(self.run_id, *item)
+            send_requests(self._executor, self.run_id, [item])
+
+
+def send_requests(executor: ExecutorStub, run_id: str, items: list[tuple[str, str, Any, Any]]) -> None:
+    """Tell ``executor`` the requests ``items`` (emitter, kind, request, key) emitted live.
+
+    Ray pickles the batch as it sends it; should a request in it not pickle, each one that does
+    not goes as an ``UnpicklableRequest`` under its own key instead, which the executor records
+    as a dropped spawn. The emitter's outcome carries the same stand-in, and its worker prints
+    the one line that says so (``_shippable``); Ray's own report was 60 lines of traceback.
+    """
+    try:
+        executor.receive_requests(run_id, items)
+    except TypeError:  # Ray's "Could not serialize the argument": raised before anything is sent
+        executor.receive_requests(run_id, [(emitter, kind, _stand_in(request) or request, key)
+                                           for emitter, kind, request, key in items])
 
 
 class LiveEmissions:
@@ -175,7 +191,7 @@ class LiveEmissions:
     def _send(self, run_id: str) -> None:
         executor, items = self._pending.pop(run_id)
         if items:
-            executor.receive_requests(run_id, items)
+            send_requests(executor, run_id, items)
 
     def withdraw(self, run_id: str, node_id: str, attempt: int) -> None:
         """Take back what one call emitted and is not sent yet: the call has ended, and its
@@ -663,57 +679,74 @@ async def _execute(worker: OperationWorker, run_id: str, call: CallRow, resource
                 if key is None:
                     key = identities[id(found)] = (node_id, attempt, len(identities))
                 requests.append((kind, found, key, False))
-            problem = _unserialisable(response, requests)
+            problem, requests = _travelling(node_id, response, requests)
             if problem is not None:
                 worker.failed += 1
                 return (node_id, attempt, "failed", None, f"node {node_id}: {problem}", UNSERIALISABLE_OUTCOME,
                         [], started, time.time())
-        elif emitted and (problem := _unserialisable(None, requests)) is not None:
-            worker.failed += 1
-            return (node_id, attempt, "failed", None, f"node {node_id}: {problem}", UNSERIALISABLE_OUTCOME,
-                    [], started, time.time())
+        elif emitted:
+            requests = _travelling(node_id, None, requests)[1]
         worker.executed += 1
         if emitted:
             worker.live.withdraw(run_id, node_id, attempt)
         return (node_id, attempt, "completed", response, None, None, requests, started, time.time())
     except asyncio.CancelledError:
-        return (node_id, attempt, "cancelled", None, "cancelled", CANCELLED, _sendable(emitted), started, time.time())
+        return (node_id, attempt, "cancelled", None, "cancelled", CANCELLED, _sendable(node_id, emitted), started,
+                time.time())
     except BranchStoreLostError as exc:
         worker.failed += 1
-        return (node_id, attempt, "failed", None, str(exc), BRANCH_STORE_LOST, _sendable(emitted), started,
+        return (node_id, attempt, "failed", None, str(exc), BRANCH_STORE_LOST, _sendable(node_id, emitted), started,
                 time.time())
     except Exception as exc:  # noqa: BLE001 - an operation failure is an outcome, never a raise
         worker.failed += 1
         return (node_id, attempt, "failed", None, clean_text(str(exc) or type(exc).__name__), type(exc).__name__,
-                _sendable(emitted), started, time.time())
+                _sendable(node_id, emitted), started, time.time())
     finally:
         worker.in_flight -= 1
         if tally is not None:
             usage.update(tally.as_dict())
 
 
-def _unserialisable(response: Any, requests: list[tuple[str, Any, Any, bool]]) -> str | None:
-    """Why this outcome cannot travel to the executor, or None when it can.
+def _travelling(node_id: str, response: Any, requests: list[tuple[str, Any, Any, bool]],
+               ) -> tuple[str | None, list[tuple[str, Any, Any, bool]]]:
+    """(Why this outcome's result cannot travel to the executor, or None; its requests as they can.)
 
     Checked here, per node, because Ray pickles a whole batch of outcomes at once: one
     result that will not pickle used to fail every node of its batch. Everything is tried
     in one plain pickle first (shared objects once); only should that fail is each part
     tried on its own, to name it. One at a time, a planner returning 1,000 requests cost
-    its worker 8 ms before its outcome could leave; together, 3 ms.
+    its worker 8 ms before its outcome could leave; together, 3 ms. A result that cannot
+    travel fails its node; a request that cannot travels as an ``UnpicklableRequest``.
     """
     try:
         pickle.dumps((response, [item[1] for item in requests]), protocol=5)
-        return None
+        return None, requests
     except Exception:  # noqa: BLE001 - something in it needs cloudpickle, or cannot travel: find which
         pass
     problem = _pickling_problem(response)
     if problem is not None:
-        return f"its result ({type(response).__name__}) cannot be serialised: {problem}"
-    for kind, request, _, _ in requests:
-        problem = _pickling_problem(request)
-        if problem is not None:
-            return f"a {kind} request it emitted ({type(request).__name__}) cannot be serialised: {problem}"
-    return None
+        return f"its result ({type(response).__name__}) cannot be serialised: {problem}", requests
+    return None, _shippable(node_id, requests)
+
+
+def _shippable(node_id: str, requests: list[tuple[str, Any, Any, bool]]) -> list[tuple[str, Any, Any, bool]]:
+    """``requests`` with each one that cannot be pickled replaced by its ``UnpicklableRequest``, and one
+    line on this worker's stderr for each, naming the node and the reason."""
+    shippable = []
+    for kind, request, key, redelivery in requests:
+        stand_in = _stand_in(request)
+        if stand_in is not None:
+            print(f"opgraph: node {node_id}: a {kind} request it emitted ({stand_in.type_name}) cannot be pickled "
+                  f"and is dropped: {stand_in.problem}", file=sys.stderr, flush=True)
+            request = stand_in
+        shippable.append((kind, request, key, redelivery))
+    return shippable
+
+
+def _stand_in(request: Any) -> UnpicklableRequest | None:
+    """The ``UnpicklableRequest`` that travels in place of ``request``, or None when it can travel itself."""
+    problem = _pickling_problem(request)
+    return None if problem is None else UnpicklableRequest(type(request).__name__, problem)
 
 
 def _pickling_problem(value: Any) -> str | None:
@@ -729,9 +762,8 @@ def _pickling_problem(value: Any) -> str | None:
     return None
 
 
-def _sendable(emitted: list[tuple[str, Any, Any, bool]]) -> list[tuple[str, Any, Any, bool]]:
-    """The emissions of a failed or cancelled call that can travel (those that cannot are left out)."""
+def _sendable(node_id: str, emitted: list[tuple[str, Any, Any, bool]]) -> list[tuple[str, Any, Any, bool]]:
+    """The emissions of a failed or cancelled call, as they can travel."""
     if not emitted:
         return []
-    return [item for item in emitted if _unserialisable(None, [item]) is None]
-
+    return _travelling(node_id, None, emitted)[1]

@@ -54,11 +54,13 @@ def submit_job(entrypoint: Sequence[str], *, address: str | None = None, working
         return ExitCode.USAGE
 
 
-def _event_line(item: Any) -> dict[str, Any]:
-    from opgraph.actors import EventsDropped, RunFinished
+def _event_line(item: Any, run_id: str) -> dict[str, Any]:
+    from opgraph.actors import EventsDropped, Reconnected, RunFinished
 
     if isinstance(item, EventsDropped):
         return {"event": "dropped", "count": item.count}
+    if isinstance(item, Reconnected):  # the executor was replaced; nodes settled meanwhile were not seen
+        return {"event": "reconnected", "run_id": run_id, "executor": item.executor}
     if isinstance(item, RunFinished):
         return {"event": "finished", "status": item.status, "summary": item.summary}
     return {"event": "settled", "operation_id": item.operation_id, "name": item.name,
@@ -78,7 +80,7 @@ async def _act(control: Any, action: str, text: str | None, limit: int | None) -
         watch = control.watch()
         try:
             async for item in watch:
-                record = _event_line(item)
+                record = _event_line(item, control.run_id)
                 _emit(record)
                 if record["event"] == "finished":
                     return ExitCode.OK if record["status"] == "completed" else ExitCode.FAILED

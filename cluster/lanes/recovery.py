@@ -184,6 +184,8 @@ async def resume_recorded(adapter: LaneAdapter, record: RunRecord, *, session: A
         await asyncio.shield(store.writer.call(store.finish_run, record.run_id, status, error=_failure(exc)))
         raise
     await recorder.drain()
+    # Nodes the log settled while the dead owner's writes were on their way have no signals here yet.
+    await store.writer.call(store.complete_signals, record.run_id, envelope.get("operation_statuses", {}), labels)
     return await _settle(store, record, envelope, adapter, time.perf_counter() - started)
 
 

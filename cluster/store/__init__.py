@@ -55,7 +55,15 @@ from .retention import (
     select_runs,
     stored_runs,
 )
-from .runs import OWNER_PROCESS_LOST, REGISTRY_SOURCE, RunRecord, RunStore, provenance_columns
+from .runs import (
+    OWNER_LOST_SIGNAL,
+    OWNER_PROCESS_LOST,
+    REGISTRY_SOURCE,
+    RESUMED_SIGNAL,
+    RunRecord,
+    RunStore,
+    provenance_columns,
+)
 from .schema import (
     MAX_VERSION,
     MIGRATIONS,
@@ -81,8 +89,10 @@ __all__ = [
     "MAX_VERSION",
     "MIGRATIONS",
     "NAME_PATTERN",
+    "OWNER_LOST_SIGNAL",
     "OWNER_PROCESS_LOST",
     "REGISTRY_SOURCE",
+    "RESUMED_SIGNAL",
     "RETENTION_STATUSES",
     "RUN_STATUSES",
     "RUN_TRANSITIONS",

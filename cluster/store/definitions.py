@@ -172,8 +172,8 @@ def parse_ref(target: str) -> tuple[str, int | None]:
 def read_definition_file(path: str | Path) -> tuple[Any, bytes, Path]:
     """The JSON value of a definition file, the bytes it was read from, and its resolved path.
 
-    The file is read once, so what is hashed is what was parsed. An unreadable file, or
-    one that is not JSON, is a ``WorkflowValidationError`` with one problem.
+    The file is read once, so what is hashed is what was parsed. An unreadable file, one
+    that is not JSON, or one that holds ``null``, is a ``WorkflowValidationError`` with one problem.
     """
     resolved = Path(path).expanduser().resolve()
     try:
@@ -182,12 +182,17 @@ def read_definition_file(path: str | Path) -> tuple[Any, bytes, Path]:
         raise WorkflowValidationError(
             [problem(f"cannot read workflow file {str(resolved)!r}: {exc.strerror or exc}")]) from exc
     try:
-        return json.loads(raw), raw, resolved
+        definition = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise WorkflowValidationError([problem(f"workflow file {str(resolved)!r} is not JSON: {exc}")]) from exc
     except RecursionError as exc:  # the parser's own depth limit, at about 1,000 levels
         raise WorkflowValidationError([problem(f"workflow file {str(resolved)!r} nests deeper than JSON is "
                                                "read here (a definition nests at most 64 levels)")]) from exc
+    if definition is None:
+        # A workflow may be created without a spec (ADR-0073 D1), but a file is a definition: one
+        # holding ``null`` is refused as any other value that is no JSON object is.
+        raise WorkflowValidationError([problem("a workflow definition must be a JSON object, got null")])
+    return definition, raw, resolved
 
 
 _VERSIONS_OF = ("SELECT w.id, w.name, v.version, v.content_hash, v.spec_json, v.description, v.created_at"

@@ -27,7 +27,8 @@ from .errors import (
 from .owners import ProcessIdentity, owner_is_alive
 from .schema import RUN_STATUSES, TERMINAL_RUN_STATUSES, sources_of
 
-__all__ = ["OWNER_PROCESS_LOST", "REGISTRY_SOURCE", "RunRecord", "RunStore", "provenance_columns"]
+__all__ = ["OWNER_LOST_SIGNAL", "OWNER_PROCESS_LOST", "REGISTRY_SOURCE", "RESUMED_SIGNAL", "RunRecord", "RunStore",
+           "provenance_columns"]
 
 # The one source kind the store itself resolves: a definition in its own registry, pinned
 # to a version (every other kind, a file, a prompt, a playbook, is the lane's to resolve).
@@ -35,6 +36,15 @@ REGISTRY_SOURCE = "workflow_def"
 # The error type of a run the store settled because its owner process died: an inference,
 # not the run's outcome, so it is the one ended run that may be reopened (``reopen_run``).
 OWNER_PROCESS_LOST = "OwnerProcessLost"
+# A run's own lifecycle beyond its status column, as signals whose node_id is the run's id: the
+# store settled it failed because its owner died, and it was reopened to be continued from the
+# run log. The row's status goes failed -> running -> completed; these say why.
+OWNER_LOST_SIGNAL = "owner_lost"
+RESUMED_SIGNAL = "resumed"
+# What an undisturbed run records for a node that settled with a status: queued, started (when
+# it ran), then the status (``complete_signals`` fills in what a dead owner did not write).
+_NODE_SIGNALS = {"completed": ("queued", "started", "completed"), "failed": ("queued", "started", "failed"),
+                 "skipped": ("queued", "skipped"), "cancelled": ("queued", "cancelled")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,6 +250,7 @@ class RunStore(Definitions):
                  OWNER_PROCESS_LOST)).rowcount
             if not changed:
                 raise RunNotResumableError(run_id, self._get_run(db, run_id).status)
+            self._append_signals(db, run_id, [(run_id, None, RESUMED_SIGNAL, None, self._clock())])
             return self._get_run(db, run_id)
 
     def get_run(self, run_id: str) -> RunRecord:
@@ -278,7 +289,13 @@ class RunStore(Definitions):
     def _settle_orphan(self, record: RunRecord) -> bool:
         error = {"error": f"the process that ran it (pid {record.owner_pid} on {record.owner_host}) "
                           "exited before the run settled", "error_type": OWNER_PROCESS_LOST}
-        return self.finish_run(record.run_id, "failed", error=error)
+        now = self._clock()
+        with self._transaction(write=True) as db:
+            settled = self._transition(db, record.run_id, "failed", "outputs = ?, error = ?, finished_at = ?",
+                                       (_encode(None), _encode(error), now))
+            if settled:  # the run's own signal: why it ended failed (its nodes' signals are as they were)
+                self._append_signals(db, record.run_id, [(record.run_id, None, OWNER_LOST_SIGNAL, None, now)])
+            return settled
 
     def list_runs(self, *, workflow: str | None = None, status: str | None = None, lane: str | None = None,
                   limit: int = 50) -> list[RunRecord]:
@@ -345,6 +362,27 @@ class RunStore(Definitions):
                            " status = excluded.status, result = excluded.result, settled_at = excluded.settled_at,"
                            " spec_node_id = excluded.spec_node_id", node_rows)
             return last
+
+    def complete_signals(self, run_id: str, statuses: Mapping[str, str], labels: Mapping[str, str]) -> int:
+        """Record the lifecycle signals a settled node lacks; return how many were added.
+
+        ``statuses`` maps node ids to how each settled (an envelope's ``operation_statuses``),
+        ``labels`` node ids to the lane's names for them. A run resumed after its owner died
+        has nodes that settled in the run log while the owner's writes to this store were
+        still on their way: they get what an undisturbed run records for them (queued,
+        started when they ran, then their status), so the record is as complete.
+        """
+        now = self._clock()
+        with self._transaction(write=True) as db:
+            self._get_run(db, run_id)
+            seen: dict[str, set[str]] = {}
+            for row in db.execute("SELECT node_id, kind FROM run_signals WHERE run_id = ?", (run_id,)):
+                seen.setdefault(row[0], set()).add(row[1])
+            rows = [(node_id, labels.get(node_id), kind, None, now)
+                    for node_id, status in statuses.items()
+                    for kind in _NODE_SIGNALS.get(status, ()) if kind not in seen.get(node_id, ())]
+            self._append_signals(db, run_id, rows)
+            return len(rows)
 
     def run_nodes(self, run_id: str) -> list[dict[str, Any]]:
         """``[{node_id, spec_node_id, status, result, settled_at}]`` of the settled nodes, in settle order."""

@@ -73,6 +73,6 @@ def test_only_asks_are_sent_again_and_tells_answer_nothing():
             if inspect.isfunction(member) and not name.startswith("_") and member.__annotations__["return"] == "None":
                 tells.add(member)
     assert {f"{tell.__qualname__}" for tell in tells} == {
-        "ExecutorStub.receive_requests", "ExecutorStub.receive_request", "WorkerStub.forget", "WorkerStub.cancel",
+        "ExecutorStub.receive_requests", "WorkerStub.forget", "WorkerStub.cancel",
         "ProviderLimiterStub.release", "ProviderLimiterStub.settle"}
     assert not tells & SAFE_TO_RESEND

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import ray
 
+from opgraph.actors import flow_stream
 from opgraph.kernel import (
     EdgeCondition,
     Graph,
@@ -207,6 +208,29 @@ def test_cyclic_graph_raises_the_typed_operation_error(session):
     assert type(raised.value) is OperationError
     assert raised.value.message == "Graph must be acyclic for flow execution"
     assert raised.value.run_id is not None and raised.value.actor.startswith("opgraph-executor-")
+
+
+@pytest.mark.parametrize("not_a_graph", [OperationGraphBuilder(), {"nodes": {}}, None],
+                         ids=["builder", "dict", "None"])
+def test_flow_refuses_what_is_not_a_graph_with_the_typed_error(session, not_a_graph):
+    """flow(builder), flow(dict), flow(None): the kernel's OperationError, never AttributeError.
+
+    A regression (issue #32) read ``graph.nodes`` in the driver before anything checked the
+    type; the refusal is the kernel's own, and nothing reaches an executor.
+    """
+    kind = type(not_a_graph).__name__
+    with pytest.raises(OperationError, match=f"a flow runs a Graph, got {kind}") as raised:
+        run(session.flow(not_a_graph))
+    assert type(raised.value) is OperationError
+    with pytest.raises(OperationError, match=f"a flow runs a Graph, got {kind}"):
+        run(session.submit(not_a_graph))
+
+    async def first_event() -> Any:
+        async for event in flow_stream(session, not_a_graph):
+            return event
+
+    with pytest.raises(OperationError, match=f"a flow runs a Graph, got {kind}"):
+        run(first_event())
 
 
 def test_lifecycle_signals_are_drained_before_flow_returns(session):

@@ -9,6 +9,7 @@ means are in flight; tests wait on events with timeouts, never on sleeps.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import signal
 import time
@@ -18,8 +19,9 @@ from typing import Any
 import pytest
 import ray
 
-from opgraph.actors import RuntimeLostError, Session
-from opgraph.kernel import Graph, OperationGraphBuilder, create_operation
+from opgraph.actors import RunControl, RuntimeLostError, Session
+from opgraph.actors.persistence import RunLog, database_path
+from opgraph.kernel import Graph, OperationGraphBuilder, SpawnRequest, create_operation
 
 FLOW_TIMEOUT = 90.0
 WAIT = 30.0
@@ -339,6 +341,53 @@ def test_a_dead_volatile_executor_is_a_typed_error_within_seconds_and_the_next_f
     assert volatile.runtime.executor._actor_id != executor._actor_id
 
 
+LOST_WITHIN = 5.0  # seconds: losing a run that is not durable is reported at once, not after a search
+
+
+def test_a_run_that_is_not_durable_is_reported_lost_within_seconds_to_every_control(own, gauge):
+    """n0..n3 held, run with durable=False on a durable runtime; its executor is SIGKILLed.
+
+    flow(), and status() and watch() on each way of holding the run (the executor_ref handle,
+    Session.run_control, RunControl.attach) raise RuntimeLostError within seconds: nothing will
+    ever rebuild a run that was not logged, so no control looks for it (issue #32: 60 s each).
+    """
+    key = "volatile-run-controls"
+    own.register_operation("held", held_operation(gauge), record_turn=False)
+    graph, _ = labelled("held", key, ["n0", "n1", "n2", "n3"])
+    run_id = f"not-logged-{uuid.uuid4().hex[:8]}"
+    executor_ref: dict[str, Any] = {}
+
+    async def lost(call: Any) -> float:
+        started = time.monotonic()
+        with pytest.raises(RuntimeLostError) as raised:
+            await call()
+        assert raised.value.run_id == run_id
+        return time.monotonic() - started
+
+    async def watch_to_the_end(control: Any) -> None:
+        async for _ in control.watch():
+            pass
+
+    async def scenario() -> dict[str, float]:
+        flow = asyncio.create_task(own.flow(graph, max_concurrent=4, run_id=run_id, durable=False,
+                                            executor_ref=executor_ref))
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+        controls = {"executor_ref": executor_ref["executor"], "run_control": own.run_control(run_id),
+                    "attach": await asyncio.to_thread(RunControl.attach, run_id, address=None,
+                                                      namespace=own.runtime.namespace)}
+        assert {name: control.durable for name, control in controls.items()} == dict.fromkeys(controls, False)
+        kill(own.runtime.executor, "SIGKILL")
+        seconds = {"flow": await lost(lambda: flow)}
+        for name, control in controls.items():
+            seconds[f"{name}.status"] = await lost(control.status)
+            seconds[f"{name}.watch"] = await lost(lambda control=control: watch_to_the_end(control))
+        return seconds
+
+    seconds = run(scenario())
+    ray.get(gauge.release.remote(key))
+    assert max(seconds.values()) < LOST_WITHIN, seconds
+
+
 def test_a_detached_runtime_sets_a_replacement_up_before_it_runs_anything(gauge):
     """A detached runtime (shared by name): a worker dies mid-run, and the run's queued nodes that
     land on the replacement run with the run's operations (none 'not registered')."""
@@ -415,6 +464,54 @@ def test_a_durable_run_outlives_its_executor_and_flow_returns_the_whole_envelope
     assert "promoted" in timeline and timeline["created"] < timeline["promoted"]
     assert replacement["name"].endswith(".g1") and not replacement["standby"]
     assert ray.get(own.runtime.standby.is_standby.remote()) is True
+
+
+async def emit_invalid(branch: Any, count: int = 0, **parameters: Any) -> str:
+    """Emit ``count`` spawn requests that fail validation: half sent live while the emitter still
+    runs, half only just before it returns (each one is carried in its outcome as well)."""
+    for index in range(count):
+        branch.emit(SpawnRequest.model_construct(instruction=None))
+        if index == count // 2:
+            await asyncio.sleep(0.05)  # past the emission window: the first half travels live
+    return "emitted"
+
+
+def test_each_dropped_spawn_is_one_ledger_entry_also_across_an_executor_recovery(own, gauge):
+    """e0..e3 each emit 250 invalid spawns (live, and again in their outcomes) and complete; h0 is
+    held in flight; the executor is SIGKILLed and its replacement rebuilds the run from the log.
+
+    Exactly 1,000 dropped_spawns entries, one per request (issue #32: 1,000 made 1,801), in the
+    envelope and in the run log.
+    """
+    key = "drops-recovered"
+    own.register_operation("emit_invalid", emit_invalid, record_turn=False)
+    own.register_operation("held", held_operation(gauge), record_turn=False)
+    builder = OperationGraphBuilder("drops")
+    emitters = [builder.add_operation("emit_invalid", depends_on=[], count=250) for _ in range(4)]
+    builder.add_operation("held", depends_on=[], key=key, label="h0")
+    executor = own.runtime.executor
+    progress = Progress()
+
+    async def scenario():
+        flow = asyncio.create_task(own.flow(builder.get_graph(), reactive=True, max_concurrent=5,
+                                            on_progress=progress))
+        await asyncio.wait_for(progress.wait_count("completed", 4), WAIT)
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 1), WAIT)
+        kill(executor, "SIGKILL")
+        await asyncio.wait_for(gauge.wait_entered.remote(key, 2), WAIT)  # h0 again, on the replacement
+        await gauge.release.remote(key)
+        return await flow
+
+    envelope = run(scenario())
+
+    assert own.runtime.executor._actor_id != executor._actor_id
+    assert envelope["status"] == "completed"
+    dropped = envelope["dropped_spawns"]
+    assert len(dropped) == 1000, collections.Counter(entry["reason"] for entry in dropped)
+    assert {entry["reason"] for entry in dropped} == {"invalid_request"}
+    assert collections.Counter(entry["emitter_id"] for entry in dropped) == dict.fromkeys(emitters, 250)
+    logged = RunLog(database_path()).load(envelope["run_id"])
+    assert sum(record[0] == "dropped" for batch in logged.batches for record in batch) == 1000
 
 
 @pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])

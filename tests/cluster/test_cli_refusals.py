@@ -88,6 +88,20 @@ def test_a_workflow_file_nested_10000_deep_is_a_problem_not_a_traceback(tmp_path
         assert '"errors"' in done.stderr
 
 
+@pytest.mark.parametrize(("content", "kind"), [("null", "null"), ("[1, 2]", "list"), ("3", "int")])
+def test_a_workflow_file_that_holds_no_object_is_refused_and_nothing_is_stored(tmp_path, content, kind):
+    """A file holding ``null`` was added as a workflow with no spec (issue #32); like any other
+    value that is not a JSON object, it is the one invalid-spec refusal, exit 2, nothing written."""
+    path = tmp_path / "not-a-definition.json"
+    path.write_text(content)
+    database = tmp_path / "runs.db"
+    for arguments in (["workflows", "add", "flow", str(path)], ["flow", "run", str(path)]):
+        done = opgraph(*arguments, "--store", str(database))
+        assert_refused(done, 2, "failed validation", f"a workflow definition must be a JSON object, got {kind}")
+    listed = opgraph("workflows", "list", "--json", "--store", str(database))
+    assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stdout + listed.stderr
+
+
 def test_ray_that_cannot_start_is_its_own_exit_status_and_no_run(definition, tmp_path):
     """RAY_TMPDIR below a regular file: Ray cannot make its session folder, so it cannot start."""
     blocker = tmp_path / "not-a-folder"

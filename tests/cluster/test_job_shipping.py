@@ -4,10 +4,10 @@
         --(HTTP)--> bare head's job server -> `python -m opgraph.cluster.job` on the bare Python
                                            -> executor, workers, branch store (detached)
 
-The bare Python (tests/support/bare_python.py) is a virtual environment without system site
-packages holding only ``ray[default]`` and opgraph's runtime dependencies. ``.ci/run`` builds
-it before the tests; run alone, this module builds it on first use (about 45 s from pip's
-cache, minutes from PyPI).
+The bare Python (the ``bare-python`` component, tests/support/components.py) is a virtual
+environment without system site packages holding only ``ray[default]`` and opgraph's runtime
+dependencies. ``.ci/run`` builds it before the tests; a machine without it skips this module
+and says the command that builds it (about 45 s from pip's cache, minutes from PyPI).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from bare_python import bare_python as build_bare_python
+from components import require
 from job_server import COMMAND_TIMEOUT, REPOSITORY, job_client, opgraph_command, summary_of, wait_for_terminal_status
 
 from opgraph.cluster.cli.client import job_submit_command, ray_cli
@@ -26,7 +26,7 @@ from opgraph.cluster.processes import run_command
 
 @pytest.fixture(scope="session")
 def bare_python() -> str:
-    return build_bare_python()
+    return require("bare-python")
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sqlite3
+import subprocess
 import sys
 import time
 from typing import Any
@@ -24,6 +26,7 @@ import httpx
 import pytest
 from api_server import serve
 
+from opgraph.actors.persistence import RunLog, database_path
 from opgraph.cluster.cli import main as cli_main
 from opgraph.cluster.cli.client import job_submit_command
 from opgraph.cluster.http import create_app
@@ -36,7 +39,7 @@ from opgraph.cluster.lanes import (
     recorded_recovery,
     resume_recorded,
 )
-from opgraph.cluster.processes import run_command, run_until
+from opgraph.cluster.processes import kill_session, run_command, run_until, wait_for_line, wait_until
 
 DEADLINE = 120.0  # seconds for a run, a subprocess or a resume
 
@@ -177,6 +180,63 @@ def test_run_resume_continues_an_orphaned_fixed_run_and_refuses_a_changed_source
     assert {row["spec_node_id"] for row in store.run_nodes(record.run_id)} == {"n1", "n2", "n3"}
     assert cli_main(["run", "resume", record.run_id, "--store", store.path]) == 1  # it ended: nothing to resume
     assert "nothing to resume" in capsys.readouterr().err
+
+
+def _settled_in_log(run_id: str, node_id: str) -> bool:
+    logged = RunLog(database_path()).load(run_id)
+    return logged is not None and any(record[0] == "finished" and record[2] == node_id
+                                      for batch in logged.batches for record in batch)
+
+
+@pytest.mark.ray
+def test_a_resumed_run_records_every_settled_node_and_says_it_was_resumed(store, tmp_path):
+    """in -> n1 -> n2 -> n3 on sim/slow. Once n1 is recorded the store is locked, so the owner's
+    recorder falls behind: n2 settles in the run log only, and the owner is SIGKILLed then.
+
+    After `opgraph run resume`, as after an undisturbed run, every node has its queued, started
+    and completed signals, n2's completed once; and the run's own signals say what happened to
+    it: its owner was lost, then it was resumed (issue #32: n2 had no completed signal, and the
+    row went from failed to completed without a trace).
+    """
+    definition = tmp_path / "chain.json"
+    definition.write_text(json.dumps(chain("sim/slow", 3)))
+    owner = subprocess.Popen([sys.executable, "-m", "opgraph.cluster.cli", "flow", "run", str(definition),
+                              "--store", store.path, "--plain"],
+                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lock = None
+    try:
+        wait_for_line(owner, r"completed.* n1\s*$", stream=owner.stderr, timeout=DEADLINE, what="the owner")
+        (record,) = store.list_runs()
+        n2 = next(node_id for node_id, label in record.recovery["labels"].items() if label == "n2")
+        lock = sqlite3.connect(store.path, isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")  # the owner's recorder cannot write from now on
+        wait_until(lambda: _settled_in_log(record.run_id, n2), timeout=DEADLINE, what="n2 in the run log",
+                   process=owner)
+    finally:
+        kill_session(owner)
+        owner.communicate(timeout=DEADLINE)
+        if lock is not None:
+            lock.rollback()
+            lock.close()
+    assert store.get_run(record.run_id).orphaned
+    assert "completed" not in {s["kind"] for s in store.run_signals(record.run_id) if s["spec_node_id"] == "n2"}
+
+    resumed_by = run_command(
+        [sys.executable, "-m", "opgraph.cluster.cli", "run", "resume", record.run_id, "--store", store.path],
+        timeout=DEADLINE)
+    assert resumed_by.returncode == 0, resumed_by.stderr
+
+    assert store.get_run(record.run_id).status == "completed"
+    signals = store.run_signals(record.run_id)
+    kinds: dict[str, list[str]] = {}
+    for signal in signals:
+        kinds.setdefault(signal["spec_node_id"] or signal["node_id"], []).append(signal["kind"])
+    for node in ("n1", "n2", "n3"):
+        assert {"queued", "started", "completed"} <= set(kinds[node]), (node, kinds)
+        assert kinds[node].count("completed") == 1, (node, kinds)
+    assert kinds[record.run_id] == ["owner_lost", "resumed"], kinds
+    assert {row["spec_node_id"]: row["status"] for row in store.run_nodes(record.run_id)} == dict.fromkeys(
+        ("n1", "n2", "n3"), "completed")
 
 
 @pytest.mark.ray

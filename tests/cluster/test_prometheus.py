@@ -7,8 +7,9 @@ After the job ends (its endpoint lingers for one more scrape), every expression 
 ``cluster/metrics/dashboards/opgraph.json`` is queried over the job's window, as Grafana would
 with ``$__rate_interval``; each must return data, and the throughput and latency
 panels must show the run: nodes settled per second above 0, p50 near the nodes' 0.4 s.
-The Prometheus binary comes from ``OPGRAPH_PROMETHEUS`` (.ci/run sets it), or is fetched
-once with ``apt-get download prometheus`` and ``dpkg -x`` into a cache folder.
+The Prometheus binary is the ``prometheus`` component (tests/support/components.py): Debian's
+package unpacked into the test cache by ``python tests/support/components.py fetch prometheus``
+(``.ci/run`` runs it), or ``OPGRAPH_PROMETHEUS``; a machine without it skips this test.
 """
 
 from __future__ import annotations
@@ -16,22 +17,19 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+from components import require
 
 from opgraph.cluster.processes import free_port, http_body, run_command, start_server, wait_until
 
 DASHBOARD = importlib.resources.files("opgraph.cluster.metrics").joinpath("dashboards/opgraph.json")
-CACHE = Path(os.environ.get("OPGRAPH_TEST_CACHE") or Path(tempfile.gettempdir()) / "opgraph-test-cache")
 SCRAPE_INTERVAL = 2  # seconds; the exporter answers within its own 2 s deadline
 RATE_INTERVAL = f"{4 * SCRAPE_INTERVAL}s"  # Grafana's $__rate_interval: four scrape intervals
 READY_DEADLINE = 60.0
@@ -39,28 +37,9 @@ JOB_TIMEOUT = 240.0
 NODES, LATENCY, CAPACITY = 3000, 0.4, 300  # about 4 s of run: two scrapes at least
 
 
-def _fetch_prometheus() -> Path:
-    """Debian's prometheus, unpacked (no service, no install): once per cache folder."""
-    target = CACHE / "prometheus" / "usr" / "bin" / "prometheus"
-    if target.exists():
-        return target
-    download = CACHE / "download"
-    download.mkdir(parents=True, exist_ok=True)
-    fetched = subprocess.run(["apt-get", "download", "prometheus"], cwd=download, capture_output=True, text=True,
-                             check=False)
-    if fetched.returncode != 0:  # no package lists yet on a fresh machine
-        subprocess.run(["apt-get", "update"], capture_output=True, text=True, check=True)
-        subprocess.run(["apt-get", "download", "prometheus"], cwd=download, capture_output=True, text=True,
-                       check=True)
-    (package,) = download.glob("prometheus_*.deb")
-    subprocess.run(["dpkg", "-x", str(package), str(CACHE / "prometheus")], check=True)
-    return target
-
-
 @pytest.fixture(scope="module")
 def prometheus_binary() -> Path:
-    configured = os.environ.get("OPGRAPH_PROMETHEUS") or shutil.which("prometheus")
-    binary = Path(configured) if configured else _fetch_prometheus()
+    binary = Path(require("prometheus"))
     version = subprocess.run([str(binary), "--version"], capture_output=True, text=True, check=True)
     assert "prometheus, version" in version.stdout + version.stderr
     return binary

@@ -16,6 +16,7 @@ import json
 import pickle
 import subprocess
 import sys
+import time
 import uuid
 
 from opgraph.actors import EventsDropped, RunFinished, UnknownWatcherError
@@ -155,6 +156,109 @@ def test_second_client_controls_a_detached_run_found_by_id(ray_head, tmp_path):
     late = opgraph_run(ray_head, "status", run_id)
     assert late.returncode == 1
     assert f"run {run_id} is unknown or already finished" in late.stderr
+
+
+# Client A for the watch test: 60 nodes, each held until the file argv[4] exists, then 0.2 s.
+GATED_OWNER = r"""
+import asyncio, json, os, sys
+from opgraph.actors import Session
+from opgraph.kernel import OperationGraphBuilder
+
+address, namespace, run_id, gate = sys.argv[1:5]
+
+async def gated(branch, index=0, **parameters):
+    while not os.path.exists(gate):
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    return index
+
+session = Session(address=address, namespace=namespace, detached=True)
+session.register_operation("gated", gated, record_turn=False)
+builder = OperationGraphBuilder("gated")
+for index in range(60):
+    builder.add_operation("gated", depends_on=[], index=index)
+envelope = asyncio.run(session.flow(builder.get_graph(), max_concurrent=3, run_id=run_id, isolated=True))
+print(json.dumps({"status": envelope["status"], "completed": len(envelope["completed_operations"])}), flush=True)
+"""
+
+# Once a watcher is attached to run argv[1], open the gate (argv[4]); once 10 nodes have completed,
+# SIGKILL the run's executor.
+EXECUTOR_KILLER = r"""
+import asyncio, os, signal, sys, time, ray
+from opgraph.actors import RunControl, UnknownRunError
+
+run_id, address, namespace, gate = sys.argv[1:5]
+deadline = time.monotonic() + 90
+while True:
+    try:
+        control = RunControl.attach(run_id, address=address, namespace=namespace)
+        break
+    except UnknownRunError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(0.2)
+
+async def until(predicate):
+    while not predicate(await control.status()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(await control.status())
+        await asyncio.sleep(0.05)
+
+asyncio.run(until(lambda status: status["watchers"] >= 1))
+open(gate, "w").close()
+asyncio.run(until(lambda status: status["settled_by_status"]["completed"] >= 10))
+os.kill(ray.get(control.executor.statistics.remote())["pid"], signal.SIGKILL)
+print("killed", flush=True)
+"""
+
+
+def test_run_watch_reports_an_executor_replacement_and_keeps_watching(ray_head, tmp_path):
+    """A owns a durable run of 60 nodes (3 at a time), held until `opgraph run watch R` is attached;
+    once 10 have completed, R's executor is SIGKILLed.
+
+    A's runtime replaces the executor and the replacement rebuilds R from the run log: the watch
+    prints one "reconnected" line naming the new executor, then settled lines again, then
+    "finished" completed, and exits 0 (issue #32: it crashed on the reconnection).
+    """
+    run_id = f"watched-{uuid.uuid4().hex[:8]}"
+    namespace = f"opgraph-watch-{uuid.uuid4().hex[:8]}"
+    gate = str(tmp_path / "gate")
+    environment = {**ray_head.env(), "OPGRAPH_DB": str(tmp_path / "runs.db")}
+    owner_log = tmp_path / "client-a.log"
+    with open(owner_log, "w") as log:
+        owner = subprocess.Popen([sys.executable, "-c", GATED_OWNER, ray_head.address, namespace, run_id, gate],
+                                 env=environment, stdout=log, stderr=subprocess.STDOUT)
+    killer = subprocess.Popen([sys.executable, "-c", EXECUTOR_KILLER, run_id, ray_head.address, namespace, gate],
+                              env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watcher = None
+    try:
+        deadline = time.monotonic() + CLIENT_TIMEOUT
+        while True:  # A may not have admitted the run yet
+            watcher = subprocess.Popen(
+                [sys.executable, "-m", "opgraph.cluster.cli", "run", "watch", run_id, "--address",
+                 ray_head.address, "--namespace", namespace],
+                env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            watched, errors = watcher.communicate(timeout=CLIENT_TIMEOUT)
+            if watcher.returncode != 1 or "unknown or already finished" not in errors:
+                break
+            assert time.monotonic() < deadline, errors
+        killed, _ = killer.communicate(timeout=CLIENT_TIMEOUT)
+        assert killer.returncode == 0 and "killed" in killed, killed
+        assert watcher.returncode == 0, errors
+        assert owner.wait(timeout=CLIENT_TIMEOUT) == 0, owner_log.read_text()
+    finally:
+        for process in (owner, killer, watcher):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+    assert json_lines(owner_log.read_text())[-1] == {"status": "completed", "completed": 60}
+    lines = json_lines(watched)
+    events = [line["event"] for line in lines]
+    assert events.count("reconnected") == 1, lines
+    at = events.index("reconnected")
+    assert lines[at]["run_id"] == run_id and lines[at]["executor"].startswith("opgraph-executor-"), lines[at]
+    assert "settled" in events[:at] and "settled" in events[at:], events  # watched before and after
+    assert lines[-1]["event"] == "finished" and lines[-1]["status"] == "completed"
 
 
 def test_a_slow_watcher_loses_its_oldest_events_not_the_run(session):

@@ -392,6 +392,33 @@ def test_an_inheriting_node_in_flight_when_its_executor_died_takes_its_primary_h
     assert [(i.node_id, i.attempt) for i in replaced] == [(reply, again.attempt)] and again.attempt > second.attempt
 
 
+def test_an_inheriting_node_sent_back_to_the_queue_takes_its_primary_history_again_after_a_second_rebuild():
+    """root -> reply (inherit_context). Paused with reply in flight, the executor dies; the first
+    rebuild sends reply back to the queue (it cannot be dispatched while paused), and that executor
+    dies too. The second rebuild replays that requeue: reply's next dispatch must replace its
+    history again, since no write to the store is known to have done it (the kernel's side of the
+    adoption test's "a resumed reply misses the root message"; a first rebuild's re-inheritance
+    was not in the log, so a second rebuild lost it)."""
+    from opgraph.kernel import PauseRequested, ReplaceHistory, ResumeRequested
+
+    graph, reply, batches, out = _reply_after_the_opening()
+    assert [i.node_id for i in out if isinstance(i, DispatchOperation)] == [reply]
+    paused = FlowState.rebuild(graph, stored(batches), **_THREAD_SETTINGS)
+    batches.extend(i.records for i in paused.handle(PauseRequested(now=1.5)) if isinstance(i, AppendRecords))
+
+    first = FlowState.rebuild(graph, stored(batches), **_THREAD_SETTINGS)
+    recovered = first.recover(now=2.0)
+    assert not [i for i in recovered if isinstance(i, DispatchOperation)]  # paused: back to the queue only
+    batches.extend(i.records for i in recovered if isinstance(i, AppendRecords))
+
+    second = FlowState.rebuild(graph, stored(batches), **_THREAD_SETTINGS)
+    second.recover(now=3.0)
+    resumed = second.handle(ResumeRequested(now=4.0))
+    (dispatched,) = [i for i in resumed if isinstance(i, DispatchOperation)]
+    assert [(i.node_id, i.attempt) for i in resumed if isinstance(i, ReplaceHistory)] == [
+        (reply, dispatched.attempt)]
+
+
 def test_an_inheriting_node_on_an_explicit_branch_keeps_it_when_recovered():
     """root -> reply (inherit_context, branch "mine"): reply runs on its own branch, never a replaced
     clone, neither when first dispatched nor when recovered."""

@@ -12,13 +12,14 @@ removes the folder.
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import pwd
 import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass, field
+
+from components import COMPONENTS
 
 from opgraph.cluster.processes import accepts_connections, free_port, run_command, wait_until
 
@@ -28,13 +29,8 @@ START_DEADLINE = 30.0
 
 
 def postgres_binaries() -> str | None:
-    """The folder holding initdb, pg_ctl and postgres (the newest Debian version), or None."""
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"),
-                   key=lambda path: int(path.split("/")[-3]) if path.split("/")[-3].isdigit() else 0)
-    if found:
-        return os.path.dirname(found[-1])
-    pg_ctl = shutil.which("pg_ctl")
-    return os.path.dirname(os.path.realpath(pg_ctl)) if pg_ctl else None
+    """The folder holding initdb, pg_ctl and postgres (the ``postgresql`` component), or None."""
+    return COMPONENTS["postgresql"].locate()
 
 
 @dataclass
@@ -57,7 +53,8 @@ class PostgresServer:
         """``durable=False`` (the tests) turns fsync off; ``True`` keeps PostgreSQL's defaults (benchmarks)."""
         binaries = postgres_binaries()
         if binaries is None:
-            raise RuntimeError("PostgreSQL's server binaries are missing: apt-get install -y postgresql")
+            raise RuntimeError("PostgreSQL's server binaries are missing: "
+                               f"{COMPONENTS['postgresql'].fetch_command}")
         user = "postgres" if os.geteuid() == 0 else None
         folder = tempfile.mkdtemp(prefix="opgraph-pg-", dir="/tmp")
         if user is not None:
