@@ -7,7 +7,7 @@ not import Ray.
 
 The rooms, each a folder:
 
-    driver/       Session, RunControl and Runtime: the caller's side, in the caller's process
+    driver/       Session, RunControl, FedRun and Runtime: the caller's side, in the caller's process
     executor/     the GraphExecutor actor, its shell (instructions out, outcomes in), the
                   durable run log's append path, and watchers of its runs
     branches/     the copy-on-write branch table, the BranchStore actor, the branch registry
@@ -29,6 +29,7 @@ from typing import Any
 _SOURCES = {
     "branches.store": ("BranchStore", "BranchTable"),
     "driver.control": ("EventsDropped", "Reconnected", "RunControl", "RunFinished"),
+    "driver.feed": ("FedRun", "HeldState"),
     "errors": ("BranchStoreLostError", "RuntimeLostError", "TurnError", "UnknownBranchError", "UnknownRunError"),
     "executor.actor": ("GraphExecutor",),
     "protocol": ("Outcome", "RegisteredOperation", "RunOptions", "RunResources", "TurnResult"),
@@ -45,7 +46,9 @@ __all__ = [
     "BranchTable",
     "BranchView",
     "EventsDropped",
+    "FedRun",
     "GraphExecutor",
+    "HeldState",
     "OperationWorker",
     "Outcome",
     "Reconnected",

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     from .driver.control import RunControl
     from .driver.runtime import Runtime
     from .executor.actor import GraphExecutor
-    from .protocol import CallRow, Outcome, OutcomeRow, RunOptions, RunResources
+    from .protocol import AdmittedRow, CallRow, Outcome, OutcomeRow, RunOptions, RunResources
     from .providers.adaptive import RateBudget
     from .providers.limits import ProviderLimiter
     from .workers.supervision import ActorPool
@@ -217,6 +217,18 @@ class ExecutorStub(ActorStub["GraphExecutor"]):
 
     def status(self, run_id: str) -> ObjectRef[dict[str, Any]]:
         return self.handle.status.remote(run_id)
+
+    def admit_many(self, run_id: str, rows: list[AdmittedRow]) -> ObjectRef[list[tuple[bool, str | None]]]:
+        return self.handle.admit_many.remote(run_id, rows)
+
+    def release_nodes(self, run_id: str, node_ids: list[str]) -> ObjectRef[int]:
+        return self.handle.release_nodes.remote(run_id, node_ids)
+
+    def close_run(self, run_id: str) -> ObjectRef[bool]:
+        return self.handle.close_run.remote(run_id)
+
+    def held(self, run_id: str) -> ObjectRef[tuple[list, list]]:
+        return self.handle.held.remote(run_id)
 
     def watch(self, run_id: str, buffer: int = 1024) -> ObjectRef[str]:
         return self.handle.watch.remote(run_id, buffer)
@@ -396,6 +408,8 @@ SAFE_TO_RESEND = frozenset({
     ExecutorStub.pause, ExecutorStub.resume, ExecutorStub.send_operator_message, ExecutorStub.cancel,
     ExecutorStub.inject, ExecutorStub.status, ExecutorStub.watch, ExecutorStub.next_watch_events,
     ExecutorStub.unwatch, ExecutorStub.wait_result,
+    # A fed run's: a repeated admission is refused as a duplicate, a repeated release or close does nothing.
+    ExecutorStub.admit_many, ExecutorStub.release_nodes, ExecutorStub.close_run, ExecutorStub.held,
     BranchStoreStub.create, BranchStoreStub.clone, BranchStoreStub.clone_many, BranchStoreStub.replace_history,
     BranchStoreStub.append, BranchStoreStub.messages, BranchStoreStub.has, BranchStoreStub.drop,
     BranchStoreStub.ensure_many, BranchStoreStub.adopt_many, BranchStoreStub.hold_many, BranchStoreStub.drop_many,

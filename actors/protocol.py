@@ -18,6 +18,7 @@ from opgraph.kernel import RetryPolicy, expand_envelope
 
 __all__ = [
     "ACKNOWLEDGED",
+    "AdmittedRow",
     "CallRow",
     "CompactEnvelope",
     "Outcome",
@@ -35,6 +36,10 @@ __all__ = [
 # (node_id, attempt, ordinal): the same object keeps its ordinal on both routes.
 CallRow = tuple[str, int, str, dict[str, Any], "str | None", int]
 OutcomeRow = tuple[str, int, str, Any, "str | None", "str | None", list, float, float]
+#   AdmittedRow: (node_id, operation, parameters, metadata), one operation a fed run's feeder
+# admits (``FedRun.admit``): built into an Operation on the executor, with no branch of its own
+# given (a dataset job admits a million; an Operation pickled by its reduce cost twice as much).
+AdmittedRow = tuple[str, str, dict[str, Any], dict[str, Any]]
 
 class SharedResult:
     """In a call's context, in place of a large result its run's dependents share: the worker
@@ -163,7 +168,8 @@ class RunOptions:
     scope in turn); with ``isolated`` the run also gets a default branch of its own,
     in its scope, so nothing of another run reaches it. A ``durable`` run is logged as
     it goes and outlives its executor; a ``detached`` run has no driver draining it
-    (``Session.submit``): its executor forgets it once its end is durable.
+    (``Session.submit``): its executor forgets it once its end is durable. A run kept
+    open (``keep_open``, a ``FedRun``) waits for its feeder's admissions until it is closed.
     """
 
     context: dict[str, Any] | None = None
@@ -189,3 +195,4 @@ class RunOptions:
     cancel_grace: float = 5.0
     durable: bool = False
     detached: bool = False
+    keep_open: bool = False

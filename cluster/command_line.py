@@ -35,6 +35,7 @@ __all__ = [
     "duration_seconds",
     "exit_codes_epilog",
     "exit_codes_table",
+    "model_price",
     "nonnegative_int",
     "positive_float",
     "positive_int",
@@ -66,7 +67,7 @@ _MEANINGS = {
     ExitCode.USAGE: "bad arguments, input, definition, playbook or store (nothing ran)",
     ExitCode.RUNTIME: "the runtime (Ray) could not be started or reached (nothing ran)",
     ExitCode.DEGRADED: "an engine run ended degraded (budget, deadline or missing emissions): its partial result "
-                       "is printed",
+                       "is printed; or a dataset job's budget stopped it with rows left (the same command goes on)",
     ExitCode.UNMET: "an engine run completed, but its result does not meet its own check (coding: the final "
                     "tests do not pass; nothing is applied)",
     ExitCode.CANCELLED: "cancelled: Ctrl-C, or the run this command waited on was cancelled",
@@ -127,6 +128,19 @@ def duration_seconds(text: str) -> float:
     if not spec or _DURATION.sub("", spec):
         raise argparse.ArgumentTypeError(f"must be a duration such as 30d, 12h, 90m, 45s or 1h30m, got {text!r}")
     return float(sum(float(number) * _DURATION_UNITS[unit] for number, unit in _DURATION.findall(spec)))
+
+
+def model_price(text: str) -> tuple[str, tuple[float, float]]:
+    """An argparse type: ``MODEL=PROMPT,COMPLETION`` ($ per million tokens) as (model, (prompt, completion))."""
+    model, separator, pair = text.partition("=")
+    prompt, comma, completion = pair.partition(",")
+    try:
+        if not separator or not comma or not model.strip():
+            raise ValueError(text)
+        return model.strip(), (float(prompt), float(completion))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expects MODEL=PROMPT,COMPLETION ($ per million tokens), got {text!r}") \
+            from None
 
 
 # -- the shared options --------------------------------------------------------------------------------

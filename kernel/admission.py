@@ -174,7 +174,7 @@ class ReactiveAdmission:
             deps = []
         self._record("admitted", self.now, child, after, emitter_id, assignee, independent)
         self.spawn_count += 1
-        self.spawned_ids.append(child_id)
+        self.spawned_ids[child_id] = None
         metadata["spawned"] = True
         if metadata.get("aggregation_sources"):
             deps = self._dependencies_of(child)
@@ -199,15 +199,20 @@ class ReactiveAdmission:
             return True
 
         # Its own branch (ADR-0023 D6), cloned from a known branch it names, else from its
-        # emitter's for a dependent spawn, else from the session's default branch.
-        branch_id = child.branch_id
-        if self._branch_is_known(branch_id):
-            source = branch_id
-        elif after is not None:
-            source = self.branch.get(after, self.default_branch_id)
+        # emitter's for a dependent spawn, else from the session's default branch. Beyond the
+        # record: a ``stateless`` operation (a dataset job's row, which reads no history and
+        # writes none) runs with no branch, so a million rows leave no clone behind.
+        if metadata.get("stateless"):
+            self.branch[child_id] = None
         else:
-            source = self.clone_source_branch_id
-        self._clone_branch(child_id, source, reactive=True)
+            branch_id = child.branch_id
+            if self._branch_is_known(branch_id):
+                source = branch_id
+            elif after is not None:
+                source = self.branch.get(after, self.default_branch_id)
+            else:
+                source = self.clone_source_branch_id
+            self._clone_branch(child_id, source, reactive=True)
         out, record, signal = self._out.append, _new_record, ev.EmitSignal
         if self.progress_signals:
             instruction = child.parameters.get("instruction")

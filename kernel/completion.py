@@ -27,6 +27,8 @@ class RunCompletion:
     def _maybe_finish(self) -> None:
         if self.finished or not self.started or self.open_nodes > 0 or self.running:
             return
+        if self.keep_open and not self.closed and not self.cancelling:
+            return  # its feeder may admit more (release.py): it ends once closed
         self.finished = True
         if self.write_back:
             self._write_back()
@@ -95,6 +97,9 @@ class RunCompletion:
             "context_collisions": list(self.shared.collisions),
             "status": CANCELLED if self.cancelling else FAILED if by_state[FAILED] else COMPLETED,
         }
+        if self.released_by_status:
+            # Settled nodes let go as the run went (release.py): counted, not listed.
+            envelope["released_operations"] = dict(self.released_by_status)
         if self.reactive:
             envelope["spawned_operations"] = self.spawn_count
             envelope["escalated_operations"] = list(self.escalated_operations)

@@ -62,8 +62,13 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   ├── RunNotFoundError         no run with that id
     │   ├── RunConflictError         a run with that id already exists
     │   ├── RunNotResumableError     only a run whose owner process died can be resumed
-    │   └── EngineRunNotFoundError   no engine run with that id
+    │   ├── EngineRunNotFoundError   no engine run with that id
+    │   ├── MapJobNotFoundError      no dataset job with that id (cluster/store/errors.py)
+    │   └── MapJobBusyError          another live process is running the dataset job
     ├── ProvenanceError              provenance breaking the shared shape or its lane's rules (cluster/store/errors.py)
+    ├── MapInputError                a dataset job's input, template, schema or output refused before any
+    │   │                            model call; ``line`` and ``column`` say where (cluster/jobs/rows.py)
+    │   └── MapInputChangedError     the input's content changed since its job ran; ``--new-job`` starts another
     ├── LaneCapabilityError          a control the invocation's capabilities exclude (cluster/lanes/capabilities.py)
     ├── UnknownLaneError             no lane adapter is registered under that kind (cluster/lanes/registry.py)
     ├── PinnedSourceChangedError     a replay found the run's pinned source changed (cluster/lanes/provenance.py)

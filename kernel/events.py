@@ -28,6 +28,7 @@ __all__ = [
     "CancelOperation",
     "CancelRequested",
     "CloneBranch",
+    "CloseRequested",
     "ConditionsEvaluated",
     "DispatchHeld",
     "DispatchOperation",
@@ -43,6 +44,7 @@ __all__ = [
     "OperationFinished",
     "OperatorMessageReceived",
     "PauseRequested",
+    "ReleaseRequested",
     "ReplaceHistory",
     "Restored",
     "ResumeRequested",
@@ -143,6 +145,25 @@ class Restored(NamedTuple):
 
     now: float = 0.0
     record: tuple = ()
+
+
+class ReleaseRequested(NamedTuple):
+    """The caller recorded these settled nodes elsewhere: the run lets them go (``node_ids``).
+
+    A run fed for a long time (a dataset job admitting a million rows) would otherwise
+    hold every node it ever admitted. A node that is not settled, or whose result an
+    open dependent still needs, is kept; an id the run does not hold is ignored.
+    """
+
+    now: float = 0.0
+    node_ids: tuple[str, ...] = ()
+
+
+class CloseRequested(NamedTuple):
+    """A run kept open for admissions (``keep_open``) will take no more: it finishes once
+    nothing is open or in flight."""
+
+    now: float = 0.0
 
 
 class PauseRequested(NamedTuple):
@@ -303,6 +324,8 @@ Event = (
     | CancelGraceExpired
     | DispatchUndelivered
     | Restored
+    | ReleaseRequested
+    | CloseRequested
 )
 Instruction = (
     CloneBranch | ReplaceHistory | DispatchOperation | CancelOperation | EvaluateConditions | EmitSignal

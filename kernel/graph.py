@@ -281,6 +281,22 @@ def _plain_operation(operation: str, params: dict[str, Any]) -> Operation:
 _OPERATION_ARGUMENTS = ("operation", "parameters")
 
 
+def admitted_operation(node_id: str, operation: str, parameters: dict[str, Any],
+                       metadata: dict[str, Any]) -> Operation:
+    """An Operation from the four fields a fed run's feeder sends for it, built without validation:
+    the executor builds one per admitted row (a million over a dataset job's life), and each field
+    is a plain value its feeder made (checked here for the types validation would enforce)."""
+    if type(node_id) is not str or type(operation) is not str or type(parameters) is not dict \
+            or type(metadata) is not dict:
+        return Operation(id=node_id, operation=operation, parameters=parameters, metadata=metadata)
+    fields = {"id": node_id, "operation": operation, "parameters": parameters, "branch_id": None,
+              "metadata": metadata, "status": "pending", "response": None, "error": None}
+    return _built(Operation, fields, _ADMITTED_FIELDS)
+
+
+_ADMITTED_FIELDS = ("id", "operation", "parameters", "metadata")
+
+
 class EdgeCondition:
     """Base class for executable edge gating (ADR-0023 D4).
 

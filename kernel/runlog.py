@@ -31,8 +31,10 @@ __all__ = ["RECORD_KINDS", "DurableRecords", "hashable_key"]
 #   ("admitted", now, operation, after, emitter_id, assignee, independent)
 #   ("dropped", entry)                    a dropped_spawns entry
 #   ("escalated", emitter_id)             the emitter was recorded in escalated_operations
+#   ("released", now, node_ids)           settled nodes let go (release.py)
+#   ("close", now)                        a run kept open takes no more admissions (release.py)
 RECORD_KINDS = frozenset({"finished", "conditions", "undelivered", "pause", "resume", "message", "cancel",
-                          "grace", "seen", "admitted", "dropped", "escalated"})
+                          "grace", "seen", "admitted", "dropped", "escalated", "released", "close"})
 _DECISIONS = frozenset({"seen", "admitted", "dropped", "escalated"})
 
 
@@ -149,6 +151,10 @@ def _event_of(record: Sequence[Any]) -> Any:
         return ev.CancelRequested(record[1], record[2])
     if kind == "grace":
         return ev.CancelGraceExpired(record[1])
+    if kind == "released":
+        return ev.ReleaseRequested(record[1], tuple(record[2]))
+    if kind == "close":
+        return ev.CloseRequested(record[1])
     if kind in _DECISIONS:
         return ev.Restored(record[1] if kind == "admitted" else 0.0, tuple(record))
     raise OperationError(f"unknown run-log record {kind!r}")

@@ -34,6 +34,7 @@ from .failures import CANCEL_GRACE_EXPIRED, CONTEXT_UPDATE_ERROR, EDGE_CONDITION
 from .graph import Graph, Operation, condition_is_async, require_graph, validate_condition
 from .invariants import InvariantChecks
 from .registration import NodeRegistration, plain_roots
+from .release import NodeRelease
 from .runlog import DurableRecords
 from .states import (
     _ALLOWED_FROM,
@@ -60,7 +61,7 @@ DEFAULT_MAX_CONCURRENCY = 10_000
 
 
 class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompletion, DurableRecords,
-                InvariantChecks):
+                NodeRelease, InvariantChecks):
     """All state of one run; change it only through ``handle(*events)``.
 
     Cost per settlement is O(degree): dependents are found through the reverse
@@ -109,6 +110,9 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     graph_released: bool
     #: Whether NodeQueued, NodeStarted and NodeSpawned signals are emitted.
     progress_signals: bool
+    #: Whether the run stays open with nothing left to run, for admissions its feeder may
+    #: still make, until ``CloseRequested`` (release.py) or a cancel.
+    keep_open: bool
 
     # -- per node: changed as nodes are registered, dispatched and settled ------------
     #: Node id -> its internal state (states.py), in registration order. Changed only
@@ -193,8 +197,9 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     # -- reactive admission (admission.py), restored from the run log by runlog.py ------
     #: Children admitted so far, held at most ``max_spawn`` (``_accept``).
     spawn_count: int
-    #: Ids of admitted children in order of admission (``_accept``).
-    spawned_ids: list[str]
+    #: Ids of admitted children in order of admission, as keys (``_accept``); a released
+    #: child leaves it (release.py ``_on_release``).
+    spawned_ids: dict[str, None]
     #: Emitters of escalation requests, in order (``_on_escalation``, ``_on_restored``).
     escalated_operations: list[str]
     #: The dropped-spawn ledger: one entry per rejected request (``_drop``, ``_on_restored``).
@@ -207,6 +212,13 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     _escalations: dict[str, int]
     #: Injections admitted without an emitter, for their ranks (``_accept``).
     _injected: int
+
+    # -- letting go (release.py) ---------------------------------------------------------
+    #: Whether a run kept open was told it will take no more admissions (``_on_close``).
+    closed: bool
+    #: Public status -> nodes of that status released (``_on_release``): they left every
+    #: index above, and are counted here, in ``statistics()`` and the envelope.
+    released_by_status: dict[str, int]
 
     # -- what goes out ---------------------------------------------------------------
     #: Events handled, dispatches, settlements, stale results and re-dispatches, for
@@ -252,6 +264,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         clone_source_branch_id: str | None = None,
         retry_policies: Mapping[str, RetryPolicy] | None = None,
         durable: bool = False,
+        keep_open: bool = False,
     ) -> None:
         """``write_back`` records each node's final status, response and error on its
         Operation when the run finishes (``_write_back``); a shell whose graph is a copy
@@ -270,7 +283,11 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         to the flow's. ``retry_policies`` maps an operation name to its RetryPolicy.
 
         ``durable`` runs record what changes them, one ``AppendRecords`` instruction per
-        ``handle()`` (runlog.py); ``FlowState.rebuild`` restores such a run from them."""
+        ``handle()`` (runlog.py); ``FlowState.rebuild`` restores such a run from them.
+
+        ``keep_open`` (a reactive run fed by its caller, such as a dataset job) does not
+        finish when nothing is left to run: its feeder may admit more. It ends once
+        ``CloseRequested`` arrives (or a cancel) and nothing is open (release.py)."""
         _check_inputs(graph, context, reducers, max_spawn)
         capacity = _capacity(max_concurrent, parallel)
         _check_retry_policies(retry_policies)
@@ -289,6 +306,9 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self.write_back = write_back
         self.graph_released = False  # set once a finished run let its graph go (write_back off)
         self.progress_signals = progress_signals
+        self.keep_open = keep_open
+        self.closed = False
+        self.released_by_status = {}
 
         self.state: dict[str, str] = {}
         self.deps: dict[str, Sequence[str]] = {}
@@ -323,14 +343,15 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         self._elapsed = 0.0
 
         self.spawn_count = 0
-        self.spawned_ids: list[str] = []
+        self.spawned_ids: dict[str, None] = {}
         self.escalated_operations: list[str] = []
         self.dropped_spawns: list[dict[str, Any]] = []
         self._seen_requests: set[Any] = set()
         self._children: dict[str, int] = {}
         self._escalations: dict[str, int] = {}  # higher-tier children per emitter, for their ids
         self._injected = 0
-        self.counters = {"events": 0, "dispatched": 0, "settled": 0, "stale_results": 0, "redispatched": 0}
+        self.counters = {"events": 0, "dispatched": 0, "settled": 0, "stale_results": 0, "redispatched": 0,
+                         "released": 0}
         self._out: list[ev.Instruction] = []
         self.durable = durable
         self._replaying = False
@@ -388,6 +409,8 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         for state in self.state.values():
             if state in counts:
                 counts[state] += 1
+        for status, released in self.released_by_status.items():  # settled, then let go: still settled
+            counts[status] += released
         return {
             "run_id": self.run_id,
             "nodes": len(self.state),
@@ -930,4 +953,6 @@ _HANDLERS: dict[type, Callable[[FlowState, Any], None]] = {
     ev.CancelGraceExpired: FlowState._on_cancel_grace,
     ev.DispatchUndelivered: FlowState._on_undelivered,
     ev.Restored: FlowState._on_restored,
+    ev.ReleaseRequested: FlowState._on_release,
+    ev.CloseRequested: FlowState._on_close,
 }

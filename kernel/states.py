@@ -46,6 +46,11 @@ TRANSITIONS: frozenset[tuple[str | None, str]] = frozenset(
         (RUNNING, FAILED),
         (RUNNING, CANCELLED),
         (RUNNING, READY),  # never started on a dead worker, or retried under its retry policy
+        # Released: a settled node whose feeder recorded its outcome leaves the run (release.py).
+        (COMPLETED, UNREGISTERED),
+        (FAILED, UNREGISTERED),
+        (SKIPPED, UNREGISTERED),
+        (CANCELLED, UNREGISTERED),
     }
 )
 # The same table keyed by the state left, so the per-transition check is one set probe.

@@ -4,4 +4,4 @@ Owns what runs in the caller's process (a script, a job driver, the HTTP server)
 here schedules a node or makes a model call; it ships graphs to an executor and follows them.
 """
 
-__all__ = ["control", "runtime", "session"]
+__all__ = ["control", "feed", "runtime", "session"]

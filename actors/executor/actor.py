@@ -20,6 +20,7 @@ import ray
 
 from opgraph.kernel import (
     CancelRequested,
+    CloseRequested,
     DispatchHeld,
     ExecutionError,
     FlowEvent,
@@ -27,14 +28,16 @@ from opgraph.kernel import (
     OperatorMessageReceived,
     OpGraphError,
     PauseRequested,
+    ReleaseRequested,
     ResumeRequested,
+    admitted_operation,
 )
 
 from ..branches.store import BranchStore
 from ..calls import ActorStub, WorkerStub, ask, start
 from ..errors import RuntimeLostError, UnknownRunError
 from ..persistence import RunLog, Writer
-from ..protocol import CallRow, Outcome, RunOptions, RunResources
+from ..protocol import AdmittedRow, CallRow, Outcome, RunOptions, RunResources
 from ..settings import (
     PROBE_INTERVAL_SECONDS,
     PROBE_TIMEOUT_SECONDS,
@@ -473,6 +476,31 @@ class GraphExecutor:
     async def inject(self, run_id: str, operation: Any, after: str | None = None, independent: bool = False) -> bool:
         return await self._on_main(self._inject(run_id, operation, after, independent))
 
+    # -- a fed run (``FedRun``): its feeder admits in batches and releases what it recorded --------
+    @ray.method(concurrency_group="control")
+    async def admit_many(self, run_id: str, rows: list[AdmittedRow]) -> list[tuple[bool, str | None]]:
+        """Admit the operations ``rows`` describe (protocol ``AdmittedRow``) into a reactive run, each
+        independent, in one scheduler step; answer once their admission is durable: per row,
+        (accepted, why not). One already in the run is refused as ``duplicate``: its feeder sent
+        it before."""
+        return await self._on_main(self._admit_many(run_id, rows))
+
+    @ray.method(concurrency_group="control")
+    async def release_nodes(self, run_id: str, node_ids: list[str]) -> int:
+        """Let the run forget settled nodes whose outcomes its feeder recorded; returns how many went."""
+        return await self._on_main(self._release(run_id, node_ids))
+
+    @ray.method(concurrency_group="control")
+    async def close_run(self, run_id: str) -> bool:
+        """A run kept open takes no more admissions: it ends once nothing is open or in flight."""
+        return await self._on_main(self._control(run_id, CloseRequested(now=time.time())))
+
+    @ray.method(concurrency_group="control")
+    async def held(self, run_id: str) -> tuple[list, list]:
+        """What a feeder that lost track reconciles with: (settled nodes not yet released, as (id,
+        status, result, metadata); open nodes, as (id, metadata))."""
+        return await self._on_main(self._held(run_id))
+
     @ray.method(concurrency_group="control")
     async def watch(self, run_id: str, buffer: int = 1024) -> str:
         """Attach a watcher to a run; poll it with ``next_watch_events``. Raises UnknownRunError."""
@@ -544,7 +572,34 @@ class GraphExecutor:
         after_id = getattr(after, "id", after)
         await self.shell.feed(run, [InjectRequested(now=time.time(), operation=operation, after=after_id,
                                                       independent=independent, token=token)])
-        return await waiter
+        return (await waiter).accepted
+
+    async def _admit_many(self, run_id: str, rows: list[AdmittedRow]) -> list[tuple[bool, str | None]]:
+        run = self.shell.runs.get(run_id)
+        if run is None or run.state.finished or not run.state.reactive:
+            return [(False, "not_running")] * len(rows)
+        now, loop, events, waiters = time.time(), self.shell.loop, [], []
+        for node_id, operation, parameters, metadata in rows:
+            self.next_token += 1
+            waiter = run.inject_waiters[self.next_token] = loop.create_future()
+            waiters.append(waiter)
+            events.append(InjectRequested(now=now, operation=admitted_operation(node_id, operation, parameters,
+                                                                                metadata),
+                                          independent=True, token=self.next_token))
+        decided = await self.shell.admit_many(run, waiters, events)
+        return [(decision.accepted, decision.reason) for decision in decided]
+
+    async def _release(self, run_id: str, node_ids: list[str]) -> int:
+        run = self.shell.runs.get(run_id)
+        if run is None or run.state.finished:
+            return 0
+        before = run.state.counters["released"]
+        await self.shell.feed(run, [ReleaseRequested(now=time.time(), node_ids=tuple(node_ids))])
+        return run.state.counters["released"] - before
+
+    async def _held(self, run_id: str) -> tuple[list, list]:
+        state = self._run(run_id).state
+        return state.settled_outcomes(), state.open_admissions()
 
     async def _watch(self, run_id: str, buffer: int) -> str:
         self._drop_idle_watchers()

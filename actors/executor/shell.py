@@ -485,14 +485,24 @@ class ExecutorShell:
 
     @staticmethod
     def _fail_waiters(run: _Run, exc: BaseException | None) -> None:
-        """Injections still waiting for admission get an answer: the run's error, or False."""
-        for waiter in run.inject_waiters.values():
+        """Injections still waiting for admission get an answer: the run's error, or refused."""
+        for token, waiter in run.inject_waiters.items():
             if not waiter.done():
                 if exc is None:
-                    waiter.set_result(False)
+                    waiter.set_result(AdmissionDecided(token, False, None, "not_running"))
                 else:
                     waiter.set_exception(exc)
         run.inject_waiters.clear()
+
+    async def admit_many(self, run: _Run, decisions: list[asyncio.Future], events: list[Any]) -> list[Any]:
+        """Feed a batch of ``InjectRequested`` (one ``handle``) and answer once the batch that
+        admitted them is durable: an admission its caller heard of survives this process.
+        ``decisions`` are the events' waiters, in order; returns their ``AdmissionDecided``."""
+        await self.feed(run, events)
+        decided = await asyncio.gather(*decisions)
+        if run.options.durable and self.logger is not None and not run.done.is_set():
+            await self.logger.durable(run, run.log_seq)
+        return decided
 
     # -- instructions out: one method per kind ------------------------------------------------
     async def _carry_out(self, run: _Run, instructions: list[Any]) -> None:
@@ -556,10 +566,10 @@ class ExecutorShell:
         self._spawn_task(run, self._conditions_evaluated(run, instruction))
 
     def _admission_decided(self, run: _Run, outgoing: _Outgoing, instruction: AdmissionDecided) -> None:
-        """An ``inject`` waiting for its admission hears whether it was accepted."""
+        """An ``inject`` waiting for its admission hears the decision (accepted, or why not)."""
         waiter = run.inject_waiters.pop(instruction.token, None)
         if waiter is not None and not waiter.done():
-            waiter.set_result(instruction.accepted)
+            waiter.set_result(instruction)
 
     def _finish_run(self, run: _Run, outgoing: _Outgoing, instruction: FinishRun) -> None:
         if run.options.durable:
@@ -1074,4 +1084,5 @@ def _flow_options(run_id: str, options: RunOptions) -> dict[str, Any]:
         "retry_policies": options.retry_policies, "durable": options.durable,
         "write_back": False,  # this graph is the executor's copy; the driver mirrors the envelope
         "progress_signals": options.want_signals,  # queued/started/spawned reach only signal subscribers
+        "keep_open": options.keep_open,
     }

@@ -9,9 +9,11 @@ and it never hides a failed or timed-out run: each is printed as such.
     opgraph bench [--shapes fanout-50ms,chain] [--nodes 10000] [--repeat 3]
                   [--compare lionagi,langgraph] [--compare-timeout 120] [--json PATH]
     opgraph bench --shapes engines [--engines research,review] [--engine-latency 0.2]
+    opgraph bench --shapes map [--map-sizes 100000,1000000] [--map-concurrency 1000] [--map-kill-rows 100000]
 
 ``engines`` is not a graph shape: it runs the domain engines (bench/engines.py) on the
-same runtime, after any graph shapes asked for, and only when named.
+same runtime, after any graph shapes asked for, and only when named. Nor is ``map``: the
+dataset jobs (bench/map.py) run each in a client and a Ray of their own, last.
 """
 
 from __future__ import annotations
@@ -497,6 +499,7 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
 
 PEERS = ("lionagi", "langgraph")  # in-process libraries --compare runs beside opgraph
 ENGINES = "engines"  # not a graph shape: the domain engines' benchmark (bench/engines.py)
+MAP = "map"  # not a graph shape: dataset jobs (bench/map.py), each in a client and a Ray of its own
 
 
 def _peers(text: str) -> list[str] | str:
@@ -519,11 +522,21 @@ def build_parser() -> argparse.ArgumentParser:
     keys = [shape.key for shape in standard_shapes()]
     parser.add_argument("--shapes", default=",".join(keys),
                         help=f"comma-separated subset of: {', '.join(keys)} (default: all); or {ENGINES}: each "
-                             f"domain engine on sim/ against the critical path its record implies")
+                             f"domain engine on sim/ against the critical path its record implies; or {MAP}: "
+                             "dataset jobs (`opgraph map`) of 100,000 and 1,000,000 rows, and one killed twice")
     parser.add_argument("--engines", default=None, metavar="KINDS",
                         help=f"with --shapes {ENGINES}: a comma-separated subset of the engines (default: all)")
     parser.add_argument("--engine-latency", type=float, default=0.2, metavar="SECONDS",
                         help=f"with --shapes {ENGINES}: sim/ seconds per model call (0.2)")
+    parser.add_argument("--map-sizes", default="100000,1000000", metavar="ROWS",
+                        help=f"with --shapes {MAP}: rows of each dataset job, smallest first (100000,1000000)")
+    parser.add_argument("--map-concurrency", type=int, default=1000, metavar="N",
+                        help=f"with --shapes {MAP}: model calls in flight (1000)")
+    parser.add_argument("--map-kill-rows", type=int, default=100_000, metavar="ROWS",
+                        help=f"with --shapes {MAP}: rows of the job killed twice and run again (100000)")
+    parser.add_argument("--map-parts", default="speed,zero,kills", metavar="PARTS",
+                        help=f"with --shapes {MAP}: speed (each size at 50 ms, every process's peak memory), zero "
+                             "(the largest at 0 ms), kills (default: all)")
     parser.add_argument("--nodes", type=int, default=10_000,
                         help="fan-out width; the chain and the spawns are a tenth of it (default 10000)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per shape, median reported (default 3)")
@@ -546,12 +559,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nodes and --repeat must be at least 1")
     catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
     wanted = [key.strip() for key in args.shapes.split(",") if key.strip()]
-    engines = ENGINES in wanted
-    wanted = [key for key in wanted if key != ENGINES]
+    engines, dataset_jobs = ENGINES in wanted, MAP in wanted
+    wanted = [key for key in wanted if key not in (ENGINES, MAP)]
     unknown = [key for key in wanted if key not in catalogue]
-    if unknown or not (wanted or engines):
+    if unknown or not (wanted or engines or dataset_jobs):
         parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}"
-                     f", {ENGINES}")
+                     f", {ENGINES}, {MAP}")
+    if not (wanted or engines):  # dataset jobs start their own clients and Rays: nothing to join here
+        return _dataset_jobs(args)
     for peer in args.compare if isinstance(args.compare, list) else ():
         if peer in PEERS:
             try:
@@ -569,6 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = asyncio.run(run(args, [catalogue[key] for key in wanted], session, ray_start)) if wanted else 0
         if engines:
             status = max(status, _engines(args, session, separate_json=bool(wanted)))
+        if dataset_jobs:
+            status = max(status, _dataset_jobs(args))
         return status
     finally:
         if started_ray:
@@ -587,6 +604,18 @@ def _engines(args: argparse.Namespace, session: Session, *, separate_json: bool)
         argv += ["--json", f"{root}-engines.{suffix}" if separate_json and dot else
                  (f"{args.json}-engines" if separate_json else args.json)]
     return engines_main(argv, session=session)
+
+
+def _dataset_jobs(args: argparse.Namespace) -> int:
+    """The dataset jobs' benchmark (bench/map.py), with its figures in ``--json`` (or beside it)."""
+    from .map import main as map_main
+
+    argv = ["--sizes", args.map_sizes, "--concurrency", str(args.map_concurrency), "--kill-rows",
+            str(args.map_kill_rows), "--parts", args.map_parts]
+    if args.json:
+        root, dot, suffix = args.json.rpartition(".")
+        argv += ["--json", f"{root}-map.{suffix}" if dot else f"{args.json}-map"]
+    return map_main(argv)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from ..command_line import (
 from .client import RUN_EXIT_CODES
 from .engine import add_engine_parser, add_run_show_parser
 from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workflows_parser
+from .map import EXPORT_COMMAND, add_map_parsers
 from .orchestrate import add_orchestrate_parser, add_play_parser
 from .results import add_result_parsers
 from .runs import add_runs_parser, add_store_parser
@@ -109,6 +110,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_orchestrate_parser(subcommands)
     add_play_parser(subcommands)
     add_engine_parser(subcommands)
+    add_map_parsers(subcommands)
     add_serve_parser(subcommands)
     add_token_parser(subcommands)
     # Parsed by opgraph.cluster.bench itself: main() hands `bench ...` over before argparse
@@ -203,6 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ..bench.shapes import main as bench_main  # lazy: it starts Ray
 
         return bench_main(argv[1:])
+    if argv[:2] == ["map", "export"]:  # `map` takes INPUT, so its export action is a command of its own
+        argv = [EXPORT_COMMAND, *argv[2:]]
     parser = _build_parser()
     arguments = parser.parse_args(argv)
     handler = getattr(arguments, "handler", None)

@@ -19,7 +19,7 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from ..command_line import JSON, PLAIN, RAY_ADDRESS, STORE, ExitCode, add_options
+from ..command_line import JSON, PLAIN, RAY_ADDRESS, STORE, ExitCode, add_options, model_price
 from ..connection import RuntimeStartError
 from .coding import add_coding_arguments, coding_inputs, coding_settings, finish_coding
 from .progress import LiveDisplay
@@ -121,20 +121,6 @@ class EngineProgress(LiveDisplay):
         return Group(title, *(Text(line) for line in self.latest))
 
 
-def _price(item: str) -> tuple[str, tuple[float, float]]:
-    from opgraph.engines import EngineInputError
-
-    model, separator, pair = item.partition("=")
-    prompt, comma, completion = pair.partition(",")
-    try:
-        if not separator or not comma:
-            raise ValueError(item)
-        return model.strip(), (float(prompt), float(completion))
-    except ValueError:
-        raise EngineInputError(f"--price expects MODEL=PROMPT,COMPLETION ($ per million tokens), "
-                               f"got {item!r}") from None
-
-
 def _settings(arguments: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {"max_agents": arguments.max_agents, "deadline_s": arguments.deadline,
                                 "max_tokens": arguments.max_tokens, "max_cost_usd": arguments.max_cost_usd,
@@ -142,7 +128,7 @@ def _settings(arguments: argparse.Namespace) -> dict[str, Any]:
     if arguments.model:
         settings["model"] = arguments.model
     if arguments.price:
-        settings["prices"] = dict(_price(item) for item in arguments.price)
+        settings["prices"] = dict(arguments.price)
     if arguments.kind == "review" and arguments.dimensions:
         settings["dimensions"] = tuple(d.strip() for d in arguments.dimensions.split(",") if d.strip())
     if arguments.kind == "coding":
@@ -290,7 +276,7 @@ def add_engine_parser(subcommands: Any) -> None:
     run.add_argument("--max-tokens", type=int, default=None, help="hard bound on provider tokens (none)")
     run.add_argument("--max-cost-usd", type=float, default=None,
                      help="hard bound on dollars, priced by --price (sim/ and scripted/ are free)")
-    run.add_argument("--price", action="append", metavar="MODEL=PROMPT,COMPLETION",
+    run.add_argument("--price", action="append", type=model_price, metavar="MODEL=PROMPT,COMPLETION",
                      help="$ per million prompt and completion tokens for a provider/model (repeatable)")
     run.add_argument("--max-concurrent", type=int, default=5, help="agent turns in flight at once (5)")
     run.add_argument("--max-depth", type=int, default=None,

@@ -1,12 +1,14 @@
 """The job entrypoint: parse a job's mode and options, run it, report Ray that could not be reached.
 
 Owns the command line of ``python -m opgraph.cluster.job`` (and ``opgraph.cluster.jobs``):
-its modes (``fanout``, ``workflow``), their options and the exit statuses. Each mode is
+its modes (``fanout``, ``workflow``, ``map``: `opgraph map`'s own options), their options and
+the exit statuses. Each mode is
 its own module; this one only dispatches.
 
     ray job submit --working-dir . -- python -m opgraph.cluster.job fanout --nodes 10000 --latency 0.05
     python -m opgraph.cluster.job fanout --nodes 200 --latency 0.01     # embedded local Ray
     ray job submit --working-dir . -- python -m opgraph.cluster.job workflow flow.json --input topic=x
+    opgraph job submit -- map /data/in.jsonl --prompt "Classify: {text}" --id-column id --output /data/out.jsonl
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from ..command_line import NAMESPACE, RAY_ADDRESS, STORE, ExitCode, add_options, exit_codes_epilog
 from ..connection import RuntimeStartError
+from .command import add_map_arguments, run_map
 from .fanout import run_fanout_job
 from .workflow import run_workflow_job
 
@@ -73,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="write the full run result (outputs, errors, provenance) as JSON to PATH")
     _add_runtime_arguments(workflow, run_id_default="workflow-<uuid>")
     workflow.set_defaults(handler=run_workflow_job)
+    rows = modes.add_parser("map", help="a dataset job: a prompt or a stored workflow over every row of a file "
+                                        "(the options of `opgraph map`)")
+    add_map_arguments(rows)
+    rows.set_defaults(handler=run_map)
     return parser
 
 

@@ -2,10 +2,10 @@
 
 Owns the schema and its migrations, versioned definitions, runs of any lane with their
 provenance, capabilities, lifecycle signals, per-node results and branch messages, engine
-runs and their events, the writer thread, which process owns a run, and retention (pruning
-old runs and giving their space back). It knows nothing lane-specific: a lane brings its
-definition rules (``RunStore(validate_definition=...)``) and checks its own provenance
-before it asks for a row.
+runs and their events, dataset jobs and their rows' answers, the writer thread, which process
+owns a run, and retention (pruning old runs and giving their space back). It knows nothing
+lane-specific: a lane brings its definition rules (``RunStore(validate_definition=...)``) and
+checks its own provenance before it asks for a row.
 """
 
 from .database import StoreDatabase
@@ -29,6 +29,8 @@ from .definitions import (
 from .engine_runs import ENGINE_RUN_STATUSES, EngineRunRecord, EngineRunStore
 from .errors import (
     EngineRunNotFoundError,
+    MapJobBusyError,
+    MapJobNotFoundError,
     ProvenanceError,
     RunConflictError,
     RunNotFoundError,
@@ -43,6 +45,7 @@ from .errors import (
     WorkflowVersionNotFoundError,
     problem,
 )
+from .map_jobs import MAP_JOB_STATUSES, MapJobRecord, MapJobStore, RowOutcome
 from .owners import ProcessIdentity, current_process, owner_is_alive
 from .recorder import MAX_BACKLOG, RunRecorder
 from .retention import (
@@ -84,6 +87,7 @@ __all__ = [
     "CONTENT_HASH",
     "DEFAULT_MAX_VERSIONS",
     "ENGINE_RUN_STATUSES",
+    "MAP_JOB_STATUSES",
     "MAX_BACKLOG",
     "MAX_NAME_LENGTH",
     "MAX_VERSION",
@@ -103,6 +107,10 @@ __all__ = [
     "EngineRunNotFoundError",
     "EngineRunRecord",
     "EngineRunStore",
+    "MapJobBusyError",
+    "MapJobNotFoundError",
+    "MapJobRecord",
+    "MapJobStore",
     "Migration",
     "ProcessIdentity",
     "ProvenanceError",
@@ -113,6 +121,7 @@ __all__ = [
     "RunNotResumableError",
     "RunRecord",
     "RunRecorder",
+    "RowOutcome",
     "RunStore",
     "StoreDatabase",
     "StoreSchemaError",

@@ -16,7 +16,9 @@ subclass of ``WorkflowDefinitionError`` it defines (the fixed lane's compile err
         ├── RunNotFoundError           no run with that id
         ├── RunConflictError           a run with that id already exists
         ├── RunNotResumableError       the run is not recorded as orphaned, so it cannot be resumed
-        └── EngineRunNotFoundError     no engine run with that id
+        ├── EngineRunNotFoundError     no engine run with that id
+        ├── MapJobNotFoundError        no dataset job with that id (or id prefix)
+        └── MapJobBusyError            another live process is running the dataset job
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from opgraph.kernel import OpGraphError
 
 __all__ = [
     "EngineRunNotFoundError",
+    "MapJobBusyError",
+    "MapJobNotFoundError",
     "ProvenanceError",
     "RunConflictError",
     "RunNotFoundError",
@@ -199,3 +203,24 @@ class EngineRunNotFoundError(WorkflowStoreError):
     def __init__(self, run_id: str) -> None:
         super().__init__(f"no engine run with id {run_id!r}")
         self.run_id = run_id
+
+
+class MapJobNotFoundError(WorkflowStoreError):
+    """No dataset job (``opgraph map``) has ``job_id``, nor starts with it (or several do)."""
+
+    _fields = ("job_id",)
+
+    def __init__(self, job_id: str, detail: str = "") -> None:
+        super().__init__(f"no dataset job {job_id!r} in the store{detail}; `opgraph map` prints a job's id "
+                         "when it starts")
+        self.job_id = job_id
+
+
+class MapJobBusyError(WorkflowStoreError):
+    """Another process that is still alive is running the dataset job: one runs a job at a time."""
+
+    _fields = ("job_id", "owner")
+
+    def __init__(self, job_id: str, owner: str) -> None:
+        super().__init__(f"dataset job {job_id} is being run by {owner}; wait for it, or stop it first")
+        self.job_id, self.owner = job_id, owner

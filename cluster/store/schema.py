@@ -235,6 +235,43 @@ MIGRATIONS: tuple[Migration, ...] = (
            || ' "live_message": false, "live_pause": false, "planner": false, "reactive_growth": false}'
            WHERE lane = 'fixed_workflow'""",
     )),
+    # Dataset jobs (`opgraph map`, cluster/jobs/): one row per job, found again by the command
+    # that made it (``command_key``: the input's location and the options that shape an answer),
+    # pinned to the input's content (``input_hash``), and one row per answered input row, keyed by
+    # the row's id column: recorded once, with its usage and cost, before it counts as done.
+    Migration(7, "dataset jobs and each row's recorded answer", (
+        """CREATE TABLE map_jobs (
+            job_id TEXT PRIMARY KEY, command_key TEXT NOT NULL, input_ref TEXT NOT NULL,
+            input_hash TEXT NOT NULL CHECK (input_hash GLOB 'sha256:*'), spec TEXT NOT NULL,
+            rows_total INTEGER, run_id TEXT, runs INTEGER NOT NULL DEFAULT 0,
+            status TEXT NOT NULL CHECK (status IN ('running', 'completed', 'stopped', 'failed', 'cancelled')),
+            summary TEXT, created_at REAL NOT NULL, updated_at REAL NOT NULL,
+            owner_host TEXT, owner_pid INTEGER, owner_start TEXT)""",
+        "CREATE INDEX map_jobs_command ON map_jobs(command_key, created_at)",
+        """CREATE TABLE map_rows (
+            job_id TEXT NOT NULL REFERENCES map_jobs(job_id), row_key TEXT NOT NULL, ordinal INTEGER NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('done', 'failed')), answer TEXT, error TEXT,
+            calls INTEGER NOT NULL DEFAULT 0, prompt_tokens INTEGER NOT NULL DEFAULT 0,
+            completion_tokens INTEGER NOT NULL DEFAULT 0, cost_usd REAL NOT NULL DEFAULT 0,
+            model TEXT, run_id TEXT, recorded_at REAL NOT NULL, PRIMARY KEY (job_id, row_key))""",
+        "CREATE INDEX map_rows_ordinal ON map_rows(job_id, ordinal)",
+    ), postgres=(
+        """CREATE TABLE map_jobs (
+            job_id TEXT PRIMARY KEY, command_key TEXT NOT NULL, input_ref TEXT NOT NULL,
+            input_hash TEXT NOT NULL CHECK (input_hash ~ '^sha256:'), spec TEXT NOT NULL,
+            rows_total BIGINT, run_id TEXT, runs BIGINT NOT NULL DEFAULT 0,
+            status TEXT NOT NULL CHECK (status IN ('running', 'completed', 'stopped', 'failed', 'cancelled')),
+            summary TEXT, created_at DOUBLE PRECISION NOT NULL, updated_at DOUBLE PRECISION NOT NULL,
+            owner_host TEXT, owner_pid BIGINT, owner_start TEXT)""",
+        "CREATE INDEX map_jobs_command ON map_jobs(command_key, created_at)",
+        """CREATE TABLE map_rows (
+            job_id TEXT NOT NULL REFERENCES map_jobs(job_id), row_key TEXT NOT NULL, ordinal BIGINT NOT NULL,
+            status TEXT NOT NULL CHECK (status IN ('done', 'failed')), answer TEXT, error TEXT,
+            calls BIGINT NOT NULL DEFAULT 0, prompt_tokens BIGINT NOT NULL DEFAULT 0,
+            completion_tokens BIGINT NOT NULL DEFAULT 0, cost_usd DOUBLE PRECISION NOT NULL DEFAULT 0,
+            model TEXT, run_id TEXT, recorded_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (job_id, row_key))""",
+        "CREATE INDEX map_rows_ordinal ON map_rows(job_id, ordinal)",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER and PostgreSQL BIGINT: no definition version can be higher

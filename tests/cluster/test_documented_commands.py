@@ -115,6 +115,11 @@ CHECKS = {
     "python -m opgraph.cluster.bench.pool --repeat 5": ParsedOnly(MINUTES),
     # docs/cli.md
     "opgraph --help": Run(r"workflows"),
+    # docs/cli.md, dataset jobs
+    'opgraph map docs/examples/tickets.jsonl --prompt "Classify this support ticket: {text}" --id-column id '
+    "--output /tmp/tickets.out.jsonl": Run(r"job \S+ completed: \d+ done"),
+    'opgraph map docs/examples/tickets.jsonl --prompt "Classify this support ticket: {text}" --id-column id '
+    "--dry-run": Run(r"dry run: 20 rows to run"),
     "opgraph flow run --help": Run(r"NAME-OR-FILE"),
     # docs/http.md
     f"{CURL} -X POST http://127.0.0.1:8000/api/workflows -H 'content-type: application/json' "
@@ -140,6 +145,9 @@ CHECKS = {
     "ray job submit --address http://127.0.0.1:8265 --working-dir . --runtime-env-json "
     '"$(opgraph job runtime-env)" -- python -m opgraph.cluster.job fanout --nodes 2000 --latency 0.01 '
     "--max-concurrent 200": Run(r"succeeded", early=True),
+    "opgraph job submit --address http://127.0.0.1:8265 -- map docs/examples/tickets.jsonl --prompt "
+    '"Classify this support ticket: {text}" --id-column id --output /tmp/tickets.job.jsonl':
+        Run(r"succeeded", early=True),
     "opgraph metrics serve --address 127.0.0.1:6379 --port 9464":
         Serve("http://127.0.0.1:9464/metrics", name="metrics"),
     "curl -s http://127.0.0.1:9464/metrics": Run(r"opgraph_up", after=("metrics",)),

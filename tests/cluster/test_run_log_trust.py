@@ -15,7 +15,6 @@ import pickle
 import time
 import uuid
 
-import httpx
 import msgpack
 from api_server import serve
 from ray import cloudpickle

@@ -38,6 +38,7 @@ WRITERS = {
     ("scheduler.py", "_make_ready"),  # fast step (WAITING, READY)
     ("dispatch.py", "_dispatch_ready"),  # fast step (READY, RUNNING)
     ("scheduler.py", "_settle_completed"),  # fast step (RUNNING, COMPLETED)
+    ("release.py", "_on_release"),  # (terminal, UNREGISTERED): a released node leaves the run
 }
 _MUTATING = frozenset({"update", "pop", "popitem", "setdefault", "clear", "__setitem__", "__delitem__"})
 

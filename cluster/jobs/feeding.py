@@ -1,0 +1,483 @@
+"""Feeding a dataset job's rows to the runtime: a window at a time into one live run, or a workflow run per row.
+
+Owns the loop between the input and the runtime. ``PromptFeeder`` admits rows into one
+``FedRun`` so that at most a window of them is held there at once, records each settled
+row's outcome in the run store (its answer, usage and cost) and appends it to the output,
+and only then lets the run release it; a budget stops the admissions and lets what is in
+flight finish. After the run's executor was replaced, or when it takes over a run its last
+client left, it reconciles with what the run still holds. ``WorkflowRows`` runs a stored
+fixed workflow per row through the lane registry, as many at once as the concurrency allows.
+It reads rows from ``RowSource`` and never makes a model call itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from opgraph.actors.protocol import AdmittedRow
+from opgraph.kernel import FlowEvent, OpGraphError
+
+from ..store import MapJobStore, RowOutcome
+from .answers import ROW_OPERATION
+from .output import OutputFile
+from .rows import PromptTemplate, RowSource, row_key
+
+__all__ = ["ADMIT_BATCH", "Budget", "MapProgress", "PromptFeeder", "RowPlan", "WorkflowRows", "node_id_of"]
+
+ADMIT_BATCH = 1024  # rows one admission carries at most
+POLL_SECONDS = 1.0  # how long one poll of the run waits for settled rows
+
+
+def node_id_of(job_id: str, key: str) -> str:
+    """A row's node id: the same for the same job and row key, in any process (a reinjection is a
+    duplicate); 32 hex digits of a keyed hash (a uuid5 cost three times as much, once a row)."""
+    return hashlib.blake2b(key.encode(), digest_size=16, key=job_id.encode()[:64]).hexdigest()
+
+
+@dataclass
+class Budget:
+    """The job's spending bounds and what it has spent (recorded rows, earlier runs included)."""
+
+    max_tokens: int | None = None
+    max_cost_usd: float | None = None
+    tokens: int = 0
+    cost_usd: float = 0.0
+    rows: int = 0  # rows whose spending is counted above (for the mean a row in flight is expected to cost)
+
+    def add(self, outcome: RowOutcome) -> None:
+        self.tokens += outcome.tokens
+        self.cost_usd += outcome.cost_usd
+        self.rows += 1
+
+    @property
+    def bounded(self) -> bool:
+        return self.max_tokens is not None or self.max_cost_usd is not None
+
+    def rows_left(self) -> int | None:
+        """How many more rows the bounds allow at the mean cost of a row so far (None: no bound, or no
+        row recorded yet to take a mean from)."""
+        if not self.bounded or not self.rows:
+            return None
+        left = []
+        if self.max_tokens is not None and self.tokens:
+            left.append(int((self.max_tokens - self.tokens) / (self.tokens / self.rows)))
+        if self.max_cost_usd is not None and self.cost_usd:
+            left.append(int((self.max_cost_usd - self.cost_usd) / (self.cost_usd / self.rows)))
+        return max(0, min(left)) if left else None
+
+    def spent(self, in_flight: int = 0) -> str | None:
+        """Which bound leaves no room for one more row (``tokens``, ``cost``): spent already, or spent
+        once the ``in_flight`` rows and one more cost the mean so far."""
+        mean_tokens = self.tokens / self.rows if self.rows else 0.0
+        mean_cost = self.cost_usd / self.rows if self.rows else 0.0
+        if self.max_tokens is not None and (self.tokens >= self.max_tokens
+                                            or self.tokens + (in_flight + 1) * mean_tokens > self.max_tokens):
+            return "tokens"
+        if self.max_cost_usd is not None and (self.cost_usd >= self.max_cost_usd
+                                              or self.cost_usd + (in_flight + 1) * mean_cost > self.max_cost_usd):
+            return "cost"
+        return None
+
+
+@dataclass
+class MapProgress:
+    """A job's counts as it goes: what a progress bar and the final summary show."""
+
+    total: int = 0  # rows the job runs (the input's, less those refused)
+    recorded_before: int = 0  # rows recorded by earlier runs of the job, not run again
+    refused: int = 0  # rows skipped as bad input (``--on-bad-row skip``)
+    done: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    calls: int = 0
+    tokens: int = 0
+    cost_usd: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    stopped: str | None = None  # why admissions stopped early: a budget (``tokens``, ``cost``) or ``limit``
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
+
+    @property
+    def remaining(self) -> int:
+        return max(0, self.total - self.recorded_before - self.finished)
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    @property
+    def rows_per_second(self) -> float:
+        return self.finished / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def seconds_left(self) -> float | None:
+        rate = self.rows_per_second
+        return self.remaining / rate if rate > 0 and not self.stopped else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"total": self.total, "recorded_before": self.recorded_before, "refused": self.refused,
+                "done": self.done, "failed": self.failed, "remaining": self.remaining, "calls": self.calls,
+                "tokens": self.tokens, "cost_usd": round(self.cost_usd, 6),
+                "rows_per_second": round(self.rows_per_second, 1), "elapsed": round(self.elapsed, 3),
+                "stopped": self.stopped}
+
+
+@dataclass
+class RowPlan:
+    """Which rows of the input this run of the job takes: not refused, not recorded (``recorded``,
+    a bitmap of input places), not already open in the run (``open_places``), at most ``limit``
+    (counted over the input's good rows, recorded ones included)."""
+
+    source: RowSource
+    id_column: str
+    refused: set[int]
+    recorded: bytearray
+    limit: int | None = None
+    open_places: set[int] = field(default_factory=set)
+
+    def mark(self, ordinal: int) -> None:
+        _set_bit(self.recorded, ordinal)
+
+    def pending(self) -> Iterator[tuple[int, str, dict[str, Any]]]:
+        """(ordinal, key, values) of every row to run, in input order."""
+        good = 0
+        for row in self.source.rows():
+            if row.ordinal in self.refused or row.values is None:
+                continue
+            if self.limit is not None and good >= self.limit:
+                return
+            good += 1
+            if _has_bit(self.recorded, row.ordinal) or row.ordinal in self.open_places:
+                continue
+            yield row.ordinal, row_key(row.values.get(self.id_column)), row.values
+
+
+def recorded_bitmap(ordinals: Iterator[int]) -> bytearray:
+    bitmap = bytearray()
+    for ordinal in ordinals:
+        _set_bit(bitmap, ordinal)
+    return bitmap
+
+
+def _set_bit(bitmap: bytearray, ordinal: int) -> None:
+    index = ordinal >> 3
+    if index >= len(bitmap):
+        bitmap.extend(bytes(index + 1 - len(bitmap) + 4096))
+    bitmap[index] |= 1 << (ordinal & 7)
+
+
+def _has_bit(bitmap: bytearray, ordinal: int) -> bool:
+    index = ordinal >> 3
+    return index < len(bitmap) and bool(bitmap[index] >> (ordinal & 7) & 1)
+
+
+class RowRecorder:
+    """Turns settled rows into outcomes, records them (store, then output) and counts them."""
+
+    def __init__(self, job_id: str, run_id: str, store: MapJobStore, output: OutputFile | None, prices: Any,
+                 progress: MapProgress, budget: Budget, *, replace_failed: bool,
+                 on_recorded: Callable[[list[RowOutcome]], Any] | None = None) -> None:
+        self.job_id, self.run_id = job_id, run_id
+        self.store, self.output, self.prices = store, output, prices
+        self.progress, self.budget = progress, budget
+        self.replace_failed = replace_failed
+        self.on_recorded = on_recorded
+        self._prices: dict[str, Any] = {}  # model -> its ModelPrice (or None), looked up once
+
+    def outcome(self, event: FlowEvent, ordinal: int) -> RowOutcome | None:
+        """The row's outcome from its settled node; None for a row that was cancelled (not answered)."""
+        result = event.result
+        if type(result) is str:  # a row's answer comes as JSON text (answers.answer_row)
+            try:
+                result = json.loads(result)
+            except json.JSONDecodeError:
+                result = {"answer": result}
+        if not isinstance(result, dict):
+            result = {}
+        usage = result.get("usage") or (0, 0, 0)
+        model = result.get("model")
+        calls, prompt, completion = int(usage[0] or 0), int(usage[1] or 0), int(usage[2] or 0)
+        cost = 0.0
+        if model and (prompt or completion):
+            price = self._price(model)
+            cost = price.cost(prompt, completion) if price is not None else 0.0
+        if event.status == "completed" and "answer" in result:
+            answer = result["answer"]
+            return RowOutcome(event.name, ordinal, "done", answer, None, calls, prompt, completion, cost, model,
+                              self.run_id, json.dumps(answer, ensure_ascii=False, separators=(",", ":")))
+        if event.status == "completed" and "failed" in result:
+            error = str(result["failed"])
+        elif event.status == "failed":
+            error = result.get("error") or "the row's operation failed"
+            kind = result.get("error_type")
+            error = f"{kind}: {error}" if kind else str(error)
+        else:
+            return None
+        return RowOutcome(event.name, ordinal, "failed", None, error, calls, prompt, completion, cost, model,
+                          self.run_id)
+
+    def _price(self, model: str) -> Any:
+        prices = self._prices
+        if model not in prices:
+            prices[model] = self.prices.price_for(model)
+        return prices[model]
+
+    async def record(self, outcomes: list[RowOutcome]) -> list[RowOutcome]:
+        """Record in the store, then append to the output; returns the outcomes new to the job."""
+        written = await asyncio.to_thread(self.store.record_rows, self.job_id, outcomes,
+                                          replace_failed=self.replace_failed)
+        if self.output is not None and written:
+            await asyncio.to_thread(self.output.append, written)
+        progress = self.progress
+        for outcome in written:
+            if outcome.status == "done":
+                progress.done += 1
+            else:
+                progress.failed += 1
+            progress.calls += outcome.calls
+            progress.tokens += outcome.tokens
+            progress.cost_usd += outcome.cost_usd
+            self.budget.add(outcome)
+        if written and self.on_recorded is not None:
+            await _maybe_await(self.on_recorded(written))
+        return written
+
+
+class PromptFeeder:
+    """Feeds the rows of ``plan`` into ``fed`` (a ``FedRun``), a window at a time, and records them.
+
+    ``window`` bounds the rows admitted and not yet released, so the run holds at most that
+    many nodes whatever the input's size; admissions stop once ``budget`` is spent.
+    """
+
+    def __init__(self, fed: Any, job_id: str, plan: RowPlan, template: PromptTemplate, recorder: RowRecorder,
+                 *, window: int, concurrency: int, on_progress: Callable[[MapProgress], Any] | None = None) -> None:
+        self.fed, self.job_id, self.plan, self.template = fed, job_id, plan, template
+        self.recorder = recorder
+        self.window = max(1, window)
+        self.concurrency = max(1, concurrency)
+        self.on_progress = on_progress
+        self.in_run: dict[str, tuple[int, str]] = {}  # node id -> (ordinal, key): admitted, not yet released
+        self.room = asyncio.Event()
+        self.room.set()
+        self.recoveries = fed.recoveries
+        self.reading_done = False
+        self.cancelled = 0  # rows the run cancelled: not answered, left for the next run
+
+    async def run(self) -> dict[str, Any] | None:
+        """Feed every pending row, drain, close the run; return its envelope."""
+        await self._take_over()
+        admitting = asyncio.ensure_future(self._admit_all())
+        try:
+            await self._drain(admitting)
+        except asyncio.CancelledError:
+            # Stopped (Ctrl-C, a notebook's loop left): what settled is recorded before the caller
+            # stops the run, so only the rows in flight are asked again next time.
+            await asyncio.shield(self._settle_held())
+            raise
+        finally:
+            if not admitting.done():
+                admitting.cancel()
+                await asyncio.gather(admitting, return_exceptions=True)
+        return self.fed.envelope
+
+    async def _settle_held(self) -> None:
+        """Record what the run holds settled; a run that cannot be asked (its runtime going down)
+        keeps it, in its log, for the next run of the job to adopt."""
+        with contextlib.suppress(OpGraphError):
+            held = await self.fed.held()
+            await self._settle(held.settled, held.metadata)
+
+    async def _take_over(self) -> None:
+        """A run its last client left (or that a replaced executor rebuilt): record what it settled,
+        and remember what is open in it, so those rows are not admitted twice."""
+        held = await self.fed.held()
+        for node_id, metadata in held.open:
+            place = metadata.get("row")
+            if isinstance(place, int):
+                self.in_run[node_id] = (place, metadata.get("reference_id") or "")
+                self.plan.open_places.add(place)
+        await self._settle(held.settled, held.metadata)
+        self.recoveries = self.fed.recoveries
+
+    def _room(self) -> int:
+        """Rows that may be admitted now: the window's room; under a budget whose cost per row is not
+        known yet (nothing recorded), no more than one wave (the concurrency), so that the first
+        rows' spending is seen before the run holds many more."""
+        budget = self.recorder.budget
+        limit = self.concurrency if budget.bounded and budget.rows == 0 else self.window
+        room = limit - len(self.in_run)
+        allowed = budget.rows_left()
+        return room if allowed is None else min(room, allowed - len(self.in_run))
+
+    async def _admit_all(self) -> None:
+        rows = self.plan.pending()
+        budget, progress = self.recorder.budget, self.recorder.progress
+        try:
+            while True:
+                while self._room() <= 0:
+                    reason = budget.spent(len(self.in_run))
+                    if reason is not None:  # spent, counting what is in flight: no row will be admitted
+                        progress.stopped = reason
+                        return
+                    self.room.clear()
+                    await self.room.wait()
+                reason = budget.spent(len(self.in_run))
+                if reason is not None:
+                    progress.stopped = reason
+                    return
+                batch = self._operations(rows, min(ADMIT_BATCH, self._room()))
+                if not batch:
+                    return
+                for node_id, _, _, metadata in batch:
+                    self.in_run[node_id] = (metadata["row"], metadata["reference_id"])
+                progress.in_flight = len(self.in_run)
+                decided = await self.fed.admit(batch)
+                for (node_id, *_), (accepted, reason) in zip(batch, decided, strict=True):
+                    if not accepted and reason != "duplicate":  # refused: the run ended under us
+                        self.in_run.pop(node_id, None)
+                await asyncio.sleep(0)  # let the drain take what settled meanwhile
+        finally:
+            self.reading_done = True
+            self.room.set()
+
+    def _operations(self, rows: Iterator[tuple[int, str, dict[str, Any]]], count: int) -> list[AdmittedRow]:
+        """Up to ``count`` rows as the operations they are admitted as: (node id, operation, parameters,
+        metadata), the row's key and place in its metadata."""
+        made, job_id, render = [], self.job_id, self.template.render
+        for ordinal, key, values in rows:
+            made.append((node_id_of(job_id, key), ROW_OPERATION, {"prompt": render(values)},
+                         {"stateless": True, "reference_id": key, "row": ordinal}))
+            if len(made) >= count:
+                break
+        return made
+
+    async def _drain(self, admitting: asyncio.Future) -> None:
+        fed = self.fed
+        closing = False
+        while not fed.done:
+            if admitting.done() and admitting.exception() is not None:
+                raise admitting.exception()
+            if not closing and self.reading_done and not self.in_run:
+                closing = True
+                await fed.close()
+            events = await fed.outcomes(timeout=POLL_SECONDS if not closing else 0.2)
+            if fed.recoveries != self.recoveries:  # the executor was replaced: what it had not delivered
+                self.recoveries = fed.recoveries
+                held = await fed.held()
+                events = [*events, *held.settled]
+            await self._settle(events)
+
+    async def _settle(self, events: list[FlowEvent], metadata: dict[str, dict[str, Any]] | None = None) -> None:
+        if not events:
+            return
+        outcomes, seen = [], []
+        for event in events:
+            place = self.in_run.get(event.operation_id)
+            if place is None and metadata is not None:
+                row = metadata.get(event.operation_id, {}).get("row")
+                place = (row, event.name) if isinstance(row, int) else None
+            if place is None:  # recorded before (a repeat after a recovery): only its release is left
+                seen.append(event.operation_id)
+                continue
+            outcome = self.recorder.outcome(event, place[0])
+            if outcome is None:
+                self.cancelled += 1
+            else:
+                outcomes.append(outcome)
+                self.plan.mark(place[0])
+            seen.append(event.operation_id)
+        await self.recorder.record(outcomes)
+        await self.fed.release(seen)
+        for node_id in seen:
+            self.in_run.pop(node_id, None)
+        self.recorder.progress.in_flight = len(self.in_run)
+        self.room.set()
+        if self.on_progress is not None:
+            await _maybe_await(self.on_progress(self.recorder.progress))
+
+
+class WorkflowRows:
+    """Runs a stored fixed workflow once per row (the row's columns as its inputs), through the lane
+    registry, ``concurrency`` rows at a time; each row's run is recorded by its lane like any other."""
+
+    def __init__(self, lane: Any, workflow: str, model: str | None, session: Any, job_id: str, plan: RowPlan,
+                 recorder: RowRecorder, *, concurrency: int,
+                 on_progress: Callable[[MapProgress], Any] | None = None) -> None:
+        self.lane, self.workflow, self.model, self.session = lane, workflow, model, session
+        self.job_id, self.plan, self.recorder = job_id, plan, recorder
+        self.concurrency = max(1, concurrency)
+        self.on_progress = on_progress
+
+    async def run(self) -> None:
+        progress, budget = self.recorder.progress, self.recorder.budget
+        running: set[asyncio.Task] = set()
+        for ordinal, key, values in self.plan.pending():
+            while len(running) >= self.concurrency:
+                finished, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    task.result()
+            reason = budget.spent(len(running))
+            if reason is not None:
+                progress.stopped = reason
+                break
+            running.add(asyncio.ensure_future(self._row(ordinal, key, values)))
+            progress.in_flight = len(running)
+        if running:
+            for task in asyncio.as_completed(running):
+                await task
+
+    async def _row(self, ordinal: int, key: str, values: dict[str, Any]) -> None:
+        invocation = self.lane.invocation(self.workflow, inputs=dict(values), model=self.model,
+                                          run_id=f"map-{self.job_id}-{node_id_of(self.job_id, key)[:8]}-"
+                                                 f"{uuid.uuid4().hex[:8]}")
+        try:
+            prepared = await self.lane.prepare(invocation)
+            result = await self.lane.execute(prepared, session=self.session)
+        except Exception as exc:  # noqa: BLE001 - the row's workflow could not run: the row failed, with why
+            outcome = RowOutcome(key, ordinal, "failed", error=f"{type(exc).__name__}: {exc}")
+        else:
+            outcome = self._outcome(key, ordinal, result)
+        await self.recorder.record([outcome])
+        self.plan.mark(ordinal)
+        progress = self.recorder.progress
+        progress.in_flight = max(0, progress.in_flight - 1)
+        if self.on_progress is not None:
+            await _maybe_await(self.on_progress(progress))
+
+    def _outcome(self, key: str, ordinal: int, result: Any) -> RowOutcome:
+        calls = prompt = completion = 0
+        cost, model = 0.0, None
+        for output in result.outputs.values():
+            usage = output.get("usage") if isinstance(output, dict) else None
+            if isinstance(usage, dict):
+                calls += int(usage.get("calls") or 0)
+                prompt += int(usage.get("prompt_tokens") or 0)
+                completion += int(usage.get("completion_tokens") or 0)
+                model = output.get("model") or model
+                if output.get("model"):
+                    cost += self.recorder.prices.cost({output["model"]: usage})[0]
+        common = {"calls": calls, "prompt_tokens": prompt, "completion_tokens": completion, "cost_usd": cost,
+                  "model": model, "run_id": result.run_id}
+        if result.status == "completed":
+            answer = {name: (output.get("text") if isinstance(output, dict) and "text" in output else output)
+                      for name, output in result.outputs.items()}
+            return RowOutcome(key, ordinal, "done", answer=answer, **common)
+        return RowOutcome(key, ordinal, "failed", error=f"the workflow run {result.run_id} ended {result.status}: "
+                                                        f"{result.errors}", **common)
+
+
+async def _maybe_await(value: Any) -> Any:
+    if asyncio.iscoroutine(value):
+        return await value
+    return value
