@@ -62,7 +62,7 @@ __all__ = [
 RETENTION_STATUSES = ("admitted", "running", "completed", "degraded", "failed", "cancelled")
 ENDED_STATUSES = frozenset({"completed", "degraded", "failed", "cancelled"})
 # The store's own rows of a run, children before parents (foreign keys).
-STORE_RUN_TABLES = ("run_signals", "run_nodes", "run_branches", "runs")
+STORE_RUN_TABLES = ("run_signals", "run_nodes", "run_branches", "run_outlines", "runs")
 ENGINE_RUN_TABLES = ("engine_events", "engine_runs")
 ALL_TABLES = (*STORE_RUN_TABLES, *ENGINE_RUN_TABLES, *RUN_LOG_TABLES, *BRANCH_TABLES)
 # A Session's own branches (``session-ID-NAME``): the Session drops them when it closes. A run

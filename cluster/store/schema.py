@@ -272,6 +272,16 @@ MIGRATIONS: tuple[Migration, ...] = (
             model TEXT, run_id TEXT, recorded_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (job_id, row_key))""",
         "CREATE INDEX map_rows_ordinal ON map_rows(job_id, ordinal)",
     )),
+    # The console (cluster/http/console): a run's graph outline, recorded once when the run
+    # starts (node ids, names, operations and edges), so a finished run's page draws its
+    # graph, unreached nodes and edges included, without the executor.
+    Migration(8, "each run's graph outline", (
+        """CREATE TABLE run_outlines (
+            run_id TEXT PRIMARY KEY REFERENCES runs(run_id), outline TEXT NOT NULL)""",
+    ), postgres=(
+        """CREATE TABLE run_outlines (
+            run_id TEXT PRIMARY KEY REFERENCES runs(run_id), outline TEXT NOT NULL)""",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER and PostgreSQL BIGINT: no definition version can be higher
