@@ -66,6 +66,7 @@ class GraphModel:
     edges: list[tuple[str, str]]
     shape_of: dict[str, str]
     names: dict[str, str]
+    predecessors: dict[str, list[str]] = field(default_factory=dict)
     width: float = 0.0
     height: float = 0.0
     laid_out: bool = field(default=False)
@@ -147,7 +148,7 @@ def build_model(outline: Mapping[str, Any] | None, extra_nodes: Mapping[str, str
                 shape_of[node] = shape.id
     edges = sorted({(shape_of[head], shape_of[tail]) for head, tails in successors.items() for tail in tails
                     if shape_of[head] != shape_of[tail]})
-    return GraphModel(shapes, edges, shape_of, names)
+    return GraphModel(shapes, edges, shape_of, names, predecessors)
 
 
 class _View:

@@ -212,10 +212,10 @@ class Console:
                        "message": name == "message"} for name in controls])
 
     def node_page(self, run_id: str, record: RunRecord, node_id: str, fragment: bool) -> str:
-        states = self.states(run_id)
-        model = self.model(run_id, states)
+        model = self.model(run_id)
         settled = self.store.run_node(run_id, node_id)
         signals = self.store.node_signals(run_id, node_id)
+        state = node_state(settled["status"] if settled is not None else signals[-1]["kind"] if signals else None)
         if node_id not in model.shape_of and settled is None and not signals:
             raise UnknownNameError(f"run {run_id} has no node {node_id!r}")
         name = model.names.get(node_id) or (settled or {}).get("spec_node_id") or node_id
@@ -238,22 +238,21 @@ class Console:
             error_type = recorded.get("type") or recorded.get("error_type")
         elif recorded is not None:
             error = str(recorded)
-        if error is None and states.get(node_id) == "failed":
+        if error is None and state == "failed":
             error = result if isinstance(result, str) else json.dumps(result, indent=2, default=str)
             if isinstance(result, Mapping):
                 error_type = result.get("type") or result.get("error_type")
         inputs: list[tuple[str, Any]] = []
         if record.inputs:
             inputs.append(("run inputs", record.inputs))
-        outline = self.store.run_outline(run_id) or {"edges": []}
-        for head in [edge[0] for edge in outline["edges"] if edge[1] == node_id][:20]:
+        for head in model.predecessors.get(node_id, [])[:20]:
             before = self.store.run_node(run_id, head)
             if before is not None:
                 inputs.append((f"from {model.names.get(head, head)}", before["result"]))
         branches = [{"branch_id": branch["branch_id"], "messages": [_message(m) for m in branch["messages"]]}
                     for branch in self.store.run_branches(run_id) if branch["node_id"] in (name, node_id)]
         usage = result.get("usage") if isinstance(result, Mapping) else None
-        node = {"id": node_id, "name": name, "operation": operation, "state": states.get(node_id, "pending"),
+        node = {"id": node_id, "name": name, "operation": operation, "state": state,
                 "attempts": sum(1 for signal in signals if signal["kind"] == "started"), "timings": timings,
                 "error": error, "error_type": error_type or ("error" if error else None), "usage": _usage_text(usage),
                 "inputs": inputs, "result": result, "branches": branches,
