@@ -249,8 +249,19 @@ class Console:
             before = self.store.run_node(run_id, head)
             if before is not None:
                 inputs.append((f"from {model.names.get(head, head)}", before["result"]))
-        branches = [{"branch_id": branch["branch_id"], "messages": [_message(m) for m in branch["messages"]]}
-                    for branch in self.store.run_branches(run_id) if branch["node_id"] in (name, node_id)]
+        recorded_branches = self.store.run_branches(run_id)
+        own = [branch for branch in recorded_branches if branch["node_id"] in (name, node_id)]
+        # A node without a branch of its own took its turn on the run's shared branch: that one, with
+        # the node's own answer marked.
+        shared = not own
+        answer = result.get("text") if isinstance(result, Mapping) else result if isinstance(result, str) else None
+        branches = []
+        for branch in own or [branch for branch in recorded_branches if branch["node_id"] is None]:
+            messages = [_message(message) for message in branch["messages"]]
+            for message in messages:
+                message["own"] = bool(answer) and message["role"] == "assistant" and message["content"] == answer
+            if not shared or any(message["own"] for message in messages):
+                branches.append({"branch_id": branch["branch_id"], "shared": shared, "messages": messages})
         usage = result.get("usage") if isinstance(result, Mapping) else None
         node = {"id": node_id, "name": name, "operation": operation, "state": state,
                 "attempts": sum(1 for signal in signals if signal["kind"] == "started"), "timings": timings,
