@@ -146,8 +146,19 @@ def main(argv: list[str] | None = None) -> int:
             record_fanout(store, "fanout-finished", arguments.width)
             figures["record_s"] = round(time.perf_counter() - started, 2)
             live = arguments.live_width > 0
-            app = create_app(store, access=AccessPolicy(token), start_runtime=live)
-            with serve_app(app) as url, sync_playwright() as playwright:
+            session = None
+            if live:
+                from opgraph.actors import Session  # Ray: only for the live figures
+
+                session = Session()
+            app = create_app(store, access=AccessPolicy(token), start_runtime=live,
+                             session_factory=lambda: session)
+            app.state.bench_session = session
+            with contextlib.ExitStack() as closing:
+                if session is not None:
+                    closing.callback(session.close)
+                url = closing.enter_context(serve_app(app))
+                playwright = closing.enter_context(sync_playwright())
                 browser = launch_chromium(playwright)
                 try:
                     figures.update({key: round(value, 1) for key, value in

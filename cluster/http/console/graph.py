@@ -20,7 +20,8 @@ from grandalf.graphs import Graph as LayoutGraph
 from grandalf.graphs import Vertex
 from grandalf.layouts import SugiyamaLayout
 
-__all__ = ["GROUP_MIN", "STATES", "GraphModel", "Shape", "build_model", "node_state", "render_svg"]
+__all__ = ["BAR_ORDER", "GROUP_MIN", "STATES", "GraphModel", "Shape", "build_model", "group_state", "node_state",
+           "render_svg"]
 
 # A class of interchangeable siblings is folded into one group from this many members.
 GROUP_MIN = 6
@@ -203,6 +204,31 @@ def _counts_text(counts: Mapping[str, int]) -> str:
     return "  ".join(f"{STATES[state][0]}{counts[state]:,}" for state in order if counts.get(state))
 
 
+BAR_ORDER = ("completed", "running", "queued", "failed", "cancelled", "skipped", "pending")
+
+
+def group_state(counts: Mapping[str, int]) -> str:
+    """The state a group shows as a whole: failed if any failed, running while any runs, else the most common."""
+    if counts.get("failed"):
+        return "failed"
+    if counts.get("running") or counts.get("queued"):
+        return "running"
+    return max(counts, key=counts.get) if counts else "pending"
+
+
+def _bar(shape: Shape, counts: Mapping[str, int]) -> str:
+    """A bar of the group's members by state (one segment per state, in ``BAR_ORDER``), under its name."""
+    total = max(1, sum(counts.values()))
+    width, x = shape.width - 20, shape.x + 10
+    parts = [f'<g class="bar" data-x="{x:.0f}" data-width="{width:.0f}">']
+    for state in BAR_ORDER:
+        part = width * counts.get(state, 0) / total
+        parts.append(f'<rect class="seg-{state}" x="{x:.1f}" y="{shape.y + 25:.0f}" width="{part:.1f}" height="12"/>')
+        x += part
+    parts.append("</g>")
+    return "".join(parts)
+
+
 def render_svg(model: GraphModel, states: Mapping[str, str], *, run_id: str) -> str:
     """The laid-out ``model`` as an SVG document fragment; every name and id is escaped."""
     layout(model)
@@ -227,18 +253,17 @@ def _shape_svg(model: GraphModel, shape: Shape, states: Mapping[str, str], run_i
     label = escape(_clip(shape.label))
     if shape.group:
         counts = model.counts(shape.id, states)
-        state = ("failed" if counts.get("failed") else "running" if counts.get("running") or counts.get("queued")
-                 else max(counts, key=counts.get) if counts else "pending")
         href = escape(f"/runs/{quote(run_id, safe='')}/groups/{shape.id}")
-        return (f'<a href="{href}" class="shape group s-{state}" id="{shape.id}" data-group="{shape.id}" '
+        return (f'<a href="{href}" class="shape group s-{group_state(counts)}" id="{shape.id}" data-group="{shape.id}" '
                 f'aria-label="group {escape(shape.label)} of {len(shape.members):,} nodes">'
                 f'<title>{escape(shape.label)}: {len(shape.members):,} nodes</title>'
                 f'<rect class="stack" x="{shape.x + 6:.0f}" y="{shape.y - 6:.0f}" width="{shape.width:.0f}" '
                 f'height="{shape.height:.0f}" rx="6"/>'
-                f'<rect x="{shape.x:.0f}" y="{shape.y:.0f}" width="{shape.width:.0f}" height="{shape.height:.0f}" '
-                f'rx="6"/><text class="name" x="{shape.x + 10:.0f}" y="{shape.y + 18:.0f}">{label} '
-                f'×{len(shape.members):,}</text><text class="counts" x="{shape.x + 10:.0f}" '
-                f'y="{shape.y + 40:.0f}">{escape(_counts_text(counts))}</text></a>')
+                f'<rect class="body" x="{shape.x:.0f}" y="{shape.y:.0f}" width="{shape.width:.0f}" '
+                f'height="{shape.height:.0f}" rx="6"/><text class="name" x="{shape.x + 10:.0f}" '
+                f'y="{shape.y + 17:.0f}">{label} ×{len(shape.members):,}</text>'
+                f'{_bar(shape, counts)}<text class="counts" x="{shape.x + 10:.0f}" '
+                f'y="{shape.y + 50:.0f}">{escape(_counts_text(counts))}</text></a>')
     node = shape.members[0]
     state = states.get(node, "pending")
     icon, words = STATES.get(state, STATES["running"])

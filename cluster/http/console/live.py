@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ...store import RunStore
-from .graph import GraphModel, node_state
+from .graph import GraphModel, group_state, node_state
 from .views import Console, counts_text, run_state
 
 __all__ = ["SUBSCRIBER_BUFFER", "TICK", "LiveFeed", "LiveFeeds"]
@@ -86,8 +86,9 @@ class LiveFeed:
 
     def _message(self, nodes: dict[str, str], groups: set[str], run: dict[str, Any] | None) -> str:
         body: dict[str, Any] = {"nodes": nodes,
-                                "groups": {group: [_group_state(self.group_counts[group]),
-                                                   counts_text(self.group_counts[group])] for group in groups}}
+                                "groups": {group: [group_state(self.group_counts[group]),
+                                                   counts_text(self.group_counts[group]), self.group_counts[group]]
+                                           for group in groups}}
         if run is not None:
             body["run"] = run
             body["done"] = self.done
@@ -212,14 +213,6 @@ class LiveFeed:
 
 
 _SETTLED = frozenset({"completed", "failed", "skipped", "cancelled"})
-
-
-def _group_state(counts: dict[str, int]) -> str:
-    if counts.get("failed"):
-        return "failed"
-    if counts.get("running") or counts.get("queued"):
-        return "running"
-    return max(counts, key=counts.get) if counts else "pending"
 
 
 class LiveFeeds:

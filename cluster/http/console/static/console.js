@@ -4,6 +4,7 @@
   "use strict";
   var ICONS = {pending: "○", queued: "◔", running: "▶", completed: "✓", failed: "✗", skipped: "↷", cancelled: "■"};
   var STATES = Object.keys(ICONS);
+  var BAR_ORDER = ["completed", "running", "queued", "failed", "cancelled", "skipped", "pending"];
   function csrf() { var m = document.querySelector('meta[name="csrf-token"]'); return m ? m.content : ""; }
   function setState(el, state) {
     STATES.forEach(function (s) { el.classList.remove("s-" + s); });
@@ -107,6 +108,7 @@
     });
 
     if (head.dataset.live !== "yes" || !window.EventSource) return;
+    var updates = window.opgraphUpdates = [];  // [shape id, when applied(, counts)]: what the benchmark reads
     var source = new EventSource("/runs/" + encodeURIComponent(runId) + "/live");
     source.onmessage = function (message) {
       var update = JSON.parse(message.data);
@@ -118,14 +120,25 @@
         var icon = el.querySelector(".icon");
         if (icon) icon.textContent = ICONS[nodes[id]] || "";
         el.setAttribute("data-state", nodes[id]);
+        updates.push([id, Date.now()]);
       });
       var groups = update.groups || {};
       Object.keys(groups).forEach(function (id) {
+        updates.push([id, Date.now(), groups[id][2]]);
         var el = document.getElementById(id);
         if (!el) return;
         setState(el, groups[id][0]);
         var counts = el.querySelector(".counts");
         if (counts) counts.textContent = groups[id][1];
+        var bar = el.querySelector(".bar"), byState = groups[id][2] || {};
+        if (bar) {
+          var total = 0, x = parseFloat(bar.dataset.x), width = parseFloat(bar.dataset.width);
+          Object.keys(byState).forEach(function (s) { total += byState[s]; });
+          BAR_ORDER.forEach(function (s) {
+            var seg = bar.querySelector(".seg-" + s), part = total ? width * (byState[s] || 0) / total : 0;
+            seg.setAttribute("x", x.toFixed(1)); seg.setAttribute("width", part.toFixed(1)); x += part;
+          });
+        }
       });
       if (update.run) {
         var badge = document.getElementById("run-status");
