@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="opgraph bench --shapes console", description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=10_000, help="nodes of the finished fan-out")
     parser.add_argument("--live-width", type=int, default=10_000, help="nodes of the live fan-out (0: skip)")
-    parser.add_argument("--consoles", type=int, default=10)
+    parser.add_argument("--consoles", type=int, default=10, help="consoles following the live run at once (10)")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     arguments = parser.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
@@ -172,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                     browser.close()
     figures["width"] = arguments.width
     print(json.dumps(figures, indent=2, sort_keys=True))
+    if arguments.json:
+        Path(arguments.json).write_text(json.dumps(figures, indent=2, sort_keys=True))
     return 0
 
 
