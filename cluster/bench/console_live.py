@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import os
 import resource
 import statistics
+import tempfile
 import threading
 import time
 import uuid
@@ -28,8 +30,9 @@ from ..lanes.fixed import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, fixed_wor
 __all__ = ["CAPACITY", "LATENCY", "live_figures"]
 
 LATENCY = 0.05
-CAPACITY = 200
+CAPACITY = 100
 SLEEP = "console_bench_sleep"
+GATE = "console_bench_gate"
 RUN_DEADLINE = 600.0
 
 
@@ -38,11 +41,20 @@ async def _sleep(branch: Any, seconds: float = 0.0, **parameters: Any) -> Any:
     return parameters.get("result")
 
 
-def _prepared(width: int) -> PreparedLaneRun:
+async def _gate(branch: Any, path: str = "", **parameters: Any) -> Any:
+    """Wait until ``path`` exists: the fan-out starts once every console follows the run."""
+    deadline = time.monotonic() + RUN_DEADLINE
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return "open"
+
+
+def _prepared(width: int, gate: str) -> PreparedLaneRun:
     builder = OperationGraphBuilder()
-    labels = {}
+    opened = builder.add_operation(GATE, depends_on=[], path=gate)
+    labels = {opened: "gate"}
     for index in range(width):
-        node = builder.add_operation(SLEEP, depends_on=[], seconds=LATENCY, result=index)
+        node = builder.add_operation(SLEEP, depends_on=[opened], seconds=LATENCY, result=index)
         labels[node] = f"row-{index}"
     graph = builder.get_graph()
     run_id = str(uuid.uuid4())
@@ -63,8 +75,8 @@ def _present(envelope: Any) -> Any:
     return ("failed" if failed else "completed"), {}, {}, statuses
 
 
-def _start(session: Any, store: Any, width: int) -> tuple[str, threading.Thread, list[Any]]:
-    prepared = _prepared(width)
+def _start(session: Any, store: Any, width: int, gate: str) -> tuple[str, threading.Thread, list[Any]]:
+    prepared = _prepared(width, gate)
     outcome: list[Any] = []
 
     def drive() -> None:
@@ -86,7 +98,10 @@ def _start(session: Any, store: Any, width: int) -> tuple[str, threading.Thread,
             time.sleep(0.01)
 
 
-def _follow(browser: Any, url: str, token: str, run_id: str, consoles: int) -> tuple[list[Any], list[Any]]:
+def _follow(browser: Any, url: str, token: str, store: Any, run_id: str, consoles: int,
+            gate: str) -> dict[str, Any]:
+    """Open ``consoles`` pages on the live run (held at its gate); once every one follows it, open the gate
+    and take the server process's CPU until the run ends, per 1,000 nodes settled meanwhile."""
     pages = []
     for _ in range(consoles):
         context = browser.new_context(viewport={"width": 1280, "height": 900})
@@ -94,17 +109,32 @@ def _follow(browser: Any, url: str, token: str, run_id: str, consoles: int) -> t
         page.goto(f"{url}/?token={token}")
         page.goto(f"{url}/runs/{run_id}", wait_until="domcontentloaded")
         pages.append(page)
+    for page in pages:  # each has its snapshot: it follows the run (polled: the page's CSP allows no eval)
+        deadline = time.monotonic() + RUN_DEADLINE
+        while not page.evaluate("(window.opgraphUpdates || []).length"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("a console never received the live run's first message")
+            page.wait_for_timeout(20)
+    cpu, settled = _cpu(), _completed(store, run_id)
+    with open(gate, "w"):
+        pass
     for page in pages:
         page.locator("#run-status", has_text="completed").wait_for(timeout=RUN_DEADLINE * 1000)
+    cpu, settled = _cpu() - cpu, _completed(store, run_id) - settled
     updates = pages[0].evaluate("window.opgraphUpdates || []")
     for page in pages:
         page.context.close()
-    return pages, updates
+    return {"updates": updates, "cpu_s": cpu, "nodes": settled}
+
+
+def _completed(store: Any, run_id: str) -> int:
+    return sum(1 for signal in store.run_signals(run_id) if signal["kind"] == "completed")
 
 
 def _latencies(store: Any, run_id: str, updates: list[Any]) -> list[float]:
     """Per node completed after the console subscribed: when its change showed minus when it completed."""
     completions = sorted(signal["at"] for signal in store.run_signals(run_id) if signal["kind"] == "completed"
+                         and signal["spec_node_id"] != "gate"
                          and signal["node_id"] != run_id)
     shown = [(when / 1000.0, counts.get("completed", 0)) for _, when, *rest in updates for counts in rest[:1]
              if isinstance(counts, dict)]
@@ -136,24 +166,29 @@ def live_figures(browser: Any, url: str, token: str, app: Any, store: Any, width
     """Latency p50/p95 with one console, then the server process's CPU with one console and with ``consoles``."""
     session = app.state.bench_session
     session.register_operation(SLEEP, _sleep, record_turn=False)
-    figures: dict[str, Any] = {"live_width": width, "live_capacity": CAPACITY}
+    session.register_operation(GATE, _gate, record_turn=False)
+    gates = tempfile.mkdtemp(prefix="opgraph-console-gate-")
+    figures: dict[str, Any] = {"live_width": width, "live_capacity": CAPACITY, "consoles": consoles}
     for count in (1, consoles):
-        before = _cpu()
         started = time.perf_counter()
-        run_id, thread, outcome = _start(session, store, width)
-        _, updates = _follow(browser, url, token, run_id, count)
+        gate = os.path.join(gates, f"open-{count}")
+        run_id, thread, outcome = _start(session, store, width, gate)
+        followed = _follow(browser, url, token, store, run_id, count, gate)
         thread.join(RUN_DEADLINE)
         if not outcome or isinstance(outcome[0], BaseException):
             raise RuntimeError(f"the live run failed: {outcome}")
-        figures[f"cpu_s_{count}_consoles"] = round(_cpu() - before, 2)
         figures[f"run_s_{count}_consoles"] = round(time.perf_counter() - started, 2)
+        figures[f"nodes_followed_{count}_consoles"] = followed["nodes"]
+        figures[f"cpu_ms_per_1000_nodes_{count}_consoles"] = (
+            round(1000 * followed["cpu_s"] / followed["nodes"] * 1000, 1) if followed["nodes"] else None)
         if count == 1:
+            updates = followed["updates"]
             latencies = sorted(_latencies(store, run_id, updates))
             if latencies:
                 figures["live_nodes_measured"] = len(latencies)
                 figures["live_latency_p50_ms"] = round(statistics.median(latencies) * 1000, 1)
                 figures["live_latency_p95_ms"] = round(latencies[int(0.95 * (len(latencies) - 1))] * 1000, 1)
             figures["live_updates_received"] = len(updates)
-    one, many = figures["cpu_s_1_consoles"], figures[f"cpu_s_{consoles}_consoles"]
-    figures[f"cpu_extra_{consoles}_vs_1_percent"] = round(100 * (many - one) / one, 1) if one else None
+    one, many = (figures[f"cpu_ms_per_1000_nodes_{count}_consoles"] for count in (1, consoles))
+    figures[f"cpu_extra_{consoles}_vs_1_percent"] = round(100 * (many - one) / one, 1) if one and many else None
     return figures

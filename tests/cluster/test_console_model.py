@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import time
 
+import httpx
+import pytest
+from api_server import serve
+
 from opgraph.cluster.bench.console import record_fanout
+from opgraph.cluster.http import AccessPolicy, create_app
 from opgraph.cluster.http.console import build_model, render_svg
-from opgraph.cluster.store import RunStore
+from opgraph.cluster.lanes import open_store
+from opgraph.cluster.store import EngineRunStore, RunStore
+from opgraph.engines import EventRecord
 
 SCRIPT = "<script>alert(1)</script>"
 
@@ -57,3 +64,56 @@ def test_siblings_below_the_group_size_stay_nodes_and_every_name_is_escaped():
     assert SCRIPT not in svg and "&lt;script&gt;alert(1)&lt;/script&gt;" in svg
     assert 'run"<x>' not in svg
     assert model.shapes[model.shape_of["a"]].x < model.shapes[model.shape_of["b"]].x
+
+
+# -- the pages over HTTP, without a browser or Ray ----------------------------------------------------
+TOKEN = "console-model-token-" + "m" * 24
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with open_store(tmp_path_factory.mktemp("console-model") / "opgraph.db") as store:
+        record_fanout(store, "fan", 20)
+        app = create_app(store, session_factory=lambda: None, start_runtime=False, access=AccessPolicy(TOKEN))
+        with serve(app) as running:
+            yield running, store, app.state.access
+
+
+def test_the_cookie_signs_a_browser_in_and_a_post_by_it_needs_the_csrf_token(served):
+    running, _, access = served
+    with httpx.Client(base_url=running.url, timeout=30, follow_redirects=True) as browser:
+        assert browser.get("/runs/fan").status_code == 401
+        signed_in = browser.get("/", params={"token": TOKEN}, headers={"accept": "text/html"})
+        assert signed_in.history[0].status_code == 303 and signed_in.url.path == "/"
+        assert "fan" in signed_in.text and "<svg" not in signed_in.text
+        page = browser.get("/runs/fan").text
+        assert f'<meta name="csrf-token" content="{access.csrf_token}">' in page
+        refused = browser.post("/api/runs/fan/cancel", json={})
+        assert refused.status_code == 403 and "CSRF" in refused.json()["error"]
+        with_token = browser.post("/api/runs/fan/cancel", json={}, headers={"x-csrf-token": access.csrf_token})
+        assert with_token.status_code == 409  # past the guard: the run already ended
+        assert browser.post("/api/runs/fan/cancel", json={},
+                            headers={"x-csrf-token": access.csrf_token, "origin": "https://attacker.example"}
+                            ).status_code == 403
+
+
+def test_an_engine_runs_page_shows_its_timeline_and_its_tree(served):
+    running, store, _ = served
+    engines = EngineRunStore(store.path)
+    engines.open_run("eng-1", engine="research", inputs={"question": SCRIPT}, config={})
+    events = [EventRecord("eng-1", 1, "event", "NodeOpened", {"id": "root", "label": "batteries", "parent": None}),
+              EventRecord("eng-1", 2, "event", "NodeOpened", {"id": "a", "label": "solid-state", "parent": "root"}),
+              EventRecord("eng-1", 3, "event", "NodeOpened", {"id": "b", "label": SCRIPT, "parent": "a"}),
+              EventRecord("eng-1", 4, "notification", "progress", {"done": 3})]
+    engines.record_events("eng-1", events)
+    engines.close_run("eng-1", "completed", result="done", degrade_reason="", error=None, statistics={"events": 4})
+    engines.close()
+    with running.client() as client:
+        listing = client.get("/engine-runs").text
+        assert "eng-1" in listing and "research" in listing
+        page = client.get("/engine-runs/eng-1").text
+        assert page.count("<tr><td>") == 4 and "NodeOpened" in page and "progress" in page
+        tree = page[page.index('<ul class="tree">'):page.index("Event timeline")]
+        assert tree.index("batteries") < tree.index("solid-state") < tree.index("&lt;script&gt;")
+        assert SCRIPT not in page
+        assert client.get("/engine-runs/nope").status_code == 404

@@ -23,7 +23,7 @@ from .views import Console, counts_text, run_state
 __all__ = ["SUBSCRIBER_BUFFER", "TICK", "LiveFeed", "LiveFeeds"]
 
 TICK = 0.1  # seconds between two messages of a feed (at most)
-STORE_POLL = 0.5  # seconds between two reads of the run's new signals (the nodes that started)
+STORE_POLL = 1.0  # seconds between two reads of the run's new signals (the nodes that started)
 SUBSCRIBER_BUFFER = 256  # messages a slow console may fall behind before it is sent a fresh snapshot
 KEEPALIVE = 15.0  # seconds of silence before a comment line keeps the connection open
 Watcher = Callable[[str], Awaitable[Any]]  # run id -> an async iterator of watch items, or None
@@ -47,6 +47,7 @@ class LiveFeed:
         self.seq = 0
         self.done = False
         self.ready = asyncio.Event()
+        self._flushing: asyncio.TimerHandle | None = None
         self.task = asyncio.create_task(self._run(), name=f"console-feed-{run_id}")
 
     # -- state ---------------------------------------------------------------------------------
@@ -114,18 +115,13 @@ class LiveFeed:
             await asyncio.to_thread(self._load)
             self.ready.set()
             watch = await self.watcher(self.run_id)
-            watching = asyncio.create_task(self._watch(watch)) if watch is not None else None
-            polled = 0.0
-            loop = asyncio.get_running_loop()
-            while True:
-                if watching is not None and watching.done():
-                    break
-                if loop.time() - polled >= STORE_POLL:
-                    polled = loop.time()
-                    if await self._poll_store():
-                        break
-                self._flush()
-                await asyncio.sleep(TICK)
+            polling = asyncio.create_task(self._poll())
+            try:
+                if watch is not None:
+                    await self._watch(watch)  # until the run finishes (or its executor is gone)
+                await polling  # until the run's row is terminal
+            finally:
+                polling.cancel()
             await self._finish()
         except asyncio.CancelledError:
             raise
@@ -137,6 +133,22 @@ class LiveFeed:
             self.ready.set()
             self.on_close(self)
 
+    def _changed(self) -> None:
+        """Something changed: send it within ``TICK`` (one message for all that changes meanwhile)."""
+        if self.changed and self._flushing is None:
+            self._flushing = asyncio.get_running_loop().call_later(TICK, self._tick)
+
+    def _tick(self) -> None:
+        self._flushing = None
+        self._flush()
+
+    async def _poll(self) -> None:
+        """The run store's new signals every ``STORE_POLL`` seconds (the nodes that started, and any settle
+        the watcher missed); returns once the run's row is terminal."""
+        while not await self._poll_store():
+            self._changed()
+            await asyncio.sleep(STORE_POLL)
+
     async def _watch(self, watch: Any) -> None:
         try:
             async for item in watch:
@@ -146,8 +158,7 @@ class LiveFeed:
                 operation_id = getattr(item, "operation_id", None)
                 if operation_id is not None:
                     self._set(operation_id, node_state(getattr(item, "status", None)))
-                    if self.changed and len(self.changed) >= 512:
-                        self._flush()
+                    self._changed()
         finally:
             with contextlib.suppress(Exception):
                 await watch.aclose()
@@ -179,6 +190,9 @@ class LiveFeed:
                 break
             await asyncio.sleep(0.1)
         summary = await asyncio.to_thread(self.store.node_summary, [self.run_id])
+        if self._flushing is not None:
+            self._flushing.cancel()
+            self._flushing = None
         self.done = True
         self._flush({"status": record.status, "state": run_state(record.status),
                      "counts": counts_text(summary.get(self.run_id, {}).get("counts", {}))})

@@ -22,7 +22,7 @@ from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 from jinja2 import Environment, FileSystemLoader, pass_context, select_autoescape
 from markupsafe import Markup
 
-from ...store import RUN_STATUSES, RunRecord, RunStore
+from ...store import RUN_STATUSES, EngineRunNotFoundError, EngineRunStore, RunRecord, RunStore
 from ..guard import AccessPolicy
 from ..problems import UnknownNameError
 from .graph import STATES, GraphModel, build_model, node_state, render_svg
@@ -127,6 +127,7 @@ class Console:
         self._models: OrderedDict[str, tuple[int, GraphModel]] = OrderedDict()
         self._static = {name: (HERE / "static" / name).read_bytes() for name in _STATIC}
         self.sign_in_page = (HERE / "templates" / "sign_in.html").read_bytes()
+        self._engines: EngineRunStore | None = None
 
     # -- shared ----------------------------------------------------------------------------
     def render(self, name: str, **values: Any) -> str:
@@ -294,6 +295,41 @@ class Console:
             fragment=fragment, prev_url=f"{base}{page - 1}" if page > 1 else None,
             next_url=f"{base}{page + 1}" if offset + MEMBERS_PAGE < len(shape.members) else None)
 
+    # -- engine runs -------------------------------------------------------------------------
+    def engine_store(self) -> EngineRunStore:
+        """The engines' records, in the run store's own database (opened on first use)."""
+        if self._engines is None:
+            self._engines = EngineRunStore(self.store.path)
+        return self._engines
+
+    def engine_runs_page(self) -> str:
+        engines = self.engine_store()
+        runs = []
+        for record in engines.list_runs(limit=PAGE_SIZE):
+            end = record.finished_at or time.time()
+            runs.append({"run_id": record.run_id, "engine": record.engine, "status": record.status,
+                         "state": _ENGINE_STATES.get(record.status, record.status),
+                         "started": _when(record.created_at), "duration": _seconds(end - record.created_at),
+                         "events": (record.statistics or {}).get("events", "")})
+        return self.render("engine_runs.html", runs=runs)
+
+    def engine_run_page(self, run_id: str) -> str:
+        engines = self.engine_store()
+        record = engines.get_run(run_id)
+        events = engines.events(run_id, limit=5000)
+        first = events[0]["at"] if events else record.created_at
+        rows = [{"seq": event["seq"], "offset": _seconds(max(0.0, event["at"] - first)), "kind": event["kind"],
+                 "type": event["type"], "agent": event["agent"],
+                 "data": _clip(json.dumps(event["data"], default=str, ensure_ascii=False), 400)} for event in events]
+        tree, title = engine_tree(events)
+        end = record.finished_at or time.time()
+        run = {"run_id": record.run_id, "engine": record.engine, "status": record.status,
+               "state": _ENGINE_STATES.get(record.status, record.status), "started": _when(record.created_at),
+               "duration": _seconds(end - record.created_at), "degrade_reason": record.degrade_reason,
+               "inputs": record.inputs, "result": record.result, "error": record.error}
+        return self.render("engine_run.html", run=run, events=rows, tree=tree, tree_title=title,
+                           whole_url="")
+
     # -- routes ----------------------------------------------------------------------------
     def install(self, app: FastAPI, read: Callable[[str], RunRecord]) -> None:
         """The console's routes on ``app`` (out of the OpenAPI document: they answer HTML)."""
@@ -328,12 +364,67 @@ class Console:
             read(run_id)
             return html(self.group_page(run_id, group_id, page, _fragment(request)))
 
+        @app.get("/engine-runs", include_in_schema=False)
+        def engine_runs_page() -> HTMLResponse:
+            return html(self.engine_runs_page())
+
+        @app.get("/engine-runs/{run_id}", include_in_schema=False)
+        def engine_run_page(run_id: str) -> HTMLResponse:
+            try:
+                return html(self.engine_run_page(run_id))
+            except EngineRunNotFoundError as exc:
+                raise UnknownNameError(f"no engine run {run_id!r} in this store") from exc
+
         self.html = html
 
 
 # Scripts and styles from this server only; no inline script, no frames, no other origin.
 _CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
         "base-uri 'none'; form-action 'self'")
+
+
+_ENGINE_STATES = {"running": "running", "completed": "completed", "degraded": "skipped", "failed": "failed",
+                  "cancelled": "cancelled"}
+_TREE_KEYS = ("id", "node_id", "node", "label", "name")
+_TREE_LABELS = ("label", "topic", "question", "statement", "title", "summary", "text", "description")
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def engine_tree(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """An engine run's tree (events that name a ``parent``: research nodes, hypotheses under findings) or,
+    without one, its chain (events that carry a ``round``: coding rounds); empty when it has neither."""
+    items: dict[str, dict[str, Any]] = {}
+    roots: list[dict[str, Any]] = []
+    parents: list[tuple[dict[str, Any], str]] = []
+    tops: list[dict[str, Any]] = []  # keyed events without a parent: a tree's roots once they have children
+    rounds: dict[Any, dict[str, Any]] = {}
+    for event in events:
+        data = event["data"] if isinstance(event["data"], Mapping) else {}
+        key = next((str(data[name]) for name in _TREE_KEYS if data.get(name) not in (None, "")), None)
+        label = next((str(data[name]) for name in _TREE_LABELS if data.get(name) not in (None, "")), key or "")
+        item = {"type": event["type"], "label": _clip(label, 200), "children": []}
+        if "parent" in data or "parent_id" in data:
+            parent = data.get("parent") or data.get("parent_id")
+            if key is not None:
+                items[key] = item
+            parents.append((item, str(parent) if parent else ""))
+        elif key is not None and key not in items:
+            items[key] = item
+            tops.append(item)
+        if data.get("round") is not None:
+            chain = rounds.setdefault(data["round"], {"type": "round", "label": f"round {data['round']}",
+                                                      "children": []})
+            chain["children"].append(item)
+    if parents:
+        for item, parent in parents:
+            (items[parent]["children"] if parent in items and items[parent] is not item else roots).append(item)
+        return [top for top in tops if top["children"]] + roots, "Tree"
+    if rounds:
+        return list(rounds.values()), "Chain of rounds"
+    return [], ""
 
 
 def _fragment(request: Request) -> bool:
