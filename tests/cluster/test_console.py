@@ -156,6 +156,10 @@ def test_the_runs_list_shows_a_finished_support_triage_run(console_page, served,
     assert api.get("/").json()["signed_in"] is True
     filtered = api.get("/", params={"status": "cancelled"}, headers={"accept": "text/html"}).text
     assert triage_run not in filtered
+    # On a phone: the list fits the screen's width (less urgent columns fold away).
+    console_page.set_viewport_size({"width": 390, "height": 800})
+    console_page.goto(served.url + "/")
+    assert console_page.evaluate("document.documentElement.scrollWidth") <= 390
 
 
 def test_a_run_page_draws_its_graph_as_svg_naming_its_nodes(console_page, served, api, triage_run):
