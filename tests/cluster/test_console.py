@@ -192,26 +192,33 @@ def test_a_nodes_panel_shows_its_conversation_result_and_signals(console_page, s
 
 # -- live ------------------------------------------------------------------------------------------
 def test_a_live_nodes_state_turns_from_running_to_completed_without_a_reload(console_page, served, api, store):
-    _workflow(api, "console-live", draft_spec(model="sim/slow"))
+    # A chain of three 1 s nodes: whichever runs when the page is drawn is watched until it completes.
+    _workflow(api, "console-live", _chain_spec())
     run_id = _start(api, "console-live", inputs={"topic": "live"})
-    _wait(api, run_id, lambda: any(s["kind"] == "started" and s["spec_node_id"] == "draft"
-                                   for s in store.run_signals(run_id)))
+    _wait(api, run_id, lambda: any(s["kind"] == "started" for s in store.run_signals(run_id)))
     console_page.goto(f"{served.url}/runs/{run_id}")
     console_page.evaluate("window.notReloaded = true")
-    draft = console_page.locator("svg.graph a.node", has_text="draft")
-    assert "s-running" in draft.get_attribute("class")
-    console_page.locator("svg.graph a.node.s-completed", has_text="draft").wait_for(timeout=RUN_DEADLINE * 1000)
-    console_page.locator("#run-status", has_text="completed").wait_for()
+    running = console_page.locator("svg.graph a.node.s-running")
+    assert running.count() == 1, console_page.content()
+    node_id = running.get_attribute("data-node")
+    console_page.locator(f'svg.graph a.node.s-completed[data-node="{node_id}"]').wait_for(
+        timeout=RUN_DEADLINE * 1000)
+    console_page.locator("#run-status", has_text="completed").wait_for(timeout=RUN_DEADLINE * 1000)
     assert console_page.evaluate("window.notReloaded") is True
+    assert node_id in [update[0] for update in console_page.evaluate("window.opgraphUpdates")]  # by the feed
     assert _status(api, run_id) == "completed"
 
 
-def test_cancelling_from_the_console_asks_first_and_the_store_agrees(console_page, served, api):
-    spec = draft_spec(model="sim/slow", extra_nodes=[
+def _chain_spec() -> dict[str, Any]:
+    """in -> draft -> second -> third, each on sim/slow (1 s a call)."""
+    return draft_spec(model="sim/slow", extra_nodes=[
         {"id": "second", "kind": "chat", "pos": {"x": 2, "y": 0}, "config": {"prompt": "Again", "model": "sim/slow"}},
         {"id": "third", "kind": "chat", "pos": {"x": 3, "y": 0}, "config": {"prompt": "More", "model": "sim/slow"}}],
         extra_edges=[{"id": "e2", "from": "draft", "to": "second"}, {"id": "e3", "from": "second", "to": "third"}])
-    _workflow(api, "console-cancel", spec)
+
+
+def test_cancelling_from_the_console_asks_first_and_the_store_agrees(console_page, served, api):
+    _workflow(api, "console-cancel", _chain_spec())
     run_id = _start(api, "console-cancel", inputs={"topic": "cancel me"})
     console_page.goto(f"{served.url}/runs/{run_id}")
     asked = []
