@@ -248,7 +248,7 @@ _WORKFLOW_LINKS = links(201, "The workflow's first version", {
 _RUN_LINKS = links(202, "The admitted run, with its id and links", {
     operation: {"run_id": "$response.body#/run_id"}
     for operation in ("get_run", "run_signals", "run_results", "cancel_run", "message_run", "pause_run",
-                      "resume_run")})
+                      "resume_run", "recover_run")})
 
 
 def _session_factory(address: str | None = None) -> Callable[[], Any]:
