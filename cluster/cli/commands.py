@@ -31,6 +31,7 @@ from .results import add_result_parsers
 from .runs import add_runs_parser, add_store_parser
 from .serve import add_serve_parser, add_token_parser
 from .spine import command_group, subcommand
+from .webhooks import add_webhook_parser
 
 __all__ = ["main"]
 
@@ -122,6 +123,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_run_parser(subcommands)
     add_runs_parser(subcommands)
     add_store_parser(subcommands)
+    add_webhook_parser(subcommands)
     return parser
 
 

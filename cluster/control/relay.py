@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,10 @@ __all__ = ["DEFAULT_SCHEDULE", "AttemptResult", "RelayPass", "RelaySettings", "W
 
 # Seconds before each attempt: the first at once, then 5 s, 5 min, 30 min, 2 h, 5 h, 10 h, 10 h.
 DEFAULT_SCHEDULE: tuple[float, ...] = (0.0, 5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0)
+RELAY_ENV = "OPGRAPH_WEBHOOK_RELAY"
+TIMEOUT_ENV = "OPGRAPH_WEBHOOK_TIMEOUT"
+MAX_ATTEMPTS_ENV = "OPGRAPH_WEBHOOK_MAX_ATTEMPTS"
+DISABLE_AFTER_ENV = "OPGRAPH_WEBHOOK_DISABLE_AFTER"
 _ERROR_TEXT = 300  # characters of a receiver's answer kept with a failed attempt
 
 
@@ -68,6 +73,25 @@ class RelaySettings:
                 raise ValueError(f"{name} is a whole number from 1, got {getattr(self, name)!r}")
         if not 0 < self.timeout < 3600 or not 0 < self.poll_interval < 3600:
             raise ValueError("timeout and poll_interval are seconds above 0 (and under an hour)")
+
+    @classmethod
+    def from_environment(cls, environ: Any = None) -> RelaySettings | None:
+        """The settings `opgraph serve` and `opgraph webhook relay` start with: ``OPGRAPH_WEBHOOK_TIMEOUT``
+        (seconds), ``OPGRAPH_WEBHOOK_MAX_ATTEMPTS``, ``OPGRAPH_WEBHOOK_DISABLE_AFTER`` and the allow-list;
+        None when ``OPGRAPH_WEBHOOK_RELAY=0`` (this process sends nothing)."""
+        environ = os.environ if environ is None else environ
+        if environ.get(RELAY_ENV, "1").strip() == "0":
+            return None
+        values: dict[str, Any] = {"allow": AllowList.from_environment(environ)}
+        for variable, name, kind in ((TIMEOUT_ENV, "timeout", float), (MAX_ATTEMPTS_ENV, "max_attempts", int),
+                                     (DISABLE_AFTER_ENV, "disable_after", int)):
+            text = environ.get(variable, "").strip()
+            if text:
+                try:
+                    values[name] = kind(text)
+                except ValueError:
+                    raise ValueError(f"{variable} must be a number, got {text!r}") from None
+        return cls(**values)
 
     @property
     def lease(self) -> float:
