@@ -253,6 +253,10 @@ def check_secret_ref(ref: str, *, endpoint: str | None = None) -> str:
     """``ref`` if it is ``env:VARIABLE``, ``file:PATH`` or a NAME in the webhook-secrets file; else an error."""
     if not isinstance(ref, str):
         raise WebhookSecretError("a secret reference is text", endpoint=endpoint)
+    if ref.strip().startswith(SECRET_PREFIX):
+        raise WebhookSecretError("that is a secret, not where one lives: a row never holds a secret; give "
+                                 "env:VARIABLE, file:PATH (a 0600 file) or a NAME in "
+                                 f"$OPGRAPH_HOME/{SECRETS_FILE_NAME}", endpoint=endpoint)
     kind, _, name = ref.partition(":")
     if kind == "env" and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,199}", name):
         return ref
