@@ -63,3 +63,26 @@ def test_a_body_is_the_same_bytes_on_every_attempt():
     assert once == event_body("run.completed", 1_700_000_000.25, '{"status": "completed", "run_id": "r"}')
     assert json.loads(once) == {"type": "run.completed", "timestamp": "2023-11-14T22:13:20.250000Z",
                                 "data": {"run_id": "r", "status": "completed"}}
+
+
+def test_pruning_a_run_takes_its_events_and_their_deliveries(database_target):
+    """runs prune: the run's outbox events go with it, with every delivery and attempt recorded for them."""
+    import asyncio
+
+    from opgraph.cluster.control.relay import RelaySettings, WebhookRelay
+    from opgraph.cluster.control.webhooks import AllowList, Webhooks
+    from opgraph.cluster.store import RetentionPolicy, prune_runs
+
+    loopback = AllowList.parse(["loopback"])
+    with RunStore(database_target) as store:
+        # No such secret: each attempt is recorded (refused), and nothing is sent.
+        Webhooks(store, allow=loopback).add("nowhere", "http://127.0.0.1:9/hook", secret_ref="env:NO_SECRET_HERE")
+        for run_id in ("old", "new"):
+            store.create_run(run_id, session_id="s", provenance=PROVENANCE, inputs={})
+            store.finish_run(run_id, "completed")
+        done = asyncio.run(WebhookRelay(store, RelaySettings(allow=loopback)).run_once())
+        assert done.attempted == 4
+        report = prune_runs(store, RetentionPolicy(keep_last=1), run_log_here=False)
+        assert report.runs == 1
+        assert (report.rows["outbox"], report.rows["webhook_deliveries"], report.rows["webhook_attempts"]) == (2, 2, 2)
+        assert {event["subject_id"] for event in _events(store)} == {"new"}
