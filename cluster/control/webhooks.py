@@ -194,7 +194,7 @@ def check_target(url: str, allow: AllowList, *, endpoint: str | None = None,
     host, port = _split_target(url, endpoint)
     try:
         found = resolve(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
+    except (OSError, UnicodeError, ValueError) as exc:  # ValueError: a NUL in the name
         raise WebhookTargetError(f"the webhook host {host!r} cannot be resolved: {exc}", endpoint=endpoint) from None
     _check_addresses(url, host, found, allow, endpoint)
 
@@ -205,7 +205,7 @@ async def check_target_async(url: str, allow: AllowList, *, endpoint: str | None
     host, port = _split_target(url, endpoint)
     try:
         found = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (OSError, UnicodeError) as exc:
+    except (OSError, UnicodeError, ValueError) as exc:  # ValueError: a NUL in the name
         raise WebhookTargetError(f"the webhook host {host!r} cannot be resolved: {exc}", endpoint=endpoint) from None
     _check_addresses(url, host, found, allow, endpoint)
 
