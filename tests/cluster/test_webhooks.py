@@ -421,3 +421,29 @@ def _wait_for(condition, timeout: float = DEADLINE) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.05)
+
+
+def test_opgraph_webhook_relay_runs_on_its_own_and_stops_on_ctrl_c(tmp_path, receiver, secret):
+    """The standalone relay (a second process beside a server, or instead of its relay): delivers, then exits 0."""
+    import signal
+    import subprocess
+    import sys
+
+    from opgraph.cluster.processes import start_server
+
+    path = tmp_path / "relay.db"
+    with RunStore(path) as store:
+        webhooks = Webhooks(store, allow=LOOPBACK)
+        webhooks.add("standalone", receiver.url("ok"), secret_ref=f"env:{SECRET_VARIABLE}")
+        event_id = webhooks.test("standalone")
+        with start_server([sys.executable, "-m", "opgraph.cluster.cli", "webhook", "relay", "--store", str(path),
+                           "--allow-network", "loopback"], ready=r"relaying webhooks from (\S+)", timeout=30,
+                          what="opgraph webhook relay", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, env=dict(os.environ)) as relay:
+            _wait_for(lambda: [row["status"] for row in webhooks.deliveries("standalone")] == ["delivered"])
+            relay.process.send_signal(signal.SIGINT)
+            out, errors = relay.process.communicate(timeout=DEADLINE)
+        assert relay.process.returncode == 0, errors
+        assert '"delivered": 1' in out
+    (request,) = [request for request in receiver.on("ok") if request.headers["webhook-id"] == event_id]
+    assert _verify(secret, request)["type"] == "webhook.test"
