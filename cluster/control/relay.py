@@ -255,6 +255,8 @@ class WebhookRelay:
             for result in results:
                 row = tx.execute("SELECT attempts, status, event_id FROM webhook_deliveries WHERE delivery_id = ?",
                                  (result.delivery_id,)).fetchone()
+                if row is None:  # its run was pruned while it was sent: nothing is left to record it on
+                    continue
                 attempt = int(row[0]) + 1
                 tx.execute("INSERT INTO webhook_attempts (delivery_id, attempt, at, outcome, status_code, latency,"
                            " error) VALUES (?, ?, ?, ?, ?, ?, ?)",

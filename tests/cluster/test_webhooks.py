@@ -177,11 +177,11 @@ def test_the_relay_delivers_each_run_event_signed_and_records_the_attempt(databa
         assert delivery_statistics(store)["attempts"]["delivered"] == 3
 
 
-def test_a_receiver_that_answers_500_is_retried_on_the_schedule_then_disabled(tmp_path, receiver, secret):
+def test_a_receiver_that_answers_500_is_retried_on_the_schedule_then_disabled(database_target, receiver, secret):
     """Attempts at 0, 5 s, 5 min, 30 min (a fake clock), all 500: the delivery dies, the endpoint is
     disabled with a reason a user can read, and the run it reports stays completed."""
     clock = FakeClock()
-    with RunStore(tmp_path / "opgraph.db", clock=clock) as store:
+    with RunStore(database_target, clock=clock) as store:
         webhooks = Webhooks(store, allow=LOOPBACK, clock=clock)
         webhooks.add("broken", receiver.url("fail"), secret_ref=f"env:{SECRET_VARIABLE}", events=["run.completed"])
         _run(store, "run-500")
