@@ -86,3 +86,17 @@ def test_pruning_a_run_takes_its_events_and_their_deliveries(database_target):
         assert report.runs == 1
         assert (report.rows["outbox"], report.rows["webhook_deliveries"], report.rows["webhook_attempts"]) == (2, 2, 2)
         assert {event["subject_id"] for event in _events(store)} == {"new"}
+
+
+def test_an_engine_runs_transitions_write_their_events_too(database_target):
+    from opgraph.cluster.store import EngineRunStore
+
+    with EngineRunStore(database_target) as store:
+        store.open_run("engine-1", engine="review", inputs={}, config={})
+        store.close_run("engine-1", "degraded", result="partial", degrade_reason="budget", statistics={},
+                        error={"error": "over budget", "error_type": "EngineBudgetError"})
+        store.close_run("engine-1", "completed", result="late", degrade_reason="", error=None, statistics={})
+        events = _events(store)
+    assert [event["event_type"] for event in events] == ["engine_run.running", "engine_run.degraded"]
+    assert json.loads(events[-1]["payload"]) == {"run_id": "engine-1", "engine": "review", "status": "degraded",
+                                                 "error_type": "EngineBudgetError"}
