@@ -447,3 +447,24 @@ def test_opgraph_webhook_relay_runs_on_its_own_and_stops_on_ctrl_c(tmp_path, rec
         assert '"delivered": 1' in out
     (request,) = [request for request in receiver.on("ok") if request.headers["webhook-id"] == event_id]
     assert _verify(secret, request)["type"] == "webhook.test"
+
+
+def test_a_relay_killed_after_its_claim_loses_nothing_its_lease_lapses(tmp_path, receiver, secret):
+    """Relay A claims a delivery and dies before sending; relay B sends it once A's lease lapses."""
+    clock = FakeClock()
+    path = tmp_path / "opgraph.db"
+    with RunStore(path, clock=clock) as store, StoreDatabase(path) as other:
+        webhooks = Webhooks(store, allow=LOOPBACK, clock=clock)
+        webhooks.add("leased", receiver.url("ok"), secret_ref=f"env:{SECRET_VARIABLE}")
+        event_id = webhooks.test("leased")
+        settings = RelaySettings(timeout=1.0, allow=LOOPBACK)
+        dead, alive = WebhookRelay(store, settings, clock=clock), WebhookRelay(other, settings, clock=clock)
+        dead._fan_out()
+        assert len(dead._claim()) == 1  # then it is killed: no send, no record
+        assert asyncio.run(alive.run_once()).attempted == 0  # the lease holds
+        clock.advance(settings.lease)
+        assert asyncio.run(alive.run_once()).outcomes == {"delivered": 1}
+        (delivery,) = webhooks.deliveries("leased")
+        assert delivery["status"] == "delivered" and delivery["attempts"] == 1
+    sent = [request for request in receiver.on("ok") if request.headers["webhook-id"] == event_id]
+    assert len(sent) == 1 and _verify(secret, sent[0])["type"] == "webhook.test"
