@@ -391,8 +391,7 @@ def test_a_detached_runtime_sets_a_replacement_up_before_it_runs_anything(gauge)
     try:
         key = "detached"
         detached.register_operation("held", held_operation(gauge), record_turn=False)
-        labels = [f"n{i}" for i in range(8)]
-        graph, ids = labelled("held", key, labels)
+        graph, _ = labelled("held", key, [f"n{i}" for i in range(8)])
         progress = Progress()
 
         async def scenario():
