@@ -15,11 +15,14 @@ import re
 
 __all__ = ["plain_reply", "topic_of", "words_for"]
 
-# Where prompts name their subject: "Research topic: X", "report on: X", "ticket": "X", ...
+# A labelled subject ("Topic: X", "Finding F1: X", "Question Q2 (area): X"), else a quoted phrase
+# that is not a JSON key ("$defs":).
+_LABELS = ("research topic|topic|report on|question|task|ticket|seed finding|finding|conclusion|hypothesis|"
+           "experiment|subject|text|item")
 _SUBJECT = re.compile(
-    r"(?:research topic|topic|report on|question|task|ticket|seed finding|finding|conclusion|hypothesis|experiment|subject|text|item)"
-    r"(?:\s+[A-Z]{1,3}\d+)?(?:\s*\((?:[^()\n]|\([^()\n]*\)){0,80}\))?\"?\s*[:=]\s*\"?([^\"\n{}\[\]]{3,160})", re.IGNORECASE)  # "Finding F1: ..." too
-_QUOTED = re.compile(r"\"([^\"\n$][^\"\n]{2,119})\"(?!\s*:)")  # a quoted phrase, not a JSON key like "$defs":
+    rf"(?:{_LABELS})(?:\s+[A-Z]{{1,3}}\d+)?(?:\s*\((?:[^()\n]|\([^()\n]*\)){{0,80}}\))?"
+    r"\"?\s*[:=]\s*\"?([^\"\n{}\[\]]{3,160})", re.IGNORECASE)
+_QUOTED = re.compile(r"\"([^\"\n$][^\"\n]{2,119})\"(?!\s*:)")
 _LITERALS = frozenset(("true", "false", "null", "none"))  # a JSON value, not a subject
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'+-]*")
 _FILLER = frozenset("a an the of to in on for and or with by about this that these those is are be please your "
