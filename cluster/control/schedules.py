@@ -396,7 +396,8 @@ class Scheduler:
         now = self.clock()
         if state == "queued" or terminate:
             row = db.execute("UPDATE control_tasks SET state = 'cancelled', reason = ?, updated_at = ?, "
-                             "finished_at = ?, lease_expires_at = NULL WHERE task_id = ? AND state IN ('queued', 'leased', 'running') "
+                             "finished_at = ?, lease_expires_at = NULL WHERE task_id = ? "
+                             "AND state IN ('queued', 'leased', 'running') "
                              "RETURNING task_id, queue, action_kind, attempts, run_id, schedule_id",
                              (reason, now, now, task_id)).fetchone()
             if row is not None:
