@@ -328,11 +328,12 @@ class TaskQueue:
                                 reason=f"attempt {task.attempts} of {task.max_attempts} failed; retrying in "
                                        f"{delay:g} s: {_summary(error)}")
 
-    def release(self, claim: Claim, reason: str) -> TaskRecord:
-        """Give the task back unfinished (a worker stopping): queued at once, this attempt not counted;
-        its run id is kept, so the next worker continues the run."""
+    def release(self, claim: Claim, reason: str, *, keep_run: bool = True) -> TaskRecord:
+        """Give the task back unfinished (a worker stopping): queued at once, this attempt not counted.
+        ``keep_run``: the next worker continues the run from the log; else (the run was cancelled) it
+        starts a new one."""
         return self._transition(claim, ACTIVE_STATES, "queued", "released", reason=reason, uncount=True,
-                                available_at=self.clock())
+                                available_at=self.clock(), clear_run=not keep_run)
 
     def _transition(self, claim: Claim, sources: Iterable[str], to_state: str, kind: str, *,
                     run_id: str | None = None, result: Any = None, error: Any = None, finished: bool = False,
