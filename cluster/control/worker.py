@@ -79,6 +79,10 @@ class Worker:
         stop = stop or asyncio.Event()
         last_seen = last_reap = 0.0
         claimed = 0
+        if self._session_factory is not None:
+            # The runtime first: a worker that cannot reach Ray claims nothing, and a lease is never
+            # spent waiting for Ray to start.
+            await self.session()
         try:
             while not stop.is_set():
                 now = time.monotonic()
