@@ -164,7 +164,8 @@ def chain(length: int = 3) -> dict:
     nodes += [{"id": node, "kind": "chat", "pos": {"x": index, "y": 0},
                "config": {"prompt": f"Step {node}", "model": "sim/slow"}} for index, node in enumerate(ids, start=1)]
     path = ["in", *ids]
-    edges = [{"id": f"e{index}", "from": a, "to": b} for index, (a, b) in enumerate(zip(path, path[1:]), start=1)]
+    pairs = zip(path, path[1:], strict=False)
+    edges = [{"id": f"e{index}", "from": a, "to": b} for index, (a, b) in enumerate(pairs, start=1)]
     return {"version": 1, "nodes": nodes, "edges": edges, "inputs": ["topic"], "outputs": [ids[-1]]}
 
 
