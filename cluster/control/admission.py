@@ -22,6 +22,8 @@ def check_target(action_kind: str, target: str, store: RunStore | None) -> None:
         raise UnknownActionKindError(str(action_kind), ACTION_KINDS)
     if not isinstance(target, str) or not target.strip():
         raise ControlInputError("a task needs a target (a workflow name, a prompt, a file)", field="target")
+    if "\x00" in target:
+        raise ControlInputError("a target holds no NUL character", field="target")
     if action_kind == "flow_yaml" and not Path(target).expanduser().is_file():
         raise ControlInputError(f"no flow spec file {target!r}", field="target")
     if action_kind != "workflow" or store is None:

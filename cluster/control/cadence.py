@@ -35,7 +35,7 @@ def _zone(name: str) -> ZoneInfo:
         raise CronError("a time zone is an IANA name such as Europe/Paris or UTC", field="timezone")
     try:
         return ZoneInfo(name)
-    except (ZoneInfoNotFoundError, ValueError) as exc:
+    except (ZoneInfoNotFoundError, ValueError, OSError, TypeError) as exc:  # a folder, a NUL, a path
         raise CronError(f"unknown time zone {name!r}: use an IANA name such as Europe/Paris or UTC",
                         field="timezone") from exc
 
@@ -59,7 +59,7 @@ class Cadence:
         zone = _zone(self.timezone)
         object.__setattr__(self, "_zone", zone)
         if self.cron is not None:
-            if not isinstance(self.cron, str) or not croniter.is_valid(self.cron):
+            if not isinstance(self.cron, str) or "\x00" in self.cron or not croniter.is_valid(self.cron):
                 raise CronError(f"bad cron expression {self.cron!r}: five fields (minute hour day month weekday), "
                                 f"e.g. '*/5 * * * *'", field="cron")
         else:
