@@ -71,3 +71,41 @@ def test_task_queue_api_submits_once_per_key_cancels_retries_and_explains(client
     for path in ("/api/schedules", "/api/schedules/{name}/backfill", "/api/tasks", "/api/tasks/{task_id}/retry",
                  "/api/workers"):
         assert path in document
+
+
+def test_task_queue_and_schedule_metrics_count_depth_age_expiries_fires_and_lateness(tmp_path):
+    from control_clock import FakeClock
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from opgraph.cluster.control import ControlDatabase, TaskQueue
+    from opgraph.cluster.control.schedules import Scheduler
+    from opgraph.cluster.metrics.control import ControlCollector
+
+    clock = FakeClock()
+    target = tmp_path / "control.db"
+    database = ControlDatabase(target, clock=clock)
+    queue, scheduler = TaskQueue(database), Scheduler(database)
+    queue.submit("agent", "a", queue="q1")
+    queue.submit("agent", "b", queue="q1")
+    queue.claim("q1", "w", lease_seconds=5)
+    scheduler.add("s", action_kind="agent", target="x", interval=60, overlap="skip", catchup_window=30)
+    clock.advance(130)  # the lease lapsed; the schedule missed 60 (beyond the window) and fires 120 late by 10 s
+    scheduler.tick()
+    registry = CollectorRegistry()
+    registry.register(ControlCollector(target, clock=clock))
+    samples = {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+               for family in text_string_to_metric_families(generate_latest(registry).decode())
+               for sample in family.samples}
+    assert samples[("opgraph_control_tasks", (("queue", "q1"), ("state", "queued")))] == 2
+    assert samples[("opgraph_control_tasks", (("queue", "default"), ("state", "queued")))] == 1
+    assert samples[("opgraph_control_oldest_queued_seconds", (("queue", "q1"),))] == 130
+    assert samples[("opgraph_control_lease_expiries_total", ())] == 1
+    assert samples[("opgraph_control_fires_total", (("status", "fired"),))] == 1
+    assert samples[("opgraph_control_fires_total", (("status", "skipped"),))] == 1
+    assert samples[("opgraph_control_fire_lateness_seconds", (("quantile", "0.99"),))] == 10
+    empty = CollectorRegistry()
+    empty.register(ControlCollector(tmp_path / "none.db"))
+    assert "opgraph_control_tasks{queue=\"default\",state=\"dead\"} 0.0" in generate_latest(empty).decode()
+    assert not (tmp_path / "none.db").exists()
+    database.close()
