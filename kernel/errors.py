@@ -131,11 +131,7 @@ class OpGraphError(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.node_id = node_id
-        self.branch_id = branch_id
-        self.edge_id = edge_id
-        self.run_id = run_id
-        self.actor = actor
+        self.node_id, self.branch_id, self.edge_id, self.run_id, self.actor = node_id, branch_id, edge_id, run_id, actor
 
     def __reduce__(self):
         # Exception pickling replays only ``args``; keyword ids (and any attributes a

@@ -23,6 +23,7 @@ from ..command_line import (
     exit_codes_table,
 )
 from .client import RUN_EXIT_CODES
+from .control import add_control_parsers
 from .engine import add_engine_parser, add_run_show_parser
 from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workflows_parser
 from .map import EXPORT_COMMAND, add_map_parsers
@@ -123,6 +124,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_run_parser(subcommands)
     add_runs_parser(subcommands)
     add_store_parser(subcommands)
+    add_control_parsers(subcommands)
     add_webhook_parser(subcommands)
     return parser
 

@@ -77,6 +77,7 @@ from ..store import (
 )
 from .auth import ServerToken, check_bind, server_token
 from .body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
+from .control import add_control_routes
 from .deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT, deadline_protocol
 from .guard import SIGN_IN_PATH, AccessGuard, AccessPolicy, redact_in
 from .problems import (
@@ -342,6 +343,7 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         """Where a browser lands from the sign-in URL `opgraph serve` prints; what the server offers."""
         return {"service": "opgraph", "signed_in": True, "docs": "/docs", "openapi": "/openapi.json",
                 "links": {"workflows": "/api/workflows", "runs": "/api/runs", "flows": "/api/flows/runs",
+                          "schedules": "/api/schedules", "tasks": "/api/tasks", "workers": "/api/workers",
                           "webhooks": "/api/webhooks"}}
 
     # Definition routes are plain functions: FastAPI runs them in its thread pool, so the
@@ -585,6 +587,7 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
             name, text=body.input, args=body.args or {}, model=body.model, reactive=body.reactive,
             max_ops=body.max_ops, run_id=str(uuid.uuid4())))
 
+    add_control_routes(app, store)
     add_webhook_routes(app, store, webhooks)
     return app
 

@@ -25,6 +25,7 @@ from opgraph.actors.statistics import LatencyHistogram
 from opgraph.engines import engine_statistics
 from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 
+from .control import ControlCollector
 from .engines import engine_metric_families
 from .webhooks import StoreCollector
 
@@ -365,6 +366,7 @@ def serve_metrics(session_or_runtime: Any, port: int = DEFAULT_PORT, host: str =
     registry = CollectorRegistry(auto_describe=False)
     collector = RuntimeCollector(runtime, timeout=timeout)
     registry.register(collector)
+    registry.register(ControlCollector())  # the queue and schedules of OPGRAPH_DB, beside the runtime's
     registry.register(StoreCollector(store))
     server, thread = start_http_server(port, addr=host, registry=registry)
     return MetricsServer(server, thread, registry, collector)
