@@ -4,7 +4,7 @@ Owns the ``engine_runs`` and ``engine_events`` tables (schema migration 5, in th
 file as the run store: ``OPGRAPH_DB``, default ``~/.opgraph/opgraph.db``): a run's
 row with its inputs, configuration, status and statistics, and every typed event and
 notification under the run's id, and each status change's outbox event (``engine_run.<status>``,
-cluster/control/outbox.py) in the same transaction. It never runs an engine.
+outbox.py) in the same transaction. It never runs an engine.
 
 The store's errors (``EngineRunNotFoundError`` among them) are drawn in errors.py.
 """
@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from opgraph.actors.persistence.backends import Connection, Row
 
-from ..control.outbox import record
 from .database import StoreDatabase
 from .errors import EngineRunNotFoundError
+from .outbox import record
 from .owners import ProcessIdentity, owner_is_alive
 
 if TYPE_CHECKING:  # engines load Ray; the store must open without it (`opgraph run show`)

@@ -3,7 +3,7 @@
 Owns the run rows (ADR-0068 D4 provenance and the D3 capability matrix of the invocation,
 as the lane gave them), their legal status transitions, lifecycle signals, each settled
 node's result, branch messages, and settling a run whose owner process died. Every status
-transition writes its outbox event (cluster/control/outbox.py) in the same transaction. It checks a
+transition writes its outbox event (outbox.py) in the same transaction. It checks a
 provenance payload's shape, never a lane's own rules: the lane checked those before it
 asked for a row, and the store records every lane alike.
 """
@@ -17,7 +17,6 @@ from typing import Any
 
 from opgraph.actors.persistence.backends import Connection, Row
 
-from ..control.outbox import run_event
 from .definitions import CONTENT_HASH, Definitions, WorkflowVersion
 from .errors import (
     ProvenanceError,
@@ -26,6 +25,7 @@ from .errors import (
     RunNotResumableError,
     WorkflowVersionNotFoundError,
 )
+from .outbox import run_event
 from .owners import ProcessIdentity, owner_is_alive
 from .schema import RUN_STATUSES, TERMINAL_RUN_STATUSES, sources_of
 
