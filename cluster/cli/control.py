@@ -31,8 +31,9 @@ CODES = (ExitCode.OK, ExitCode.FAILED, ExitCode.USAGE)
 
 def _open(arguments: argparse.Namespace) -> Any:
     from ..control import ControlDatabase
+    from ..control.outbox import deliver_task_transitions
 
-    return ControlDatabase(arguments.store)
+    return deliver_task_transitions(ControlDatabase(arguments.store))
 
 
 def _when(text: str) -> float:
@@ -270,6 +271,7 @@ def _task_change(arguments: argparse.Namespace) -> int:
 # -- worker ----------------------------------------------------------------------------------
 def _worker(arguments: argparse.Namespace) -> int:
     from ..control import ACTION_KINDS, ControlDatabase
+    from ..control.outbox import deliver_task_transitions
     from ..control.schedules import Scheduler
     from ..control.worker import Worker
     from ..lanes import open_store
@@ -291,7 +293,7 @@ def _worker(arguments: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for number in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(number, stop.set)
-        database = ControlDatabase(arguments.store)
+        database = deliver_task_transitions(ControlDatabase(arguments.store))
         ticker = None
         if arguments.schedules:
             ticker = asyncio.create_task(_tick_schedules(Scheduler(ControlDatabase(arguments.store),

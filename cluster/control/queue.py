@@ -240,7 +240,8 @@ class TaskQueue:
         kinds = tuple(action_kinds) if action_kinds is not None else None
         kind_filter = "" if kinds is None else f" AND t.action_kind IN ({', '.join('?' * len(kinds))})"
         kind_values = () if kinds is None else kinds
-        if self.db.dialect == "postgresql" and not self.db.transition_hooks and not self._limited(queue):
+        sees_claims = any(getattr(hook, "sees_claims", True) for hook in self.db.transition_hooks)
+        if self.db.dialect == "postgresql" and not sees_claims and not self._limited(queue):
             # One statement, committed on its own: rows another claimer holds are skipped, not waited for.
             sql = (f"UPDATE control_tasks SET {_SET_LEASE} WHERE task_id = (SELECT t.task_id FROM control_tasks t "
                    f"WHERE t.queue = ? AND t.state = 'queued' AND t.held = 0 AND t.available_at <= ? "

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..control import ACTION_KINDS, OVERLAP_POLICIES, TASK_STATES, ControlDatabase, ControlInputError, TaskQueue
 from ..control.admission import check_target
+from ..control.outbox import deliver_task_transitions
 from ..control.schedules import DEFAULT_MAX_BACKFILL, Scheduler
 from ..store import RunStore
 from .problems import errors
@@ -108,7 +109,7 @@ def add_control_routes(app: FastAPI, store: RunStore, *, max_backfill: int = DEF
     def database() -> ControlDatabase:
         with lock:
             if "db" not in opened:
-                opened["db"] = ControlDatabase(store.path)
+                opened["db"] = deliver_task_transitions(ControlDatabase(store.path))
             return opened["db"]
 
     def queue() -> TaskQueue:

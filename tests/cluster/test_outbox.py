@@ -100,3 +100,24 @@ def test_an_engine_runs_transitions_write_their_events_too(database_target):
     assert [event["event_type"] for event in events] == ["engine_run.running", "engine_run.degraded"]
     assert json.loads(events[-1]["payload"]) == {"run_id": "engine-1", "engine": "review", "status": "degraded",
                                                  "error_type": "EngineBudgetError"}
+
+
+def test_a_tasks_end_writes_its_event_in_the_transaction_that_commits_it(database_target):
+    """submit -> claim -> succeed: one task.succeeded event (claims are not announced); fail -> dead likewise."""
+    from opgraph.cluster.control import ControlDatabase, TaskQueue
+    from opgraph.cluster.control.outbox import deliver_task_transitions
+
+    with ControlDatabase(database_target) as control, RunStore(database_target) as store:
+        queue = TaskQueue(deliver_task_transitions(control))
+        deliver_task_transitions(control)  # once only
+        task, _ = queue.submit("workflow", "triage")
+        claim = queue.claim("default", "worker-1")
+        queue.succeed(claim, {"ok": True})
+        doomed, _ = queue.submit("workflow", "triage", max_attempts=1)
+        queue.fail(queue.claim("default", "worker-1"), {"error": "no"}, retryable=False)
+        ended = queue.get(doomed.task_id).state
+        events = _events(store)
+    assert ended in ("failed", "dead")
+    assert [(event["event_type"], event["subject_id"]) for event in events] == [
+        ("task.succeeded", task.task_id), (f"task.{ended}", doomed.task_id)]
+    assert json.loads(events[0]["payload"])["action_kind"] == "workflow"
