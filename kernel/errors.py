@@ -82,6 +82,12 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     ├── ServerRequestError           `opgraph serve` answered a client with an error status (cluster/http/client.py)
     ├── ServerTokenError             a server token that cannot be used: a file others read, too short (http/auth.py)
     ├── BindRefusedError             `opgraph serve` will not listen there without an operator's token (http/auth.py)
+    ├── WebhookError                 a webhook endpoint cannot be used as asked; ``endpoint`` names it
+    │   │                            (cluster/control/webhooks.py)
+    │   ├── WebhookTargetError       the URL is malformed or outside the allow-list; nothing stored or sent
+    │   ├── WebhookSecretError       the signing secret's reference is malformed or names no usable secret
+    │   ├── WebhookNotFoundError     no webhook endpoint by that name
+    │   └── WebhookNameConflictError  a webhook endpoint already has that name
     └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
         └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
             └── ClusterAuthenticationError  the cluster refused this process's token, or its lack of one
