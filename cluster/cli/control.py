@@ -71,6 +71,17 @@ def _payload(arguments: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
+def _checked_payload(arguments: argparse.Namespace) -> dict[str, Any]:
+    """The action's payload, once its target is checked against the store (it must exist there)."""
+    from ..control.admission import check_target
+    from ..lanes import open_store
+
+    payload = _payload(arguments)
+    with open_store(arguments.store) as store:
+        check_target(arguments.action, arguments.target, store)
+    return payload
+
+
 def _emit(arguments: argparse.Namespace, payload: Any, text: str) -> None:
     print(json.dumps(payload, indent=2, default=str) if arguments.json else text)
 
@@ -94,13 +105,9 @@ def _guarded(action: Any) -> Any:
 
 # -- schedule --------------------------------------------------------------------------------
 def _schedule_add(arguments: argparse.Namespace) -> int:
-    from ..control.admission import check_target
     from ..control.schedules import Scheduler
-    from ..lanes import open_store
 
-    payload = _payload(arguments)
-    with open_store(arguments.store) as store:
-        check_target(arguments.action, arguments.target, store)
+    payload = _checked_payload(arguments)
     with _open(arguments) as database:
         record = Scheduler(database).add(
             arguments.name, action_kind=arguments.action, target=arguments.target, cron=arguments.cron,
@@ -205,12 +212,8 @@ def _stop_on_signals() -> dict[str, bool]:
 # -- task ------------------------------------------------------------------------------------
 def _task_submit(arguments: argparse.Namespace) -> int:
     from ..control import TaskQueue
-    from ..control.admission import check_target
-    from ..lanes import open_store
 
-    payload = _payload(arguments)
-    with open_store(arguments.store) as store:
-        check_target(arguments.action, arguments.target, store)
+    payload = _checked_payload(arguments)
     with _open(arguments) as database:
         task, created = TaskQueue(database).submit(
             arguments.action, arguments.target, queue=arguments.queue, payload=payload, priority=arguments.priority,
