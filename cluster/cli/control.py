@@ -354,6 +354,15 @@ def _task_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=positive_int, default=3, help="attempts before dead (3)")
 
 
+def _on_one_task(tasks: Any, name: str, help_text: str, handler: Any) -> argparse.ArgumentParser:
+    """``opgraph task NAME TASK_ID``: an action on one task, by its id."""
+    action = subcommand(tasks, name, help_text, codes=CODES)
+    action.add_argument("task_id", metavar="TASK_ID")
+    add_options(action, STORE, JSON)
+    action.set_defaults(handler=_guarded(handler))
+    return action
+
+
 def add_control_parsers(subcommands: Any) -> None:
     from ..control import OVERLAP_POLICIES, TASK_STATES
 
@@ -426,10 +435,7 @@ def add_control_parsers(subcommands: Any) -> None:
     listing.add_argument("--limit", type=positive_int, default=50)
     add_options(listing, STORE, JSON)
     listing.set_defaults(handler=_guarded(_task_list))
-    show = subcommand(tasks, "show", "a task, its transitions and why it waits", codes=CODES)
-    show.add_argument("task_id", metavar="TASK_ID")
-    add_options(show, STORE, JSON)
-    show.set_defaults(handler=_guarded(_task_show))
+    _on_one_task(tasks, "show", "a task, its transitions and why it waits", _task_show)
     cancel = subcommand(tasks, "cancel", "cancel a task (a running one's lease ends now)", codes=CODES)
     cancel.add_argument("task_id", metavar="TASK_ID")
     cancel.add_argument("--reason", default=None)
@@ -437,10 +443,7 @@ def add_control_parsers(subcommands: Any) -> None:
                         help="end a running task's lease now (default), or ask its worker to stop it")
     add_options(cancel, STORE, JSON)
     cancel.set_defaults(handler=_guarded(_task_change))
-    retry = subcommand(tasks, "retry", "queue a failed, dead or cancelled task again", codes=CODES)
-    retry.add_argument("task_id", metavar="TASK_ID")
-    add_options(retry, STORE, JSON)
-    retry.set_defaults(handler=_guarded(_task_change))
+    _on_one_task(tasks, "retry", "queue a failed, dead or cancelled task again", _task_change)
 
     worker = subcommand(subcommands, "worker", "claim tasks of a queue and run them through their action adapters",
                         codes=(ExitCode.OK, ExitCode.USAGE, ExitCode.RUNTIME),
