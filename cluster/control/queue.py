@@ -56,8 +56,17 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
     return min(cap, base * (2 ** max(0, attempt - 1)))
 
 
+class Record:
+    """A control record's fields as a dict, one level deep (what ``--json`` and the HTTP API show)."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
 @dataclass(frozen=True, slots=True)
-class TaskRecord:
+class TaskRecord(Record):
     """One task row; ``payload``, ``result`` and ``error`` decoded from JSON."""
 
     task_id: str
@@ -104,9 +113,6 @@ class TaskRecord:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_TASK_STATES
-
-    def to_dict(self) -> dict[str, Any]:
-        return {field.name: getattr(self, field.name) for field in fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
