@@ -72,6 +72,17 @@ def _payload(arguments: argparse.Namespace) -> dict[str, Any]:
     return payload
 
 
+def _checked_payload(arguments: argparse.Namespace) -> dict[str, Any]:
+    """The action's payload, once its target is checked against the store (it must exist there)."""
+    from ..control.admission import check_target
+    from ..lanes import open_store
+
+    payload = _payload(arguments)
+    with open_store(arguments.store) as store:
+        check_target(arguments.action, arguments.target, store)
+    return payload
+
+
 def _emit(arguments: argparse.Namespace, payload: Any, text: str) -> None:
     print(json.dumps(payload, indent=2, default=str) if arguments.json else text)
 
@@ -95,13 +106,9 @@ def _guarded(action: Any) -> Any:
 
 # -- schedule --------------------------------------------------------------------------------
 def _schedule_add(arguments: argparse.Namespace) -> int:
-    from ..control.admission import check_target
     from ..control.schedules import Scheduler
-    from ..lanes import open_store
 
-    payload = _payload(arguments)
-    with open_store(arguments.store) as store:
-        check_target(arguments.action, arguments.target, store)
+    payload = _checked_payload(arguments)
     with _open(arguments) as database:
         record = Scheduler(database).add(
             arguments.name, action_kind=arguments.action, target=arguments.target, cron=arguments.cron,
@@ -206,12 +213,8 @@ def _stop_on_signals() -> dict[str, bool]:
 # -- task ------------------------------------------------------------------------------------
 def _task_submit(arguments: argparse.Namespace) -> int:
     from ..control import TaskQueue
-    from ..control.admission import check_target
-    from ..lanes import open_store
 
-    payload = _payload(arguments)
-    with open_store(arguments.store) as store:
-        check_target(arguments.action, arguments.target, store)
+    payload = _checked_payload(arguments)
     with _open(arguments) as database:
         task, created = TaskQueue(database).submit(
             arguments.action, arguments.target, queue=arguments.queue, payload=payload, priority=arguments.priority,
@@ -353,6 +356,15 @@ def _task_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=positive_int, default=3, help="attempts before dead (3)")
 
 
+def _on_one_task(tasks: Any, name: str, help_text: str, handler: Any) -> argparse.ArgumentParser:
+    """``opgraph task NAME TASK_ID``: an action on one task, by its id."""
+    action = subcommand(tasks, name, help_text, codes=CODES)
+    action.add_argument("task_id", metavar="TASK_ID")
+    add_options(action, STORE, JSON)
+    action.set_defaults(handler=_guarded(handler))
+    return action
+
+
 def add_control_parsers(subcommands: Any) -> None:
     from ..control import OVERLAP_POLICIES, TASK_STATES
 
@@ -425,10 +437,7 @@ def add_control_parsers(subcommands: Any) -> None:
     listing.add_argument("--limit", type=positive_int, default=50)
     add_options(listing, STORE, JSON)
     listing.set_defaults(handler=_guarded(_task_list))
-    show = subcommand(tasks, "show", "a task, its transitions and why it waits", codes=CODES)
-    show.add_argument("task_id", metavar="TASK_ID")
-    add_options(show, STORE, JSON)
-    show.set_defaults(handler=_guarded(_task_show))
+    _on_one_task(tasks, "show", "a task, its transitions and why it waits", _task_show)
     cancel = subcommand(tasks, "cancel", "cancel a task (a running one's lease ends now)", codes=CODES)
     cancel.add_argument("task_id", metavar="TASK_ID")
     cancel.add_argument("--reason", default=None)
@@ -436,10 +445,7 @@ def add_control_parsers(subcommands: Any) -> None:
                         help="end a running task's lease now (default), or ask its worker to stop it")
     add_options(cancel, STORE, JSON)
     cancel.set_defaults(handler=_guarded(_task_change))
-    retry = subcommand(tasks, "retry", "queue a failed, dead or cancelled task again", codes=CODES)
-    retry.add_argument("task_id", metavar="TASK_ID")
-    add_options(retry, STORE, JSON)
-    retry.set_defaults(handler=_guarded(_task_change))
+    _on_one_task(tasks, "retry", "queue a failed, dead or cancelled task again", _task_change)
 
     worker = subcommand(subcommands, "worker", "claim tasks of a queue and run them through their action adapters",
                         codes=(ExitCode.OK, ExitCode.USAGE, ExitCode.RUNTIME),

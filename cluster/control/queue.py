@@ -56,8 +56,17 @@ def backoff_delay(attempt: int, base: float, cap: float) -> float:
     return min(cap, base * (2 ** max(0, attempt - 1)))
 
 
+class Record:
+    """A control record's fields as a dict, one level deep (what ``--json`` and the HTTP API show)."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {field.name: getattr(self, field.name) for field in fields(self)}
+
+
 @dataclass(frozen=True, slots=True)
-class TaskRecord:
+class TaskRecord(Record):
     """One task row; ``payload``, ``result`` and ``error`` decoded from JSON."""
 
     task_id: str
@@ -104,9 +113,6 @@ class TaskRecord:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_TASK_STATES
-
-    def to_dict(self) -> dict[str, Any]:
-        return {field.name: getattr(self, field.name) for field in fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,27 +348,17 @@ class TaskQueue:
                     available_at: float | None = None) -> TaskRecord:
         now = self.clock()
         sources = tuple(sources)
-        sets = ["state = ?", "updated_at = ?", "reason = ?"]
-        values: list[Any] = [to_state, now, reason]
-        if run_id is not None:
-            sets.append("run_id = ?")
-            values.append(run_id)
+        # The columns this transition sets: always its state, time and reason; the others when given.
+        given = {"run_id": run_id, "result": _encoded(result), "error": _encoded(error),
+                 "finished_at": now if finished else None, "available_at": available_at}
+        columns = {"state": to_state, "updated_at": now, "reason": reason,
+                   **{column: value for column, value in given.items() if value is not None}}
+        sets = [f"{column} = ?" for column in columns]
+        values = list(columns.values())
         if clear_run:
             sets.append("run_id = NULL")
-        if result is not None:
-            sets.append("result = ?")
-            values.append(json.dumps(result, default=str))
-        if error is not None:
-            sets.append("error = ?")
-            values.append(json.dumps(error, default=str))
-        if finished:
-            sets.append("finished_at = ?")
-            values.append(now)
         if uncount:
             sets.append("attempts = attempts - 1")
-        if available_at is not None:
-            sets.append("available_at = ?")
-            values.append(available_at)
         if to_state not in ACTIVE_STATES:
             sets.append("lease_expires_at = NULL")
         with self.db.transaction(write=True) as db:
@@ -587,6 +583,11 @@ def release_buffered(db: Connection, schedule_id: str, now: float) -> str | None
                "available_at = CASE WHEN available_at > ? THEN available_at ELSE ? END WHERE task_id = ?",
                (now, now, now, row[0]))
     return row[0]
+
+
+def _encoded(value: Any) -> str | None:
+    """A result or an error as its JSON column holds it; None stays None (the column is not set)."""
+    return None if value is None else json.dumps(value, default=str)
 
 
 def _summary(error: Any) -> str:

@@ -35,7 +35,7 @@ from .errors import (
     ScheduleNotFoundError,
     UnknownActionKindError,
 )
-from .queue import TaskQueue, TaskRecord, release_buffered
+from .queue import Record, TaskQueue, TaskRecord, release_buffered
 from .schema import OVERLAP_POLICIES
 
 __all__ = ["DEFAULT_MAX_BACKFILL", "FireRecord", "ScheduleRecord", "Scheduler"]
@@ -49,7 +49,7 @@ _SCHEDULE_COLUMNS = ("schedule_id, name, cron, interval_seconds, timezone, actio
 
 
 @dataclass(frozen=True, slots=True)
-class ScheduleRecord:
+class ScheduleRecord(Record):
     schedule_id: str
     name: str
     cron: str | None
@@ -86,12 +86,9 @@ class ScheduleRecord:
         return Cadence(cron=self.cron, interval=self.interval_seconds, timezone=self.timezone,
                        anchor=self.start_at if self.start_at is not None else 0.0)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {field.name: getattr(self, field.name) for field in fields(self)}
-
 
 @dataclass(frozen=True, slots=True)
-class FireRecord:
+class FireRecord(Record):
     schedule_id: str
     nominal_at: float
     kind: str
@@ -101,9 +98,6 @@ class FireRecord:
     fired_at: float
     lateness: float
     scheduler: str | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {field.name: getattr(self, field.name) for field in fields(self)}
 
 
 class Scheduler:

@@ -68,49 +68,46 @@ _FIRES = f"""CREATE TABLE control_fires (
     fired_at REAL NOT NULL, lateness REAL NOT NULL DEFAULT 0, scheduler TEXT,
     PRIMARY KEY (schedule_id, nominal_at))"""
 
-CONTROL_MIGRATIONS: tuple[ControlMigration, ...] = (
-    ControlMigration(1, "queues, leased tasks and their events, schedules and their fires", (
-        """CREATE TABLE control_queues (queue TEXT PRIMARY KEY, concurrency_limit INTEGER
-            CHECK (concurrency_limit >= 1), updated_at REAL NOT NULL)""",
+_WORKERS = """CREATE TABLE control_workers (
+            worker_id TEXT PRIMARY KEY, queue TEXT NOT NULL, action_kinds TEXT NOT NULL, concurrency INTEGER NOT NULL,
+            host TEXT, pid INTEGER, started_at REAL NOT NULL, seen_at REAL NOT NULL, state TEXT NOT NULL)"""
+
+
+def _first_tables(queues: str, task_events: str) -> tuple[str, ...]:
+    """Migration 1's statements, in order: only the queue and task-event tables differ by dialect."""
+    return (
+        queues,
         _TASKS,
         # The claim's index: the best task of a queue first (its priority, then when it became due).
         "CREATE INDEX control_tasks_claim ON control_tasks(queue, state, priority DESC, available_at)",
         "CREATE INDEX control_tasks_key ON control_tasks(concurrency_key, state)",
         "CREATE INDEX control_tasks_lease ON control_tasks(state, lease_expires_at)",
         "CREATE INDEX control_tasks_schedule ON control_tasks(schedule_id, state)",
-        """CREATE TABLE control_task_events (
-            event_id INTEGER PRIMARY KEY, task_id TEXT NOT NULL, at REAL NOT NULL, from_state TEXT,
-            to_state TEXT NOT NULL, kind TEXT NOT NULL, worker TEXT, attempt INTEGER NOT NULL, detail TEXT)""",
+        task_events,
         "CREATE INDEX control_task_events_task ON control_task_events(task_id, event_id)",
         "CREATE INDEX control_task_events_kind ON control_task_events(kind, at)",
         _SCHEDULES,
         _FIRES,
         "CREATE INDEX control_fires_status ON control_fires(status, fired_at)",
-        """CREATE TABLE control_workers (
-            worker_id TEXT PRIMARY KEY, queue TEXT NOT NULL, action_kinds TEXT NOT NULL, concurrency INTEGER NOT NULL,
-            host TEXT, pid INTEGER, started_at REAL NOT NULL, seen_at REAL NOT NULL, state TEXT NOT NULL)""",
+        _WORKERS,
         "CREATE INDEX control_workers_queue ON control_workers(queue, seen_at)",
-    ), postgres=(
+    )
+
+
+CONTROL_MIGRATIONS: tuple[ControlMigration, ...] = (
+    ControlMigration(1, "queues, leased tasks and their events, schedules and their fires", _first_tables(
+        """CREATE TABLE control_queues (queue TEXT PRIMARY KEY, concurrency_limit INTEGER
+            CHECK (concurrency_limit >= 1), updated_at REAL NOT NULL)""",
+        """CREATE TABLE control_task_events (
+            event_id INTEGER PRIMARY KEY, task_id TEXT NOT NULL, at REAL NOT NULL, from_state TEXT,
+            to_state TEXT NOT NULL, kind TEXT NOT NULL, worker TEXT, attempt INTEGER NOT NULL, detail TEXT)""",
+    ), postgres=_first_tables(
         """CREATE TABLE control_queues (queue TEXT PRIMARY KEY, concurrency_limit BIGINT
             CHECK (concurrency_limit >= 1), updated_at DOUBLE PRECISION NOT NULL)""",
-        _TASKS,
-        "CREATE INDEX control_tasks_claim ON control_tasks(queue, state, priority DESC, available_at)",
-        "CREATE INDEX control_tasks_key ON control_tasks(concurrency_key, state)",
-        "CREATE INDEX control_tasks_lease ON control_tasks(state, lease_expires_at)",
-        "CREATE INDEX control_tasks_schedule ON control_tasks(schedule_id, state)",
         """CREATE TABLE control_task_events (
             event_id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, task_id TEXT NOT NULL,
             at DOUBLE PRECISION NOT NULL, from_state TEXT, to_state TEXT NOT NULL, kind TEXT NOT NULL,
             worker TEXT, attempt BIGINT NOT NULL, detail TEXT)""",
-        "CREATE INDEX control_task_events_task ON control_task_events(task_id, event_id)",
-        "CREATE INDEX control_task_events_kind ON control_task_events(kind, at)",
-        _SCHEDULES,
-        _FIRES,
-        "CREATE INDEX control_fires_status ON control_fires(status, fired_at)",
-        """CREATE TABLE control_workers (
-            worker_id TEXT PRIMARY KEY, queue TEXT NOT NULL, action_kinds TEXT NOT NULL, concurrency INTEGER NOT NULL,
-            host TEXT, pid INTEGER, started_at REAL NOT NULL, seen_at REAL NOT NULL, state TEXT NOT NULL)""",
-        "CREATE INDEX control_workers_queue ON control_workers(queue, seen_at)",
     )),
 )
 CONTROL_SCHEMA_VERSION = CONTROL_MIGRATIONS[-1].version

@@ -75,8 +75,6 @@ TERMINAL_STATUSES = frozenset({"completed", "failed", "skipped", "cancelled"})
 STEP_LIMIT = 10_000
 
 
-
-
 # -- the drawn specification -------------------------------------------------------
 @dataclass(frozen=True)
 class NodeSpec:

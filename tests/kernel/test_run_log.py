@@ -51,8 +51,6 @@ def _test_key() -> bytes:
     return b"a test key, never a real one: 32+"
 
 
-
-
 @dataclass(frozen=True)
 class Node:
     fails: bool
