@@ -65,12 +65,19 @@ class ChainEvent(EngineEvent):
 
     eid: str = Field("", json_schema_extra=_engine_set)
 
+    def label(self) -> str:
+        """The link as the chain's prompts and report show it: its eid, its kind and its gist."""
+        return self.eid
+
 
 class FindingPosted(ChainEvent):
     """A seed finding the chain starts from (posted by the engine from the caller's seeds)."""
 
     description: str
     source: str = ""
+
+    def label(self) -> str:
+        return f"{self.eid} finding: {self.description[:200]}"
 
 
 class QuestionRaised(ChainEvent):
@@ -80,6 +87,9 @@ class QuestionRaised(ChainEvent):
     what_is_unknown: str = Field(description="precisely what is not known yet")
     parent: str = Field("", json_schema_extra=_engine_set)
     generation: int = Field(0, json_schema_extra=_engine_set)
+
+    def label(self) -> str:
+        return f"{self.eid} question (generation {self.generation}) [{self.area[:60]}]: {self.what_is_unknown[:200]}"
 
 
 class EvidenceCollected(ChainEvent):
@@ -91,6 +101,9 @@ class EvidenceCollected(ChainEvent):
     strength: float = Field(0.5, ge=0.0, le=1.0, description="how strongly it bears on the question: 0 to 1",
                             json_schema_extra=_stated)
 
+    def label(self) -> str:
+        return f"{self.eid} evidence (strength {self.strength:.2f}): {self.summary[:200]}"
+
 
 class HypothesisFormed(ChainEvent):
     """A testable answer to a question."""
@@ -100,6 +113,10 @@ class HypothesisFormed(ChainEvent):
     metric: str = Field(description="what is measured")
     threshold: str = Field(description="the value of the metric that supports the hypothesis")
     falsifier: str = Field(description="the observation that would refute it")
+
+    def label(self) -> str:
+        return (f"{self.eid} hypothesis: {self.statement[:200]} (metric {self.metric[:60]}; "
+                f"threshold {self.threshold[:60]})")
 
 
 class ExperimentDesigned(ChainEvent):
@@ -117,6 +134,9 @@ class ExperimentDesigned(ChainEvent):
     def _normal_method(cls, value: object) -> object:
         return " ".join(value.replace("_", " ").lower().split()) if isinstance(value, str) else value
 
+    def label(self) -> str:
+        return f"{self.eid} experiment [{self.method}]: {self.procedure[:160]}"
+
 
 class ResultRecorded(ChainEvent):
     """The outcome of an executed experiment."""
@@ -125,6 +145,10 @@ class ResultRecorded(ChainEvent):
     measurements: list[str] = Field(default_factory=list, description="what was measured, with values")
     passed: bool = Field(description="whether the acceptance criterion was met")
     caveats: str = Field("", description="what limits the result")
+
+    def label(self) -> str:
+        measured = "; ".join(self.measurements)[:160] or "-"
+        return f"{self.eid} result ({'passed' if self.passed else 'failed'}): {measured}"
 
 
 class ConclusionDrawn(ChainEvent):
@@ -136,12 +160,18 @@ class ConclusionDrawn(ChainEvent):
     confidence: float = Field(0.5, ge=0.0, le=1.0, description="0 to 1", json_schema_extra=_stated)
     limitations: str = Field("", description="where the conclusion stops holding")
 
+    def label(self) -> str:
+        return f"{self.eid} conclusion (confidence {self.confidence:.2f}): {self.basis[:200]}"
+
 
 class ApplicationMapped(ChainEvent):
     """Where a conclusion can be put to use."""
 
     conclusion: str = Field("", json_schema_extra=_engine_set)
     effect: str = Field(description="what applying the conclusion changes, and where")
+
+    def label(self) -> str:
+        return f"{self.eid} application: {self.effect[:200]}"
 
 
 PREFIXES: dict[type[ChainEvent], str] = {
@@ -431,27 +461,9 @@ class HypothesisEngine(Engine):
         return lines
 
     def _label(self, run: HypothesisRun, event: ChainEvent) -> str:
-        if isinstance(event, FindingPosted):
-            return f"{event.eid} finding: {event.description[:200]}"
-        if isinstance(event, QuestionRaised):
-            return f"{event.eid} question (generation {event.generation}) [{event.area[:60]}]: " \
-                   f"{event.what_is_unknown[:200]}"
-        if isinstance(event, EvidenceCollected):
-            return f"{event.eid} evidence (strength {event.strength:.2f}): {event.summary[:200]}"
-        if isinstance(event, HypothesisFormed):
-            return f"{event.eid} hypothesis: {event.statement[:200]} (metric {event.metric[:60]}; threshold " \
-                   f"{event.threshold[:60]})"
-        if isinstance(event, ExperimentDesigned):
-            state = " — PENDING: not executable here" if event.eid in run.pending else ""
-            return f"{event.eid} experiment [{event.method}]: {event.procedure[:160]}{state}"
-        if isinstance(event, ResultRecorded):
-            return f"{event.eid} result ({'passed' if event.passed else 'failed'}): " \
-                   f"{'; '.join(event.measurements)[:160] or '-'}"
-        if isinstance(event, ConclusionDrawn):
-            return f"{event.eid} conclusion (confidence {event.confidence:.2f}): {event.basis[:200]}"
-        if isinstance(event, ApplicationMapped):
-            return f"{event.eid} application: {event.effect[:200]}"
-        return event.eid
+        if isinstance(event, ExperimentDesigned) and event.eid in run.pending:
+            return f"{event.label()} — PENDING: not executable here"
+        return event.label()
 
     def _children(self, run: HypothesisRun, event: ChainEvent) -> list[ChainEvent]:
         eid = event.eid

@@ -105,22 +105,6 @@ class EngineRun:
         return self.budget.agents_made
 
     @property
-    def _active(self) -> set[asyncio.Task]:
-        return self.tasks.active
-
-    @property
-    def _pending(self) -> Any:
-        return self.tasks.pending
-
-    @property
-    def _t0(self) -> float:
-        return self.budget.t0
-
-    @property
-    def _deadline(self) -> float | None:
-        return self.budget.deadline
-
-    @property
     def events(self) -> EventLog:
         """The run's event log (the record's observer item pile, bounded here)."""
         return self.log

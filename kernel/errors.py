@@ -82,6 +82,22 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     ├── ServerRequestError           `opgraph serve` answered a client with an error status (cluster/http/client.py)
     ├── ServerTokenError             a server token that cannot be used: a file others read, too short (http/auth.py)
     ├── BindRefusedError             `opgraph serve` will not listen there without an operator's token (http/auth.py)
+    ├── ControlError                 the control plane (schedules, task queue, workers) could not do what was
+    │   │                            asked (cluster/control/errors.py)
+    │   ├── ControlInputError        bad input to a schedule or a task, refused before anything is written
+    │   │   ├── CronError            a cron expression, interval or time zone that cannot be used
+    │   │   ├── BackfillTooLargeError  a backfill range holds more fires than the configured maximum
+    │   │   └── UnknownActionKindError  no action adapter for that action_kind
+    │   ├── ScheduleNotFoundError    no schedule by that id or name
+    │   ├── TaskNotFoundError        no task with that id
+    │   ├── TaskStateError           the task's state forbids what was asked (cancel a finished task...)
+    │   └── LeaseLostError           the worker's lease on a task lapsed or was taken over; its write was refused
+    ├── WebhookError                 a webhook endpoint cannot be used as asked; ``endpoint`` names it
+    │   │                            (cluster/control/webhooks.py)
+    │   ├── WebhookTargetError       the URL is malformed or outside the allow-list; nothing stored or sent
+    │   ├── WebhookSecretError       the signing secret's reference is malformed or names no usable secret
+    │   ├── WebhookNotFoundError     no webhook endpoint by that name
+    │   └── WebhookNameConflictError  a webhook endpoint already has that name
     └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
         └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
             └── ClusterAuthenticationError  the cluster refused this process's token, or its lack of one
@@ -125,11 +141,7 @@ class OpGraphError(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.node_id = node_id
-        self.branch_id = branch_id
-        self.edge_id = edge_id
-        self.run_id = run_id
-        self.actor = actor
+        self.node_id, self.branch_id, self.edge_id, self.run_id, self.actor = node_id, branch_id, edge_id, run_id, actor
 
     def __reduce__(self):
         # Exception pickling replays only ``args``; keyword ids (and any attributes a

@@ -115,14 +115,11 @@ class SpawnRequested(NamedTuple):
     redelivery: bool = False
 
 
-class EscalationRequested(NamedTuple):
-    """An EscalationRequest arrived; ``redelivery`` as for SpawnRequested."""
+class EscalationRequested(SpawnRequested):
+    """An EscalationRequest arrived: the fields of SpawnRequested (``redelivery`` likewise), its own
+    type, so the scheduler's table sends it to the escalation handler."""
 
-    now: float = 0.0
-    emitter_id: str | None = None
-    request: Any = None
-    dedupe_key: Any = None
-    redelivery: bool = False
+    __slots__ = ()
 
 
 class InjectRequested(NamedTuple):

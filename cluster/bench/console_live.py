@@ -27,8 +27,7 @@ from typing import Any
 
 from opgraph.kernel import OperationGraphBuilder
 
-from ..lanes import LaneInvocation, PreparedLaneRun, run_prepared
-from ..lanes.fixed import FIXED_WORKFLOW, FIXED_WORKFLOW_CAPABILITIES, fixed_workflow_provenance
+from ..lanes import FIXED_WORKFLOW, LaneInvocation, PreparedLaneRun, RunProvenance, lane_adapter, run_prepared
 
 __all__ = ["CAPACITY", "LATENCY", "live_figures"]
 
@@ -47,7 +46,7 @@ async def _sleep(branch: Any, seconds: float = 0.0, gate: str = "", **parameters
     return parameters.get("result")
 
 
-def _prepared(width: int, gate: str) -> PreparedLaneRun:
+def _prepared(width: int, gate: str, store: Any) -> PreparedLaneRun:
     builder = OperationGraphBuilder()
     labels = {}
     for index in range(width):
@@ -59,10 +58,12 @@ def _prepared(width: int, gate: str) -> PreparedLaneRun:
     invocation = LaneInvocation(lane=FIXED_WORKFLOW, source_ref="bench/live-fan-out", source_kind="workflow_file",
                                 source_content_hash=content_hash, run_id=run_id, max_concurrent=CAPACITY,
                                 durable=False)
-    provenance = fixed_workflow_provenance(ref="bench/live-fan-out", content_hash=content_hash,
-                                           source_kind="workflow_file")
+    # A fixed lane's run, through the registry (the benchmarks reach a lane as the surfaces do).
+    provenance = RunProvenance.from_payload({"lane": FIXED_WORKFLOW, "source": {
+        "kind": "workflow_file", "ref": "bench/live-fan-out", "version": None, "content_hash": content_hash}})
+    capabilities = lane_adapter(FIXED_WORKFLOW, store).capabilities(invocation)
     return PreparedLaneRun(graph=graph, context={}, invocation=invocation, recovery={}, run_id=run_id,
-                           provenance=provenance, capabilities=FIXED_WORKFLOW_CAPABILITIES, labels=labels,
+                           provenance=provenance, capabilities=capabilities, labels=labels,
                            label="bench/live-fan-out")
 
 
@@ -73,7 +74,7 @@ def _present(envelope: Any) -> Any:
 
 
 def _start(session: Any, store: Any, width: int, gate: str) -> tuple[str, threading.Thread, list[Any]]:
-    prepared = _prepared(width, gate)
+    prepared = _prepared(width, gate, store)
     outcome: list[Any] = []
 
     def drive() -> None:

@@ -23,6 +23,7 @@ from ..command_line import (
     exit_codes_table,
 )
 from .client import RUN_EXIT_CODES
+from .control import add_control_parsers
 from .engine import add_engine_parser, add_run_show_parser
 from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workflows_parser
 from .map import EXPORT_COMMAND, add_map_parsers
@@ -31,6 +32,7 @@ from .results import add_result_parsers
 from .runs import add_runs_parser, add_store_parser
 from .serve import add_serve_parser, add_token_parser
 from .spine import command_group, subcommand
+from .webhooks import add_webhook_parser
 
 __all__ = ["main"]
 
@@ -122,6 +124,8 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_run_parser(subcommands)
     add_runs_parser(subcommands)
     add_store_parser(subcommands)
+    add_control_parsers(subcommands)
+    add_webhook_parser(subcommands)
     return parser
 
 

@@ -20,6 +20,7 @@ from starlette.routing import Match, Route
 
 from opgraph.kernel import OpGraphError, RunLogIntegrityError
 
+from ..control import ControlError, ControlInputError, ScheduleNotFoundError, TaskNotFoundError, TaskStateError
 from ..lanes import LaneCapabilityError
 from ..store import (
     RunNotFoundError,
@@ -169,6 +170,12 @@ _ERROR_RESPONSES: dict[type[Exception], tuple[int, Callable[[Any], dict[str, Any
     # A run-log row that fails its integrity check (planted, changed, or signed elsewhere): unread.
     RunLogIntegrityError: (503, lambda exc: error_body(str(exc), run_id=exc.run_id)),
     RuntimeUnavailableError: (503, lambda exc: error_body(exc.message)),
+    # The control plane (schedules, tasks): bad input names its field; a state conflict names the state.
+    ControlInputError: (422, lambda exc: error_body(exc.message, field=exc.field)),
+    ScheduleNotFoundError: (404, lambda exc: error_body(exc.message)),
+    TaskNotFoundError: (404, lambda exc: error_body(exc.message)),
+    TaskStateError: (409, lambda exc: error_body(exc.message, task_id=exc.task_id, state=exc.state)),
+    ControlError: (503, lambda exc: error_body(exc.message)),
 }
 
 

@@ -3,7 +3,8 @@
 Owns the ``engine_runs`` and ``engine_events`` tables (schema migration 5, in the same
 file as the run store: ``OPGRAPH_DB``, default ``~/.opgraph/opgraph.db``): a run's
 row with its inputs, configuration, status and statistics, and every typed event and
-notification under the run's id. It never runs an engine.
+notification under the run's id, and each status change's outbox event (``engine_run.<status>``,
+outbox.py) in the same transaction. It never runs an engine.
 
 The store's errors (``EngineRunNotFoundError`` among them) are drawn in errors.py.
 """
@@ -21,6 +22,7 @@ from opgraph.actors.persistence.backends import Connection, Row
 
 from .database import StoreDatabase
 from .errors import EngineRunNotFoundError
+from .outbox import record
 from .owners import ProcessIdentity, owner_is_alive
 
 if TYPE_CHECKING:  # engines load Ray; the store must open without it (`opgraph run show`)
@@ -66,6 +68,15 @@ def _record(row: Row) -> EngineRunRecord:
     return EngineRunRecord(**values)
 
 
+def _engine_event(db: Connection, run_id: str, engine: str, status: str, at: float,
+                  error: Mapping[str, Any] | None = None) -> None:
+    """The outbox event of an engine run's transition (``engine_run.<status>``), in its transaction."""
+    payload: dict[str, Any] = {"run_id": run_id, "engine": engine, "status": status}
+    if error and error.get("error_type"):
+        payload["error_type"] = error["error_type"]
+    record(db, f"engine_run.{status}", run_id, payload, at=at)
+
+
 class EngineRunStore(StoreDatabase):
     """The engines' ``EventSink`` on the run store's file; engines call it from worker threads.
 
@@ -78,11 +89,13 @@ class EngineRunStore(StoreDatabase):
     # -- the EventSink protocol -------------------------------------------------------------
     def open_run(self, run_id: str, *, engine: str, inputs: Mapping[str, Any], config: Mapping[str, Any]) -> None:
         owner = self._owner
+        now = self._clock()
         with self._transaction(write=True) as db:
             db.execute("INSERT INTO engine_runs (run_id, engine, status, inputs, config, created_at, owner_host,"
                        " owner_pid, owner_start) VALUES (?, ?, 'running', ?, ?, ?, ?, ?, ?)",
-                       (run_id, engine, _encode(dict(inputs)), _encode(dict(config)), self._clock(),
+                       (run_id, engine, _encode(dict(inputs)), _encode(dict(config)), now,
                         owner.host, owner.pid, owner.start))
+            _engine_event(db, run_id, engine, "running", now)
 
     def record_events(self, run_id: str, records: Sequence[EventRecord]) -> None:
         rows = [(run_id, r.seq, r.kind, r.type, r.agent, _encode(r.data), r.at) for r in records]
@@ -94,14 +107,17 @@ class EngineRunStore(StoreDatabase):
                   error: Mapping[str, Any] | None, statistics: Mapping[str, Any]) -> None:
         if status not in ENGINE_RUN_STATUSES[1:]:
             raise ValueError(f"an engine run ends {', '.join(ENGINE_RUN_STATUSES[1:])}, not {status!r}")
+        now = self._clock()
         with self._transaction(write=True) as db:
             changed = db.execute(
                 "UPDATE engine_runs SET status = ?, result = ?, degrade_reason = ?, error = ?, statistics = ?,"
-                " finished_at = ? WHERE run_id = ? AND status = 'running'",
+                " finished_at = ? WHERE run_id = ? AND status = 'running' RETURNING engine",
                 (status, result, degrade_reason or "", None if error is None else _encode(dict(error)),
-                 _encode(dict(statistics)), self._clock(), run_id)).rowcount
-            if not changed:
+                 _encode(dict(statistics)), now, run_id)).fetchone()
+            if changed is None:
                 self._get(db, run_id)
+            else:
+                _engine_event(db, run_id, changed[0], status, now, error)
 
     # -- reads ---------------------------------------------------------------------------
     def _get(self, db: Connection, run_id: str) -> EngineRunRecord:
@@ -119,9 +135,11 @@ class EngineRunStore(StoreDatabase):
             if owner_is_alive(owner, self._owner) is False:
                 error = {"error": f"the process that ran it (pid {record.owner_pid} on {record.owner_host}) "
                                   "exited before the run ended", "error_type": "OwnerProcessLost"}
+                now = self._clock()
                 with self._transaction(write=True) as db:
-                    db.execute("UPDATE engine_runs SET status = 'failed', error = ?, finished_at = ?"
-                               " WHERE run_id = ? AND status = 'running'", (_encode(error), self._clock(), run_id))
+                    if db.execute("UPDATE engine_runs SET status = 'failed', error = ?, finished_at = ?"
+                                  " WHERE run_id = ? AND status = 'running'", (_encode(error), now, run_id)).rowcount:
+                        _engine_event(db, run_id, record.engine, "failed", now, error)
                     record = self._get(db, run_id)
         return record
 

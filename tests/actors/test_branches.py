@@ -7,19 +7,14 @@ Each test runs on a fresh default branch so that earlier tests cannot leak into 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
+
+from running import run
 
 from opgraph.actors import Session
 from opgraph.kernel import OperationGraphBuilder, SpawnRequest
 
-FLOW_TIMEOUT = 60.0
 SEED = {"role": "system", "content": "seed"}
-
-
-def run(coroutine: Any) -> Any:
-    """Drive one test's coroutine; a run that hangs fails the test instead."""
-    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
 
 
 def turn(instruction: str, response: Any) -> list[dict[str, Any]]:

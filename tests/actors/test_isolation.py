@@ -7,20 +7,14 @@ dropped by ``close()``. Each test counts the branches the runtime holds before a
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
 import ray
+from running import run
 
 from opgraph.actors import Session, UnknownBranchError
 from opgraph.kernel import OperationGraphBuilder, OpGraphError
-
-TIMEOUT = 60.0
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT))
 
 
 def held_branches(session: Session) -> int:

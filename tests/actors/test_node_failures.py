@@ -16,15 +16,12 @@ from typing import Any
 
 import pytest
 import ray
+from running import run
 
 from opgraph.actors import Session
 from opgraph.kernel import Edge, Graph, SpawnRequest, UnknownNodeError, create_operation
 
 TIMEOUT = 60.0
-
-
-def run(coroutine: Any, timeout: float = TIMEOUT) -> Any:
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
 
 class Unpicklable:

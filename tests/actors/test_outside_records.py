@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+from running import run
+
 from opgraph.kernel import Graph, create_operation
-
-
-def run(coroutine, timeout: float = 60.0):
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
 
 def fan_out(operation: str, count: int) -> Graph:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import ray
+from running import run
 
 from opgraph.kernel import (
     EscalationRequest,
@@ -22,13 +23,7 @@ from opgraph.kernel import (
     role_node_builder,
 )
 
-FLOW_TIMEOUT = 60.0
 SIGNAL_TIMEOUT = 30.0
-
-
-def run(coroutine: Any) -> Any:
-    """Drive one test's coroutine; a run that hangs fails the test instead."""
-    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
 
 
 async def operate(branch: Any, instruction: str = "", **parameters: Any) -> dict[str, str]:

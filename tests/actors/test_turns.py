@@ -7,16 +7,11 @@ import os
 from typing import Any
 
 import pytest
+from running import run
 
 from opgraph.actors import TurnError, TurnResult
 from opgraph.actors.workers.usage import record_usage
 from opgraph.kernel import OperationError, RetryPolicy
-
-TIMEOUT = 60.0
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT))
 
 
 async def where(branch: Any, **parameters: Any) -> dict[str, Any]:

@@ -9,7 +9,6 @@ tests sharing the session cannot see each other's providers or history.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import socket
@@ -20,22 +19,13 @@ from typing import Any
 import openai_server as srv  # tests/support: a real chat-completions server on loopback
 import pytest
 from pydantic import BaseModel
+from running import run
 
 from opgraph.actors.models import ChatRequest, ProviderHTTPError
 from opgraph.actors.providers import OpenAICompatibleProvider, ScriptedProvider
 from opgraph.actors.verbs import VERB_OPERATIONS
 from opgraph.cluster import example_three_nodes
 from opgraph.kernel import OperationGraphBuilder, SpawnRequest
-
-FLOW_TIMEOUT = 60.0
-
-
-
-
-def run(coroutine: Any) -> Any:
-    """Drive one test's coroutine; a run that hangs fails the test instead."""
-    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
-
 
 # -- what the workers receive: module-level, so they travel with this module by value -----------
 

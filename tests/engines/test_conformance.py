@@ -47,6 +47,7 @@ import pytest
 import ray
 from coding_fixtures import FIXED, PLAN, VERIFIED, change, edit, make_project
 from engine_scripts import HANG, ByAgent, js, last_user
+from running import run_engine as run
 
 from opgraph.actors import RuntimeLostError
 from opgraph.actors.models import ProviderUnavailable
@@ -70,10 +71,6 @@ from opgraph.engines import (
 pytestmark = pytest.mark.ray
 
 DEADLINE_S = 1.0
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def engine_result_diagnostics(result: Any) -> dict[str, Any]:
@@ -307,7 +304,8 @@ def test_a_reused_engine_gives_isolated_runs(case, session, model, tmp_path):
     assert {a.id for a in first_run.agents.values()}.isdisjoint(a.id for a in second_run.agents.values())
     assert second_run._seen is not first_run._seen and second_run.tasks is not first_run.tasks
     assert all(r.run_id == second_run.run_id for r in second_run.events.events())
-    assert second_run._deadline == pytest.approx(second_run._t0 + 60.0) and second_run._deadline > first_run._deadline
+    assert second_run.budget.deadline == pytest.approx(second_run.budget.t0 + 60.0)
+    assert second_run.budget.deadline > first_run.budget.deadline
     assert case.diagnostics(second) == {"degraded": False, "degrade_reason": "", "skipped": []}
 
 
@@ -330,7 +328,7 @@ def test_the_deadline_holds(case, session, model, tmp_path):
     result, bounded = run(execute(engine, case, tmp_path, session))
     assert time.monotonic() - started < DEADLINE_S + 10  # cleanup is bounded too
     assert case.diagnostics(result)["degrade_reason"] == "deadline" and bounded.deadline_hit
-    assert not bounded._active
+    assert not bounded.tasks.active
 
 
 @every_engine
@@ -456,7 +454,7 @@ def test_external_cancellation_propagates_after_cleanup(case, session, model, tm
         return fresh
 
     cancelled = run(cancel_mid_turn())
-    assert cancelled.status == "cancelled" and not cancelled._active
+    assert cancelled.status == "cancelled" and not cancelled.tasks.active
 
 
 class LosingPort(SessionPort):

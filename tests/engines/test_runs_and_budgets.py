@@ -12,15 +12,12 @@ import os
 import pytest
 import ray
 from engine_scripts import HANG, ByAgent, Note, ScriptEngine, hang, js, kinds, last_user
+from running import run_engine as run
 
 from opgraph.actors import TurnError, UnknownBranchError
 from opgraph.engines import EngineBudgetError, EngineInputError, EngineResult
 
 pytestmark = pytest.mark.ray
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 async def one_agent(run_, name="a"):
@@ -297,14 +294,14 @@ def test_spawn_without_a_loop_waits_in_pending_until_drained(session):
     async def work():
         ran.append(True)
 
-    assert fresh.spawn(work()) is None and len(fresh._pending) == 1
+    assert fresh.spawn(work()) is None and len(fresh.tasks.pending) == 1
 
     async def later():
         tasks = fresh.drain_pending()
         await asyncio.gather(*tasks)
 
     run(later())
-    assert ran == [True] and len(fresh._pending) == 0
+    assert ran == [True] and len(fresh.tasks.pending) == 0
 
 
 def test_quiescence_treats_cancellation_and_budget_errors_as_stopping(session):
@@ -408,7 +405,7 @@ def test_run_ends_by_cancelling_spawned_work_the_root_left_behind(session, model
     engine = ScriptEngine(body, model=model(ByAgent(default=HANG)), event_sink=sink)
     result = run(engine.run(session=session))
     assert result == "root done"
-    assert all(task.done() for task in result.run._active) and not result.run._active
+    assert all(task.done() for task in result.run.tasks.active) and not result.run.tasks.active
     assert sink.runs[result.run.run_id]["status"] == "completed"
 
 

@@ -23,6 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 __all__ = [
     "BLOCK_KINDS",
@@ -220,26 +221,29 @@ class HeadFixture:
 
 
 @dataclass(frozen=True)
-class ParsedOnly:
+class _NotRunFor:
+    """Not run, for the ``reason`` given; labelled with the kind's ``how`` and the reason."""
+
+    reason: str
+
+    how: ClassVar[str]
+
+    @property
+    def label(self) -> str:
+        return f"{self.how}: {self.reason}"
+
+
+class ParsedOnly(_NotRunFor):
     """Not run, for the ``reason`` given: the command with ``--help`` appended must parse and
     exit 0, and every option it shows must be in that help."""
 
-    reason: str
-
-    @property
-    def label(self) -> str:
-        return f"parsed only: {self.reason}"
+    how = "parsed only"
 
 
-@dataclass(frozen=True)
-class NotRun:
+class NotRun(_NotRunFor):
     """Not run at all, for the ``reason`` given (installing packages; the test command itself)."""
 
-    reason: str
-
-    @property
-    def label(self) -> str:
-        return f"not run: {self.reason}"
+    how = "not run"
 
 
 # -- running ------------------------------------------------------------------------------------

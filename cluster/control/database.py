@@ -1,0 +1,126 @@
+"""One connection to the control plane's tables (SQLite or PostgreSQL), with its clock and transition hooks.
+
+Owns opening the database (the run store's: ``OPGRAPH_DB``, a path or a ``postgresql://``
+URL), migrating the control tables, one locked transaction at a time with the driver's
+errors translated once, and the hooks that see every task transition inside the transaction
+that commits it (the dispatch outbox writes its row there). It must not know a table's rows:
+the queue and the schedules do.
+
+A write transaction on SQLite is ``BEGIN IMMEDIATE`` (the file's one writer); on PostgreSQL it is a
+plain transaction, never the run store's global advisory lock: a claim locks only the rows it
+takes (``FOR UPDATE SKIP LOCKED``), and the code that needs more takes a lock of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from opgraph.actors.persistence.backends import Connection, describe, driver_errors, is_postgres, open_connection
+
+from ..store.schema import default_store_path
+from .errors import ControlError
+from .schema import migrate_control
+
+__all__ = ["ControlDatabase", "TransitionHook"]
+
+# hook(connection, transition): called inside the transaction of every task transition, with a dict
+# {task_id, queue, action_kind, from_state, to_state, kind, worker, attempt, at, detail, run_id, schedule_id}.
+TransitionHook = Callable[[Connection, dict[str, Any]], None]
+
+
+class ControlDatabase:
+    """The control tables on one connection, shared by threads under a lock.
+
+    ``target`` is a SQLite path, ``":memory:"`` or a ``postgresql://`` URL (None: ``OPGRAPH_DB``).
+    ``clock`` (seconds since the epoch) stamps every row and decides every due time: tests pass
+    a fake one. ``transition_hooks`` see each task transition inside its transaction.
+    """
+
+    def __init__(self, target: str | Path | None = None, *, clock: Callable[[], float] = time.time,
+                 timeout: float = 30.0) -> None:
+        target = default_store_path() if target is None else target
+        self.target = str(target) if is_postgres(str(target)) else str(Path(str(target)).expanduser())
+        self.clock = clock
+        self.transition_hooks: list[TransitionHook] = []
+        self._lock = threading.RLock()
+        self._db: Connection | None = None
+        try:
+            if not is_postgres(self.target) and self.target != ":memory:":
+                Path(self.target).parent.mkdir(parents=True, exist_ok=True)
+            self._db = open_connection(self.target, timeout=timeout, named_rows=True)
+            if self._db.dialect == "sqlite" and self.target != ":memory:":
+                self._db.execute("PRAGMA journal_mode = WAL")
+                self._db.execute("PRAGMA synchronous = NORMAL")
+            migrate_control(self._db, location=describe(self.target))
+        except driver_errors() as exc:
+            if self._db is not None:
+                self._db.close()
+            raise ControlError(f"cannot open the control tables in {describe(self.target)}: {exc}") from exc
+
+    @property
+    def dialect(self) -> str:
+        return "postgresql" if is_postgres(self.target) else "sqlite"
+
+    def describe(self) -> str:
+        return describe(self.target)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __enter__(self) -> ControlDatabase:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @contextmanager
+    def transaction(self, *, write: bool = False) -> Iterator[Connection]:
+        """One locked transaction; ``write`` on SQLite takes the file's write lock from its start."""
+        with self._lock:
+            if self._db is None:
+                raise ControlError(f"the control tables in {describe(self.target)} are closed")
+            db = self._db
+            try:
+                db.begin(write=write and db.dialect == "sqlite")
+                try:
+                    yield db
+                except BaseException:
+                    db.rollback()
+                    raise
+                db.commit()
+            except db.errors as exc:
+                db.rollback()
+                raise ControlError(f"the control tables in {describe(self.target)} failed: {exc}") from exc
+
+    @contextmanager
+    def autocommit(self) -> Iterator[Connection]:
+        """The connection with no transaction open: a single statement commits on its own (PostgreSQL's
+        one-statement claim)."""
+        with self._lock:
+            if self._db is None:
+                raise ControlError(f"the control tables in {describe(self.target)} are closed")
+            db = self._db
+            try:
+                yield db
+            except db.errors as exc:
+                raise ControlError(f"the control tables in {describe(self.target)} failed: {exc}") from exc
+
+    def lock_key(self, connection: Connection, name: str) -> None:
+        """Inside a PostgreSQL transaction: wait for the advisory lock named ``name`` (released at commit).
+        SQLite's write transaction holds the file's lock already."""
+        if connection.dialect == "postgresql":
+            connection.execute("SELECT pg_advisory_xact_lock(?)", (_lock_number(name),))
+
+
+def _lock_number(name: str) -> int:
+    # 0x6F63 ("oc", opgraph control) in the high bits keeps these apart from the run store's write lock.
+    return (0x6F63 << 40) | zlib.crc32(name.encode())
