@@ -13,6 +13,8 @@ import pytest
 from api_server import serve
 
 from opgraph.cluster.bench.console import record_fanout
+from opgraph.cluster.control import ControlDatabase, TaskQueue
+from opgraph.cluster.control.schedules import Scheduler
 from opgraph.cluster.http import AccessPolicy, create_app
 from opgraph.cluster.http.console import build_model, render_svg
 from opgraph.cluster.lanes import open_store
@@ -117,3 +119,20 @@ def test_an_engine_runs_page_shows_its_timeline_and_its_tree(served):
         assert tree.index("batteries") < tree.index("solid-state") < tree.index("&lt;script&gt;")
         assert SCRIPT not in page
         assert client.get("/engine-runs/nope").status_code == 404
+
+
+def test_the_control_plane_has_a_page_each_for_schedules_tasks_and_webhook_deliveries(served):
+    running, store, _ = served
+    control = ControlDatabase(store.path)
+    try:
+        task, _ = TaskQueue(control).submit("workflow", SCRIPT, queue="console")
+        Scheduler(control, name="test").add("nightly", action_kind="workflow", target="triage", cron="0 3 * * *")
+    finally:
+        control.close()
+    with running.client() as client:
+        tasks = client.get("/control/tasks").text
+        assert task.task_id in tasks and "&lt;script&gt;" in tasks and SCRIPT not in tasks
+        assert "nightly" in client.get("/control/schedules").text and "0 3 * * *" in client.get(
+            "/control/schedules").text
+        assert "Webhook deliveries" in client.get("/control/webhooks").text
+        assert client.get("/control/nothing").status_code == 404

@@ -25,6 +25,7 @@ from markupsafe import Markup
 from ...store import RUN_STATUSES, EngineRunNotFoundError, EngineRunStore, RunRecord, RunStore
 from ..guard import AccessPolicy
 from ..problems import UnknownNameError
+from .control_pages import ControlPages
 from .graph import STATES, GraphModel, build_model, node_state, render_svg
 
 __all__ = ["PAGE_SIZE", "TRUNCATE_AT", "Console", "run_state"]
@@ -128,6 +129,8 @@ class Console:
         self._static = {name: (HERE / "static" / name).read_bytes() for name in _STATIC}
         self.sign_in_page = (HERE / "templates" / "sign_in.html").read_bytes()
         self._engines: EngineRunStore | None = None
+        self.control = ControlPages(store)
+        self.templates.globals["zip"] = zip
 
     # -- shared ----------------------------------------------------------------------------
     def render(self, name: str, **values: Any) -> str:
@@ -374,6 +377,23 @@ class Console:
                 return html(self.engine_run_page(run_id))
             except EngineRunNotFoundError as exc:
                 raise UnknownNameError(f"no engine run {run_id!r} in this store") from exc
+
+        pages = {
+            "schedules": ("Schedules", "Each schedule, its next time and its fires so far.", "/api/schedules",
+                          lambda state: self.control.schedules()),
+            "tasks": ("Task queue", "The newest tasks, any state (filter with ?state=).", "/api/tasks",
+                      lambda state: self.control.tasks(state)),
+            "webhooks": ("Webhook deliveries", "The newest deliveries of each endpoint, with their attempts.",
+                         "/api/webhooks", lambda state: self.control.deliveries()),
+        }
+
+        @app.get("/control/{page}", include_in_schema=False)
+        def control_page(page: str, state: str | None = Query(default=None, max_length=40)) -> HTMLResponse:
+            if page not in pages:
+                raise UnknownNameError(f"the console has no control page {page!r}; it has {', '.join(pages)}")
+            title, about, api, read = pages[page]
+            columns, rows = read(state)
+            return html(self.render("control.html", title=title, about=about, api=api, columns=columns, rows=rows))
 
         self.html = html
 
