@@ -364,11 +364,22 @@ class TaskQueue:
             values.append(available_at)
         if to_state not in ACTIVE_STATES:
             sets.append("lease_expires_at = NULL")
+        update = (f"UPDATE control_tasks SET {', '.join(sets)} WHERE task_id = ? AND lease_token = ? "
+                  f"AND state IN ({', '.join('?' * len(sources))}) AND lease_expires_at > ? RETURNING {_COLUMNS}")
+        parameters = (*values, claim.task.task_id, claim.token, *sources, now)
+        if self.db.dialect == "postgresql" and not self.db.transition_hooks and claim.task.schedule_id is None:
+            # One statement, one round trip: the transition and its event row commit together.
+            with self.db.autocommit() as db:
+                row = db.execute(
+                    f"WITH changed AS ({update}), logged AS (INSERT INTO control_task_events (task_id, at, "
+                    f"from_state, to_state, kind, worker, attempt, detail) SELECT task_id, ?, ?, ?, ?, ?, attempts, ? "
+                    f"FROM changed) SELECT {_COLUMNS} FROM changed",
+                    (*parameters, now, claim.task.state, to_state, kind, claim.worker, reason)).fetchone()
+            if row is None:
+                raise LeaseLostError(claim.task.task_id, claim.worker)
+            return TaskRecord.from_row(row)
         with self.db.transaction(write=True) as db:
-            row = db.execute(
-                f"UPDATE control_tasks SET {', '.join(sets)} WHERE task_id = ? AND lease_token = ? "
-                f"AND state IN ({', '.join('?' * len(sources))}) AND lease_expires_at > ? RETURNING {_COLUMNS}",
-                (*values, claim.task.task_id, claim.token, *sources, now)).fetchone()
+            row = db.execute(update, parameters).fetchone()
             if row is None:
                 raise LeaseLostError(claim.task.task_id, claim.worker)
             task = TaskRecord.from_row(row)
