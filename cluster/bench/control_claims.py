@@ -43,7 +43,7 @@ def fresh_target(base: str, folder: str) -> str:
     return f"{base}{separator}options={quote(f'-csearch_path={schema}')}"
 
 
-def _worker(target: str, name: str, start: Any, results: Any) -> None:
+def _worker(target: str, name: str, start: Any, results: Any, complete: bool) -> None:
     database = ControlDatabase(target)
     queue = TaskQueue(database)
     latencies: list[float] = []
@@ -55,14 +55,16 @@ def _worker(target: str, name: str, start: Any, results: Any) -> None:
         latencies.append(time.perf_counter() - asked)
         if claim is None:
             break
-        queue.succeed(claim)
+        if complete:
+            queue.succeed(claim)
     ended = time.perf_counter()
     database.close()
     results.put({"claims": len(latencies) - 1, "latencies": latencies[:-1], "began": began, "ended": ended})
 
 
-def run_claims(base: str, workers: int, tasks: int, folder: str) -> dict[str, Any]:
-    """``tasks`` queued, then claimed and settled by ``workers`` processes: claims/s and latency."""
+def run_claims(base: str, workers: int, tasks: int, folder: str, *, complete: bool = True) -> dict[str, Any]:
+    """``tasks`` queued, then claimed (and with ``complete`` each recorded succeeded before the next
+    claim, as a worker does) by ``workers`` processes: claims/s and claim latency."""
     target = fresh_target(base, folder)
     database = ControlDatabase(target)
     queue = TaskQueue(database)
@@ -72,7 +74,7 @@ def run_claims(base: str, workers: int, tasks: int, folder: str) -> dict[str, An
     database.close()
     context = multiprocessing.get_context("spawn")
     start, results = context.Event(), context.Queue()
-    processes = [context.Process(target=_worker, args=(target, f"w{index}", start, results))
+    processes = [context.Process(target=_worker, args=(target, f"w{index}", start, results, complete))
                  for index in range(workers)]
     for process in processes:
         process.start()
@@ -85,9 +87,10 @@ def run_claims(base: str, workers: int, tasks: int, folder: str) -> dict[str, An
     wall = max(report["ended"] for report in reports) - min(report["began"] for report in reports)
     latencies = sorted(value for report in reports for value in report["latencies"])
     check = TaskQueue(ControlDatabase(target))
-    settled = len(check.list_tasks(state="succeeded", limit=tasks + 1))
+    settled = len(check.list_tasks(state="succeeded" if complete else "leased", limit=tasks + 1))
     check.db.close()
-    return {"database": "postgresql" if is_postgres(base) else "sqlite", "workers": workers, "claims": claims,
+    return {"database": "postgresql" if is_postgres(base) else "sqlite", "workers": workers,
+            "mode": "claim+succeed" if complete else "claim", "claims": claims,
             "settled_once": settled == claims == tasks, "claims_per_second": round(claims / wall, 1),
             "p50_ms": round(1000 * latencies[len(latencies) // 2], 2),
             "p99_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
@@ -100,23 +103,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", type=int, default=4000, help="tasks queued per run (4000)")
     parser.add_argument("--workers", default="1,2,4", help="worker counts to run (1,2,4)")
     parser.add_argument("--postgres", default=None, metavar="URL", help="a PostgreSQL database to run on too")
+    parser.add_argument("--modes", default="claim,claim+succeed",
+                        help="claim (lease every task), claim+succeed (a worker's cycle), or both (the default)")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here too")
     arguments = parser.parse_args(argv)
     counts = [int(value) for value in arguments.workers.split(",")]
+    modes = arguments.modes.split(",")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for base in [str(Path(folder) / "sqlite"), *([arguments.postgres] if arguments.postgres else [])]:
-            for workers in counts:
-                row = run_claims(base, workers, arguments.tasks, folder)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    print(f"\n{'workers':>8} | " + " | ".join(f"{name:>26}" for name in sorted({row['database'] for row in rows})))
-    for workers in counts:
-        cells = []
-        for name in sorted({row["database"] for row in rows}):
-            row = next(row for row in rows if row["workers"] == workers and row["database"] == name)
-            cells.append(f"{row['claims_per_second']:>9.0f}/s p99 {row['p99_ms']:>6.1f} ms")
-        print(f"{workers:>8} | " + " | ".join(f"{cell:>26}" for cell in cells))
+            for mode in modes:
+                for workers in counts:
+                    row = run_claims(base, workers, arguments.tasks, folder, complete=mode != "claim")
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    names = sorted({row["database"] for row in rows})
+    for mode in modes:
+        print(f"\n{mode:<14} | " + " | ".join(f"{name:>26}" for name in names))
+        for workers in counts:
+            cells = []
+            for name in names:
+                row = next(row for row in rows if (row["workers"], row["database"], row["mode"]) ==
+                           (workers, name, "claim" if mode == "claim" else "claim+succeed"))
+                cells.append(f"{row['claims_per_second']:>9.0f}/s p99 {row['p99_ms']:>6.1f} ms")
+            print(f"{workers:>6} worker(s) | " + " | ".join(f"{cell:>26}" for cell in cells))
     if arguments.postgres:
         print(f"(PostgreSQL: {describe(arguments.postgres)})")
     if arguments.json:

@@ -11,6 +11,7 @@ that ended meanwhile is read, not run again. ``workflow`` goes to the fixed lane
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..lanes import (
     logged_end,
     resume_recorded,
 )
-from ..store import RunNotFoundError
+from ..store import OWNER_PROCESS_LOST, RunNotFoundError
 from .actions import ActionContext, ActionOutcome
 from .queue import TaskRecord
 
@@ -92,8 +93,16 @@ class LaneAction:
             return _ended(result.status, result.run_id, result.outputs, result.errors)
         if record.terminal:
             return _ended(record.status, record.run_id, record.outputs, record.error)
+        if record.owner_host is not None and record.owner_host != socket.gethostname():
+            # The store cannot tell whether a process on another machine lives; the lease can: its holder
+            # stopped heartbeating, and a holder that only lost touch cancels its run when its next
+            # heartbeat is refused. The run is recorded orphaned, then continued as one.
+            await asyncio.to_thread(store.finish_run, record.run_id, "failed", error={
+                "error": f"the worker on {record.owner_host} (pid {record.owner_pid}) lost the lease of task "
+                         f"{task.task_id}", "error_type": OWNER_PROCESS_LOST})
+            return await self._continue(adapter, task, context, hooks)
         return ActionOutcome("failed", error={"error": f"run {record.run_id} is still {record.status}, owned by "
-                                                      f"pid {record.owner_pid} on {record.owner_host}"})
+                                                      f"the live pid {record.owner_pid} on {record.owner_host}"})
 
 
 class GraphAction:

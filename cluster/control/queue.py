@@ -247,7 +247,7 @@ class TaskQueue:
                    f"AND t.concurrency_key IS NULL{kind_filter} ORDER BY t.priority DESC, t.available_at, t.task_id "
                    f"LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING {_COLUMNS}")
             with self.db.autocommit() as db:
-                row = db.execute(sql, (*lease, queue, now, *kind_values)).fetchone()
+                row = _commit_lazily(db, sql, (*lease, queue, now, *kind_values))
             return None if row is None else self._claimed(row, worker)
         skip_locked = " FOR UPDATE OF t SKIP LOCKED" if self.db.dialect == "postgresql" else ""
         sql = (f"UPDATE control_tasks SET {_SET_LEASE} WHERE task_id = (SELECT t.task_id FROM control_tasks t "
@@ -581,6 +581,31 @@ class TaskQueue:
         if task.schedule_id is None:
             return
         release_buffered(db, task.schedule_id, self.clock())
+
+
+def _commit_lazily(db: Connection, sql: str, parameters: Sequence[Any]) -> Row | None:
+    """One statement in a transaction that does not wait for its WAL flush, in one round trip.
+
+    A claim may: if the database crashes before the flush, the claim is lost and the task is
+    queued again; the worker that believed it held the lease is refused at its first write (the
+    token moved on, or the row says queued) and cancels its run, and the next claimer continues
+    that run from the run log. What must survive a crash (a task's end) commits durably.
+    """
+    from opgraph.actors.persistence.backends import postgres_sql
+
+    db._reconnect_if_lost()
+    connection = db.connection
+    try:
+        with connection.pipeline() as pipeline:
+            connection.execute("BEGIN")
+            connection.execute("SET LOCAL synchronous_commit TO OFF")
+            cursor = connection.execute(postgres_sql(sql), tuple(parameters))
+            connection.execute("COMMIT")
+            pipeline.sync()
+            return cursor.fetchone()
+    except BaseException:
+        db.rollback()
+        raise
 
 
 def release_buffered(db: Connection, schedule_id: str, now: float) -> str | None:
