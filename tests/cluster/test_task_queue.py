@@ -190,3 +190,42 @@ def test_task_queue_concurrent_claimers_never_share_a_task(database_target, cloc
         thread.join(60)
     assert len(won) == len(set(won)) == 200
     producer.db.close()
+
+
+def test_task_queue_survives_a_postgresql_restart_with_nothing_lost(clock):
+    """A server of its own, restarted (``-m immediate``: a crash) under a worker's open connection: the
+    statement that meets the restart fails with a ControlError, the next one reconnects; every task and
+    the lease held before the restart are there, and the holder's token still fences."""
+    from components import require
+    from postgres_server import PostgresServer
+
+    from opgraph.cluster.control import ControlError
+
+    require("postgresql")
+    server = PostgresServer.start(durable=True)  # the tests' fast server would lose its last commits in a crash
+    try:
+        database = ControlDatabase(server.database(), clock=clock)
+        queue = TaskQueue(database)
+        for index in range(3):
+            queue.submit("agent", f"t{index}")
+        held = queue.claim("default", "w", lease_seconds=60)
+        queue.mark_running(held, "run-1")
+        server._run("pg_ctl", "-D", server.data, "-l", f"{server.folder}/server.log", "-m", "immediate", "-w",
+                    "restart")
+        failures = 0
+        for _ in range(5):
+            try:
+                assert queue.heartbeat(held) is False
+                break
+            except LeaseLostError:
+                raise
+            except ControlError:
+                failures += 1
+        assert failures <= 1
+        states = sorted(task.state for task in queue.list_tasks())
+        assert states == ["queued", "queued", "running"]
+        assert queue.claim("default", "w2") is not None and queue.claim("default", "w3") is not None
+        assert queue.succeed(held).state == "succeeded"
+        database.close()
+    finally:
+        server.stop()
