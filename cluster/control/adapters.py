@@ -91,6 +91,8 @@ class LaneAction:
             except LaneCapabilityError:
                 return None  # the lane cannot continue it: a new run
             return _ended(result.status, result.run_id, result.outputs, result.errors)
+        if record.status == "cancelled" and not task.cancel_requested:
+            return None  # its holder lost the lease and stopped it; nobody asked: a new run
         if record.terminal:
             return _ended(record.status, record.run_id, record.outputs, record.error)
         if record.owner_host is not None and record.owner_host != socket.gethostname():
@@ -117,11 +119,11 @@ class GraphAction:
 
         if task.run_id is not None:
             ended = await asyncio.to_thread(logged_end, task.run_id)
-            if ended is not None:
+            if ended is not None and not (ended[0] == "cancelled" and not task.cancel_requested):
                 status, envelope, error = ended
                 return self._outcome(task.run_id, envelope, status, error, envelope_summary)
             entry = await asyncio.to_thread(lambda: RunLog(database_path()).entry(task.run_id))
-            if entry is not None:
+            if entry is not None and entry.status == "live":
                 await context.started(task.run_id)
                 envelope = await RunControl.resume_from_log(task.run_id, await context.session(),
                                                             on_progress=self._progress(context))
