@@ -255,16 +255,21 @@ class TaskQueue:
                f"AND (t.concurrency_key IS NULL OR (SELECT count(*) FROM control_tasks r "
                f"WHERE r.concurrency_key = t.concurrency_key AND r.state IN ('leased', 'running') "
                f"AND r.lease_expires_at > ?) < t.concurrency_limit) "
-               f"AND (SELECT count(*) FROM control_tasks r WHERE r.queue = t.queue "
-               f"AND r.state IN ('leased', 'running') "
-               f"AND r.lease_expires_at > ?) < COALESCE((SELECT q.concurrency_limit FROM control_queues q "
-               f"WHERE q.queue = t.queue), 9000000000000000000) "
-               f"ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT 1{skip_locked}) RETURNING {_COLUMNS}")
+               f"{{queue_limit}}ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT 1{skip_locked}) "
+               f"RETURNING {_COLUMNS}")
         with self.db.transaction(write=True) as db:
             # PostgreSQL: claims that count leases queue behind one lock per queue, so two claimers
             # never both see the last free slot (SQLite's BEGIN IMMEDIATE already serializes them).
             self.db.lock_key(db, f"queue:{queue}")
-            row = db.execute(sql, (*lease, queue, now, *kind_values, now, now)).fetchone()
+            found = db.execute("SELECT concurrency_limit FROM control_queues WHERE queue = ?", (queue,)).fetchone()
+            limit = None if found is None else found[0]
+            # The queue's leases are counted only when it has a limit: the count grows with the queue.
+            queue_limit = "" if limit is None else ("AND (SELECT count(*) FROM control_tasks r WHERE r.queue = t.queue "
+                                                    "AND r.state IN ('leased', 'running') AND r.lease_expires_at > ?) "
+                                                    "< ? ")
+            extra = () if limit is None else (now, limit)
+            row = db.execute(sql.replace("{queue_limit}", queue_limit),
+                             (*lease, queue, now, *kind_values, now, *extra)).fetchone()
             if row is None:
                 return None
             claim = self._claimed(row, worker)

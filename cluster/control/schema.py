@@ -74,8 +74,8 @@ CONTROL_MIGRATIONS: tuple[ControlMigration, ...] = (
             CHECK (concurrency_limit >= 1), updated_at REAL NOT NULL)""",
         _TASKS,
         # The claim's index: the best task of a queue first (its priority, then when it became due).
-        "CREATE INDEX control_tasks_claim ON control_tasks(queue, state, priority DESC, available_at)",
-        "CREATE INDEX control_tasks_key ON control_tasks(concurrency_key, state)",
+        "CREATE INDEX control_tasks_claim ON control_tasks(queue, state, priority DESC, available_at, task_id)",
+        "CREATE INDEX control_tasks_key ON control_tasks(concurrency_key, state) WHERE concurrency_key IS NOT NULL",
         "CREATE INDEX control_tasks_lease ON control_tasks(state, lease_expires_at)",
         "CREATE INDEX control_tasks_schedule ON control_tasks(schedule_id, state)",
         """CREATE TABLE control_task_events (
@@ -94,8 +94,8 @@ CONTROL_MIGRATIONS: tuple[ControlMigration, ...] = (
         """CREATE TABLE control_queues (queue TEXT PRIMARY KEY, concurrency_limit BIGINT
             CHECK (concurrency_limit >= 1), updated_at DOUBLE PRECISION NOT NULL)""",
         _TASKS,
-        "CREATE INDEX control_tasks_claim ON control_tasks(queue, state, priority DESC, available_at)",
-        "CREATE INDEX control_tasks_key ON control_tasks(concurrency_key, state)",
+        "CREATE INDEX control_tasks_claim ON control_tasks(queue, state, priority DESC, available_at, task_id)",
+        "CREATE INDEX control_tasks_key ON control_tasks(concurrency_key, state) WHERE concurrency_key IS NOT NULL",
         "CREATE INDEX control_tasks_lease ON control_tasks(state, lease_expires_at)",
         "CREATE INDEX control_tasks_schedule ON control_tasks(schedule_id, state)",
         """CREATE TABLE control_task_events (
