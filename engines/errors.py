@@ -15,6 +15,8 @@ run; the public result marks it as degradation instead of raising (D5)::
 
 from __future__ import annotations
 
+from typing import Any
+
 from opgraph.kernel import OpGraphError
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "EventSinkError",
     "PlanError",
     "WorkspaceConflictError",
+    "require_text",
 ]
 
 
@@ -37,6 +40,18 @@ class EngineError(OpGraphError):
 class EngineInputError(EngineError, ValueError):
     """The engine was given bad input (an empty prompt, an unknown kind, a missing path,
     a non-positive budget); nothing ran and no agent was made."""
+
+
+def require_text(value: Any, missing: str, *, what: str = "", limit: int | None = None, setting: str = "") -> None:
+    """Refuse ``value`` unless it is text, not blank, and at most ``limit`` characters long.
+
+    ``missing`` is the message for no text; a text too long is named ``what`` in the message,
+    with the ``setting`` that bounds it when given."""
+    if not isinstance(value, str) or not value.strip():
+        raise EngineInputError(missing)
+    if limit is not None and len(value) > limit:
+        bound = f" ({setting})" if setting else ""
+        raise EngineInputError(f"{what} has {len(value)} characters; the limit is {limit}{bound}")
 
 
 class EngineBudgetError(EngineError, RuntimeError):

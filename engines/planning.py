@@ -33,7 +33,7 @@ from opgraph.kernel.failures import CANCELLED
 from opgraph.kernel.patterns import DependencyReferenceWarning
 
 from .engine import Engine
-from .errors import EngineBudgetError, EngineInputError, PlanError
+from .errors import EngineBudgetError, EngineInputError, PlanError, require_text
 from .events import EngineEvent
 from .run import CUT_OFF_ERROR_TYPES, MALFORMED_ERROR_TYPES, EngineRun
 from .usage import ENGINE_OPERATE, METERED_VERBS
@@ -125,8 +125,7 @@ class PlanningEngine(Engine):
         self.repair_retries = repair_retries
 
     def validate(self, prompt: Any = None, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise EngineInputError("planning needs a non-empty prompt")
+        require_text(prompt, "planning needs a non-empty prompt")
 
     def describe_input(self, prompt: str = "", *args: Any, **kwargs: Any) -> dict[str, Any]:
         return {"prompt": prompt[:4000], "roles": list(self.roles)}

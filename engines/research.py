@@ -20,7 +20,7 @@ from opgraph.actors import TurnError
 
 from .agents import Agent
 from .engine import Engine
-from .errors import EngineInputError
+from .errors import EngineInputError, require_text
 from .events import EngineEvent
 from .review import SEVERITIES, Finding, normal_severity
 from .run import EngineRun
@@ -266,10 +266,7 @@ class ResearchEngine(Engine):
         self.findings_in_prompt = findings_in_prompt
 
     def validate(self, topic: Any = None, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(topic, str) or not topic.strip():
-            raise EngineInputError("research needs a non-empty topic")
-        if len(topic) > self.max_topic_chars:
-            raise EngineInputError(f"the topic has {len(topic)} characters; the limit is {self.max_topic_chars}")
+        require_text(topic, "research needs a non-empty topic", what="the topic", limit=self.max_topic_chars)
 
     def describe_input(self, topic: str = "", *args: Any, **kwargs: Any) -> dict[str, Any]:
         return {"topic": topic[:4000]}

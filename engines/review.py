@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import Field, field_validator
 
 from .engine import Engine
-from .errors import EngineInputError
+from .errors import EngineInputError, require_text
 from .events import EngineEvent
 from .run import EngineRun
 
@@ -155,11 +155,8 @@ class ReviewEngine(Engine):
         self.max_code_chars = max_code_chars
 
     def validate(self, code: Any = None, *args: Any, **kwargs: Any) -> None:
-        if not isinstance(code, str) or not code.strip():
-            raise EngineInputError("review needs the code (or diff) to review as non-empty text")
-        if len(code) > self.max_code_chars:
-            raise EngineInputError(f"the code to review has {len(code)} characters; the limit is "
-                                   f"{self.max_code_chars} (max_code_chars)")
+        require_text(code, "review needs the code (or diff) to review as non-empty text", what="the code to review",
+                     limit=self.max_code_chars, setting="max_code_chars")
 
     def describe_input(self, code: str = "", *args: Any, **kwargs: Any) -> dict[str, Any]:
         return {"chars": len(code), "head": code[:2000], "context": str(kwargs.get("context", ""))[:2000],

@@ -5,6 +5,7 @@ materialisation, results, lifecycle signals, the codec and the typed errors. It 
 no ray, asyncio, anyio, HTTP or metrics library and performs no I/O.
 """
 
+from . import expressions
 from .builder import ExpansionStrategy, OperationGraphBuilder
 from .codec import (
     CODEC_SCHEMA_VERSION,
@@ -72,15 +73,7 @@ from .events import (
     ResumeRequested,
     SpawnRequested,
 )
-from .expressions import (
-    CONDITION_NAMES,
-    MAX_AST_DEPTH,
-    MAX_EXPRESSION_LENGTH,
-    CompiledExpression,
-    ExpressionCondition,
-    UnsafeExpressionError,
-    parse_expression,
-)
+from .expressions import *  # noqa: F403 - the expression language, re-exported whole (its __all__)
 from .failures import FAILURE_KINDS, RETRYABLE_KINDS, RetryPolicy
 from .graph import (
     BRANCH_OPERATIONS,
@@ -209,11 +202,5 @@ __all__ = [
     "require_graph",
     "settle_completed",
     "to_mapping",
-    "CONDITION_NAMES",
-    "CompiledExpression",
-    "ExpressionCondition",
-    "MAX_AST_DEPTH",
-    "MAX_EXPRESSION_LENGTH",
-    "UnsafeExpressionError",
-    "parse_expression",
+    *expressions.__all__,
 ]

@@ -91,6 +91,12 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │   ├── TaskNotFoundError        no task with that id
     │   ├── TaskStateError           the task's state forbids what was asked
     │   └── LeaseLostError           the worker's lease lapsed or was taken over; its write was refused
+    ├── WebhookError                 a webhook endpoint cannot be used as asked; ``endpoint`` names it
+    │   │                            (cluster/control/webhooks.py)
+    │   ├── WebhookTargetError       the URL is malformed or outside the allow-list; nothing stored or sent
+    │   ├── WebhookSecretError       the signing secret's reference is malformed or names no usable secret
+    │   ├── WebhookNotFoundError     no webhook endpoint by that name
+    │   └── WebhookNameConflictError  a webhook endpoint already has that name
     └── RuntimeStartError            a command could not start or join Ray; no run exists (cluster/connection.py)
         └── ClusterUnreachableError  the address did not answer as a Ray cluster; ``tried`` says how
             └── ClusterAuthenticationError  the cluster refused this process's token, or its lack of one
@@ -134,11 +140,7 @@ class OpGraphError(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        self.node_id = node_id
-        self.branch_id = branch_id
-        self.edge_id = edge_id
-        self.run_id = run_id
-        self.actor = actor
+        self.node_id, self.branch_id, self.edge_id, self.run_id, self.actor = node_id, branch_id, edge_id, run_id, actor
 
     def __reduce__(self):
         # Exception pickling replays only ``args``; keyword ids (and any attributes a

@@ -159,11 +159,7 @@ class NodeRegistration:
         self.deps[node_id] = deps
         unsettled = 0
         for dep in deps:
-            listed = dependents.get(dep)
-            if listed is None:
-                dependents[dep] = [node_id]
-            else:
-                listed.append(node_id)
+            dependents.setdefault(dep, []).append(node_id)
             if state.get(dep, WAITING) not in TERMINAL:
                 unsettled += 1
         self.unsettled[node_id] = unsettled

@@ -350,6 +350,15 @@ class Runtime:
         """``drop_scope`` for synchronous callers (``Session.close()``)."""
         return sum(ask_sync(self.member(member), ExecutorStub.drop_scope, scope) for member in range(self.pool_size))
 
+    def kill(self) -> None:
+        """Kill every actor of this runtime: its executors and their warm spares, its workers and
+        branch stores. For a throwaway runtime (a test's or a benchmark scenario's own namespace)."""
+        for handle in [*self.executors, *self.standbys.values(), *self.workers, *self.stores]:
+            try:
+                ray.kill(handle)
+            except (ValueError, TypeError):  # already dead, or a slot never filled
+                continue
+
     async def branch_messages(self, branch_id: str) -> list[Any]:
         """A branch's messages, from the member that knows it (member 0 holds the Sessions' own)."""
         first: UnknownBranchError | None = None

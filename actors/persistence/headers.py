@@ -29,7 +29,7 @@ HEADER_FORMAT = 1
 # RunOptions fields by how a header keeps them (a test checks that every field is in one).
 PLAIN_FIELDS = ("max_concurrent", "parallel", "reactive", "max_spawn", "default_branch_id", "clone_source_branch_id",
                 "known_branches", "want_signals", "want_events", "stream_buffer", "branch_scope", "scope_parent",
-                "isolated", "cancel_grace", "durable", "detached")
+                "isolated", "cancel_grace", "durable", "detached", "keep_open")
 PYTHON_FIELDS = ("context", "spawn_type", "node_builder", "reducers", "spawn_branch_setup")  # pickled, signed
 OWN_FIELDS = ("resources", "retry_policies")  # each has a form of its own, below
 

@@ -15,11 +15,15 @@ import re
 
 __all__ = ["plain_reply", "topic_of", "words_for"]
 
-# Where prompts name their subject: "Research topic: X", "report on: X", "ticket": "X", ...
+# A labelled subject ("Topic: X", "Finding F1: X", "Question Q2 (area): X"), else a quoted phrase
+# that is not a JSON key ("$defs":).
+_LABELS = ("research topic|topic|report on|question|task|ticket|seed finding|finding|conclusion|hypothesis|"
+           "experiment|subject|text|item")
 _SUBJECT = re.compile(
-    r"(?:research topic|topic|report on|question|task|ticket|seed finding|finding|subject|text|item)"
+    rf"(?:{_LABELS})(?:\s+[A-Z]{{1,3}}\d+)?(?:\s*\((?:[^()\n]|\([^()\n]*\)){{0,80}}\))?"
     r"\"?\s*[:=]\s*\"?([^\"\n{}\[\]]{3,160})", re.IGNORECASE)
-_QUOTED = re.compile(r"\"([^\"\n]{3,120})\"")
+_QUOTED = re.compile(r"\"([^\"\n$][^\"\n]{2,119})\"(?!\s*:)")
+_LITERALS = frozenset(("true", "false", "null", "none"))  # a JSON value, not a subject
 _WORD = re.compile(r"[A-Za-z0-9][A-Za-z0-9'+-]*")
 _FILLER = frozenset("a an the of to in on for and or with by about this that these those is are be please your "
                     "reply answer write give list one line short".split())
@@ -111,7 +115,7 @@ def topic_of(text: str) -> str:
     """The subject a prompt names (a labelled or quoted phrase), else its first content words."""
     for pattern in (_SUBJECT, _QUOTED):
         match = pattern.search(text)
-        if match and _WORD.search(match.group(1)):
+        if match and any(w.lower() not in _LITERALS for w in _WORD.findall(match.group(1)) if len(w) > 2):
             return _trimmed(match.group(1))
     words = [w for w in _WORD.findall(text) if w.lower() not in _FILLER]
     return _trimmed(" ".join(words[:6])) or "the request"

@@ -14,6 +14,7 @@ import inspect
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -52,6 +53,7 @@ def format_validation_error(error: ValidationError, limit: int = 6) -> str:
     return "; ".join(lines)
 
 
+@dataclass(eq=False, repr=False)
 class Tool:
     """A callable the model may call, with the schema and validator built from its signature.
 
@@ -60,16 +62,13 @@ class Tool:
     the Tool object calls the function unchanged; ``invoke`` validates first.
     """
 
-    def __init__(self, fn: Callable[..., Any], name: str, description: str,
-                 arguments_model: type[BaseModel], positional_only: tuple[str, ...] = (),
-                 path_arguments: tuple[str, ...] = ()) -> None:
-        self.fn = fn
-        self.name = name
-        self.description = description
-        self.arguments_model = arguments_model
-        self._positional_only = positional_only
-        # Arguments that name files: a secure caller's ToolPermissions confine them to its cwd.
-        self.path_arguments = path_arguments
+    fn: Callable[..., Any]
+    name: str
+    description: str
+    arguments_model: type[BaseModel]
+    _positional_only: tuple[str, ...] = ()
+    # Arguments that name files: a secure caller's ToolPermissions confine them to its cwd.
+    path_arguments: tuple[str, ...] = ()
 
     @classmethod
     def from_function(cls, fn: Callable[..., Any], name: str | None = None,

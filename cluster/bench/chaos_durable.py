@@ -88,12 +88,7 @@ def kill_pid(handle: Any) -> None:
 
 def teardown(session: Session) -> None:
     """Kill every actor of ``session``'s runtime (a scenario's own), the spare executor too."""
-    spare = [session.runtime.standby] if session.runtime.standby is not None else []
-    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores, *spare]:
-        try:
-            ray.kill(handle)
-        except ValueError:  # already gone
-            continue
+    session.runtime.kill()
 
 
 async def executor_recovery(nodes: int = 10_000, seconds: float = 0.2, concurrency: int = 1000,

@@ -32,6 +32,7 @@ from .results import add_result_parsers
 from .runs import add_runs_parser, add_store_parser
 from .serve import add_serve_parser, add_token_parser
 from .spine import command_group, subcommand
+from .webhooks import add_webhook_parser
 
 __all__ = ["main"]
 
@@ -124,6 +125,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_runs_parser(subcommands)
     add_store_parser(subcommands)
     add_control_parsers(subcommands)
+    add_webhook_parser(subcommands)
     return parser
 
 

@@ -1,4 +1,5 @@
-"""The control plane (ADR-0068 D5): schedules, a leased task queue and the workers that route tasks to lanes.
+"""The control plane (ADR-0068 D5): schedules, a leased task queue, the workers that route tasks to
+lanes, and the dispatch outbox with its webhook relay.
 
 Owns what sits around the lanes: a trigger evaluates cadence and admission, then submits a task;
 a worker claims a task under a lease, then picks its action adapter by ``action_kind``. The

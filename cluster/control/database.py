@@ -23,7 +23,7 @@ from typing import Any
 
 from opgraph.actors.persistence.backends import Connection, describe, driver_errors, is_postgres, open_connection
 
-from ..store import default_store_path
+from ..store.schema import default_store_path
 from .errors import ControlError
 from .schema import migrate_control
 

@@ -50,6 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from opgraph.engines import PlanError
 from opgraph.kernel import OpGraphError
 
+from ..control.relay import RelaySettings
 from ..lanes import (
     FIXED_WORKFLOW,
     PLANNED_REACTIVE_FLOW,
@@ -91,6 +92,7 @@ from .problems import (
 )
 from .retention import RetentionSchedule, ScheduledPruning
 from .runs import CANCEL_GRACE_SECONDS, DEFAULT_MAX_RUNS, RunTasks, SessionSlot, say
+from .webhooks import RelayTask, add_webhook_routes
 
 __all__ = [
     "CANCEL_GRACE_SECONDS", "CreateWorkflowRequest", "ErrorBody", "RunStateConflictError", "RunTasks",
@@ -265,7 +267,8 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
                max_concurrent: int = 5, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                start_runtime: bool = True, submit_runs: bool | None = None, access: AccessPolicy | None = None,
                max_runs: int = DEFAULT_MAX_RUNS, workflow_root: str | Path | None = None,
-               retention: RetentionSchedule | None = None) -> FastAPI:
+               retention: RetentionSchedule | None = None, webhooks: Any = None,
+               relay: Any = None) -> FastAPI:
     """The API over ``store``; runs use one Session from ``session_factory`` (default ``Session()``).
 
     Every request passes ``access`` first (guard.py): without one, the app makes a policy
@@ -284,6 +287,9 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
     The caller owns ``store`` and the Session; shutting the app down stops following (a
     run it drives through ``flow`` is cancelled and recorded ``cancelled``) but closes neither.
     ``retention`` prunes the store on a schedule, in the background (``ScheduledPruning``).
+    ``webhooks`` (a ``control.webhooks.Webhooks``; default: the store's, with the environment's
+    allow-list) serves /api/webhooks; ``relay`` (``RelaySettings``) also delivers the outbox
+    from a background task (`opgraph serve` passes one; None sends nothing).
     """
     access = access or AccessPolicy(token=secrets.token_urlsafe(32))
     runs = RunTasks(store, max_runs=max_runs)
@@ -308,7 +314,13 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         if pruning is not None:
             pruning.start()
         app.state.retention = pruning
+        relaying = RelayTask(store, relay) if relay is not None else None
+        if relaying is not None:
+            relaying.start()
+        app.state.relay = relaying
         yield
+        if relaying is not None:
+            await relaying.stop()
         if pruning is not None:
             await pruning.stop()
         await runs.cancel_all()
@@ -331,7 +343,8 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
         """Where a browser lands from the sign-in URL `opgraph serve` prints; what the server offers."""
         return {"service": "opgraph", "signed_in": True, "docs": "/docs", "openapi": "/openapi.json",
                 "links": {"workflows": "/api/workflows", "runs": "/api/runs", "flows": "/api/flows/runs",
-                          "schedules": "/api/schedules", "tasks": "/api/tasks", "workers": "/api/workers"}}
+                          "schedules": "/api/schedules", "tasks": "/api/tasks", "workers": "/api/workers",
+                          "webhooks": "/api/webhooks"}}
 
     # Definition routes are plain functions: FastAPI runs them in its thread pool, so the
     # synchronous SQLite calls never block the loop that drives the runs.
@@ -575,6 +588,7 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
             max_ops=body.max_ops, run_id=str(uuid.uuid4())))
 
     add_control_routes(app, store)
+    add_webhook_routes(app, store, webhooks)
     return app
 
 
@@ -636,7 +650,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, store_path: str | None = No
         policy = dataclasses.replace(policy, token=token.value)
         app = create_app(store, session_factory=_session_factory(address), max_body_bytes=max_body_bytes,
                          access=policy, max_runs=max_runs, workflow_root=workflow_root,
-                         retention=retention)
+                         retention=retention, relay=RelaySettings.from_environment())
         # No WebSocket protocol: no route takes one, and an upgrade is then a plain (guarded) request.
         config = uvicorn.Config(app, host=host, port=port, http=deadline_protocol(head_timeout, body_timeout),
                                 ws="none")

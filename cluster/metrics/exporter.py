@@ -27,6 +27,7 @@ from opgraph.kernel.results import DROPPED_SPAWN_REASONS
 
 from .control import ControlCollector
 from .engines import engine_metric_families
+from .webhooks import StoreCollector
 
 __all__ = [
     "DEFAULT_LINGER", "DEFAULT_PORT", "KNOWN_PROVIDERS", "LATENCY_STATUSES", "SETTLED_STATUSES", "MetricsServer",
@@ -354,17 +355,19 @@ class MetricsServer:
 
 
 def serve_metrics(session_or_runtime: Any, port: int = DEFAULT_PORT, host: str = "127.0.0.1", *,
-                  timeout: float = SCRAPE_TIMEOUT) -> MetricsServer:
+                  timeout: float = SCRAPE_TIMEOUT, store: str | None = None) -> MetricsServer:
     """Serve ``/metrics`` for a Session's (or a Runtime's) actors on a background thread.
 
     ``port=0`` binds any free port (read it back from ``.port``). The registry is the
-    server's own, so nothing else registered in this process leaks into the output.
+    server's own, so nothing else registered in this process leaks into the output. The
+    webhook deliveries come from the run store at ``store`` (default ``OPGRAPH_DB``).
     """
     runtime = getattr(session_or_runtime, "runtime", session_or_runtime)
     registry = CollectorRegistry(auto_describe=False)
     collector = RuntimeCollector(runtime, timeout=timeout)
     registry.register(collector)
     registry.register(ControlCollector())  # the queue and schedules of OPGRAPH_DB, beside the runtime's
+    registry.register(StoreCollector(store))
     server, thread = start_http_server(port, addr=host, registry=registry)
     return MetricsServer(server, thread, registry, collector)
 

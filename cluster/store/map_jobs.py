@@ -151,15 +151,14 @@ class MapJobStore(RunStore):
     def find_job(self, job_id: str) -> MapJobRecord | None:
         """The job ``job_id`` exactly, or None."""
         with self._transaction() as db:
-            row = db.execute(_JOB + " WHERE job_id = ?", (job_id,)).fetchone()
-        return None if row is None else _job(row)
+            return self._find(db, job_id)
 
     def get_job(self, job_id: str) -> MapJobRecord:
         """The job ``job_id``, or the one job whose id starts with it; ``MapJobNotFoundError`` else."""
         with self._transaction() as db:
-            row = db.execute(_JOB + " WHERE job_id = ?", (job_id,)).fetchone()
-            if row is not None:
-                return _job(row)
+            record = self._find(db, job_id)
+            if record is not None:
+                return record
             rows = db.execute(_JOB + " WHERE job_id LIKE ? ORDER BY created_at LIMIT 2",
                               (job_id.replace("%", "").replace("_", "") + "%",)).fetchall()
         if len(rows) == 1 and job_id:
@@ -217,11 +216,15 @@ class MapJobStore(RunStore):
             db.execute(f"UPDATE map_jobs SET {', '.join(sets)} WHERE job_id = ?", (*values, job_id))
             return self._get(db, job_id)
 
-    def _get(self, db: Connection, job_id: str) -> MapJobRecord:
+    def _find(self, db: Connection, job_id: str) -> MapJobRecord | None:
         row = db.execute(_JOB + " WHERE job_id = ?", (job_id,)).fetchone()
-        if row is None:
+        return None if row is None else _job(row)
+
+    def _get(self, db: Connection, job_id: str) -> MapJobRecord:
+        record = self._find(db, job_id)
+        if record is None:
             raise MapJobNotFoundError(job_id)
-        return _job(row)
+        return record
 
     # -- rows -----------------------------------------------------------------------------------
     def record_rows(self, job_id: str, outcomes: Sequence[RowOutcome], *,

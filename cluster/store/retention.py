@@ -64,7 +64,9 @@ ENDED_STATUSES = frozenset({"completed", "degraded", "failed", "cancelled"})
 # The store's own rows of a run, children before parents (foreign keys).
 STORE_RUN_TABLES = ("run_signals", "run_nodes", "run_branches", "runs")
 ENGINE_RUN_TABLES = ("engine_events", "engine_runs")
-ALL_TABLES = (*STORE_RUN_TABLES, *ENGINE_RUN_TABLES, *RUN_LOG_TABLES, *BRANCH_TABLES)
+# A run's outbox events (subject_id is its id) and their webhook deliveries, children first.
+OUTBOX_TABLES = ("webhook_attempts", "webhook_deliveries", "outbox")
+ALL_TABLES = (*STORE_RUN_TABLES, *ENGINE_RUN_TABLES, *OUTBOX_TABLES, *RUN_LOG_TABLES, *BRANCH_TABLES)
 # A Session's own branches (``session-ID-NAME``): the Session drops them when it closes. A run
 # may name one (and record it), but it is never a run's to delete.
 SESSION_BRANCH_PREFIX = "session-"
@@ -345,6 +347,12 @@ class _Pruner:
                 where, marks = f"run_id IN ({placeholders(len(part))})", list(part)
                 for table in (*STORE_RUN_TABLES, *ENGINE_RUN_TABLES):
                     report.add({table: delete_rows(db, table, where, marks, count_only=self.dry_run)})
+                events = f"SELECT event_id FROM outbox WHERE subject_id IN ({placeholders(len(part))})"
+                deliveries = f"SELECT delivery_id FROM webhook_deliveries WHERE event_id IN ({events})"
+                for table, outbox_where in (("webhook_attempts", f"delivery_id IN ({deliveries})"),
+                                            ("webhook_deliveries", f"event_id IN ({events})"),
+                                            ("outbox", f"subject_id IN ({placeholders(len(part))})")):
+                    report.add({table: delete_rows(db, table, outbox_where, marks, count_only=self.dry_run)})
         self.gone.update(run_ids)
         report.runs += len(run_ids)
         report.batches += 1

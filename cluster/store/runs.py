@@ -2,7 +2,8 @@
 
 Owns the run rows (ADR-0068 D4 provenance and the D3 capability matrix of the invocation,
 as the lane gave them), their legal status transitions, lifecycle signals, each settled
-node's result, branch messages, and settling a run whose owner process died. It checks a
+node's result, branch messages, and settling a run whose owner process died. Every status
+transition writes its outbox event (cluster/control/outbox.py) in the same transaction. It checks a
 provenance payload's shape, never a lane's own rules: the lane checked those before it
 asked for a row, and the store records every lane alike.
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 from opgraph.actors.persistence.backends import Connection, Row
 
+from ..control.outbox import run_event
 from .definitions import CONTENT_HASH, Definitions, WorkflowVersion
 from .errors import (
     ProvenanceError,
@@ -198,6 +200,7 @@ class RunStore(Definitions):
                  now, now if status == "running" else None, *owner,
                  None if capabilities is None else _encode(dict(capabilities)),
                  None if recovery is None else _encode(dict(recovery))))
+            run_event(db, run_id, status, at=now, lane=lane, source_ref=ref)
             return self._get_run(db, run_id)
 
     def _get_run(self, db: Connection, run_id: str) -> RunRecord:
@@ -207,14 +210,17 @@ class RunStore(Definitions):
         return _run(row)
 
     def _transition(self, db: Connection, run_id: str, target: str, sets: str,
-                    values: tuple[Any, ...]) -> bool:
+                    values: tuple[Any, ...], *, error: Any = None) -> bool:
+        """Move the run to ``target`` if its status allows it, with its outbox event in this transaction."""
         sources = sources_of(target)
         marks = ", ".join("?" * len(sources))
-        changed = db.execute(f"UPDATE runs SET status = ?, {sets} WHERE run_id = ? AND status IN ({marks})",
-                             (target, *values, run_id, *sources)).rowcount
-        if not changed:
+        changed = db.execute(f"UPDATE runs SET status = ?, {sets} WHERE run_id = ? AND status IN ({marks})"
+                             " RETURNING lane, source_ref", (target, *values, run_id, *sources)).fetchone()
+        if changed is None:
             self._get_run(db, run_id)  # raises RunNotFoundError for an unknown run
-        return bool(changed)
+            return False
+        run_event(db, run_id, target, at=self._clock(), lane=changed[0], source_ref=changed[1], error=error)
+        return True
 
     def mark_running(self, run_id: str) -> bool:
         """``admitted -> running``; False (and no change) when the run already left ``admitted``."""
@@ -230,7 +236,7 @@ class RunStore(Definitions):
         _check_status(status, sorted(TERMINAL_RUN_STATUSES))
         with self._transaction(write=True) as db:
             return self._transition(db, run_id, status, "outputs = ?, error = ?, finished_at = ?",
-                                    (_encode(outputs), _encode(error), self._clock()))
+                                    (_encode(outputs), _encode(error), self._clock()), error=error)
 
     def reopen_run(self, run_id: str, *, session_id: str | None = None) -> RunRecord:
         """An orphaned run goes back to ``running``, owned by this process, to be continued from the run log.
@@ -245,11 +251,14 @@ class RunStore(Definitions):
             changed = db.execute(
                 "UPDATE runs SET status = 'running', outputs = NULL, error = NULL, finished_at = NULL,"
                 " owner_host = ?, owner_pid = ?, owner_start = ?, session_id = COALESCE(?, session_id)"
-                f" WHERE run_id = ? AND status = 'failed' AND {db.json_text('error', 'error_type')} = ?",
+                f" WHERE run_id = ? AND status = 'failed' AND {db.json_text('error', 'error_type')} = ?"
+                " RETURNING lane, source_ref",
                 (self._owner.host, self._owner.pid, self._owner.start, session_id, run_id,
-                 OWNER_PROCESS_LOST)).rowcount
-            if not changed:
+                 OWNER_PROCESS_LOST)).fetchone()
+            if changed is None:
                 raise RunNotResumableError(run_id, self._get_run(db, run_id).status)
+            run_event(db, run_id, "running", at=self._clock(), lane=changed[0], source_ref=changed[1],
+                      event_type="run.resumed")
             self._append_signals(db, run_id, [(run_id, None, RESUMED_SIGNAL, None, self._clock())])
             return self._get_run(db, run_id)
 
@@ -292,7 +301,7 @@ class RunStore(Definitions):
         now = self._clock()
         with self._transaction(write=True) as db:
             settled = self._transition(db, record.run_id, "failed", "outputs = ?, error = ?, finished_at = ?",
-                                       (_encode(None), _encode(error), now))
+                                       (_encode(None), _encode(error), now), error=error)
             if settled:  # the run's own signal: why it ended failed (its nodes' signals are as they were)
                 self._append_signals(db, record.run_id, [(record.run_id, None, OWNER_LOST_SIGNAL, None, now)])
             return settled

@@ -272,6 +272,62 @@ MIGRATIONS: tuple[Migration, ...] = (
             model TEXT, run_id TEXT, recorded_at DOUBLE PRECISION NOT NULL, PRIMARY KEY (job_id, row_key))""",
         "CREATE INDEX map_rows_ordinal ON map_rows(job_id, ordinal)",
     )),
+    # The dispatch outbox (ADR-0068 D5) and the webhooks it is delivered to (cluster/control/): an
+    # event is written in the same transaction as the fact it reports; the relay fans it out to
+    # one delivery per subscribed endpoint and records every attempt. No secret is stored: an
+    # endpoint names where its signing secret lives (``secret_ref``), resolved when it sends.
+    Migration(8, "the dispatch outbox, webhook endpoints, their deliveries and every attempt", (
+        """CREATE TABLE outbox (
+            seq INTEGER PRIMARY KEY AUTOINCREMENT, event_id TEXT NOT NULL UNIQUE,
+            event_type TEXT NOT NULL, subject_id TEXT NOT NULL, endpoint_id TEXT, payload TEXT NOT NULL,
+            created_at REAL NOT NULL, dispatched_at REAL)""",
+        "CREATE INDEX outbox_undispatched ON outbox(seq) WHERE dispatched_at IS NULL",
+        """CREATE TABLE webhook_endpoints (
+            endpoint_id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, url TEXT NOT NULL,
+            secret_ref TEXT NOT NULL, event_types TEXT NOT NULL, description TEXT,
+            enabled INTEGER NOT NULL DEFAULT 1, disabled_reason TEXT, disabled_at REAL,
+            consecutive_failures INTEGER NOT NULL DEFAULT 0, created_at REAL NOT NULL)""",
+        """CREATE TABLE webhook_deliveries (
+            delivery_id INTEGER PRIMARY KEY AUTOINCREMENT, event_id TEXT NOT NULL REFERENCES outbox(event_id),
+            endpoint_id TEXT NOT NULL REFERENCES webhook_endpoints(endpoint_id),
+            status TEXT NOT NULL CHECK (status IN ('pending', 'delivered', 'dead')),
+            attempts INTEGER NOT NULL DEFAULT 0, next_attempt_at REAL NOT NULL, lease_until REAL,
+            last_error TEXT, created_at REAL NOT NULL, finished_at REAL, UNIQUE (event_id, endpoint_id))""",
+        "CREATE INDEX webhook_deliveries_due ON webhook_deliveries(next_attempt_at) WHERE status = 'pending'",
+        "CREATE INDEX webhook_deliveries_endpoint ON webhook_deliveries(endpoint_id, delivery_id)",
+        """CREATE TABLE webhook_attempts (
+            delivery_id INTEGER NOT NULL REFERENCES webhook_deliveries(delivery_id), attempt INTEGER NOT NULL,
+            at REAL NOT NULL, outcome TEXT NOT NULL, status_code INTEGER, latency REAL NOT NULL, error TEXT,
+            PRIMARY KEY (delivery_id, attempt))""",
+        # Attempts by outcome, counted in each attempt's transaction: what /metrics reads, in a few rows.
+        "CREATE TABLE webhook_outcomes (outcome TEXT PRIMARY KEY, attempts INTEGER NOT NULL)",
+    ), postgres=(
+        """CREATE TABLE outbox (
+            seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY, event_id TEXT NOT NULL UNIQUE,
+            event_type TEXT NOT NULL, subject_id TEXT NOT NULL, endpoint_id TEXT, payload TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL, dispatched_at DOUBLE PRECISION)""",
+        "CREATE INDEX outbox_undispatched ON outbox(seq) WHERE dispatched_at IS NULL",
+        """CREATE TABLE webhook_endpoints (
+            endpoint_id TEXT PRIMARY KEY, name TEXT NOT NULL UNIQUE, url TEXT NOT NULL,
+            secret_ref TEXT NOT NULL, event_types TEXT NOT NULL, description TEXT,
+            enabled BIGINT NOT NULL DEFAULT 1, disabled_reason TEXT, disabled_at DOUBLE PRECISION,
+            consecutive_failures BIGINT NOT NULL DEFAULT 0, created_at DOUBLE PRECISION NOT NULL)""",
+        """CREATE TABLE webhook_deliveries (
+            delivery_id BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+            event_id TEXT NOT NULL REFERENCES outbox(event_id),
+            endpoint_id TEXT NOT NULL REFERENCES webhook_endpoints(endpoint_id),
+            status TEXT NOT NULL CHECK (status IN ('pending', 'delivered', 'dead')),
+            attempts BIGINT NOT NULL DEFAULT 0, next_attempt_at DOUBLE PRECISION NOT NULL,
+            lease_until DOUBLE PRECISION, last_error TEXT, created_at DOUBLE PRECISION NOT NULL,
+            finished_at DOUBLE PRECISION, UNIQUE (event_id, endpoint_id))""",
+        "CREATE INDEX webhook_deliveries_due ON webhook_deliveries(next_attempt_at) WHERE status = 'pending'",
+        "CREATE INDEX webhook_deliveries_endpoint ON webhook_deliveries(endpoint_id, delivery_id)",
+        """CREATE TABLE webhook_attempts (
+            delivery_id BIGINT NOT NULL REFERENCES webhook_deliveries(delivery_id), attempt BIGINT NOT NULL,
+            at DOUBLE PRECISION NOT NULL, outcome TEXT NOT NULL, status_code BIGINT,
+            latency DOUBLE PRECISION NOT NULL, error TEXT, PRIMARY KEY (delivery_id, attempt))""",
+        "CREATE TABLE webhook_outcomes (outcome TEXT PRIMARY KEY, attempts BIGINT NOT NULL)",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER and PostgreSQL BIGINT: no definition version can be higher

@@ -11,6 +11,7 @@ import asyncio
 import sys
 import uuid
 
+import gauged_operations
 import pytest
 import ray
 from ray import cloudpickle
@@ -19,8 +20,9 @@ from ray import cloudpickle
 from ray_session import _pickle_test_module_by_value, _restore_registrations, session  # noqa: F401
 
 # pytest imports this file under a name Ray's worker processes cannot import, so the
-# Gauge actor class below must travel by value too.
+# Gauge actor class below must travel by value too, and so must the shared operations.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(gauged_operations)
 
 
 @ray.remote

@@ -12,16 +12,12 @@ from typing import Any
 
 import pytest
 import ray
+from gauged_operations import gauged_operation
+from running import run
 
 from opgraph.kernel import Graph, OperationGraphBuilder
 
-FLOW_TIMEOUT = 60.0
 SIGNAL_TIMEOUT = 30.0
-
-
-def run(coroutine: Any) -> Any:
-    """Drive one test's coroutine; a run that hangs fails the test instead."""
-    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
 
 
 def fan_out(operation: str, count: int, **parameters: Any) -> Graph:
@@ -100,16 +96,7 @@ def test_operator_steer_is_rendered_into_the_next_dispatched_operation_only(sess
 def test_pause_stops_new_dispatch_while_in_flight_operations_finish(session, gauge):
     """Six slow roots at max_concurrent=2: after pause nothing new starts; resume finishes all."""
 
-    async def slow(branch: Any, key: str, **parameters: Any) -> str:
-        entered = gauge.enter.remote(key)  # submitted now, so exit always pairs with it
-        try:
-            await entered
-            await asyncio.sleep(0.25)
-        finally:
-            await gauge.exit.remote(key)
-        return "done"
-
-    session.register_operation("slow_pausable", slow, record_turn=False)
+    session.register_operation("slow_pausable", gauged_operation(gauge, 0.25), record_turn=False)
     graph = fan_out("slow_pausable", 6, key="pause")
     started = Started()
     executor_ref: dict[str, Any] = {}

@@ -32,11 +32,7 @@ def postgres_runtime(postgres_server, monkeypatch):
     monkeypatch.setenv("OPGRAPH_DB", url)  # read when the runtime starts: its actors get the URL
     session = Session(namespace=f"opgraph-pg-{uuid.uuid4().hex[:8]}")
     yield session, url
-    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores]:
-        try:
-            ray.kill(handle)
-        except ValueError:  # already dead
-            continue
+    session.runtime.kill()
 
 
 def held(gauge: Any):

@@ -35,12 +35,7 @@ def pooled(gauge):
     session = Session(namespace=namespace, executors=2)
     session.register_operation("held", _held(gauge), record_turn=False)
     yield session
-    runtime = session.runtime
-    for handle in [*runtime.executors, *runtime.standbys.values(), *runtime.workers, *runtime.stores]:
-        try:
-            ray.kill(handle)
-        except ValueError:  # already dead
-            continue
+    session.runtime.kill()
 
 
 def _held(gauge: Any):

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import ray
+from gauged_operations import gauged_operation
+from running import run
 
 from opgraph.actors import flow_stream
 from opgraph.kernel import (
@@ -23,28 +25,6 @@ from opgraph.kernel import (
     SpawnRequest,
     create_operation,
 )
-
-FLOW_TIMEOUT = 60.0
-
-
-def run(coroutine: Any) -> Any:
-    """Drive one test's coroutine; a run that hangs fails the test instead."""
-    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
-
-
-def gauged_operation(gauge: Any, seconds: float):
-    """An operation that holds a Gauge slot under its ``key`` for ``seconds``."""
-
-    async def gauged(branch: Any, key: str, **parameters: Any) -> str:
-        entered = gauge.enter.remote(key)  # submitted now, so exit always pairs with it
-        try:
-            await entered
-            await asyncio.sleep(seconds)
-        finally:
-            await gauge.exit.remote(key)
-        return "done"
-
-    return gauged
 
 
 async def timed(branch: Any, seconds: float = 0.05, **parameters: Any) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import asyncio
 from typing import Any
 
 from pydantic import BaseModel
+from running import run
 
 from opgraph.actors import Session
 from opgraph.kernel import (
@@ -27,10 +28,6 @@ from opgraph.kernel import (
 )
 
 TIMEOUT = 60.0
-
-
-def run(coroutine: Any) -> Any:
-    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT))
 
 
 def single_node(operation: str, **parameters: Any) -> tuple[Graph, str]:

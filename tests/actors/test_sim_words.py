@@ -44,3 +44,13 @@ def test_structured_and_plain_replies_are_readable_and_on_topic():
     loose = ChatRequest("sim/default", [{"role": "user", "content": "topic: tidal power"}],
                         response_format={"type": "json_object"})
     assert json.loads(asyncio.run(provider.complete(loose)).content)["topic"] == "tidal power"
+
+
+def test_a_labelled_subject_with_an_id_or_a_note_is_found_and_a_json_key_is_not():
+    """An engine's prompt names its subject as "Finding F1: ..." or "Question Q2 (area): ...", and
+    may carry a JSON schema whose keys ("$defs") and values (false) are not a subject."""
+    schema_tail = '\n{"$defs": {"x": {"type": "object"}}, "strict": false}'
+    assert topic_of("Finding F1: retries cause duplicate tool calls" + schema_tail) \
+        == "retries cause duplicate tool calls"
+    assert topic_of("Question Q2 (lease expiry (area)): How do leases lapse" + schema_tail) == "How do leases lapse"
+    assert topic_of("Summarise." + schema_tail) != "$defs"

@@ -6,21 +6,15 @@ settlement before control returns to the caller.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from typing import Any
 
 import ray
+from gauged_operations import gauged_operation
+from running import run
 
 from opgraph.actors import flow_stream
 from opgraph.kernel import EdgeCondition, Graph, OperationGraphBuilder, SpawnRequest, create_operation
-
-FLOW_TIMEOUT = 60.0
-
-
-def run(coroutine: Any) -> Any:
-    """Drive one test's coroutine; a run that hangs fails the test instead."""
-    return asyncio.run(asyncio.wait_for(coroutine, FLOW_TIMEOUT))
 
 
 class VerdictIs(EdgeCondition):
@@ -94,16 +88,7 @@ def test_closing_the_stream_early_cancels_and_settles_the_rest(session, gauge):
     ``async with`` block ends nothing is in flight and most nodes never ran.
     """
 
-    async def slow(branch: Any, key: str, **parameters: Any) -> str:
-        entered = gauge.enter.remote(key)  # submitted now, so exit always pairs with it
-        try:
-            await entered
-            await asyncio.sleep(0.2)
-        finally:
-            await gauge.exit.remote(key)
-        return "done"
-
-    session.register_operation("slow_streamed", slow, record_turn=False)
+    session.register_operation("slow_streamed", gauged_operation(gauge, 0.2), record_turn=False)
     builder = OperationGraphBuilder("early-close")
     for _ in range(20):
         builder.add_operation("slow_streamed", depends_on=[], key="early-close")

@@ -31,21 +31,12 @@ def run(coroutine: Any, timeout: float = FLOW_TIMEOUT) -> Any:
     return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
 
-def _kill_runtime(session: Session) -> None:
-    spare = [session.runtime.standby] if session.runtime.standby is not None else []
-    for handle in [session.runtime.executor, *session.runtime.workers, *session.runtime.stores, *spare]:
-        try:
-            ray.kill(handle)
-        except ValueError:  # already dead
-            continue
-
-
 @pytest.fixture()
 def own():
     """A durable runtime of its own (the default), in a throwaway namespace; killed whole afterwards."""
     session = Session(namespace=f"opgraph-supervision-{uuid.uuid4().hex[:8]}")
     yield session
-    _kill_runtime(session)
+    session.runtime.kill()
 
 
 @pytest.fixture()
@@ -53,7 +44,7 @@ def volatile():
     """A runtime of its own that keeps nothing on disk (``durable=False``)."""
     session = Session(namespace=f"opgraph-volatile-{uuid.uuid4().hex[:8]}", durable=False)
     yield session
-    _kill_runtime(session)
+    session.runtime.kill()
 
 
 def statistics(session: Session) -> dict[str, Any]:
@@ -106,6 +97,15 @@ def labelled(operation: str, key: str, labels: list[str]) -> tuple[Graph, dict[s
     return builder.get_graph(), ids
 
 
+async def start_held(session: Session, gauge: Any, graph: Graph, key: str, in_flight: int,
+                     **options: Any) -> asyncio.Task:
+    """Start the flow of ``graph`` (held nodes under ``key``), ``in_flight`` at most at once; return
+    its task once that many are in flight."""
+    flow = asyncio.create_task(session.flow(graph, max_concurrent=in_flight, **options))
+    await asyncio.wait_for(gauge.wait_entered.remote(key, in_flight), WAIT)
+    return flow
+
+
 class Progress:
     """on_progress that keeps every (node, status) and wakes waiters on each."""
 
@@ -146,8 +146,7 @@ def test_a_worker_killed_mid_run_fails_only_what_was_in_flight_on_it(own, gauge,
     progress = Progress()
 
     async def scenario():
-        flow = asyncio.create_task(own.flow(graph, max_concurrent=8, on_progress=progress))
-        await asyncio.wait_for(gauge.wait_entered.remote(key, 8), WAIT)
+        flow = await start_held(own, gauge, graph, key, 8, on_progress=progress)
         placement = await gauge.worker_of.remote(key)
         victim_id = placement["n0"]
         [victim] = [w for w in own.runtime.workers if w._actor_id.hex() == victim_id]
@@ -189,8 +188,7 @@ def test_a_worker_death_is_retried_as_a_new_attempt_under_the_retry_policy(own, 
     graph, ids = labelled("held", key, labels)
 
     async def scenario():
-        flow = asyncio.create_task(own.flow(graph, max_concurrent=4))
-        await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+        flow = await start_held(own, gauge, graph, key, 4)
         placement = await gauge.worker_of.remote(key)
         victim_id = placement["n0"]
         [victim] = [w for w in own.runtime.workers if w._actor_id.hex() == victim_id]
@@ -321,8 +319,7 @@ def test_a_dead_volatile_executor_is_a_typed_error_within_seconds_and_the_next_f
     run_id = f"doomed-{how}"
 
     async def scenario():
-        flow = asyncio.create_task(volatile.flow(graph, max_concurrent=4, run_id=run_id))
-        await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+        flow = await start_held(volatile, gauge, graph, key, 4, run_id=run_id)
         killed_at = time.monotonic()
         kill(executor, how)
         with pytest.raises(RuntimeLostError) as lost:
@@ -369,9 +366,7 @@ def test_a_run_that_is_not_durable_is_reported_lost_within_seconds_to_every_cont
             pass
 
     async def scenario() -> dict[str, float]:
-        flow = asyncio.create_task(own.flow(graph, max_concurrent=4, run_id=run_id, durable=False,
-                                            executor_ref=executor_ref))
-        await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+        flow = await start_held(own, gauge, graph, key, 4, run_id=run_id, durable=False, executor_ref=executor_ref)
         controls = {"executor_ref": executor_ref["executor"], "run_control": own.run_control(run_id),
                     "attach": await asyncio.to_thread(RunControl.attach, run_id, address=None,
                                                       namespace=own.runtime.namespace)}
@@ -396,13 +391,11 @@ def test_a_detached_runtime_sets_a_replacement_up_before_it_runs_anything(gauge)
     try:
         key = "detached"
         detached.register_operation("held", held_operation(gauge), record_turn=False)
-        labels = [f"n{i}" for i in range(8)]
-        graph, ids = labelled("held", key, labels)
+        graph, _ = labelled("held", key, [f"n{i}" for i in range(8)])
         progress = Progress()
 
         async def scenario():
-            flow = asyncio.create_task(detached.flow(graph, max_concurrent=4, on_progress=progress))
-            await asyncio.wait_for(gauge.wait_entered.remote(key, 4), WAIT)
+            flow = await start_held(detached, gauge, graph, key, 4, on_progress=progress)
             kill(detached.runtime.workers[0], "SIGKILL")
             await asyncio.to_thread(wait_for_pool, detached, "worker_pool",
                                     lambda workers: workers["replacements"] >= 1 and workers["alive"] == 2)
@@ -417,11 +410,7 @@ def test_a_detached_runtime_sets_a_replacement_up_before_it_runs_anything(gauge)
         assert pool(detached)["worker_names"][0].endswith(".g1")
     finally:
         detached.close()
-        for handle in [detached.runtime.executor, *detached.runtime.workers, *detached.runtime.stores]:
-            try:
-                ray.kill(handle)
-            except ValueError:  # already dead
-                continue
+        detached.runtime.kill()
 
 
 # -- durable runtimes: the run outlives its executor, branches outlive their store ------------------

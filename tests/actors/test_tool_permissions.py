@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
-from typing import Any
 
 import pytest
+from fake_chat import FakeBranch, FakeProvider, reply, tool_answers
 
-from opgraph.actors.models import ChatRequest, ChatResponse, ToolCall, Usage
+from opgraph.actors.models import ChatRequest, ChatResponse, ToolCall
 from opgraph.actors.verbs import (
     ReAct,
     Tool,
@@ -47,43 +47,18 @@ def read_path(path: str) -> str:
     return "contents"
 
 
-class Script:
-    """Asks for ``calls`` first, then answers "done"; records every request."""
+def asks_for(*calls: ToolCall) -> FakeProvider:
+    """A provider that asks for ``calls`` first, then answers "done" once a tool has answered."""
 
-    name = "script"
-
-    def __init__(self, *calls: ToolCall) -> None:
-        self.calls = list(calls)
-        self.requests: list[ChatRequest] = []
-
-    async def complete(self, request: ChatRequest) -> ChatResponse:
-        self.requests.append(request)
+    def step(request: ChatRequest) -> ChatResponse:
         answered = any(message.get("role") == "tool" for message in request.messages)
-        calls = [] if answered else self.calls
-        return ChatResponse(content="done" if answered else None, tool_calls=calls, usage=Usage(5, 5),
-                            model=request.model, provider="script",
-                            finish_reason="tool_calls" if calls else "stop")
+        return reply("done") if answered else reply(None, *calls)
+
+    return FakeProvider(step)
 
 
-class Branch:
-    def __init__(self, provider: Any) -> None:
-        self.id, self.run_id, self.node_id = "branch-1", "run-1", "node-1"
-        self.default_model = "script/m"
-        self.provider = provider
-        self.history: list[Any] = []
-
-    async def messages(self) -> list[Any]:
-        return list(self.history)
-
-    async def append(self, *messages: Any) -> int:
-        self.history.extend(messages)
-        return len(self.history)
-
-    def emit(self, request: Any) -> None:
-        raise AssertionError("nothing here emits")
-
-    def provider_for(self, model: str) -> Any:
-        return self.provider
+def branch_of(provider: FakeProvider) -> FakeBranch:
+    return FakeBranch(provider, default_model="script/m")
 
 
 @pytest.fixture(autouse=True)
@@ -93,25 +68,14 @@ def _fresh_record():
     INVOKED.clear()
 
 
-def _tool_answers(history: list[Any]) -> dict[str, dict[str, Any]]:
-    calls = {item["id"]: item["function"]["name"] for message in history if message.get("tool_calls")
-             for item in message["tool_calls"]}
-    answers = {}
-    for message in history:
-        if message.get("role") == "tool":
-            content = message["content"]
-            answers[calls[message["tool_call_id"]]] = json.loads(content) if content.startswith("{") else content
-    return answers
-
-
 def test_operate_refuses_a_forbidden_tool_the_model_asks_for_and_never_runs_it():
-    script = Script(ToolCall("c1", "delete_everything", {"reason": "why not"}), ToolCall("c2", "read_note", {}))
-    branch = Branch(script)
+    script = asks_for(ToolCall("c1", "delete_everything", {"reason": "why not"}), ToolCall("c2", "read_note", {}))
+    branch = branch_of(script)
     text = asyncio.run(operate(branch, "Tidy up.", tools=[read_note, delete_everything],
                                permissions=["read_note"]))
     assert text == "done"
     assert INVOKED == ["read_note"]
-    answers = _tool_answers(branch.history)
+    answers = tool_answers(branch.history)
     assert answers["read_note"] == "hello"
     assert answers["delete_everything"]["error_type"] == "ToolPermissionError"
     assert "may not call the tool 'delete_everything'" in answers["delete_everything"]["error"]
@@ -120,13 +84,13 @@ def test_operate_refuses_a_forbidden_tool_the_model_asks_for_and_never_runs_it()
 
 
 def test_react_and_act_refuse_the_same_way():
-    script = Script(ToolCall("c1", "delete_everything", {}))
-    branch = Branch(script)
+    script = asks_for(ToolCall("c1", "delete_everything", {}))
+    branch = branch_of(script)
     result = asyncio.run(ReAct(branch, "Go.", tools=[read_note, delete_everything],
                                permissions={"deny": ["delete_everything"]}))
     [action] = result["rounds"][0]["actions"]
     assert action["error_type"] == "ToolPermissionError" and "output" not in action
-    entries = asyncio.run(act(Branch(Script()), tools=[read_note, delete_everything],
+    entries = asyncio.run(act(branch_of(asks_for()), tools=[read_note, delete_everything],
                               actions=[{"function": "delete_everything", "arguments": {}},
                                        {"function": "read_note", "arguments": {}}],
                               permissions=ToolPermissions(allow=frozenset({"read_note"}))))
@@ -150,10 +114,10 @@ def test_path_arguments_are_confined_to_the_working_directory(tmp_path):
     no_cwd = ToolPermissions(allow=frozenset({"read_path"}))
     assert "no working directory" in no_cwd.refusal("read_path", ("path",), {"path": "inside.txt"}).message
 
-    script = Script(ToolCall("c1", "read_path", {"path": "../../etc/passwd"}))
-    branch = Branch(script)
+    script = asks_for(ToolCall("c1", "read_path", {"path": "../../etc/passwd"}))
+    branch = branch_of(script)
     asyncio.run(operate(branch, "Read.", tools=[reader], permissions=secure))
-    assert INVOKED == [] and _tool_answers(branch.history)["read_path"]["error_type"] == "ToolPermissionError"
+    assert INVOKED == [] and tool_answers(branch.history)["read_path"]["error_type"] == "ToolPermissionError"
 
 
 def test_permissions_forms_narrowing_and_pickling():
@@ -173,7 +137,7 @@ def test_permissions_forms_narrowing_and_pickling():
 
 def test_verbs_without_tools_accept_permissions_and_have_nothing_to_enforce():
     """An engine attaches its agent's permissions to every turn: a chat turn takes them quietly."""
-    branch = Branch(Script())
+    branch = branch_of(asks_for())
     assert asyncio.run(chat(branch, "Hi.", permissions=["read_note"])) == ""
     assert branch.history[0] == {"role": "user", "content": "Hi."}
     assert "permissions" not in str(branch.provider.requests[0].messages)

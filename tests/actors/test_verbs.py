@@ -11,13 +11,13 @@ import asyncio
 import enum
 import pickle
 import uuid
-from collections.abc import Callable
 from typing import Annotated, Any
 
 import pytest
+from fake_chat import FakeBranch, FakeProvider, call, reply
 from pydantic import BaseModel, Field
 
-from opgraph.actors.models import ChatRequest, ChatResponse, ProviderConfigError, ToolCall, Usage, parse_model_id
+from opgraph.actors.models import ProviderConfigError
 from opgraph.actors.verbs import (
     VERB_OPERATIONS,
     ParseError,
@@ -41,64 +41,6 @@ from opgraph.actors.verbs import (
     tool,
 )
 from opgraph.kernel import EscalationRequest, OperationGraphBuilder, SpawnRequest, extract_requests
-
-Reply = ChatResponse | str | Callable[[ChatRequest], ChatResponse]
-
-
-def reply(content: str | None = "", *calls: ToolCall, prompt: int = 10, completion: int = 5) -> ChatResponse:
-    return ChatResponse(content=content, tool_calls=list(calls), usage=Usage(prompt, completion),
-                        model="model", provider="fake", finish_reason="tool_calls" if calls else "stop")
-
-
-def call(name: str, call_id: str = "", **arguments: Any) -> ToolCall:
-    return ToolCall(call_id, name, arguments)
-
-
-class FakeProvider:
-    """Answers from a script (one reply per call, the last repeating); records requests."""
-
-    name = "fake"
-
-    def __init__(self, *script: Reply) -> None:
-        self.script = list(script)
-        self.requests: list[ChatRequest] = []
-
-    async def complete(self, request: ChatRequest) -> ChatResponse:
-        self.requests.append(request)
-        step = self.script[min(len(self.requests), len(self.script)) - 1]
-        if callable(step):
-            return step(request)
-        return reply(step) if isinstance(step, str) else step
-
-
-class FakeBranch:
-    """An in-memory RemoteBranch: the same async surface, no store and no executor."""
-
-    def __init__(self, provider: Any = None, history: list[Any] | None = None,
-                 default_model: str | None = "fake/default") -> None:
-        self.id = "branch-1"
-        self.run_id = "run-1"
-        self.node_id = "node-1"
-        self.default_model = default_model
-        self.provider = provider
-        self.history: list[Any] = list(history or [])
-        self.emitted: list[Any] = []
-        self.models_asked: list[str] = []
-
-    async def messages(self) -> list[Any]:
-        return list(self.history)
-
-    async def append(self, *messages: Any) -> int:
-        self.history.extend(messages)
-        return len(self.history)
-
-    def emit(self, request: Any) -> None:
-        self.emitted.append(request)
-
-    def provider_for(self, model: str) -> Any:
-        parse_model_id(model)
-        self.models_asked.append(model)
-        return self.provider
 
 
 def run(coroutine: Any) -> Any:

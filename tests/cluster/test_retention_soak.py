@@ -17,7 +17,6 @@ import sqlite3
 import uuid
 
 import pytest
-import ray
 
 from opgraph.actors import Session
 from opgraph.cluster.cli.flow import example_workflow_path
@@ -37,12 +36,7 @@ def own_runtime(session, tmp_path, monkeypatch):
     monkeypatch.setenv("OPGRAPH_DB", str(target))
     soaked = Session(namespace=f"opgraph-retention-{uuid.uuid4().hex[:8]}")
     yield soaked, target
-    runtime = soaked.runtime
-    for handle in [*runtime.executors, *runtime.standbys.values(), *runtime.workers, *runtime.stores]:
-        try:
-            ray.kill(handle)
-        except (ValueError, TypeError):  # already dead, or a slot never filled
-            continue
+    soaked.runtime.kill()
 
 
 def _settled_size(target) -> tuple[int, int]:

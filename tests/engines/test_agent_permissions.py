@@ -9,11 +9,11 @@ through any engine (here a test engine), and a turn's own permissions only narro
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
 from engine_scripts import ScriptEngine
+from fake_chat import tool_answers
 
 from opgraph.actors.verbs import Tool
 from opgraph.engines import EngineInputError
@@ -43,17 +43,6 @@ def asks_for_both(request) -> dict:
                            {"id": "c2", "name": "read_note", "arguments": {}}]}
 
 
-def _answers(messages: list) -> dict:
-    names = {item["id"]: item["function"]["name"] for message in messages if message.get("tool_calls")
-             for item in message["tool_calls"]}
-    found = {}
-    for message in messages:
-        if message.get("role") == "tool":
-            content = message["content"]
-            found[names[message["tool_call_id"]]] = json.loads(content) if content.startswith("{") else content
-    return found
-
-
 @pytest.mark.parametrize("operation", ["operate", "ReAct"])
 def test_a_forbidden_tool_is_refused_in_the_conversation_and_never_runs(session, model, tmp_path, operation):
     tools = note_tools(str(tmp_path))
@@ -65,7 +54,7 @@ def test_a_forbidden_tool_is_refused_in_the_conversation_and_never_runs(session,
         return result.response, await session.messages(agent.id)
 
     response, messages = asyncio.run(ScriptEngine(body).run(session=session))
-    answers = _answers(messages)
+    answers = tool_answers(messages)
     assert answers["read_note"] == "hello"
     assert answers["write_note"]["error_type"] == "ToolPermissionError"
     assert "may not call the tool 'write_note'" in answers["write_note"]["error"]
@@ -83,7 +72,7 @@ def test_a_turns_own_permissions_only_narrow_the_agents(session, model, tmp_path
         await run.turn(agent, "Do the notes.", permissions=["write_note"])
         return await session.messages(agent.id)
 
-    answers = _answers(asyncio.run(ScriptEngine(body).run(session=session)))
+    answers = tool_answers(asyncio.run(ScriptEngine(body).run(session=session)))
     assert answers["write_note"]["error_type"] == answers["read_note"]["error_type"] == "ToolPermissionError"
     assert not (tmp_path / "written.txt").exists()
 

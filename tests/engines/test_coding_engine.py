@@ -80,6 +80,13 @@ def _wait_until(condition, seconds: float) -> bool:
     return condition()
 
 
+def run_the_fix(session, model, tmp_path, test_cmd: str, **settings) -> CodeResultRecorded:
+    """The engine asked to "make add() add" in a fresh project, its model proposing the fix."""
+    project, _ = make_project(tmp_path)
+    coder = engine(model(CodingScript([change(edit("calc.py", FIXED))])), **settings)
+    return asyncio.run(coder.run("make add() add", session=session, workspace=str(project), test_cmd=test_cmd))
+
+
 def engine(model: str, **settings) -> CodingEngine:
     options = {"model": model, "test_timeout_s": 60.0, "turn_timeout_s": 60.0, "kill_grace_s": 0.5,
                "max_fix_rounds": 1, **settings}
@@ -248,12 +255,9 @@ def test_escape_attempts_are_refused_by_path_and_nothing_outside_changes(session
 
 @pytest.mark.ray
 def test_a_test_command_past_its_timeout_is_killed_and_reported_timed_out(session, model, tmp_path):
-    project, _ = make_project(tmp_path)
-    script = CodingScript([change(edit("calc.py", FIXED))])
-    coder = engine(model(script), max_fix_rounds=0, test_timeout_s=1.0, heartbeat_s=0.3)
     started = time.monotonic()
-    result = asyncio.run(coder.run("make add() add", session=session, workspace=str(project),
-                                   test_cmd=f"sh -c 'trap \"\" TERM; sleep {MARK}' & sleep {MARK}"))
+    result = run_the_fix(session, model, tmp_path, f"sh -c 'trap \"\" TERM; sleep {MARK}' & sleep {MARK}",
+                         max_fix_rounds=0, test_timeout_s=1.0, heartbeat_s=0.3)
     [tested] = result.test_runs
     assert (tested.timed_out, tested.passed, tested.killed, tested.returncode) == (True, False, True, None)
     assert (result.verdict, result.passed) == ("failed", False)
@@ -310,10 +314,7 @@ def test_the_gate_on_a_worker_never_sees_the_workers_secrets(session, tmp_path):
 
 @pytest.mark.ray
 def test_a_spent_budget_returns_the_structured_record_degraded_and_removes_the_copy(session, model, tmp_path):
-    project, _ = make_project(tmp_path)
-    script = CodingScript([change(edit("calc.py", FIXED))])
-    result = asyncio.run(engine(model(script), max_agents=1).run(
-        "make add() add", session=session, workspace=str(project), test_cmd=PYTEST))
+    result = run_the_fix(session, model, tmp_path, PYTEST, max_agents=1)
     assert isinstance(result, CodeResultRecorded)
     assert (result.degraded, result.degrade_reason, result.verdict) == (True, "budget", "stopped")
     assert result.test_runs == [] and "the tests never ran" in result.caveats
@@ -357,12 +358,9 @@ def test_a_prose_reply_is_a_missed_emission_never_a_fabricated_change(session, m
 
 @pytest.mark.ray
 def test_the_deadline_stops_a_long_test_and_still_returns_the_record(session, model, tmp_path):
-    project, _ = make_project(tmp_path)
-    script = CodingScript([change(edit("calc.py", FIXED))])
-    coder = engine(model(script), max_fix_rounds=0, test_timeout_s=60.0, deadline_s=3.0)
     started = time.monotonic()
-    result = asyncio.run(coder.run("make add() add", session=session, workspace=str(project),
-                                   test_cmd=f"sleep {MARK}"))
+    result = run_the_fix(session, model, tmp_path, f"sleep {MARK}", max_fix_rounds=0, test_timeout_s=60.0,
+                         deadline_s=3.0)
     assert (result.degraded, result.degrade_reason, result.verdict) == (True, "deadline", "stopped")
     assert [(change_.path, change_.status) for change_ in result.files_changed] == [("calc.py", "modified")]
     assert time.monotonic() - started < 30

@@ -47,6 +47,7 @@ import pytest
 import ray
 from coding_fixtures import FIXED, PLAN, VERIFIED, change, edit, make_project
 from engine_scripts import HANG, ByAgent, js, last_user
+from running import run_engine as run
 
 from opgraph.actors import RuntimeLostError
 from opgraph.actors.models import ProviderUnavailable
@@ -70,10 +71,6 @@ from opgraph.engines import (
 pytestmark = pytest.mark.ray
 
 DEADLINE_S = 1.0
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def engine_result_diagnostics(result: Any) -> dict[str, Any]:

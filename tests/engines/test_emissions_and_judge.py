@@ -6,20 +6,15 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from engine_scripts import ByAgent, Note, ScriptEngine, js, kinds, last_user
 from pydantic import ValidationError
+from running import run_engine as run
 
 from opgraph.actors.models import ProviderUnavailable
 from opgraph.engines import EngineEvent, JudgeVerdict, emission_bundle
 
 pytestmark = pytest.mark.ray
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 async def note_body(run_, retries=1):

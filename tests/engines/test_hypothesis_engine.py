@@ -8,10 +8,9 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 from engine_scripts import HANG, ByAgent, js, kinds, last_user
+from running import run_engine as run
 
 from opgraph.actors.models import ProviderUnavailable
 from opgraph.actors.providers import SimulatedProvider
@@ -32,10 +31,6 @@ from opgraph.engines.hypothesis import normal_seeds
 pytestmark = pytest.mark.ray
 
 SEED = "sodium-ion cells lose capacity fast below -10 C"
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def question(text="why does capacity fall", **more):

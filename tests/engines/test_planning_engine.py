@@ -6,20 +6,15 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import openai_server as srv
 import pytest
 from engine_scripts import HANG, ByAgent, js, kinds, last_user
+from running import run_engine as run
 
 from opgraph.actors.providers import OpenAICompatibleProvider, SimulatedProvider
 from opgraph.engines import EngineInputError, PlanError, PlanningEngine, PlanProposed, TaskSettled
 
 pytestmark = pytest.mark.ray
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def plan(*assignments):

@@ -8,11 +8,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 
 import pytest
 from engine_scripts import ByAgent, js, kinds, last_user
+from running import run_engine as run
 
 from opgraph.actors.models import ProviderUnavailable
 from opgraph.actors.providers import SimulatedProvider
@@ -27,10 +27,6 @@ from opgraph.engines.research import similarity, topic_key
 pytestmark = pytest.mark.ray
 
 TOPIC = "solid-state batteries"
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def finding(description, novelty=0.2, sources=("https://example.org/a",), aspect="mechanism", depth=0, **more):

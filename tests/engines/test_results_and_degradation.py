@@ -13,15 +13,12 @@ import time
 
 import pytest
 from engine_scripts import HANG, ByAgent, ScriptEngine, kinds
+from running import run_engine as run
 
 from opgraph.actors import TurnError
 from opgraph.engines import EngineBudgetError, EngineResult
 
 pytestmark = pytest.mark.ray
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 async def say(run_, text="hello"):

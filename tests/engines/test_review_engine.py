@@ -7,11 +7,10 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import openai_server as srv
 import pytest
 from engine_scripts import HANG, ByAgent, js, kinds
+from running import run_engine as run
 
 from opgraph.actors.models import ProviderUnavailable
 from opgraph.actors.providers import OpenAICompatibleProvider, SimulatedProvider
@@ -27,10 +26,6 @@ from opgraph.engines import (
 pytestmark = pytest.mark.ray
 
 CODE = "def load(path):\n    return eval(open(path).read())\n"
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def issues(*items, dimension="x"):

@@ -6,21 +6,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 
 import pytest
 from engine_scripts import ByAgent, Note, ScriptEngine, kinds
+from running import run_engine as run
 
 from opgraph.cluster.store import EngineRunStore
 from opgraph.engines import EventSinkError, MemorySink
 from opgraph.kernel import TaskAssignment, build_dag_graph
 
 pytestmark = pytest.mark.ray
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 def test_run_dag_delegates_to_flow_and_records_each_node_before_returning(session, model, sink):

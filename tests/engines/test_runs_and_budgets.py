@@ -12,15 +12,12 @@ import os
 import pytest
 import ray
 from engine_scripts import HANG, ByAgent, Note, ScriptEngine, hang, js, kinds, last_user
+from running import run_engine as run
 
 from opgraph.actors import TurnError, UnknownBranchError
 from opgraph.engines import EngineBudgetError, EngineInputError, EngineResult
 
 pytestmark = pytest.mark.ray
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
 
 
 async def one_agent(run_, name="a"):

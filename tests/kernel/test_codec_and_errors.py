@@ -25,6 +25,7 @@ from opgraph.kernel import (
     OpGraphError,
     SpawnRequest,
     TaskAssignment,
+    UnsafeExpressionError,
     create_operation,
     decode,
     encode,
@@ -159,16 +160,28 @@ def test_garbage_bytes_raise_a_codec_error(garbage):
         decode(garbage)
 
 
-def test_an_edge_with_a_python_condition_cannot_be_encoded_and_the_error_names_the_edge():
-    class Plain(EdgeCondition):
-        def apply(self, input):  # noqa: A002 - EdgeCondition.apply's name in the record
-            return True
+class Plain(EdgeCondition):
+    """A Python condition with no wire form."""
 
+    def apply(self, input):  # noqa: A002 - EdgeCondition.apply's name in the record
+        return True
+
+
+class Unregistered(Plain):
+    """A wire form whose kind no decoder is registered for."""
+
+    def to_wire(self):
+        return {"kind": "nobody-registered-this"}
+
+
+@pytest.mark.parametrize("condition, step", [(Plain(), encode), (Unregistered(), round_trip)],
+                         ids=["a python condition cannot be encoded", "an unknown kind is refused on decode"])
+def test_an_edge_condition_the_codec_cannot_carry_is_refused_and_the_error_names_the_edge(condition, step):
     graph = Graph()
     a, b = graph.add_node(create_operation("chat")), graph.add_node(create_operation("chat"))
-    edge = graph.add_edge(a, b, condition=Plain())
+    edge = graph.add_edge(a, b, condition=condition)
     with pytest.raises(CodecError) as caught:
-        encode(graph)
+        step(graph)
     assert caught.value.edge_id == edge.id
     assert edge.id in str(caught.value)
 
@@ -192,22 +205,6 @@ def test_a_condition_with_a_registered_wire_form_round_trips():
     assert isinstance(edge.condition, Threshold) and edge.condition.limit == 3
 
 
-def test_an_unknown_condition_kind_is_refused_on_decode():
-    class Unregistered(EdgeCondition):
-        def apply(self, input):  # noqa: A002 - EdgeCondition.apply's name in the record
-            return True
-
-        def to_wire(self):
-            return {"kind": "nobody-registered-this"}
-
-    graph = Graph()
-    a, b = graph.add_node(create_operation("chat")), graph.add_node(create_operation("chat"))
-    edge = graph.add_edge(a, b, condition=Unregistered())
-    with pytest.raises(CodecError) as caught:
-        round_trip(graph)
-    assert caught.value.edge_id == edge.id
-
-
 def test_an_unregistered_model_cannot_be_encoded():
     from pydantic import BaseModel
 
@@ -224,7 +221,8 @@ def test_an_unencodable_value_raises_a_codec_error():
 
 
 # -- errors ------------------------------------------------------------------------------
-ERROR_CLASSES = [getattr(errors, name) for name in errors.__all__]
+# The kernel's error tree, and the error of its expression language (it lives beside the parser).
+ERROR_CLASSES = [*(getattr(errors, name) for name in errors.__all__), UnsafeExpressionError]
 
 
 def test_every_error_is_an_opgraph_error():

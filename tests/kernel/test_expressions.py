@@ -420,15 +420,6 @@ def test_a_closed_name_set_rejects_other_names_at_parse_time_and_survives_pickle
     assert compiled.names == frozenset({"result"})
 
 
-def test_the_error_round_trips_through_pickle_with_its_ids():
-    error = UnsafeExpressionError("bad", node_id="n", branch_id="b", edge_id="e")
-    restored = pickle.loads(pickle.dumps(error))
-    assert type(restored) is UnsafeExpressionError
-    assert restored.message == "bad"
-    assert (restored.node_id, restored.branch_id, restored.edge_id) == ("n", "b", "e")
-    assert str(restored) == str(error)
-
-
 def gated_graph(expression: str) -> tuple[Graph, str, str]:
     """a -[expression]-> b."""
     graph = Graph()

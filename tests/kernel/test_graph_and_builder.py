@@ -252,11 +252,16 @@ def test_omitted_depends_on_chains_after_the_current_heads_with_a_sequential_lab
     assert builder.current_heads == [b]
 
 
+def expanded_in_two() -> tuple[OperationGraphBuilder, str, str]:
+    """A builder holding src -> (x, y) by expansion; x and y are its current heads."""
+    builder = OperationGraphBuilder()
+    x, y = builder.expand_from_result(["x", "y"], builder.add_operation("chat"), "chat")
+    return builder, x, y
+
+
 def test_omitted_depends_on_chains_after_every_current_head():
     """src -> (x, y) by expansion, then z chains after both x and y."""
-    builder = OperationGraphBuilder()
-    src = builder.add_operation("chat")
-    x, y = builder.expand_from_result(["x", "y"], src, "chat")
+    builder, x, y = expanded_in_two()
     z = builder.add_operation("chat")
     graph = builder.get_graph()
     assert graph.predecessors(z) == [x, y]
@@ -447,9 +452,7 @@ def test_aggregation_waits_on_explicit_sources_and_records_them():
 
 def test_aggregation_defaults_to_the_current_heads():
     """src -> (x, y) -> agg."""
-    builder = OperationGraphBuilder()
-    src = builder.add_operation("chat")
-    x, y = builder.expand_from_result(["x", "y"], src, "chat")
+    builder, x, y = expanded_in_two()
     agg = builder.add_aggregation("chat")
     assert builder.get_graph().predecessors(agg) == [x, y]
     assert builder.get_graph().nodes[agg].parameters["aggregation_count"] == 2

@@ -23,15 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from kernel_graphs import CONDITIONS, PASSING_CONDITIONS
 
 from opgraph.kernel import (
     CancelRequested,
     ConditionsEvaluated,
     DispatchHeld,
     DispatchOperation,
-    EdgeCondition,
     EmitSignal,
     EscalationRequest,
     EscalationRequested,
@@ -74,45 +75,6 @@ TERMINAL_STATUSES = frozenset({"completed", "failed", "skipped", "cancelled"})
 STEP_LIMIT = 10_000
 
 
-# -- edge conditions ---------------------------------------------------------------
-class AlwaysTrue(EdgeCondition):
-    verdict = True
-
-    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002 - the record's name
-        return True
-
-
-class AlwaysFalse(EdgeCondition):
-    verdict = False
-
-    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
-        return False
-
-
-class AsyncAlwaysTrue(EdgeCondition):
-    """Evaluated by the shell; the driver answers with ``verdict`` and never awaits apply."""
-
-    verdict = True
-
-    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
-        return True
-
-
-class AsyncAlwaysFalse(EdgeCondition):
-    verdict = False
-
-    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
-        return False
-
-
-CONDITIONS: dict[str, type[EdgeCondition] | None] = {
-    "none": None,
-    "true": AlwaysTrue,
-    "false": AlwaysFalse,
-    "async_true": AsyncAlwaysTrue,
-    "async_false": AsyncAlwaysFalse,
-}
-PASSING_CONDITIONS = frozenset({"none", "true", "async_true"})
 
 
 # -- the drawn specification -------------------------------------------------------
@@ -532,32 +494,26 @@ def test_every_node_settles_exactly_once_and_the_envelope_is_all_terminal(spec, 
     assert not restored_ids(spec) & set(run.dispatches), "a restored node was dispatched"
 
 
+# Invariants of one run, each checked on flows of its own: what breaks it, empty when it holds.
+RUN_INVARIANTS: dict[str, Callable[[FlowSpec, Any], Any]] = {
+    "no node is dispatched before its predecessors and aggregation sources settle":
+        lambda spec, run: run.premature_dispatches,
+    "operations in flight never exceed capacity":
+        lambda spec, run: [run.peak_in_flight] if run.peak_in_flight > spec.capacity else [],
+    "a paused or held flow dispatches nothing":
+        lambda spec, run: run.dispatched_while_gated,
+    "completed and skipped operations are disjoint":
+        lambda spec, run: set(run.envelope["completed_operations"]) & set(run.envelope["skipped_operations"]),
+}
+
+
+@pytest.mark.parametrize("invariant", RUN_INVARIANTS)
 @PROPERTY_SETTINGS
 @given(spec=flow_specs(), seed=st.integers(0, 2**32))
-def test_no_node_is_dispatched_before_its_predecessors_and_aggregation_sources_settle(spec, seed):
+def test_every_run_keeps_the_invariant(invariant, spec, seed):
     run = run_flow(spec, seeded_order(seed))
-    assert run.premature_dispatches == []
-
-
-@PROPERTY_SETTINGS
-@given(spec=flow_specs(), seed=st.integers(0, 2**32))
-def test_operations_in_flight_never_exceed_capacity(spec, seed):
-    run = run_flow(spec, seeded_order(seed))
-    assert run.peak_in_flight <= spec.capacity
-
-
-@PROPERTY_SETTINGS
-@given(spec=flow_specs(), seed=st.integers(0, 2**32))
-def test_a_paused_or_held_flow_dispatches_nothing(spec, seed):
-    run = run_flow(spec, seeded_order(seed))
-    assert run.dispatched_while_gated == []
-
-
-@PROPERTY_SETTINGS
-@given(spec=flow_specs(), seed=st.integers(0, 2**32))
-def test_completed_and_skipped_operations_are_disjoint(spec, seed):
-    run = run_flow(spec, seeded_order(seed))
-    assert not set(run.envelope["completed_operations"]) & set(run.envelope["skipped_operations"])
+    broken = RUN_INVARIANTS[invariant](spec, run)
+    assert not broken, f"{invariant}: {broken}"
 
 
 @PROPERTY_SETTINGS

@@ -133,6 +133,10 @@ def test_the_settled_and_open_queries_name_what_a_new_feeder_must_reconcile(driv
         == [(b.id, "b"), (c.id, "c")]
 
 
+def _test_key() -> bytes:
+    return b"k" * 32
+
+
 def test_a_rebuild_from_the_log_releases_and_closes_again():
     """The log of a fed run (admissions, settlements, a release, the close) rebuilds to the same
     bounded state, through the codec as the executor stores it."""
@@ -142,7 +146,7 @@ def test_a_rebuild_from_the_log_releases_and_closes_again():
 
     def handle(*events) -> list:
         out = state.handle(*events)
-        batches.extend(encode_records(i.records) for i in out if isinstance(i, AppendRecords))
+        batches.extend(encode_records(i.records, key=_test_key) for i in out if isinstance(i, AppendRecords))
         return out
 
     handle(FlowStarted(now=0.0))
@@ -153,7 +157,7 @@ def test_a_rebuild_from_the_log_releases_and_closes_again():
              for operation in rows[:3]))
     handle(ReleaseRequested(now=3.0, node_ids=tuple(operation.id for operation in rows[:2])))
     handle(CloseRequested(now=4.0))
-    rebuilt = FlowState.rebuild(Graph(), [decode_records(batch) for batch in batches], reactive=True,
+    rebuilt = FlowState.rebuild(Graph(), [decode_records(batch, key=_test_key) for batch in batches], reactive=True,
                                 keep_open=True, durable=True, max_spawn=100, max_concurrent=4, run_id="fed")
     assert list(rebuilt.state) == [rows[2].id, rows[3].id]
     assert rebuilt.released_by_status == {"completed": 2} and rebuilt.closed

@@ -19,12 +19,12 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_graphs import CONDITIONS
 
 from opgraph.kernel import (
     AppendRecords,
     ConditionsEvaluated,
     DispatchOperation,
-    EdgeCondition,
     EscalationRequest,
     EvaluateConditions,
     FinishRun,
@@ -51,31 +51,6 @@ def _test_key() -> bytes:
     return b"a test key, never a real one: 32+"
 
 
-class Holds(EdgeCondition):
-    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002 - the record's name
-        return True
-
-
-class Refuses(EdgeCondition):
-    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
-        return False
-
-
-class AsyncHolds(EdgeCondition):
-    verdict = True
-
-    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
-        return True
-
-
-class AsyncRefuses(EdgeCondition):
-    verdict = False
-
-    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
-        return False
-
-
-CONDITIONS = {"none": None, "true": Holds, "false": Refuses, "async_true": AsyncHolds, "async_false": AsyncRefuses}
 
 
 @dataclass(frozen=True)

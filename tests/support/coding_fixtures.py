@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from engine_scripts import agent_of, last_user
 from ray import cloudpickle
 
 __all__ = [
@@ -43,7 +44,6 @@ TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
 # A real pytest, quick to start: no third-party plugins, no cache folder.
 PYTEST = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {sys.executable} -m pytest -q -p no:cacheprovider"
 
-_PROFILE = re.compile(r"You are (\S+), acting as")
 _ROUND = re.compile(r"after round (\d+)")
 
 
@@ -91,19 +91,6 @@ PLAN = json.dumps({"work_planned": [{"approach": "make add add", "files_to_touch
 VERIFIED = json.dumps({"verify_result": [{"change": "C2", "tests": "T2", "meets_acceptance": True, "unmet": []}]})
 
 
-def _agent(request: Any) -> str:
-    for message in request.messages:
-        if message.get("role") == "system":
-            found = _PROFILE.match(str(message.get("content", "")))
-            if found:
-                return found.group(1)
-    return ""
-
-
-def _last_user(request: Any) -> str:
-    return next((str(m.get("content")) for m in reversed(request.messages) if m.get("role") == "user"), "")
-
-
 class CodingScript:
     """A scripted coder: the planner plans, the implementer answers ``changes[n]`` in round n
     (0 implementing, then each fix round; the last repeats), the verifier verifies.
@@ -120,7 +107,7 @@ class CodingScript:
         self.replies = dict(replies or {})
 
     def __call__(self, request: Any) -> Any:
-        agent = _agent(request)
+        agent = agent_of(request)
         if agent in self.replies:
             reply = self.replies[agent]
             return reply(request) if callable(reply) else reply
@@ -129,7 +116,7 @@ class CodingScript:
         if agent == "verifier":
             return self.verify
         if agent == "implementer":
-            found = _ROUND.search(_last_user(request))
+            found = _ROUND.search(last_user(request))
             round_ = int(found.group(1)) + 1 if found else 0  # a fix prompt names the round it follows
             reply = self.changes[min(round_, len(self.changes) - 1)]
             return reply(request) if callable(reply) else reply

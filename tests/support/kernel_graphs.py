@@ -9,9 +9,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from opgraph.kernel import Graph, create_operation
+from opgraph.kernel import EdgeCondition, Graph, create_operation
 
-__all__ = ["build", "context_of", "nested", "reactive"]
+__all__ = ["CONDITIONS", "PASSING_CONDITIONS", "build", "context_of", "nested", "reactive"]
 
 
 def build(*names: str, edges: tuple[tuple[str, str], ...] = ()) -> tuple[Graph, SimpleNamespace]:
@@ -48,3 +48,44 @@ def nested(depth: int) -> list:
     for _ in range(depth):
         value = [value]
     return value
+
+
+# -- edge conditions, by the name a generated graph gives them ----------------------------
+class AlwaysTrue(EdgeCondition):
+    verdict = True
+
+    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002 - the record's name
+        return True
+
+
+class AlwaysFalse(EdgeCondition):
+    verdict = False
+
+    def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return False
+
+
+class AsyncAlwaysTrue(EdgeCondition):
+    """Evaluated by the shell; the test's driver answers with ``verdict`` and never awaits apply."""
+
+    verdict = True
+
+    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return True
+
+
+class AsyncAlwaysFalse(EdgeCondition):
+    verdict = False
+
+    async def apply(self, input: dict[str, Any]) -> bool:  # noqa: A002
+        return False
+
+
+CONDITIONS: dict[str, type[EdgeCondition] | None] = {
+    "none": None,
+    "true": AlwaysTrue,
+    "false": AlwaysFalse,
+    "async_true": AsyncAlwaysTrue,
+    "async_false": AsyncAlwaysFalse,
+}
+PASSING_CONDITIONS = frozenset({"none", "true", "async_true"})  # the conditions that let a node run
