@@ -240,7 +240,7 @@ class TaskQueue:
         kinds = tuple(action_kinds) if action_kinds is not None else None
         kind_filter = "" if kinds is None else f" AND t.action_kind IN ({', '.join('?' * len(kinds))})"
         kind_values = () if kinds is None else kinds
-        if self.db.dialect == "postgresql" and not self.db.transition_hooks and not self._limited(queue):
+        if self.db.dialect == "postgresql" and not self.db.hooked("leased") and not self._limited(queue):
             # One statement, committed on its own: rows another claimer holds are skipped, not waited for.
             sql = (f"UPDATE control_tasks SET {_SET_LEASE} WHERE task_id = (SELECT t.task_id FROM control_tasks t "
                    f"WHERE t.queue = ? AND t.state = 'queued' AND t.held = 0 AND t.available_at <= ? "
@@ -372,7 +372,7 @@ class TaskQueue:
         update = (f"UPDATE control_tasks SET {', '.join(sets)} WHERE task_id = ? AND lease_token = ? "
                   f"AND state IN ({', '.join('?' * len(sources))}) AND lease_expires_at > ? RETURNING {_COLUMNS}")
         parameters = (*values, claim.task.task_id, claim.token, *sources, now)
-        if self.db.dialect == "postgresql" and not self.db.transition_hooks and claim.task.schedule_id is None:
+        if self.db.dialect == "postgresql" and not self.db.hooked(to_state) and claim.task.schedule_id is None:
             # One statement, one round trip: the transition and its event row commit together.
             with self.db.autocommit() as db:
                 row = db.execute(
@@ -572,14 +572,15 @@ class TaskQueue:
 
     def _hooks(self, db: Connection, task: TaskRecord, from_state: str | None, to_state: str, kind: str,
                worker: str | None, detail: str | None) -> None:
-        if not self.db.transition_hooks:
+        if not self.db.hooked(to_state):
             return
         transition = {"task_id": task.task_id, "queue": task.queue, "action_kind": task.action_kind,
                       "from_state": from_state, "to_state": to_state, "kind": kind, "worker": worker,
                       "attempt": task.attempts, "at": self.clock(), "detail": detail, "run_id": task.run_id,
                       "schedule_id": task.schedule_id}
         for hook in self.db.transition_hooks:
-            hook(db, transition)
+            if to_state in getattr(hook, "states", (to_state,)):
+                hook(db, transition)
 
     def _release_buffered(self, db: Connection, task: TaskRecord) -> None:
         """A schedule's task ended: the oldest fire buffered behind it (overlap buffer_one/buffer_all) is due now."""

@@ -229,3 +229,26 @@ def test_task_queue_survives_a_postgresql_restart_with_nothing_lost(clock):
         database.close()
     finally:
         server.stop()
+
+
+def test_task_queue_writes_a_task_end_to_the_outbox_in_its_own_transaction(database_target, clock):
+    """A store with the dispatch outbox: a task's end (succeeded, dead, cancelled) is a task.<state> row,
+    committed with the transition; a claim writes none (it stays one statement)."""
+    from opgraph.cluster.lanes import open_store
+
+    with open_store(database_target):
+        pass  # the run store's tables, its outbox among them
+    database = ControlDatabase(database_target, clock=clock)
+    queue = TaskQueue(database)
+    done, _ = queue.submit("agent", "a", max_attempts=1, priority=3)
+    dead, _ = queue.submit("agent", "b", max_attempts=1, priority=2)
+    gone, _ = queue.submit("agent", "c", priority=1)
+    queue.succeed(queue.claim("default", "w"))
+    queue.fail(queue.claim("default", "w"), {"error": "boom"})
+    queue.cancel(gone.task_id)
+    with database.transaction() as db:
+        rows = db.execute("SELECT event_type, subject_id, payload FROM outbox ORDER BY seq").fetchall()
+    assert [(row[0], row[1]) for row in rows] == [("task.succeeded", done.task_id), ("task.dead", dead.task_id),
+                                                  ("task.cancelled", gone.task_id)]
+    assert '"queue": "default"' in rows[0][2]
+    database.close()
