@@ -36,7 +36,7 @@ EPOCH = {"ge": 0, "le": 10**11, "allow_inf_nan": False}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ScheduleRequest(_Strict):
