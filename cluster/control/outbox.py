@@ -32,8 +32,9 @@ def task_transition_event(tx: Any, transition: dict[str, Any]) -> None:
     record(tx, f"task.{state}", transition["task_id"], {**payload, "state": state}, at=transition.get("at"))
 
 
-# The queue may claim on PostgreSQL in one statement when no hook needs to see claims: this one does not.
-task_transition_event.sees_claims = False  # type: ignore[attr-defined]
+# The states this hook acts on (``ControlDatabase.hooked``): the queue may claim on PostgreSQL in one
+# statement when no hook needs to see a claim ("leased"), and this one does not.
+task_transition_event.states = TASK_EVENT_STATES  # type: ignore[attr-defined]
 
 
 def deliver_task_transitions(database: Any) -> Any:
