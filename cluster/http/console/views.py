@@ -224,28 +224,21 @@ class Console:
             raise UnknownNameError(f"run {run_id} has no node {node_id!r}")
         name = model.names.get(node_id) or (settled or {}).get("spec_node_id") or node_id
         shape = model.shapes.get(model.shape_of.get(node_id, ""))
-        operation = shape.operation if shape is not None else name
         result = None if settled is None else settled["result"]
-        first = min((signal["at"] for signal in signals), default=None)
-        timings = []
-        for signal in signals:
-            timings.append((signal["kind"], f"{_when(signal['at'])} (+{_seconds(signal['at'] - first)})"
-                            if first is not None else _when(signal["at"])))
-        elapsed = next((signal["elapsed"] for signal in reversed(signals) if signal["elapsed"] is not None), None)
-        if elapsed is not None:
-            timings.append(("ran for", _seconds(elapsed)))
-        error, error_type = None, None
-        run_errors = record.error if isinstance(record.error, Mapping) else {}
-        recorded = run_errors.get(name) or run_errors.get(node_id)
-        if isinstance(recorded, Mapping):
-            error = recorded.get("error") or recorded.get("message") or json.dumps(recorded, default=str)
-            error_type = recorded.get("type") or recorded.get("error_type")
-        elif recorded is not None:
-            error = str(recorded)
-        if error is None and state == "failed":
-            error = result if isinstance(result, str) else json.dumps(result, indent=2, default=str)
-            if isinstance(result, Mapping):
-                error_type = result.get("type") or result.get("error_type")
+        error, error_type = _node_error(record, name, node_id, state, result)
+        usage = result.get("usage") if isinstance(result, Mapping) else None
+        node = {"id": node_id, "name": name, "operation": shape.operation if shape is not None else name,
+                "state": state, "attempts": sum(1 for signal in signals if signal["kind"] == "started"),
+                "timings": _timings(signals), "error": error, "error_type": error_type or ("error" if error else None),
+                "usage": _usage_text(usage), "inputs": self._node_inputs(run_id, record, model, node_id),
+                "result": result, "branches": self._node_branches(run_id, name, node_id, result),
+                "signals": [{**signal, "at": _when(signal["at"]), "elapsed": _seconds(signal["elapsed"])}
+                            for signal in signals]}
+        return self.render("node.html", node=node, run_id=run_id, fragment=fragment,
+                           whole_url=f"/runs/{run_id}/nodes/{node_id}/whole")
+
+    def _node_inputs(self, run_id: str, record: RunRecord, model: Any, node_id: str) -> list[tuple[str, Any]]:
+        """What the node was given: the run's inputs, then each predecessor's result (the first 20)."""
         inputs: list[tuple[str, Any]] = []
         if record.inputs:
             inputs.append(("run inputs", record.inputs))
@@ -253,10 +246,13 @@ class Console:
             before = self.store.run_node(run_id, head)
             if before is not None:
                 inputs.append((f"from {model.names.get(head, head)}", before["result"]))
+        return inputs
+
+    def _node_branches(self, run_id: str, name: str, node_id: str, result: Any) -> list[dict[str, Any]]:
+        """The node's conversation: its own branches, else the run's shared branch with its answer marked
+        (a node without a branch of its own took its turn there)."""
         recorded_branches = self.store.run_branches(run_id)
         own = [branch for branch in recorded_branches if branch["node_id"] in (name, node_id)]
-        # A node without a branch of its own took its turn on the run's shared branch: that one, with
-        # the node's own answer marked.
         shared = not own
         answer = result.get("text") if isinstance(result, Mapping) else result if isinstance(result, str) else None
         branches = []
@@ -266,15 +262,7 @@ class Console:
                 message["own"] = bool(answer) and message["role"] == "assistant" and message["content"] == answer
             if not shared or any(message["own"] for message in messages):
                 branches.append({"branch_id": branch["branch_id"], "shared": shared, "messages": messages})
-        usage = result.get("usage") if isinstance(result, Mapping) else None
-        node = {"id": node_id, "name": name, "operation": operation, "state": state,
-                "attempts": sum(1 for signal in signals if signal["kind"] == "started"), "timings": timings,
-                "error": error, "error_type": error_type or ("error" if error else None), "usage": _usage_text(usage),
-                "inputs": inputs, "result": result, "branches": branches,
-                "signals": [{**signal, "at": _when(signal["at"]), "elapsed": _seconds(signal["elapsed"])}
-                            for signal in signals]}
-        return self.render("node.html", node=node, run_id=run_id, fragment=fragment,
-                           whole_url=f"/runs/{run_id}/nodes/{node_id}/whole")
+        return branches
 
     def node_whole(self, run_id: str, node_id: str) -> str:
         settled = self.store.run_node(run_id, node_id)
@@ -449,3 +437,31 @@ def engine_tree(events: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str
 
 def _fragment(request: Request) -> bool:
     return request.headers.get("x-console-fragment") == "1"
+
+
+def _timings(signals: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """Each signal's time, and its offset from the first; then how long the node ran."""
+    first = min((signal["at"] for signal in signals), default=None)
+    timings = [(signal["kind"], f"{_when(signal['at'])} (+{_seconds(signal['at'] - first)})"
+                if first is not None else _when(signal["at"])) for signal in signals]
+    elapsed = next((signal["elapsed"] for signal in reversed(signals) if signal["elapsed"] is not None), None)
+    if elapsed is not None:
+        timings.append(("ran for", _seconds(elapsed)))
+    return timings
+
+
+def _node_error(record: RunRecord, name: str, node_id: str, state: str, result: Any) -> tuple[Any, Any]:
+    """The node's error and its type: as the run recorded it, else a failed node's result."""
+    error, error_type = None, None
+    run_errors = record.error if isinstance(record.error, Mapping) else {}
+    recorded = run_errors.get(name) or run_errors.get(node_id)
+    if isinstance(recorded, Mapping):
+        error = recorded.get("error") or recorded.get("message") or json.dumps(recorded, default=str)
+        error_type = recorded.get("type") or recorded.get("error_type")
+    elif recorded is not None:
+        error = str(recorded)
+    if error is None and state == "failed":
+        error = result if isinstance(result, str) else json.dumps(result, indent=2, default=str)
+        if isinstance(result, Mapping):
+            error_type = result.get("type") or result.get("error_type")
+    return error, error_type
