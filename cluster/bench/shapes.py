@@ -10,10 +10,12 @@ and it never hides a failed or timed-out run: each is printed as such.
                   [--compare lionagi,langgraph] [--compare-timeout 120] [--json PATH]
     opgraph bench --shapes engines [--engines research,review] [--engine-latency 0.2]
     opgraph bench --shapes map [--map-sizes 100000,1000000] [--map-concurrency 1000] [--map-kill-rows 100000]
+    opgraph bench --shapes http,http-stream [--http-calls 10000] [--http-concurrency 500] [--compare lionagi,langgraph]
 
 ``engines`` is not a graph shape: it runs the domain engines (bench/engines.py) on the
 same runtime, after any graph shapes asked for, and only when named. Nor is ``map``: the
-dataset jobs (bench/map.py) run each in a client and a Ray of their own, last.
+dataset jobs (bench/map.py) run each in a client and a Ray of their own, last. Nor are
+``http`` and ``http-stream``: chat calls over HTTP to a local server (bench/http_calls.py).
 """
 
 from __future__ import annotations
@@ -500,6 +502,7 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
 PEERS = ("lionagi", "langgraph")  # in-process libraries --compare runs beside opgraph
 ENGINES = "engines"  # not a graph shape: the domain engines' benchmark (bench/engines.py)
 MAP = "map"  # not a graph shape: dataset jobs (bench/map.py), each in a client and a Ray of its own
+HTTP, HTTP_STREAM = "http", "http-stream"  # chat calls over HTTP beside plain clients and peers (bench/http_calls.py)
 
 
 def _peers(text: str) -> list[str] | str:
@@ -523,7 +526,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", default=",".join(keys),
                         help=f"comma-separated subset of: {', '.join(keys)} (default: all); or {ENGINES}: each "
                              f"domain engine on sim/ against the critical path its record implies; or {MAP}: "
-                             "dataset jobs (`opgraph map`) of 100,000 and 1,000,000 rows, and one killed twice")
+                             "dataset jobs (`opgraph map`) of 100,000 and 1,000,000 rows, and one killed twice; or "
+                             f"{HTTP} and {HTTP_STREAM}: 10,000 chat calls through opgraph's openai/ provider to a "
+                             "local OpenAI-compatible server (log-normal latencies, median 1 s), beside bare aiohttp, "
+                             "the openai client and the --compare peers, against the ideal makespan")
     parser.add_argument("--engines", default=None, metavar="KINDS",
                         help=f"with --shapes {ENGINES}: a comma-separated subset of the engines (default: all)")
     parser.add_argument("--engine-latency", type=float, default=0.2, metavar="SECONDS",
@@ -537,6 +543,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--map-parts", default="speed,zero,kills", metavar="PARTS",
                         help=f"with --shapes {MAP}: speed (each size at 50 ms, every process's peak memory), zero "
                              "(the largest at 0 ms), kills (default: all)")
+    parser.add_argument("--http-calls", type=int, default=10_000, metavar="N",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: chat calls (10000)")
+    parser.add_argument("--http-concurrency", type=int, default=500, metavar="N",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: calls in flight (500)")
+    parser.add_argument("--http-scale", type=float, default=1.0, metavar="SECONDS",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: the server's median latency (1.0; p99 ~8x it)")
+    parser.add_argument("--http-clients", default="aiohttp,openai,opgraph", metavar="CLIENTS",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: clients beside the --compare peers "
+                             "(aiohttp,openai,opgraph)")
+    parser.add_argument("--http-repeat", type=int, default=1, metavar="N",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: runs per client, median reported (1)")
     parser.add_argument("--nodes", type=int, default=10_000,
                         help="fan-out width; the chain and the spawns are a tenth of it (default 10000)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per shape, median reported (default 3)")
@@ -560,13 +577,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
     wanted = [key.strip() for key in args.shapes.split(",") if key.strip()]
     engines, dataset_jobs = ENGINES in wanted, MAP in wanted
-    wanted = [key for key in wanted if key not in (ENGINES, MAP)]
+    http_streams = [stream for key, stream in ((HTTP, False), (HTTP_STREAM, True)) if key in wanted]
+    wanted = [key for key in wanted if key not in (ENGINES, MAP, HTTP, HTTP_STREAM)]
     unknown = [key for key in wanted if key not in catalogue]
-    if unknown or not (wanted or engines or dataset_jobs):
+    if unknown or not (wanted or engines or dataset_jobs or http_streams):
         parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}"
-                     f", {ENGINES}, {MAP}")
-    if not (wanted or engines):  # dataset jobs start their own clients and Rays: nothing to join here
-        return _dataset_jobs(args)
+                     f", {ENGINES}, {MAP}, {HTTP}, {HTTP_STREAM}")
+    if http_streams and (args.http_calls < 1 or args.http_concurrency < 1 or args.http_repeat < 1
+                         or not args.http_scale > 0):
+        parser.error("--http-calls, --http-concurrency and --http-repeat must be at least 1, --http-scale above 0")
+    if not (wanted or engines):  # these start their own servers, clients and Rays: nothing to join here
+        status = _http_calls(args, http_streams) if http_streams else 0
+        return max(status, _dataset_jobs(args)) if dataset_jobs else status
     for peer in args.compare if isinstance(args.compare, list) else ():
         if peer in PEERS:
             try:
@@ -584,6 +606,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = asyncio.run(run(args, [catalogue[key] for key in wanted], session, ray_start)) if wanted else 0
         if engines:
             status = max(status, _engines(args, session, separate_json=bool(wanted)))
+        if http_streams:
+            status = max(status, _http_calls(args, http_streams))
         if dataset_jobs:
             status = max(status, _dataset_jobs(args))
         return status
@@ -604,6 +628,22 @@ def _engines(args: argparse.Namespace, session: Session, *, separate_json: bool)
         argv += ["--json", f"{root}-engines.{suffix}" if separate_json and dot else
                  (f"{args.json}-engines" if separate_json else args.json)]
     return engines_main(argv, session=session)
+
+
+def _http_calls(args: argparse.Namespace, streams: list[bool]) -> int:
+    """The HTTP-shaped benchmark (bench/http_calls.py), its figures in ``--json`` (or beside it)."""
+    from .http_calls import build_parser as http_parser
+    from .http_calls import run_benchmarks
+
+    argv = ["--calls", str(args.http_calls), "--concurrency", str(args.http_concurrency), "--scale",
+            str(args.http_scale), "--clients", args.http_clients, "--repeat", str(args.http_repeat),
+            "--timeout", str(max(args.timeout, args.compare_timeout))]
+    if isinstance(args.compare, list):
+        argv += ["--compare", ",".join(args.compare)]
+    if args.json:
+        root, dot, suffix = args.json.rpartition(".")
+        argv += ["--json", f"{root}-http.{suffix}" if dot else f"{args.json}-http"]
+    return run_benchmarks(http_parser().parse_args(argv), streams)
 
 
 def _dataset_jobs(args: argparse.Namespace) -> int:
