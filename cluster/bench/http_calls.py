@@ -65,13 +65,17 @@ class ChatServer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self.process is not None and self.process.poll() is None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
             self.process.terminate()
             try:
                 self.process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
 
     @property
     def cpu_seconds(self) -> float:
