@@ -39,6 +39,9 @@ MODEL = "bench"
 CALL = "http_bench_call"
 CLIENTS = ("aiohttp", "openai", "opgraph", "lionagi", "langgraph")
 BASELINES = ("aiohttp", "openai")
+# The openai client's own default but for its 5 s connect deadline: opening 500 connections on a
+# loaded machine took longer, and the run failed on APITimeoutError (its retries did not save it).
+OPENAI_TIMEOUT = 600.0
 
 
 class ChatServer:
@@ -189,7 +192,7 @@ async def run_openai(base_url: str, calls: int, concurrency: int, stream: bool) 
     """The official client as a user makes it (its own connection pool: 1,000 connections, 100 kept alive)."""
     import openai
 
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="bench") as client:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="bench", timeout=OPENAI_TIMEOUT) as client:
         async def one(index: int) -> float:
             return await _openai_call(client, index, stream)
 
@@ -271,7 +274,7 @@ async def run_langgraph(base_url: str, calls: int, concurrency: int, stream: boo
     from langgraph.graph import END, START, StateGraph
     from langgraph.types import Send
 
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="bench") as client:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="bench", timeout=OPENAI_TIMEOUT) as client:
         async def call(arguments: dict[str, Any]) -> dict[str, Any]:
             index = arguments["index"]
             return {"first_token": [(index, await _openai_call(client, index, stream))]}
@@ -447,8 +450,10 @@ def run_benchmarks(args: argparse.Namespace, streams: Sequence[bool], out: Calla
     if unknown:
         raise SystemExit(f"unknown client(s) {', '.join(unknown)}; choose from {', '.join(CLIENTS)}")
     args.clients = clients
-    # Once lionagi is imported, httpx logs every request at INFO (the openai client's, LangGraph's): not measured.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    # lionagi's import sets the root logger to INFO (a provider module calls logging.basicConfig), and
+    # httpx and its fork httpx2 (lionagi's client) then log every request: not what is measured.
+    for name in ("httpx", "httpx2"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     if "lionagi" in clients:
         out(lionagi_token_counting())
     documents = []

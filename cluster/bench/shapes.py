@@ -502,6 +502,7 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
 PEERS = ("lionagi", "langgraph")  # in-process libraries --compare runs beside opgraph
 ENGINES = "engines"  # not a graph shape: the domain engines' benchmark (bench/engines.py)
 MAP = "map"  # not a graph shape: dataset jobs (bench/map.py), each in a client and a Ray of its own
+PLANNED = "planned"  # not a graph shape: the planned lane's 700-op plan (bench/planned.py), beside a plain fan-out
 HTTP, HTTP_STREAM = "http", "http-stream"  # chat calls over HTTP beside plain clients and peers (bench/http_calls.py)
 
 
@@ -529,7 +530,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "dataset jobs (`opgraph map`) of 100,000 and 1,000,000 rows, and one killed twice; or "
                              f"{HTTP} and {HTTP_STREAM}: 10,000 chat calls through opgraph's openai/ provider to a "
                              "local OpenAI-compatible server (log-normal latencies, median 1 s), beside bare aiohttp, "
-                             "the openai client and the --compare peers, against the ideal makespan")
+                             "the openai client and the --compare peers, against the ideal makespan; or "
+                             f"{PLANNED}: the planned lane's plan of 700 ops (200 assigned, 500 spawned) at 100 in "
+                             "flight, beside a plain fan-out of 700")
     parser.add_argument("--engines", default=None, metavar="KINDS",
                         help=f"with --shapes {ENGINES}: a comma-separated subset of the engines (default: all)")
     parser.add_argument("--engine-latency", type=float, default=0.2, metavar="SECONDS",
@@ -543,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--map-parts", default="speed,zero,kills", metavar="PARTS",
                         help=f"with --shapes {MAP}: speed (each size at 50 ms, every process's peak memory), zero "
                              "(the largest at 0 ms), kills (default: all)")
+    parser.add_argument("--planned-latency", type=float, default=0.05, metavar="SECONDS",
+                        help=f"with --shapes {PLANNED}: seconds each of the plan's ops takes (0.05)")
     parser.add_argument("--http-calls", type=int, default=10_000, metavar="N",
                         help=f"with --shapes {HTTP}/{HTTP_STREAM}: chat calls (10000)")
     parser.add_argument("--http-concurrency", type=int, default=500, metavar="N",
@@ -576,17 +581,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nodes and --repeat must be at least 1")
     catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
     wanted = [key.strip() for key in args.shapes.split(",") if key.strip()]
-    engines, dataset_jobs = ENGINES in wanted, MAP in wanted
+    engines, dataset_jobs, planned_lane = ENGINES in wanted, MAP in wanted, PLANNED in wanted
     http_streams = [stream for key, stream in ((HTTP, False), (HTTP_STREAM, True)) if key in wanted]
-    wanted = [key for key in wanted if key not in (ENGINES, MAP, HTTP, HTTP_STREAM)]
+    wanted = [key for key in wanted if key not in (ENGINES, MAP, HTTP, HTTP_STREAM, PLANNED)]
     unknown = [key for key in wanted if key not in catalogue]
-    if unknown or not (wanted or engines or dataset_jobs or http_streams):
+    if unknown or not (wanted or engines or dataset_jobs or http_streams or planned_lane):
         parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}"
-                     f", {ENGINES}, {MAP}, {HTTP}, {HTTP_STREAM}")
+                     f", {ENGINES}, {MAP}, {HTTP}, {HTTP_STREAM}, {PLANNED}")
     if http_streams and (args.http_calls < 1 or args.http_concurrency < 1 or args.http_repeat < 1
                          or not args.http_scale > 0):
         parser.error("--http-calls, --http-concurrency and --http-repeat must be at least 1, --http-scale above 0")
-    if not (wanted or engines):  # these start their own servers, clients and Rays: nothing to join here
+    if not (wanted or engines or planned_lane):  # these start their own servers, clients and Rays
         status = _http_calls(args, http_streams) if http_streams else 0
         return max(status, _dataset_jobs(args)) if dataset_jobs else status
     for peer in args.compare if isinstance(args.compare, list) else ():
@@ -606,6 +611,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = asyncio.run(run(args, [catalogue[key] for key in wanted], session, ray_start)) if wanted else 0
         if engines:
             status = max(status, _engines(args, session, separate_json=bool(wanted)))
+        if planned_lane:
+            status = max(status, _planned_lane(args, session))
         if http_streams:
             status = max(status, _http_calls(args, http_streams))
         if dataset_jobs:
@@ -628,6 +635,19 @@ def _engines(args: argparse.Namespace, session: Session, *, separate_json: bool)
         argv += ["--json", f"{root}-engines.{suffix}" if separate_json and dot else
                  (f"{args.json}-engines" if separate_json else args.json)]
     return engines_main(argv, session=session)
+
+
+def _planned_lane(args: argparse.Namespace, session: Session) -> int:
+    """The planned lane's 700-op plan (bench/planned.py), ``--repeat`` runs, beside a fan-out of as
+    many ``sleep`` nodes at the same concurrency through ``Session.flow`` in the same run (the baseline)."""
+    from .planned import large_plan_figures
+
+    figures = large_plan_figures(session, args.repeat, latency=args.planned_latency)
+    if args.json:
+        root, dot, suffix = args.json.rpartition(".")
+        with open(f"{root}-planned.{suffix}" if dot else f"{args.json}-planned", "w") as handle:
+            json.dump(figures, handle, indent=2)
+    return 0 if figures["status"] == "completed" else 1
 
 
 def _http_calls(args: argparse.Namespace, streams: list[bool]) -> int:
