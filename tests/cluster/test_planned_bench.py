@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from opgraph.cluster.bench.planned import ideal_seconds
 from opgraph.cluster.bench.shapes import main
 
 
 def test_the_ideal_is_whole_waves_of_the_plans_ops():
-    assert ideal_seconds(0.05, 100) == 0.35  # 700 ops, 100 at a time
-    assert ideal_seconds(0.05, 1000) == 0.1  # never under its two levels: an assignment, then its children
+    assert ideal_seconds(0.05, 100) == pytest.approx(0.35)  # 700 ops, 100 at a time
+    assert ideal_seconds(0.05, 1000) == pytest.approx(0.1)  # never under its two levels: an assignment, its children
 
 
 def test_the_planned_shape_prints_its_ratio_beside_the_fan_out(session, tmp_path, capsys):
