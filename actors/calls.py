@@ -247,6 +247,9 @@ class ExecutorStub(ActorStub["GraphExecutor"]):
     def branch_messages(self, branch_id: str) -> ObjectRef[list[Any]]:
         return self.handle.branch_messages.remote(branch_id)
 
+    def branch_messages_many(self, branch_ids: list[str]) -> ObjectRef[dict[str, list[Any]]]:
+        return self.handle.branch_messages_many.remote(branch_ids)
+
     def drop_scope(self, scope: str) -> ObjectRef[int]:
         return self.handle.drop_scope.remote(scope)
 
@@ -338,6 +341,9 @@ class BranchStoreStub(ActorStub["BranchStore"]):
 
     def messages(self, branch_id: str) -> ObjectRef[list[Any]]:
         return self.handle.messages.remote(branch_id)
+
+    def messages_many(self, branch_ids: list[str]) -> ObjectRef[list[list[Any]]]:
+        return self.handle.messages_many.remote(branch_ids)
 
     def has(self, branch_id: str) -> ObjectRef[bool]:
         return self.handle.has.remote(branch_id)

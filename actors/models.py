@@ -136,6 +136,8 @@ class ChatRequest:
 
     ``tools`` are OpenAI function schemas; ``response_format`` is an OpenAI-style
     ``{"type": "json_schema", "json_schema": {...}}`` or ``{"type": "json_object"}``.
+    ``stream`` asks a provider that can to read the answer as it is generated (server-sent
+    events); the reply is the same whole ``ChatResponse``, with ``first_token_seconds`` set.
     """
 
     model: str
@@ -145,6 +147,7 @@ class ChatRequest:
     temperature: float | None = None
     max_tokens: int | None = None
     timeout: float | None = None
+    stream: bool = False
 
 
 @dataclass(slots=True)
@@ -156,6 +159,7 @@ class ChatResponse:
     provider: str = ""
     finish_reason: str | None = None
     retries: int = 0
+    first_token_seconds: float | None = None  # a streamed call: from sending the request to its first chunk
 
 
 @runtime_checkable

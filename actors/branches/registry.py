@@ -8,6 +8,7 @@ branches lost with a store that died. Its store calls go through the call seam
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -169,6 +170,20 @@ class BranchRegistry:
         if branch_id in self.lost:
             raise UnknownBranchError("the branch was lost with its branch store", branch_id=branch_id)
         return await ask(self.slots[shard], BranchStoreStub.messages, branch_id, branch_id=branch_id)
+
+    async def messages_many(self, branch_ids: list[str]) -> dict[str, list[Any]]:
+        """The messages of each of ``branch_ids`` this runtime holds (one call per store shard);
+        branches it does not hold, or lost, are left out."""
+        by_shard: dict[int, list[str]] = {}
+        for branch_id in branch_ids:
+            shard = self.location.get(branch_id)
+            if shard is not None and branch_id not in self.lost:
+                by_shard.setdefault(shard, []).append(branch_id)
+        shards = list(by_shard)
+        answers = await asyncio.gather(*(ask(self.slots[shard], BranchStoreStub.messages_many, by_shard[shard])
+                                         for shard in shards))
+        return {branch_id: history for shard, histories in zip(shards, answers, strict=True)
+                for branch_id, history in zip(by_shard[shard], histories, strict=True)}
 
     # -- dropping -----------------------------------------------------------------------------
     async def drop_scope(self, scope: str) -> int:

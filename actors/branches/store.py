@@ -378,6 +378,10 @@ class BranchStore:
     async def messages(self, branch_id: str) -> list[Any]:
         return self.table.messages(branch_id)
 
+    async def messages_many(self, branch_ids: list[str]) -> list[list[Any]]:
+        """``messages`` of each branch, in one call (a run's clones, recorded at its end)."""
+        return [self.table.messages(branch_id) for branch_id in branch_ids]
+
     async def has(self, branch_id: str) -> bool:
         return branch_id in self.table
 

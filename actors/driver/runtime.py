@@ -369,6 +369,20 @@ class Runtime:
                 first = first or exc
         raise first
 
+    async def branch_messages_many(self, branch_ids: list[str]) -> dict[str, list[Any]]:
+        """Many branches' messages, one call per member (and store shard); UnknownBranchError names
+        the first no member holds."""
+        found: dict[str, list[Any]] = {}
+        for member in range(self.pool_size):
+            missing = [branch_id for branch_id in branch_ids if branch_id not in found]
+            if not missing:
+                break
+            found.update(await ask(self.member(member), ExecutorStub.branch_messages_many, missing))
+        for branch_id in branch_ids:
+            if branch_id not in found:
+                raise UnknownBranchError("this runtime holds no such branch", branch_id=branch_id)
+        return found
+
     async def place(self, run_id: str | None = None) -> int:
         """The member a new run goes to: the least loaded (fewest live runs, then fewest unsettled
         nodes), counting the runs this process is admitting there right now; ties go round robin.

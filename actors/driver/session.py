@@ -232,6 +232,12 @@ class Session:
         branch_id = self.branches.get(branch, branch)
         return await self.runtime.branch_messages(branch_id)
 
+    async def messages_many(self, branches: list[str]) -> list[list[Any]]:
+        """``messages`` of each of ``branches``, in a call per runtime member rather than one each."""
+        branch_ids = [self.branches.get(branch, branch) for branch in branches]
+        found = await self.runtime.branch_messages_many(branch_ids)
+        return [found[branch_id] for branch_id in branch_ids]
+
     def _resolve_branch(self, branch: Any) -> str:
         if branch is None:
             return self.default_branch

@@ -432,6 +432,11 @@ class GraphExecutor:
         self._bind()
         return await self.shell.branches.messages(branch_id)
 
+    async def branch_messages_many(self, branch_ids: list[str]) -> dict[str, list[Any]]:
+        """The messages of the branches of ``branch_ids`` this member holds (others left out)."""
+        self._bind()
+        return await self.shell.branches.messages_many(branch_ids)
+
     async def drop_scope(self, scope: str) -> int:
         """Drop every branch of ``scope`` (a Session's, or a run's) and of the scopes it holds."""
         self._bind()

@@ -12,6 +12,7 @@ an httpx type, and no message shows the password of a ``user:password@`` base UR
 from __future__ import annotations
 
 import asyncio
+import atexit
 import email.utils
 import json
 import random
@@ -20,6 +21,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 
 from ..models import (
@@ -45,9 +47,13 @@ __all__ = [
 ]
 
 RETRYABLE_STATUSES = frozenset({429, 500, 502, 503, 504})
-# httpx's pool holds 100 connections; calls beyond them wait here, in an O(1) queue: a
-# fan-out of thousands queued in httpcore's own pool stalled for seconds on every release.
-CONNECTIONS_PER_LOOP = 100
+# Calls in flight per event loop, beyond which they wait here in an O(1) queue. The default
+# client is aiohttp's (about 0.3 ms of CPU a call, and flat up to thousands of connections);
+# an injected httpx transport (the tests' seam) keeps httpx's pool of 100: a fan-out of
+# thousands queued in httpcore's own pool stalled for seconds on every release.
+CONNECTIONS_PER_LOOP = 1000
+HTTPX_CONNECTIONS_PER_LOOP = 100
+_JSON = {"Content-Type": "application/json"}
 BODY_EXCERPT = 300  # characters of an error body quoted in messages
 # Seconds one attempt may take: the official openai and anthropic SDKs' 10 minutes, since
 # a model (a local one on a CPU above all) may generate for minutes. 60 s failed real nodes.
@@ -159,11 +165,41 @@ class RetryPolicy:
 
 @dataclass(frozen=True, slots=True)
 class JSONReply:
-    """A parsed 2xx body and how many retries it took."""
+    """A parsed 2xx body and how many retries it took; a streamed call's body is the list of its
+    events (each ``data:`` line's JSON), and ``first_event_seconds`` the time from sending to the first."""
 
     body: Any
     status: int
     retries: int
+    first_event_seconds: float | None = None
+
+
+class _Reply:
+    """What one attempt got back, from either client: status, headers, raw body; a stream's events."""
+
+    __slots__ = ("status_code", "headers", "content", "url", "events", "first_event_seconds")
+
+    def __init__(self, status_code: int, headers: Any, content: bytes, url: str,
+                 events: list[Any] | None = None) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self.content = content
+        self.url = url
+        self.events = events
+        self.first_event_seconds: float | None = None
+
+    def add_event_line(self, line: bytes, sent: float) -> None:
+        """One line of a server-sent-events body: a ``data:`` line's JSON joins ``events``."""
+        if not line.startswith(b"data:"):
+            return  # blank separators, comments, ``event:`` names
+        data = line[5:].strip()
+        if not data or data == b"[DONE]":
+            return
+        if self.first_event_seconds is None:
+            self.first_event_seconds = time.perf_counter() - sent
+        self.content += line  # kept for an error message, should the events not parse
+        assert self.events is not None
+        self.events.append(data)
 
 
 class ProviderHTTPClient:
@@ -205,7 +241,7 @@ class ProviderHTTPClient:
             raise ProviderConfigError(f"{provider}: an RPM/TPM budget needs adaptive admission (adaptive=True)",
                                       provider=provider)
         self._rng = random.Random(seed)
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
         self._sending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
@@ -224,6 +260,7 @@ class ProviderHTTPClient:
         self._sending = weakref.WeakKeyDictionary()
 
     def _client(self) -> httpx.AsyncClient:
+        """This loop's httpx client: only with an injected ``transport``."""
         loop = asyncio.get_running_loop()
         client = self._clients.get(loop)
         if client is None or client.is_closed:
@@ -231,21 +268,43 @@ class ProviderHTTPClient:
             self._clients[loop] = client
         return client
 
+    def _session(self) -> aiohttp.ClientSession:
+        """This loop's aiohttp session: the default client. Its deadlines are ``asyncio.timeout``'s."""
+        loop = asyncio.get_running_loop()
+        session = self._clients.get(loop)
+        if session is None or session.closed:
+            connector = aiohttp.TCPConnector(limit=CONNECTIONS_PER_LOOP, limit_per_host=0, ttl_dns_cache=300)
+            session = aiohttp.ClientSession(
+                connector=connector, headers=self.headers, auto_decompress=True,
+                timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=None, sock_read=None))
+            self._clients[loop] = session
+            _open_sessions.add(session)
+            # A provider unpickled for one run is dropped when the run is forgotten: its session goes with it.
+            weakref.finalize(self, _let_go, session)
+        return session
+
     def _sender_slots(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()
         slots = self._sending.get(loop)
         if slots is None:
-            slots = self._sending[loop] = asyncio.Semaphore(CONNECTIONS_PER_LOOP)
+            size = CONNECTIONS_PER_LOOP if self.transport is None else HTTPX_CONNECTIONS_PER_LOOP
+            slots = self._sending[loop] = asyncio.Semaphore(size)
         return slots
 
     async def aclose(self) -> None:
         """Close this event loop's client and its connections."""
         client = self._clients.pop(asyncio.get_running_loop(), None)
-        if client is not None:
+        if isinstance(client, aiohttp.ClientSession):
+            await client.close()
+        elif client is not None:
             await client.aclose()
 
-    async def post_json(self, path: str, payload: dict[str, Any], *, timeout: float | None = None) -> JSONReply:
+    async def post_json(self, path: str, payload: dict[str, Any], *, timeout: float | None = None,
+                        stream: bool = False) -> JSONReply:
         """POST ``payload`` to ``base_url + path``; return the parsed 2xx body or raise a ProviderError.
+
+        ``stream``: the answer is server-sent events; the body returned is the list of their
+        ``data:`` JSON objects, read to the end (``[DONE]`` or the connection's close).
 
         ``timeout`` bounds each attempt (waiting for a concurrency permit and the backoff
         sleeps are not counted). Timeouts are not retried: a model that did not answer in
@@ -262,11 +321,11 @@ class ProviderHTTPClient:
             try:
                 if gated:
                     async with adaptive_slot(self.provider, self.budget, tokens) as ticket:
-                        response = await self._attempt(url, payload, limit)
+                        response = await self._attempt(url, payload, limit, stream=stream)
                         body = self._note_outcome(ticket, response)
                 else:
                     async with provider_slot(self.provider, self.concurrency):
-                        response = await self._attempt(url, payload, limit, ungated=self.adaptive)
+                        response = await self._attempt(url, payload, limit, ungated=self.adaptive, stream=stream)
                     body = _UNREAD
             except _NowRateLimited:
                 continue  # another call's 429 arrived while this one queued to send: go through the gate
@@ -303,10 +362,13 @@ class ProviderHTTPClient:
                 raise self._status_error(url, response, retries)
             if body is _UNREAD:
                 body = self._parse(url, response)
-            return JSONReply(body=body, status=status, retries=retries)
+            return JSONReply(body=body, status=status, retries=retries,
+                             first_event_seconds=response.first_event_seconds)
 
-    def _parse(self, url: str, response: httpx.Response) -> Any:
+    def _parse(self, url: str, response: _Reply) -> Any:
         try:
+            if response.events is not None:
+                return [json.loads(event) for event in response.events]
             return json.loads(response.content)
         except ValueError as exc:
             raise ProviderResponseError(
@@ -315,7 +377,7 @@ class ProviderHTTPClient:
                 provider=self.provider, status=response.status_code,
             ) from exc
 
-    def _note_outcome(self, ticket: Any, response: httpx.Response) -> Any:
+    def _note_outcome(self, ticket: Any, response: _Reply) -> Any:
         """Tell the gate how an admitted call went; returns the parsed body of a 2xx (else _UNREAD)."""
         status = response.status_code
         if status == 429:
@@ -323,9 +385,9 @@ class ProviderHTTPClient:
             ticket.retry_after = server_wait_seconds(response.headers)
             return _UNREAD
         if 200 <= status < 300:
-            body = self._parse(url=str(response.request.url), response=response)
+            body = self._parse(url=response.url, response=response)
             ticket.outcome = "ok"
-            ticket.reported = reported_tokens(body)
+            ticket.reported = reported_tokens(body[-1] if isinstance(body, list) and body else body)
             return body
         return _UNREAD
 
@@ -334,33 +396,63 @@ class ProviderHTTPClient:
         await asyncio.sleep(self.retry.delay(retries, retry_after, self._rng))
 
     async def _attempt(self, url: str, payload: dict[str, Any], timeout: float, *,
-                       ungated: bool = False) -> httpx.Response:
-        """One POST, with every httpx failure translated; retryable ones raise _RetryableFailure."""
+                       ungated: bool = False, stream: bool = False) -> _Reply:
+        """One POST, with every client failure translated; retryable ones raise _RetryableFailure."""
         try:
             async with asyncio.timeout(timeout), self._sender_slots():
                 if ungated and self.provider in _rate_limited_providers:
                     raise _NowRateLimited
-                return await self._client().post(url, json=payload, timeout=httpx.Timeout(timeout))
+                if self.transport is None:
+                    return await self._send_aiohttp(url, payload, stream)
+                return await self._send_httpx(url, payload, timeout, stream)
         except (TimeoutError, httpx.TimeoutException) as exc:
             raise ProviderTimeout(f"{self.provider}: no answer from {redact_url(url)} within {timeout:g} s; give the "
                                   f"node a longer timeout=, or the provider one ({self.provider.upper()}_TIMEOUT for "
                                   "a built-in provider)", provider=self.provider) from exc
         except httpx.UnsupportedProtocol as exc:
-            raise ProviderConfigError(
-                f"{self.provider}: base URL {redact_url(self.base_url)!r} needs an http:// or https:// scheme",
-                provider=self.provider) from exc
-        except httpx.TransportError as exc:
+            raise self._scheme_error() from exc
+        except (httpx.TransportError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
             # Refused, reset, or the server hung up mid-answer: worth another try.
             raise _RetryableFailure(f"connection failed ({type(exc).__name__}: {exc})") from exc
-        except httpx.InvalidURL as exc:
+        except (httpx.InvalidURL, aiohttp.InvalidURL) as exc:
             raise ProviderConfigError(f"{self.provider}: invalid URL {redact_url(url)!r}: "
                                       f"{redact_credentials(str(exc))}", provider=self.provider) from exc
-        except httpx.HTTPError as exc:
+        except (httpx.HTTPError, aiohttp.ClientError) as exc:
             # What is left: body decoding and redirect loops. Neither improves on a retry.
             raise ProviderResponseError(f"{self.provider}: {redact_url(url)}: {type(exc).__name__}: "
                                         f"{redact_credentials(str(exc))}", provider=self.provider) from exc
 
-    def _status_error(self, url: str, response: httpx.Response, retries: int) -> ProviderError:
+    def _scheme_error(self) -> ProviderConfigError:
+        return ProviderConfigError(
+            f"{self.provider}: base URL {redact_url(self.base_url)!r} needs an http:// or https:// scheme",
+            provider=self.provider)
+
+    async def _send_aiohttp(self, url: str, payload: dict[str, Any], stream: bool) -> _Reply:
+        if not url.startswith(("http://", "https://")):
+            raise self._scheme_error()
+        sent = time.perf_counter()
+        async with self._session().post(url, data=json.dumps(payload).encode(), headers=_JSON) as response:
+            if not (stream and 200 <= response.status < 300):
+                return _Reply(response.status, response.headers, await response.read(), url)
+            reply = _Reply(response.status, response.headers, b"", url, events=[])
+            async for line in response.content:
+                reply.add_event_line(line, sent)
+            return reply
+
+    async def _send_httpx(self, url: str, payload: dict[str, Any], timeout: float, stream: bool) -> _Reply:
+        sent = time.perf_counter()
+        if not stream:
+            response = await self._client().post(url, json=payload, timeout=httpx.Timeout(timeout))
+            return _Reply(response.status_code, response.headers, response.content, url)
+        async with self._client().stream("POST", url, json=payload, timeout=httpx.Timeout(timeout)) as response:
+            if not 200 <= response.status_code < 300:
+                return _Reply(response.status_code, response.headers, await response.aread(), url)
+            reply = _Reply(response.status_code, response.headers, b"", url, events=[])
+            async for line in response.aiter_lines():
+                reply.add_event_line(line.encode(), sent)
+            return reply
+
+    def _status_error(self, url: str, response: _Reply, retries: int) -> ProviderError:
         status = response.status_code
         tries = f"after {retries + 1} attempts" if retries else "on the first attempt"
         detail = f"{self.provider}: {redact_url(url)} answered {status} {tries}: {_excerpt(response)!r}"
@@ -375,6 +467,24 @@ class ProviderHTTPClient:
 
 _UNREAD = object()  # a response body not parsed yet
 
+# Every aiohttp session this process opened. A worker's loop ends with the process, never
+# closing them: at exit their sockets are let go here, quietly (aiohttp would otherwise print
+# "Unclosed client session" for each, from every worker, on every shutdown).
+_open_sessions: weakref.WeakSet[aiohttp.ClientSession] = weakref.WeakSet()
+
+
+def _let_go(session: aiohttp.ClientSession) -> None:
+    connector = session.connector
+    if connector is not None and not session.closed:
+        connector._close()  # synchronous: closes the sockets; there may be no loop left to await on
+        session.detach()
+
+
+@atexit.register
+def _let_go_of_sessions() -> None:
+    for session in list(_open_sessions):
+        _let_go(session)
+
 
 class _NowRateLimited(Exception):
     """Internal: an ungated call found its provider rate-limited once it could send. Never leaves this module."""
@@ -388,7 +498,7 @@ class _RetryableFailure(Exception):
         self.reason = reason
 
 
-def _excerpt(response: httpx.Response) -> str:
+def _excerpt(response: _Reply) -> str:
     text = response.content[:BODY_EXCERPT].decode("utf-8", errors="replace")
     return text + ("..." if len(response.content) > BODY_EXCERPT else "")
 
@@ -405,6 +515,7 @@ class HTTPChatProvider:
     kind: str
     name: str
     endpoint: str
+    streams = False  # whether a ChatRequest's ``stream`` is sent as such (else the answer comes whole)
     base_url: str
     settings: dict[str, Any]
     _http: ProviderHTTPClient
@@ -424,17 +535,24 @@ class HTTPChatProvider:
     def parse_body(self, body: Any, request: ChatRequest, *, status: int | None = None) -> ChatResponse:
         raise NotImplementedError
 
+    def parse_events(self, events: list[Any], request: ChatRequest, *, status: int | None = None) -> ChatResponse:
+        """A streamed answer's events as one ChatResponse (providers with ``streams = True``)."""
+        raise NotImplementedError
+
     async def complete(self, request: ChatRequest) -> ChatResponse:
         started = time.perf_counter()
         _, model_name = parse_model_id(request.model)
+        stream = request.stream and self.streams
         try:
             reply = await self._http.post_json(self.endpoint, self.request_body(request, model_name),
-                                               timeout=request.timeout)
-            response = self.parse_body(reply.body, request, status=reply.status)
+                                               timeout=request.timeout, stream=stream)
+            response = (self.parse_events(reply.body, request, status=reply.status) if stream
+                        else self.parse_body(reply.body, request, status=reply.status))
         except ProviderError:
             record_failure(self.name)
             raise
         response.retries = reply.retries
+        response.first_token_seconds = reply.first_event_seconds
         record_call(self.name, response.usage, time.perf_counter() - started)
         return response
 

@@ -49,6 +49,7 @@ class OpenAICompatibleProvider(HTTPChatProvider):
 
     kind = "openai"
     endpoint = "/chat/completions"
+    streams = True
 
     def __init__(self, base_url: str | None = None, api_key: str | None = None, *, name: str = "openai",
                  timeout: float = DEFAULT_TIMEOUT, max_tokens: int | None = None, max_retries: int = 3,
@@ -90,7 +91,51 @@ class OpenAICompatibleProvider(HTTPChatProvider):
         max_tokens = request.max_tokens if request.max_tokens is not None else self.max_tokens
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
+        if request.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
         return body
+
+    def parse_events(self, events: list[Any], request: ChatRequest, *, status: int | None = None) -> ChatResponse:
+        """A streamed chat completion (``chat.completion.chunk`` events) read back as the whole body
+        ``parse_body`` reads: the deltas' text and tool-call pieces joined, the last finish reason and usage."""
+        text: list[str] = []
+        refusal: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        finish_reason, usage, saw_choice = None, None, False
+        for event in events:
+            if not isinstance(event, dict):
+                return self.parse_body(event, request, status=status)  # reported as malformed there
+            if "error" in event and "choices" not in event:
+                return self.parse_body(event, request, status=status)
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event.get("choices") or ():
+                if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                    continue
+                saw_choice = True
+                delta = choice.get("delta") or {}
+                if isinstance(delta.get("content"), str):
+                    text.append(delta["content"])
+                if isinstance(delta.get("refusal"), str):
+                    refusal.append(delta["refusal"])
+                for piece in delta.get("tool_calls") or ():
+                    call = calls.setdefault(piece.get("index", len(calls)),
+                                            {"id": None, "function": {"name": "", "arguments": ""}})
+                    call["id"] = piece.get("id") or call["id"]
+                    function = piece.get("function") or {}
+                    call["function"]["name"] += function.get("name") or ""
+                    call["function"]["arguments"] += function.get("arguments") or ""
+                if choice.get("finish_reason"):
+                    finish_reason = choice["finish_reason"]
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+        if calls:
+            message["tool_calls"] = [calls[index] for index in sorted(calls)]
+        if refusal:
+            message["refusal"] = "".join(refusal)
+        body = {"choices": [{"message": message, "finish_reason": finish_reason}] if saw_choice else [],
+                "usage": usage}
+        return self.parse_body(body, request, status=status)
 
     def parse_body(self, body: Any, request: ChatRequest, *, status: int | None = None) -> ChatResponse:
         """Read a chat-completions body; anything malformed is a ProviderResponseError."""

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 # The options every model-calling verb passes straight into the ChatRequest.
-MODEL_OPTIONS = ("temperature", "max_tokens", "timeout")
+MODEL_OPTIONS = ("temperature", "max_tokens", "timeout", "stream")
 
 # Parameters put on a node by whoever built the graph (``add_aggregation``, the workflow
 # compiler, ``name_predecessor_results``), accepted by every verb and never sent to the

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,16 +51,27 @@ def require_model_class(response_format: Any, verb: str, branch: Any) -> type[Ba
     )
 
 
+# A model class's JSON schema, as compact JSON: pydantic builds it anew on every call (about
+# 1 ms for a small model), and every structured turn asked for it twice.
+_schemas: weakref.WeakKeyDictionary[type[BaseModel], str] = weakref.WeakKeyDictionary()
+
+
+def _schema_text(model_class: type[BaseModel]) -> str:
+    text = _schemas.get(model_class)
+    if text is None:
+        text = _schemas[model_class] = compact_json(model_class.model_json_schema())
+    return text
+
+
 def response_format_for(model_class: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAI ``json_schema`` response_format for ``model_class``."""
+    """The OpenAI ``json_schema`` response_format for ``model_class`` (a fresh dict each call)."""
     name = _SCHEMA_NAME.sub("_", model_class.__name__)[:64] or "response"
-    return {"type": "json_schema", "json_schema": {"name": name, "schema": model_class.model_json_schema()}}
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": json.loads(_schema_text(model_class))}}
 
 
 def schema_guidance(model_class: type[BaseModel]) -> str:
     """The schema repeated in the prompt, for providers that ignore ``response_format``."""
-    return ("Reply with only a JSON object that matches this JSON schema:\n"
-            + compact_json(model_class.model_json_schema()))
+    return "Reply with only a JSON object that matches this JSON schema:\n" + _schema_text(model_class)
 
 
 def _balanced_end(text: str, start: int) -> int | None:

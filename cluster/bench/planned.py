@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -27,6 +28,7 @@ from ..processes import run_command, run_until
 __all__ = ["BigPlan", "main"]
 
 ASSIGNMENTS, SPAWNERS, CHILDREN = 200, 100, 5
+CONCURRENCY = 100  # ops in flight
 OWNER_SECONDS = 600.0  # for the owner to reach half the run, and for the resume to end
 
 
@@ -101,14 +103,81 @@ async def _large(session: Any, store: Any, latency: float, roles: int) -> dict[s
     started = time.perf_counter()
     prepared = await lane.prepare(lane.invocation("big", model="scripted/big", max_ops=700, synthesis=False,
                                                   roles={role: "does the work" for role in ROLES[:roles]},
-                                                  max_concurrent=100), session=session)
+                                                  max_concurrent=CONCURRENCY), session=session)
     planned = time.perf_counter()
     result = await lane.execute(prepared, session=session)
     wall = time.perf_counter() - started
     return {"roles": roles, "status": result.status, "ops": len(result.statuses),
             "spawned": (result.envelope or {}).get("spawned_operations"), "wall_s": wall,
             "planning_s": planned - started, "run_s": result.elapsed,
-            "ideal_s": latency * 2}
+            "ideal_s": ideal_seconds(latency, CONCURRENCY)}
+
+
+def ideal_seconds(latency: float, concurrency: int) -> float:
+    """The big plan's makespan with no overhead: its 700 ops in whole waves of ``concurrency`` (the
+    children are ready one wave in, before the assignments run out), and never under its two levels."""
+    return max(2, math.ceil((ASSIGNMENTS + SPAWNERS * CHILDREN) / concurrency)) * latency
+
+
+async def _baseline(session: Any, latency: float) -> float:
+    """Wall seconds of a fan-out of as many ``sleep`` nodes through ``Session.flow``, at the same concurrency."""
+    from opgraph.kernel import Graph, create_operation
+
+    graph = Graph("planned-baseline")
+    for index in range(ASSIGNMENTS + SPAWNERS * CHILDREN):
+        graph.add_node(create_operation("sleep", {"seconds": latency, "result": index}))
+    started = time.perf_counter()
+    envelope = await session.flow(graph, max_concurrent=CONCURRENCY, durable=False)
+    if envelope["status"] != "completed":
+        raise RuntimeError(f"the baseline fan-out ended {envelope['status']}")
+    return time.perf_counter() - started
+
+
+def large_plan_figures(session: Any, repeat: int, *, latency: float = 0.05,
+                       out: Any = print) -> dict[str, Any]:
+    """The big plan ``repeat`` times (one role) beside the baseline fan-out, alternating; medians printed."""
+    from ray import cloudpickle
+
+    from opgraph.cluster.lanes import open_store
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    store = open_store(os.path.join(tempfile.mkdtemp(prefix="opgraph-bench-planned-"), "runs.db"))
+    ideal = ideal_seconds(latency, CONCURRENCY)
+    ops = ASSIGNMENTS + SPAWNERS * CHILDREN
+    out(f"planned lane: a plan of {ASSIGNMENTS} assignments, {SPAWNERS} of them spawning {CHILDREN} each ({ops} ops "
+        f"x {latency * 1000:g} ms @{CONCURRENCY}, one role, run recorded); ideal {ideal:.2f} s")
+
+    async def measure() -> tuple[list[dict[str, Any]], list[float]]:
+        await _large(session, store, latency, 1)  # warm-up, untimed: ships the lane's operations
+        runs, baselines = [], []
+        for index in range(repeat):
+            if index % 2:
+                baselines.append(await _baseline(session, latency))
+            runs.append(await _large(session, store, latency, 1))
+            if not index % 2:
+                baselines.append(await _baseline(session, latency))
+            out(f"  run {index + 1}: planned {runs[-1]['wall_s']:.2f} s (planning {runs[-1]['planning_s']:.2f} s), "
+                f"flow fan-out {baselines[-1]:.2f} s; load {os.getloadavg()[0]:.2f}")
+        return runs, baselines
+
+    runs, baselines = asyncio.run(measure())
+    wall = statistics.median(run["wall_s"] for run in runs)
+    baseline = statistics.median(baselines)
+    status = "completed" if all(run["status"] == "completed" and run["ops"] == ops for run in runs) else "failed"
+    figures = {"ops": ops, "latency_s": latency, "concurrency": CONCURRENCY, "ideal_s": ideal, "runs": runs,
+               "baseline_s": baselines, "median_wall_s": wall, "median_baseline_s": baseline,
+               "ratio_to_ideal": wall / ideal, "baseline_ratio_to_ideal": baseline / ideal,
+               "ratio_to_baseline": wall / baseline, "status": status}
+    header = ["", "median s", "ratio to ideal", "ratio to the fan-out"]
+    rows = [header, [f"planned lane, {ops} ops", f"{wall:.2f}", f"{wall / ideal:.2f}x", f"{wall / baseline:.2f}x"],
+            [f"Session.flow fan-out of {ops}", f"{baseline:.2f}", f"{baseline / ideal:.2f}x", "1.00x"]]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    for row in rows:
+        out("  ".join(cell.ljust(width) if column == 0 else cell.rjust(width)
+                      for column, (cell, width) in enumerate(zip(row, widths, strict=True))))
+    if status != "completed":
+        out(f"planned lane: a run did not complete: {[(run['status'], run['ops']) for run in runs]}")
+    return figures
 
 
 # `opgraph o flow ARGS` in a process of its own, with the big plan's scripted planner registered: the

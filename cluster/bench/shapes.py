@@ -10,10 +10,12 @@ and it never hides a failed or timed-out run: each is printed as such.
                   [--compare lionagi,langgraph] [--compare-timeout 120] [--json PATH]
     opgraph bench --shapes engines [--engines research,review] [--engine-latency 0.2]
     opgraph bench --shapes map [--map-sizes 100000,1000000] [--map-concurrency 1000] [--map-kill-rows 100000]
+    opgraph bench --shapes http,http-stream [--http-calls 10000] [--http-concurrency 500] [--compare lionagi,langgraph]
 
 ``engines`` is not a graph shape: it runs the domain engines (bench/engines.py) on the
 same runtime, after any graph shapes asked for, and only when named. Nor is ``map``: the
-dataset jobs (bench/map.py) run each in a client and a Ray of their own, last.
+dataset jobs (bench/map.py) run each in a client and a Ray of their own, last. Nor are
+``http`` and ``http-stream``: chat calls over HTTP to a local server (bench/http_calls.py).
 """
 
 from __future__ import annotations
@@ -501,6 +503,8 @@ PEERS = ("lionagi", "langgraph")  # in-process libraries --compare runs beside o
 ENGINES = "engines"  # not a graph shape: the domain engines' benchmark (bench/engines.py)
 MAP = "map"  # not a graph shape: dataset jobs (bench/map.py), each in a client and a Ray of its own
 CONSOLE = "console"  # not a graph shape: the run console in Chromium (bench/console.py), on a Ray of its own
+PLANNED = "planned"  # not a graph shape: the planned lane's 700-op plan (bench/planned.py), beside a plain fan-out
+HTTP, HTTP_STREAM = "http", "http-stream"  # chat calls over HTTP beside plain clients and peers (bench/http_calls.py)
 
 
 def _peers(text: str) -> list[str] | str:
@@ -525,7 +529,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"comma-separated subset of: {', '.join(keys)} (default: all); or {ENGINES}: each "
                              f"domain engine on sim/ against the critical path its record implies; or {MAP}: "
                              "dataset jobs (`opgraph map`) of 100,000 and 1,000,000 rows, and one killed twice; or "
-                             f"{CONSOLE}: the run console in Chromium (a finished and a live --nodes fan-out)")
+                             f"{CONSOLE}: the run console in Chromium (a finished and a live --nodes fan-out); or "
+
+                             f"{HTTP} and {HTTP_STREAM}: 10,000 chat calls through opgraph's openai/ provider to a "
+                             "local OpenAI-compatible server (log-normal latencies, median 1 s), beside bare aiohttp, "
+                             "the openai client and the --compare peers, against the ideal makespan; or "
+                             f"{PLANNED}: the planned lane's plan of 700 ops (200 assigned, 500 spawned) at 100 in "
+                             "flight, beside a plain fan-out of 700")
     parser.add_argument("--engines", default=None, metavar="KINDS",
                         help=f"with --shapes {ENGINES}: a comma-separated subset of the engines (default: all)")
     parser.add_argument("--engine-latency", type=float, default=0.2, metavar="SECONDS",
@@ -539,6 +549,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--map-parts", default="speed,zero,kills", metavar="PARTS",
                         help=f"with --shapes {MAP}: speed (each size at 50 ms, every process's peak memory), zero "
                              "(the largest at 0 ms), kills (default: all)")
+    parser.add_argument("--planned-latency", type=float, default=0.05, metavar="SECONDS",
+                        help=f"with --shapes {PLANNED}: seconds each of the plan's ops takes (0.05)")
+    parser.add_argument("--http-calls", type=int, default=10_000, metavar="N",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: chat calls (10000)")
+    parser.add_argument("--http-concurrency", type=int, default=500, metavar="N",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: calls in flight (500)")
+    parser.add_argument("--http-scale", type=float, default=1.0, metavar="SECONDS",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: the server's median latency (1.0; p99 ~8x it)")
+    parser.add_argument("--http-clients", default="aiohttp,openai,opgraph", metavar="CLIENTS",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: clients beside the --compare peers "
+                             "(aiohttp,openai,opgraph)")
+    parser.add_argument("--http-repeat", type=int, default=1, metavar="N",
+                        help=f"with --shapes {HTTP}/{HTTP_STREAM}: runs per client, median reported (1)")
     parser.add_argument("--nodes", type=int, default=10_000,
                         help="fan-out width; the chain and the spawns are a tenth of it (default 10000)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per shape, median reported (default 3)")
@@ -562,17 +585,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
     wanted = [key.strip() for key in args.shapes.split(",") if key.strip()]
     engines, dataset_jobs, console = ENGINES in wanted, MAP in wanted, CONSOLE in wanted
-    wanted = [key for key in wanted if key not in (ENGINES, MAP, CONSOLE)]
+    planned_lane = PLANNED in wanted
+    http_streams = [stream for key, stream in ((HTTP, False), (HTTP_STREAM, True)) if key in wanted]
+    http_keys = [key for key in (HTTP, HTTP_STREAM) if key in wanted]
+    wanted = [key for key in wanted if key not in (ENGINES, MAP, CONSOLE, HTTP, HTTP_STREAM, PLANNED)]
     unknown = [key for key in wanted if key not in catalogue]
-    if unknown or not (wanted or engines or dataset_jobs or console):
+    if unknown or not (wanted or engines or dataset_jobs or console or http_streams or planned_lane):
         parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}"
-                     f", {ENGINES}, {MAP}, {CONSOLE}")
+                     f", {ENGINES}, {MAP}, {CONSOLE}, {HTTP}, {HTTP_STREAM}, {PLANNED}")
+    if http_streams and (args.http_calls < 1 or args.http_concurrency < 1 or args.http_repeat < 1
+                         or not args.http_scale > 0):
+        parser.error("--http-calls, --http-concurrency and --http-repeat must be at least 1, --http-scale above 0")
     if console:  # the console's figures last, on a Ray of their own (after this one stopped)
-        args.shapes = ",".join(wanted + [ENGINES] * engines + [MAP] * dataset_jobs)
+        args.shapes = ",".join(wanted + [ENGINES] * engines + [MAP] * dataset_jobs + [PLANNED] * planned_lane
+                               + http_keys)
         status = main(_without_console(argv or sys.argv[1:], args.shapes)) if args.shapes else 0
         return max(status, _console(args))
-    if not (wanted or engines):  # dataset jobs start their own clients and Rays: nothing to join here
-        return _dataset_jobs(args)
+    if not (wanted or engines or planned_lane):  # these start their own servers, clients and Rays
+        status = _http_calls(args, http_streams) if http_streams else 0
+        return max(status, _dataset_jobs(args)) if dataset_jobs else status
     for peer in args.compare if isinstance(args.compare, list) else ():
         if peer in PEERS:
             try:
@@ -590,6 +621,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = asyncio.run(run(args, [catalogue[key] for key in wanted], session, ray_start)) if wanted else 0
         if engines:
             status = max(status, _engines(args, session, separate_json=bool(wanted)))
+        if planned_lane:
+            status = max(status, _planned_lane(args, session))
+        if http_streams:
+            status = max(status, _http_calls(args, http_streams))
         if dataset_jobs:
             status = max(status, _dataset_jobs(args))
         return status
@@ -638,6 +673,35 @@ def _console(args: argparse.Namespace) -> int:
         root, dot, suffix = args.json.rpartition(".")
         argv += ["--json", f"{root}-console.{suffix}" if dot else f"{args.json}-console"]
     return console_main(argv)
+
+
+def _planned_lane(args: argparse.Namespace, session: Session) -> int:
+    """The planned lane's 700-op plan (bench/planned.py), ``--repeat`` runs, beside a fan-out of as
+    many ``sleep`` nodes at the same concurrency through ``Session.flow`` in the same run (the baseline)."""
+    from .planned import large_plan_figures
+
+    figures = large_plan_figures(session, args.repeat, latency=args.planned_latency)
+    if args.json:
+        root, dot, suffix = args.json.rpartition(".")
+        with open(f"{root}-planned.{suffix}" if dot else f"{args.json}-planned", "w") as handle:
+            json.dump(figures, handle, indent=2)
+    return 0 if figures["status"] == "completed" else 1
+
+
+def _http_calls(args: argparse.Namespace, streams: list[bool]) -> int:
+    """The HTTP-shaped benchmark (bench/http_calls.py), its figures in ``--json`` (or beside it)."""
+    from .http_calls import build_parser as http_parser
+    from .http_calls import run_benchmarks
+
+    argv = ["--calls", str(args.http_calls), "--concurrency", str(args.http_concurrency), "--scale",
+            str(args.http_scale), "--clients", args.http_clients, "--repeat", str(args.http_repeat),
+            "--timeout", str(max(args.timeout, args.compare_timeout))]
+    if isinstance(args.compare, list):
+        argv += ["--compare", ",".join(args.compare)]
+    if args.json:
+        root, dot, suffix = args.json.rpartition(".")
+        argv += ["--json", f"{root}-http.{suffix}" if dot else f"{args.json}-http"]
+    return run_benchmarks(http_parser().parse_args(argv), streams)
 
 
 def _dataset_jobs(args: argparse.Namespace) -> int:

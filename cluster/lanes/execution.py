@@ -166,7 +166,8 @@ async def run_prepared(
                 helper.cancel()
         try:
             await recorder.drain()  # every signal and node result before the branches and the end
-            await recorder.record_branches(default_branch, session.messages)
+            await recorder.record_branches(default_branch, session.messages,
+                                           messages_many=getattr(session, "messages_many", None))
         except Exception as exc:  # noqa: BLE001 - lost branch history must not hide the run's outcome
             errors.setdefault("branches", {"error": f"could not record branch messages: {exc}"})
         finally:

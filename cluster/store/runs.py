@@ -490,6 +490,16 @@ class RunStore(Definitions):
                        " node_id = COALESCE(excluded.node_id, run_branches.node_id)",
                        (run_id, branch_id, node_id, encoded))
 
+    def record_branches(self, run_id: str, branches: Iterable[tuple[str, str | None, Iterable[Any]]]) -> None:
+        """``record_branch`` for each ``(branch_id, node_id, messages)``, in one transaction (a run's
+        hundreds of clones are recorded at its end: one commit, not one each)."""
+        rows = [(run_id, branch_id, node_id, _encode(list(messages))) for branch_id, node_id, messages in branches]
+        with self._transaction(write=True) as db:
+            self._get_run(db, run_id)
+            db.executemany("INSERT INTO run_branches (run_id, branch_id, node_id, messages) VALUES (?, ?, ?, ?)"
+                           " ON CONFLICT (run_id, branch_id) DO UPDATE SET messages = excluded.messages,"
+                           " node_id = COALESCE(excluded.node_id, run_branches.node_id)", rows)
+
     def run_branches(self, run_id: str) -> list[dict[str, Any]]:
         """``[{branch_id, node_id, messages}]`` in the order branches were first recorded."""
         with self._transaction() as db:

@@ -109,6 +109,8 @@ CHECKS = {
     "python -m opgraph.cluster.bench.million --sizes 100000,1000000": ParsedOnly(MINUTES),
     "opgraph bench --repeat 3 --compare lionagi,langgraph": ParsedOnly(MINUTES),
     "opgraph bench --compare durability --repeat 5": ParsedOnly(MINUTES),
+    # A CI-size run of these is tests/cluster/test_http_bench.py.
+    "opgraph bench --shapes http,http-stream --compare lionagi,langgraph": ParsedOnly(MINUTES),
     "python -m opgraph.cluster.bench.runlog --postgres postgresql://user@db-host:5432/opgraph --records 20000 "
     "--repeat 5 --runtime --nodes 5000": ParsedOnly("runs for minutes and needs that PostgreSQL server"),
     "python -m opgraph.cluster.bench.goodput --repeat 3": ParsedOnly(MINUTES),

@@ -163,6 +163,32 @@ def _fetch_bare_python() -> str:
     return str(python)
 
 
+# -- tiktoken's o200k_base, rebuilt from js-tiktoken ------------------------------------------------------------
+def _tiktoken_folder() -> Path:
+    return cache_folder() / "tiktoken"
+
+
+def _locate_o200k_base() -> str | None:
+    """The TIKTOKEN_CACHE_DIR holding o200k_base with tiktoken's pinned SHA-256 (lionagi counts tokens with it)."""
+    import hashlib
+
+    from opgraph.cluster.bench.tiktoken_file import O200K_SHA256, O200K_URL
+
+    path = _tiktoken_folder() / hashlib.sha1(O200K_URL.encode()).hexdigest()
+    if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() == O200K_SHA256:
+        return str(_tiktoken_folder())
+    return None
+
+
+def _fetch_o200k_base() -> str:
+    from opgraph.cluster.bench.tiktoken_file import ensure_o200k_base
+
+    if shutil.which("npm") is None:
+        os.environ.setdefault("DEBIAN_FRONTEND", "noninteractive")
+        _apt_get("install", "-y", "npm")
+    return ensure_o200k_base(str(_tiktoken_folder()), str(cache_folder() / "js-tiktoken"))
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Component:
@@ -191,6 +217,8 @@ COMPONENTS: dict[str, Component] = {component.name: component for component in (
               _locate_chromium, _fetch_chromium),
     Component("bare-python", "the bare Python (Ray and opgraph's dependencies, not opgraph; built in the test "
               "cache)", _locate_bare_python, _fetch_bare_python),
+    Component("o200k-base", "tiktoken's o200k_base file (rebuilt from the npm package js-tiktoken, checked against "
+              "tiktoken's pinned SHA-256)", _locate_o200k_base, _fetch_o200k_base),
 )}
 
 
