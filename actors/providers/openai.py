@@ -90,6 +90,8 @@ class OpenAICompatibleProvider(HTTPChatProvider):
         max_tokens = request.max_tokens if request.max_tokens is not None else self.max_tokens
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
+        if request.stop:
+            body["stop"] = list(request.stop)
         return body
 
     def parse_body(self, body: Any, request: ChatRequest, *, status: int | None = None) -> ChatResponse:

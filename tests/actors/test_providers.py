@@ -30,6 +30,7 @@ from opgraph.actors.models import (
     ProviderHTTPError,
     ProviderRateLimited,
     ProviderRefusal,
+    ProviderTruncated,
     ProviderResponseError,
     ProviderTimeout,
     ProviderUnavailable,
@@ -382,7 +383,8 @@ def test_complete_rejects_a_model_without_provider(server):
 
 
 ERROR_TYPES = [ProviderError, ModelIdentityError, ProviderConfigError, ProviderTimeout, ProviderRateLimited,
-               ProviderUnavailable, ProviderHTTPError, ProviderResponseError, ProviderRefusal]
+               ProviderUnavailable, ProviderHTTPError, ProviderResponseError, ProviderRefusal,
+               ProviderTruncated]
 
 
 @pytest.mark.parametrize("error_type", ERROR_TYPES)
