@@ -168,7 +168,10 @@ def _build(name: str) -> ModelProvider:
     if name == "sim":
         return SimulatedProvider()
     if name == "local":
-        return LocalModelProvider()  # each model is checked and loaded when first named
+        # Each model is checked and loaded when first named; OPGRAPH_LOCAL_MAX_TOKENS caps a reply
+        # whose request names no max_tokens (512).
+        max_tokens = _number(os.environ, "OPGRAPH_LOCAL_MAX_TOKENS", int, name) or 512
+        return LocalModelProvider(max_tokens=max_tokens)
     if name == "scripted":
         raise ProviderConfigError(
             "a scripted provider has no built-in script; register one on the Session: "

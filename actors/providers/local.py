@@ -26,6 +26,7 @@ __all__ = [
     "BUILD_FLAGS",
     "INSTALL_HINT",
     "PACKAGED_MODELS",
+    "check_local_models",
     "LocalModel",
     "LocalModelProvider",
     "installed_models",
@@ -142,6 +143,21 @@ def local_model(name: str, *, provider: str = "local") -> LocalModel:
             f"not {GGUF_MAGIC!r}); replace it with a GGUF file, or reinstall with {INSTALL_HINT}",
             provider=provider)
     return LocalModel(name, path, source)
+
+
+def check_local_models(model_ids: list[str | None]) -> list[LocalModel]:
+    """Every ``local/<name>`` among ``model_ids`` checked (installed, GGUF, llama.cpp there) before a run
+    starts; others are left to their providers. Raises the ProviderConfigError of the first that fails."""
+    checked = []
+    for model_id in model_ids:
+        if not isinstance(model_id, str) or not model_id.startswith("local/"):
+            continue
+        model = local_model(parse_model_id(model_id)[1])
+        if llama_cpp_version() is None:
+            raise ProviderConfigError(f"{model_id} needs llama-cpp-python, which is not installed: {INSTALL_HINT}",
+                                      provider="local")
+        checked.append(model)
+    return checked
 
 
 def installed_models() -> list[LocalModel | ProviderConfigError]:
