@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -36,7 +37,7 @@ class _Slots:
         self.threads = threads
         self.idle: asyncio.Queue[Any] = asyncio.Queue()
         for _ in range(count):
-            self.idle.put_nowait(load_llama(model, threads=threads, provider="openai").llama)
+            self.idle.put_nowait(load_llama(model, threads=threads).llama)
 
 
 def _error(status: int, message: str, kind: str = "invalid_request_error") -> Any:
@@ -164,5 +165,14 @@ def serve(model: LocalModel, *, host: str = "127.0.0.1", port: int = DEFAULT_POR
             announce(f"http://{host}:{bound_port}/v1", time.perf_counter() - started)
 
     server.startup = startup  # type: ignore[method-assign]
-    server.run(sockets=[listener])
+    # uvicorn stops gracefully on SIGINT or SIGTERM, then raises the signal again for the handler it
+    # found: here one that ends quietly, so a stop asked for is exit 0, not a KeyboardInterrupt or -15.
+    stopped: list[int] = []
+    previous = {sig: signal.signal(sig, lambda number, frame: stopped.append(number))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[listener])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 0
