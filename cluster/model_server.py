@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from fastapi import Request  # at module level: FastAPI resolves the handler's annotations here
+
 from opgraph.actors.providers.local import LocalModel, llama_response_format, load_llama, plain_message
 
 __all__ = ["DEFAULT_PORT", "build_app", "serve"]
@@ -61,7 +63,7 @@ def _arguments(body: dict[str, Any]) -> dict[str, Any]:
 
 def build_app(model: LocalModel, *, slots: int = 1, threads: int | None = None) -> Any:
     """The FastAPI app serving ``model`` from ``slots`` instances (``threads`` each: the cores shared out)."""
-    from fastapi import FastAPI, Request
+    from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
     threads = threads or max(1, (os.cpu_count() or 1) // slots)

@@ -117,13 +117,11 @@ def test_a_chat_call_over_http_counts_the_servers_own_usage(server):
 def test_a_streamed_call_comes_in_chunks_and_matches_the_whole_reply(server):
     import openai
 
-    client = openai.OpenAI(base_url=server.base_url, api_key="unused")
-    try:
-        chunks = list(client.chat.completions.create(model="smollm2", messages=USER, temperature=0, max_tokens=24,
-                                                     stream=True))
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as client:
+        with client.chat.completions.create(model="smollm2", messages=USER, temperature=0, max_tokens=24,
+                                            stream=True) as stream:
+            chunks = list(stream)
         whole = client.chat.completions.create(model="smollm2", messages=USER, temperature=0, max_tokens=24)
-    finally:
-        client.close()
     pieces = [chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices]
     assert sum(1 for piece in pieces if piece) >= 2, pieces  # streamed, not one block
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
