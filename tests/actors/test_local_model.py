@@ -79,7 +79,14 @@ class ModelServer:
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         self.process.send_signal(sig)
-        return self.process.wait(timeout=30)
+        return self.wait()
+
+    def wait(self) -> int:
+        status = self.process.wait(timeout=30)
+        self.errors = self.process.stderr.read()
+        self.process.stdout.close()
+        self.process.stderr.close()
+        return status
 
 
 @pytest.fixture(scope="module")
@@ -88,11 +95,23 @@ def server() -> Iterator[ModelServer]:
     served = ModelServer()
     yield served
     status = served.stop()
-    assert status == 0, f"SIGTERM did not stop the server cleanly: exit {status}, {served.process.stderr.read()}"
+    assert status == 0, f"SIGTERM did not stop the server cleanly: exit {status}, {served.errors}"
 
 
 def openai_provider(server: ModelServer, **settings) -> OpenAICompatibleProvider:
     return OpenAICompatibleProvider(server.base_url, max_retries=0, **settings)
+
+
+def ask(provider, request: ChatRequest):
+    """One call, with the provider's HTTP connections closed after it (this test's own event loop)."""
+    async def call():
+        try:
+            return await provider.complete(request)
+        finally:
+            if hasattr(provider, "aclose"):
+                await provider.aclose()
+
+    return asyncio.run(call())
 
 
 def test_the_server_announces_the_url_to_export_and_lists_its_model(server):
@@ -103,7 +122,7 @@ def test_the_server_announces_the_url_to_export_and_lists_its_model(server):
 
 def test_a_chat_call_over_http_counts_the_servers_own_usage(server):
     request = ChatRequest("openai/smollm2", USER, temperature=0, max_tokens=24)
-    response = asyncio.run(openai_provider(server).complete(request))
+    response = ask(openai_provider(server), request)
     raw = httpx.post(f"{server.base_url}/chat/completions", timeout=60,
                      json={"model": "smollm2", "messages": USER, "temperature": 0, "max_tokens": 24}).json()
     assert isinstance(response.content, str) and response.content.strip()
@@ -131,11 +150,11 @@ def test_a_streamed_call_comes_in_chunks_and_matches_the_whole_reply(server):
 def test_a_structured_call_is_held_to_its_schema_over_http_and_in_process(server):
     schema = CLASSIFY["schema"]
     response_format = {"type": "json_schema", "json_schema": {"name": "triage", "schema": schema}}
-    for provider, model in ((openai_provider(server), "openai/smollm2"), (LocalModelProvider(), "local/smollm2")):
+    for make, model in ((lambda: openai_provider(server), "openai/smollm2"), (LocalModelProvider, "local/smollm2")):
         for ticket in TICKETS.values():
             request = ChatRequest(model, [{"role": "user", "content": f"{CLASSIFY['prompt']}\n\n{ticket}"}],
                                   response_format=response_format, temperature=0, max_tokens=24)
-            response = asyncio.run(provider.complete(request))
+            response = ask(make(), request)
             jsonschema.validate(json.loads(response.content), schema)  # constrained decoding: always valid
             assert response.finish_reason == "stop" and response.usage.completion_tokens > 0
 
@@ -204,7 +223,7 @@ def test_a_planning_engine_run_on_the_served_model(session, server):
     from opgraph.engines import PlanningEngine
 
     session.register_provider("openai", openai_provider(server, max_tokens=96))
-    engine = PlanningEngine(model="openai/smollm2", max_assignments=2, max_spawn=0, max_agents=4)
+    engine = PlanningEngine(model="openai/smollm2", max_assignments=8, max_spawn=0, max_agents=10)
     result = asyncio.run(engine.run("Plan a short welcome email for a new customer.", session=session))
     assert str(result).strip()
 
@@ -238,7 +257,7 @@ def test_a_server_killed_mid_run_fails_the_in_flight_node_with_the_provider_erro
         result = asyncio.run(run_workflow(session, _source(spec)))
     finally:
         killer.join()
-        doomed.process.wait(timeout=30)
+        doomed.wait()
     assert result.statuses == {"long": "failed", "other": "completed"}, result.errors
     assert ProviderUnavailable.__name__ in json.dumps(result.errors["long"]), result.errors
 
