@@ -62,11 +62,13 @@ def _arguments(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_app(model: LocalModel, *, slots: int = 1, threads: int | None = None) -> Any:
-    """The FastAPI app serving ``model`` from ``slots`` instances (``threads`` each: the cores shared out)."""
+    """The FastAPI app serving ``model`` from ``slots`` instances (``threads`` each: half the cores shared out)."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
-    threads = threads or max(1, (os.cpu_count() or 1) // slots)
+    # llama.cpp's own default is half the cores (one a physical core); its threads spin while they wait,
+    # so more threads than cores, or than a busy machine has free, is slower, never faster.
+    threads = threads or max(1, (os.cpu_count() or 2) // 2 // slots)
     state: dict[str, _Slots] = {}
 
     @contextlib.asynccontextmanager

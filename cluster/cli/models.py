@@ -89,5 +89,5 @@ def add_models_parser(subcommands: Any) -> None:
     serve.add_argument("--parallel", type=_positive, default=1, metavar="N",
                        help="requests answered at once, each by a model instance of its own (1)")
     serve.add_argument("--threads", type=_positive, default=None, metavar="N",
-                       help="CPU threads of each instance (default: the cores shared out among the instances)")
+                       help="CPU threads of each instance (default: half the cores shared out among the instances)")
     serve.set_defaults(handler=_serve)
