@@ -13,6 +13,7 @@ their branch handle. Concrete providers live in ``actors/providers/``; verbs in
     ├── ProviderUnavailable    connection refused / reset, 5xx after every retry
     ├── ProviderHTTPError      any other non-2xx status
     ├── ProviderResponseError  a malformed or unparseable body
+    │   └── ProviderTruncated  a structured reply cut off at max_tokens (finish_reason 'length')
     └── ProviderRefusal        the model declined to answer; ``refusal`` holds its words
 """
 
@@ -35,6 +36,7 @@ __all__ = [
     "ProviderRefusal",
     "ProviderResponseError",
     "ProviderTimeout",
+    "ProviderTruncated",
     "ProviderUnavailable",
     "ToolCall",
     "Usage",
@@ -78,6 +80,11 @@ class ProviderHTTPError(ProviderError):
 
 class ProviderResponseError(ProviderError):
     """The provider's body could not be parsed into a ChatResponse."""
+
+
+class ProviderTruncated(ProviderResponseError):
+    """The model stopped at ``max_tokens`` (finish_reason ``length``) before a structured reply
+    was whole: it is not parsed as if it were. Raise ``max_tokens``, or ask for less."""
 
 
 class ProviderRefusal(ProviderError):
@@ -138,6 +145,7 @@ class ChatRequest:
     ``{"type": "json_schema", "json_schema": {...}}`` or ``{"type": "json_object"}``.
     ``stream`` asks a provider that can to read the answer as it is generated (server-sent
     events); the reply is the same whole ``ChatResponse``, with ``first_token_seconds`` set.
+    ``stop`` lists sequences at which the model stops (not included in the reply).
     """
 
     model: str
@@ -148,6 +156,7 @@ class ChatRequest:
     max_tokens: int | None = None
     timeout: float | None = None
     stream: bool = False
+    stop: list[str] | None = None
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """opgraph.actors.providers: the model providers operations call through ``branch.provider_for``.
 
-Owns the built-in providers (``openai``, ``anthropic``, ``sim``) and their per-process
+Owns the built-in providers (``openai``, ``anthropic``, ``sim``, ``local``) and their per-process
 cache; a ``scripted`` provider is never built in, it is registered on the Session. Providers
 translate every HTTP or SDK failure into the ``ProviderError`` tree of ``models``. An HTTP
 provider is described without its key for a durable run's header, and built again from a
@@ -28,6 +28,7 @@ from .limits import (
     reset_usage_totals,
     usage_totals,
 )
+from .local import LocalModelProvider
 from .openai import OpenAICompatibleProvider
 from .scripted import ScriptedProvider
 from .sim import SimulatedProvider, example_from_schema
@@ -41,6 +42,7 @@ __all__ = [
     "adaptive_statistics",
     "ENVIRONMENT_SETTINGS",
     "AnthropicProvider",
+    "LocalModelProvider",
     "OpenAICompatibleProvider",
     "PermitTable",
     "ProviderHTTPClient",
@@ -63,7 +65,7 @@ __all__ = [
     "usage_totals",
 ]
 
-BUILTIN_PROVIDERS = ("openai", "anthropic", "sim", "scripted")
+BUILTIN_PROVIDERS = ("openai", "anthropic", "sim", "local", "scripted")
 
 _cache: dict[str, ModelProvider] = {}
 _cache_lock = threading.Lock()
@@ -165,6 +167,11 @@ def _build(name: str) -> ModelProvider:
         return provider_from_environment(name)
     if name == "sim":
         return SimulatedProvider()
+    if name == "local":
+        # Each model is checked and loaded when first named; OPGRAPH_LOCAL_MAX_TOKENS caps a reply
+        # whose request names no max_tokens (512).
+        max_tokens = _number(os.environ, "OPGRAPH_LOCAL_MAX_TOKENS", int, name) or 512
+        return LocalModelProvider(max_tokens=max_tokens)
     if name == "scripted":
         raise ProviderConfigError(
             "a scripted provider has no built-in script; register one on the Session: "

@@ -116,6 +116,8 @@ class AnthropicProvider(HTTPChatProvider):
             body["system"] = "\n\n".join(part for part in system if part)
         if request.tools:
             body["tools"] = [_wire_tool(tool) for tool in request.tools]
+        if request.stop:
+            body["stop_sequences"] = list(request.stop)
         # ``temperature`` is not sent: the Messages API's request type (anthropic SDK
         # MessageCreateParams) no longer takes it, and a field it does not take is refused.
         return body

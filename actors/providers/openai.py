@@ -94,6 +94,8 @@ class OpenAICompatibleProvider(HTTPChatProvider):
         if request.stream:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
+        if request.stop:
+            body["stop"] = list(request.stop)
         return body
 
     def parse_events(self, events: list[Any], request: ChatRequest, *, status: int | None = None) -> ChatResponse:

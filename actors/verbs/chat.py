@@ -7,13 +7,14 @@ its docstring whether it records the turn. No tools and no emissions here.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel
 
 from .conversation import BoundModel, model_history, system_messages, user_turn, where
 from .errors import VerbParameterError
-from .structured import Exchange, converse, require_model_class, schema_guidance
+from .structured import Exchange, converse, json_schema_model, require_model_class, schema_guidance
 
 __all__ = ["chat", "chat_and_record", "communicate", "interpret"]
 
@@ -50,25 +51,34 @@ async def chat(branch: Any, instruction: str = "", context: Any = None, model: s
 
 
 async def chat_and_record(branch: Any, instruction: str = "", context: Any = None, model: str | None = None, *,
-                          system: str | None = None, **options: Any) -> dict[str, Any]:
+                          system: str | None = None, schema: dict[str, Any] | None = None,
+                          **options: Any) -> dict[str, Any]:
     """``chat``, returning a record for persisted workflow runs instead of bare text.
 
     Returns ``{"text", "model", "provider", "finish_reason", "usage"}``: the reply, the
-    ``provider/model`` that answered, why it stopped, and token usage
-    (``calls``, ``prompt_tokens``, ``completion_tokens``, ``total_tokens``). The turn is
-    appended to the branch exactly as ``chat`` does.
+    ``provider/model`` that answered, why it stopped (``length``: cut off at ``max_tokens``), and
+    token usage (``calls``, ``prompt_tokens``, ``completion_tokens``, ``total_tokens``). The turn
+    is appended to the branch exactly as ``chat`` does. With ``schema`` (a JSON Schema) the model
+    is asked for JSON of that schema (``response_format``: servers that support it constrain their
+    decoding to it), the reply is validated and sent back once if it does not fit, and the record
+    has the parsed value as ``data``; a reply cut off at ``max_tokens`` is ``ProviderTruncated``.
     """
+    model_class = None if schema is None else json_schema_model(json.dumps(schema, sort_keys=True))
     exchange, bound = await _exchange(branch, instruction, context, model, options,
-                                      verb="chat_and_record", system=system)
+                                      verb="chat_and_record", system=system, response_format=model_class,
+                                      parse_retries=1 if model_class is not None else 0)
     await branch.append(*exchange.recorded)
     last = bound.last
-    return {
+    record = {
         "text": exchange.text,
         "model": bound.model_id,
         "provider": last.provider if last is not None else "",
         "finish_reason": last.finish_reason if last is not None else None,
         "usage": bound.usage.as_dict(),
     }
+    if exchange.parsed is not None:
+        record["data"] = exchange.parsed.model_dump(mode="json")
+    return record
 
 
 async def communicate(branch: Any, instruction: str = "", context: Any = None, model: str | None = None, *,

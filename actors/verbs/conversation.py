@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 # The options every model-calling verb passes straight into the ChatRequest.
-MODEL_OPTIONS = ("temperature", "max_tokens", "timeout", "stream")
+MODEL_OPTIONS = ("temperature", "max_tokens", "timeout", "stream", "stop")
 
 # Parameters put on a node by whoever built the graph (``add_aggregation``, the workflow
 # compiler, ``name_predecessor_results``), accepted by every verb and never sent to the
@@ -51,7 +51,7 @@ GRAPH_PARAMETERS = ("aggregation_sources", "aggregation_count", "result_names")
 RUNTIME_PARAMETERS = ("permissions",)
 
 # The record ``chat_and_record`` returns: in a prompt, only its text is the step's answer.
-_RECORD_KEYS = frozenset({"text", "model", "provider", "finish_reason", "usage"})
+_RECORD_KEYS = frozenset({"text", "model", "provider", "finish_reason", "usage", "data"})
 # Kernel node ids are uuid4 strings; a context key "<uuid>_result" is a predecessor's result.
 _NODE_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 

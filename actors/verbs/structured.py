@@ -7,6 +7,7 @@ then parse retries with the validation error as feedback. It never writes to a b
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import weakref
@@ -14,8 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError, model_validator
 
+from ..models import ProviderTruncated
 from .conversation import (
     BoundModel,
     assistant_message,
@@ -67,6 +69,33 @@ def response_format_for(model_class: type[BaseModel]) -> dict[str, Any]:
     """The OpenAI ``json_schema`` response_format for ``model_class`` (a fresh dict each call)."""
     name = _SCHEMA_NAME.sub("_", model_class.__name__)[:64] or "response"
     return {"type": "json_schema", "json_schema": {"name": name, "schema": json.loads(_schema_text(model_class))}}
+
+
+@functools.lru_cache(maxsize=32)
+def json_schema_model(schema_text: str) -> type[BaseModel]:
+    """A pydantic model whose JSON Schema is ``schema_text`` (a JSON Schema as JSON text) and whose
+    validation is jsonschema's, so a schema given as data takes the path a pydantic class takes:
+    ``response_format`` sent to the model, the reply validated, a misfit sent back. Made once per
+    process and schema."""
+    import jsonschema
+
+    schema = json.loads(schema_text)
+    validator = jsonschema.validators.validator_for(schema)(schema)
+
+    class Answer(RootModel[Any]):
+        @model_validator(mode="after")
+        def _fits_the_schema(self) -> Answer:
+            problems = sorted(validator.iter_errors(self.root), key=lambda error: list(error.path))
+            if problems:
+                raise ValueError("; ".join(f"{'/'.join(str(p) for p in error.path) or '(root)'}: {error.message}"
+                                           for error in problems[:5]))
+            return self
+
+        @classmethod
+        def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+            return schema
+
+    return Answer
 
 
 def schema_guidance(model_class: type[BaseModel]) -> str:
@@ -208,6 +237,13 @@ async def converse(bound: BoundModel, conversation: list[dict[str, Any]], *,
                     f"You have used all {max_tool_rounds} tool rounds. Answer now without calling tools.")})
             continue
         text = response.content or ""
+        if response_format is not None and response.finish_reason == "length":
+            # Cut off at max_tokens: the JSON is not whole, and repairing would be cut off again.
+            raise ProviderTruncated(
+                f"{verb}: the reply for {response_format.__name__} was cut off at max_tokens "
+                f"(finish_reason 'length'; {response.usage.completion_tokens} tokens) and is not parsed; "
+                f"raise max_tokens or ask for less. It began {text[:200]!r}",
+                provider=response.provider or None, **where(bound.branch))
         if response_format is None:
             exchange.text = text
             exchange.recorded.append(assistant_message(text))

@@ -27,6 +27,7 @@ from .control import add_control_parsers
 from .engine import add_engine_parser, add_run_show_parser
 from .flow import FLOW_RUN_CODES, add_flow_parser, add_run_arguments, add_workflows_parser
 from .map import EXPORT_COMMAND, add_map_parsers
+from .models import add_models_parser
 from .orchestrate import add_orchestrate_parser, add_play_parser
 from .results import add_result_parsers
 from .runs import add_runs_parser, add_store_parser
@@ -115,6 +116,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_map_parsers(subcommands)
     add_serve_parser(subcommands)
     add_token_parser(subcommands)
+    add_models_parser(subcommands)
     # Parsed by opgraph.cluster.bench itself: main() hands `bench ...` over before argparse
     # (a REMAINDER positional would not take options such as --repeat).
     subcommands.add_parser("bench", add_help=False,

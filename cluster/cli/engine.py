@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -241,6 +242,10 @@ def run_engine(arguments: argparse.Namespace) -> int:
                               "error_type": type(exc).__name__}, indent=2))
         return ExitCode.USAGE
     try:
+        from opgraph.actors.providers.local import check_local_models
+
+        # A local model that is not installed, or whose file is not GGUF, is refused before Ray starts.
+        check_local_models([arguments.model, os.environ.get("OPGRAPH_DEFAULT_MODEL")])
         return asyncio.run(_execute(arguments, engine, subject, inputs))
     except KeyboardInterrupt:
         print("cancelled", file=sys.stderr)

@@ -51,9 +51,13 @@ def run_exit_code(status: str) -> ExitCode:
     return {"completed": ExitCode.OK, "cancelled": ExitCode.CANCELLED}.get(status, ExitCode.FAILED)
 
 
-async def _run(arguments: argparse.Namespace, target: str) -> int:
+async def _run(arguments: argparse.Namespace, target: str, report: Any = None) -> int:
+    from opgraph.actors.providers.local import check_local_models
+
     from ..connection import open_session
 
+    # A local model that is not installed, or whose file is not GGUF, is refused before Ray starts.
+    check_local_models([arguments.model, arguments.default_model])
     store = open_store(arguments.store)
     try:
         lane = lane_adapter(FIXED_WORKFLOW, store)
@@ -68,7 +72,9 @@ async def _run(arguments: argparse.Namespace, target: str) -> int:
     finally:
         store.close()
     payload = result.to_dict()
-    if arguments.json:
+    if report is not None:
+        report(result)
+    elif arguments.json:
         print(json.dumps(payload, indent=2, default=str))
     else:
         print(f"run {result.run_id} {result.status} in {result.elapsed:.2f} s ({result.source})")
@@ -80,11 +86,12 @@ async def _run(arguments: argparse.Namespace, target: str) -> int:
     return run_exit_code(result.status)
 
 
-def run_flow(arguments: argparse.Namespace, target: str | None = None) -> int:
-    """``opgraph flow run``; also the main job (``opgraph demo``) on the bundled example."""
+def run_flow(arguments: argparse.Namespace, target: str | None = None, report: Any = None) -> int:
+    """``opgraph flow run``; also the main job (``opgraph demo``) on the bundled example, which
+    prints its result with ``report`` (called with the run's result) instead."""
     target = target or arguments.target
     try:
-        return asyncio.run(_run(arguments, target))
+        return asyncio.run(_run(arguments, target, report))
     except KeyboardInterrupt:
         print("cancelled", file=sys.stderr)
         return ExitCode.CANCELLED

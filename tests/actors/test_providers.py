@@ -33,6 +33,7 @@ from opgraph.actors.models import (
     ProviderRefusal,
     ProviderResponseError,
     ProviderTimeout,
+    ProviderTruncated,
     ProviderUnavailable,
     ToolCall,
     Usage,
@@ -384,7 +385,8 @@ def test_complete_rejects_a_model_without_provider(server):
 
 
 ERROR_TYPES = [ProviderError, ModelIdentityError, ProviderConfigError, ProviderTimeout, ProviderRateLimited,
-               ProviderUnavailable, ProviderHTTPError, ProviderResponseError, ProviderRefusal]
+               ProviderUnavailable, ProviderHTTPError, ProviderResponseError, ProviderRefusal,
+               ProviderTruncated]
 
 
 @pytest.mark.parametrize("error_type", ERROR_TYPES)

@@ -65,7 +65,10 @@ SIDE_BY_SIDE = 3  # items run at once: most of a command's time is process and a
 CONTINUATION_ROOM = 2  # places beyond SIDE_BY_SIDE that only items following a started one may take
 MINUTES = "runs for minutes; the README's scaled-down `opgraph bench` runs for real"
 
-INSTALL = "pip install -e '.[test]'"
+# The README's set-up installs the `local` extra too, with the flags its llama.cpp build needs (.ci/run's).
+LOCAL_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF '
+               '-DGGML_AVX512=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"')
+INSTALL = f"{LOCAL_BUILD} pip install -e '.[test,local]'"
 # How the docs call `opgraph serve`: with the token `export OPGRAPH_TOKEN=$(opgraph token)` read.
 CURL = 'curl -s -H "Authorization: Bearer $OPGRAPH_TOKEN"'
 ADD = "opgraph workflows add triage cluster/lanes/fixed/examples/support-triage.json"
@@ -569,14 +572,17 @@ def test_the_readme_is_a_front_door():
 
 
 def test_the_readme_commands_are_what_ci_runs():
-    """The README's two commands: its install is the one `.ci/run` makes (and its extra exists),
-    and its test command is the one `.ci/run` ends with."""
+    """The README's two commands: its install is the one `.ci/run` makes (and its extras exist, the
+    local one built with the flags opgraph names), and its test command is the one `.ci/run` ends with."""
+    from opgraph.actors.providers.local import BUILD_FLAGS
+
     commands = [command.text for command in COMMANDS if command.document == "README.md"]
     assert commands[:2] == [f"{INSTALL} && opgraph demo", "python -m pytest -q"]
+    assert LOCAL_BUILD == f'CMAKE_ARGS="{BUILD_FLAGS}"'
     ci = (REPOSITORY / ".ci" / "run").read_text()
-    assert "exec python -m pytest -q" in ci and "pip install -e '.[test]'" in ci
+    assert "exec python -m pytest -q" in ci and "pip install -e '.[test]'" in ci and "fetch local-model" in ci
     project = (REPOSITORY / "pyproject.toml").read_text()
-    assert re.search(r"^test = \[", project, re.MULTILINE)
+    assert re.search(r"^test = \[", project, re.MULTILINE) and re.search(r"^local = \[", project, re.MULTILINE)
 
 
 def test_the_exit_code_table_is_the_one_the_commands_use():

