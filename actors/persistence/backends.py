@@ -14,7 +14,7 @@ import functools
 import os
 import re
 import sqlite3
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -434,9 +434,28 @@ class SharedConnection:
     _error_type: type[Exception]
     _closed_text: str  # "{where} ... closed"
     _failed_text: str  # "{where} ... failed: {error}"
+    _open_text: str  # "cannot open {where}: {error}"
 
     def _where(self) -> str:
         raise NotImplementedError
+
+    def _connect(self, target: str, *, timeout: float, sqlite_pragmas: Sequence[str],
+                 migrate: Callable[[Connection], None]) -> None:
+        """Open ``target`` as ``_db`` (rows readable by name), run ``sqlite_pragmas`` on SQLite, then
+        ``migrate`` it; on any error close it again, a driver's raised as the subclass's error."""
+        try:
+            self._db = open_connection(target, timeout=timeout, named_rows=True)
+            if self._db.dialect == "sqlite":
+                for pragma in sqlite_pragmas:
+                    self._db.execute(pragma)
+            migrate(self._db)
+        except BaseException as exc:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            if isinstance(exc, driver_errors()):
+                raise self._error_type(self._open_text.format(where=self._where(), error=exc)) from exc
+            raise
 
     def close(self) -> None:
         """Close the connection; later calls raise the subclass's error. Idempotent."""

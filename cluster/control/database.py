@@ -21,14 +21,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from opgraph.actors.persistence.backends import (
-    Connection,
-    SharedConnection,
-    describe,
-    driver_errors,
-    is_postgres,
-    open_connection,
-)
+from opgraph.actors.persistence.backends import Connection, SharedConnection, describe, is_postgres
 
 from ..store.schema import default_store_path
 from .errors import ControlError
@@ -52,6 +45,7 @@ class ControlDatabase(SharedConnection):
     _error_type = ControlError
     _closed_text = "the control tables in {where} are closed"
     _failed_text = "the control tables in {where} failed: {error}"
+    _open_text = "cannot open the control tables in {where}: {error}"
 
     def __init__(self, target: str | Path | None = None, *, clock: Callable[[], float] = time.time,
                  timeout: float = 30.0) -> None:
@@ -61,18 +55,12 @@ class ControlDatabase(SharedConnection):
         self.transition_hooks: list[TransitionHook] = []
         self._lock = threading.RLock()
         self._db: Connection | None = None
-        try:
-            if not is_postgres(self.target) and self.target != ":memory:":
-                Path(self.target).parent.mkdir(parents=True, exist_ok=True)
-            self._db = open_connection(self.target, timeout=timeout, named_rows=True)
-            if self._db.dialect == "sqlite" and self.target != ":memory:":
-                self._db.execute("PRAGMA journal_mode = WAL")
-                self._db.execute("PRAGMA synchronous = NORMAL")
-            migrate_control(self._db, location=describe(self.target))
-        except driver_errors() as exc:
-            if self._db is not None:
-                self._db.close()
-            raise ControlError(f"cannot open the control tables in {describe(self.target)}: {exc}") from exc
+        if not is_postgres(self.target) and self.target != ":memory:":
+            Path(self.target).parent.mkdir(parents=True, exist_ok=True)
+        file = self.dialect == "sqlite" and self.target != ":memory:"
+        self._connect(self.target, timeout=timeout,
+                      sqlite_pragmas=("PRAGMA journal_mode = WAL", "PRAGMA synchronous = NORMAL") if file else (),
+                      migrate=lambda db: migrate_control(db, location=describe(self.target)))
 
     @property
     def dialect(self) -> str:

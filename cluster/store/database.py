@@ -16,14 +16,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from opgraph.actors.persistence.backends import (
-    Connection,
-    SharedConnection,
-    describe,
-    driver_errors,
-    is_postgres,
-    open_connection,
-)
+from opgraph.actors.persistence.backends import Connection, SharedConnection, describe, is_postgres
 from opgraph.actors.secrets import private_directory
 
 from .errors import WorkflowStoreError
@@ -50,6 +43,7 @@ class StoreDatabase(SharedConnection):
     _error_type = WorkflowStoreError
     _closed_text = "the run store {where} is closed"
     _failed_text = "the run store {where} failed: {error}"
+    _open_text = "cannot open the run store {where}: {error}"
 
     def __init__(self, path: str | Path | None = None, *, clock: Callable[[], float] = time.time,
                  fsync_every_commit: bool = False) -> None:
@@ -65,27 +59,18 @@ class StoreDatabase(SharedConnection):
         self._db: Connection | None = None
         self._writer: StoreWriter | None = None
         self._writer_lock = threading.Lock()
-        try:
-            self._db = open_connection(self.path, timeout=10.0, named_rows=True)
-            if not postgres:
-                self._db.execute("PRAGMA foreign_keys = ON")
-            if self.path != ":memory:" and not postgres:
-                # WAL lets the CLI read while a long run writes signals.
-                self._db.execute("PRAGMA journal_mode = WAL")
-                if not fsync_every_commit:
-                    # A commit reaches the operating system before it returns, so a killed
-                    # process loses nothing committed; only a power loss may undo the last
-                    # commits (never corrupting the file). FULL added an fsync per commit:
-                    # 1.46x against 1.10x the bare run time (python -m opgraph.cluster.bench.store).
-                    self._db.execute("PRAGMA synchronous = NORMAL")
-            migrate(self._db, path=describe(self.path))
-        except BaseException as exc:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-            if isinstance(exc, driver_errors()):
-                raise WorkflowStoreError(f"cannot open the run store {describe(self.path)}: {exc}") from exc
-            raise
+        pragmas = ["PRAGMA foreign_keys = ON"]
+        if self.path != ":memory:":
+            # WAL lets the CLI read while a long run writes signals.
+            pragmas.append("PRAGMA journal_mode = WAL")
+            if not fsync_every_commit:
+                # A commit reaches the operating system before it returns, so a killed
+                # process loses nothing committed; only a power loss may undo the last
+                # commits (never corrupting the file). FULL added an fsync per commit:
+                # 1.46x against 1.10x the bare run time (python -m opgraph.cluster.bench.store).
+                pragmas.append("PRAGMA synchronous = NORMAL")
+        self._connect(self.path, timeout=10.0, sqlite_pragmas=pragmas,
+                      migrate=lambda db: migrate(db, path=describe(self.path)))
 
     @property
     def dialect(self) -> str:
