@@ -82,16 +82,15 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     ├── ServerRequestError           `opgraph serve` answered a client with an error status (cluster/http/client.py)
     ├── ServerTokenError             a server token that cannot be used: a file others read, too short (http/auth.py)
     ├── BindRefusedError             `opgraph serve` will not listen there without an operator's token (http/auth.py)
-    ├── ControlError                 the control plane (schedules, task queue, workers) could not do what was
-    │   │                            asked (cluster/control/errors.py)
-    │   ├── ControlInputError        bad input to a schedule or a task, refused before anything is written
+    ├── ControlError                 the control plane could not do what was asked (cluster/control/errors.py)
+    │   ├── ControlInputError (ValueError)  bad schedule or task input, refused before anything is written
     │   │   ├── CronError            a cron expression, interval or time zone that cannot be used
     │   │   ├── BackfillTooLargeError  a backfill range holds more fires than the configured maximum
     │   │   └── UnknownActionKindError  no action adapter for that action_kind
     │   ├── ScheduleNotFoundError    no schedule by that id or name
     │   ├── TaskNotFoundError        no task with that id
-    │   ├── TaskStateError           the task's state forbids what was asked (cancel a finished task...)
-    │   └── LeaseLostError           the worker's lease on a task lapsed or was taken over; its write was refused
+    │   ├── TaskStateError           the task's state forbids what was asked
+    │   └── LeaseLostError           the worker's lease lapsed or was taken over; its write was refused
     ├── WebhookError                 a webhook endpoint cannot be used as asked; ``endpoint`` names it
     │   │                            (cluster/control/webhooks.py)
     │   ├── WebhookTargetError       the URL is malformed or outside the allow-list; nothing stored or sent

@@ -500,6 +500,7 @@ async def run(args: argparse.Namespace, shapes: list[Shape], session: Session, r
 PEERS = ("lionagi", "langgraph")  # in-process libraries --compare runs beside opgraph
 ENGINES = "engines"  # not a graph shape: the domain engines' benchmark (bench/engines.py)
 MAP = "map"  # not a graph shape: dataset jobs (bench/map.py), each in a client and a Ray of its own
+CONSOLE = "console"  # not a graph shape: the run console in Chromium (bench/console.py), on a Ray of its own
 
 
 def _peers(text: str) -> list[str] | str:
@@ -523,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shapes", default=",".join(keys),
                         help=f"comma-separated subset of: {', '.join(keys)} (default: all); or {ENGINES}: each "
                              f"domain engine on sim/ against the critical path its record implies; or {MAP}: "
-                             "dataset jobs (`opgraph map`) of 100,000 and 1,000,000 rows, and one killed twice")
+                             "dataset jobs (`opgraph map`) of 100,000 and 1,000,000 rows, and one killed twice; or "
+                             f"{CONSOLE}: the run console in Chromium (a finished and a live --nodes fan-out)")
     parser.add_argument("--engines", default=None, metavar="KINDS",
                         help=f"with --shapes {ENGINES}: a comma-separated subset of the engines (default: all)")
     parser.add_argument("--engine-latency", type=float, default=0.2, metavar="SECONDS",
@@ -559,12 +561,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nodes and --repeat must be at least 1")
     catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
     wanted = [key.strip() for key in args.shapes.split(",") if key.strip()]
-    engines, dataset_jobs = ENGINES in wanted, MAP in wanted
-    wanted = [key for key in wanted if key not in (ENGINES, MAP)]
+    engines, dataset_jobs, console = ENGINES in wanted, MAP in wanted, CONSOLE in wanted
+    wanted = [key for key in wanted if key not in (ENGINES, MAP, CONSOLE)]
     unknown = [key for key in wanted if key not in catalogue]
-    if unknown or not (wanted or engines or dataset_jobs):
+    if unknown or not (wanted or engines or dataset_jobs or console):
         parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}"
-                     f", {ENGINES}, {MAP}")
+                     f", {ENGINES}, {MAP}, {CONSOLE}")
+    if console:  # the console's figures last, on a Ray of their own (after this one stopped)
+        args.shapes = ",".join(wanted + [ENGINES] * engines + [MAP] * dataset_jobs)
+        status = main(_without_console(argv or sys.argv[1:], args.shapes)) if args.shapes else 0
+        return max(status, _console(args))
     if not (wanted or engines):  # dataset jobs start their own clients and Rays: nothing to join here
         return _dataset_jobs(args)
     for peer in args.compare if isinstance(args.compare, list) else ():
@@ -604,6 +610,34 @@ def _engines(args: argparse.Namespace, session: Session, *, separate_json: bool)
         argv += ["--json", f"{root}-engines.{suffix}" if separate_json and dot else
                  (f"{args.json}-engines" if separate_json else args.json)]
     return engines_main(argv, session=session)
+
+
+def _without_console(argv: Sequence[str], shapes: str) -> list[str]:
+    """``argv`` with ``--shapes`` given as ``shapes`` (the console's taken out)."""
+    out, skip = [], False
+    for index, item in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if item == "--shapes":
+            out += ["--shapes", shapes]
+            skip = index + 1 < len(argv)
+        elif item.startswith("--shapes="):
+            out.append(f"--shapes={shapes}")
+        else:
+            out.append(item)
+    return out
+
+
+def _console(args: argparse.Namespace) -> int:
+    """The console's benchmark (bench/console.py): a finished and a live ``--nodes`` fan-out in Chromium."""
+    from .console import main as console_main
+
+    argv = ["--width", str(args.nodes), "--live-width", str(args.nodes)]
+    if args.json:
+        root, dot, suffix = args.json.rpartition(".")
+        argv += ["--json", f"{root}-console.{suffix}" if dot else f"{args.json}-console"]
+    return console_main(argv)
 
 
 def _dataset_jobs(args: argparse.Namespace) -> int:

@@ -296,12 +296,12 @@ def _worker(arguments: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for number in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(number, stop.set)
-        database = deliver_task_transitions(ControlDatabase(arguments.store))
-        ticker = None
-        if arguments.schedules:
-            ticker = asyncio.create_task(_tick_schedules(Scheduler(ControlDatabase(arguments.store),
-                                                                   name=f"worker-{os.getpid()}"), stop))
-        with open_store(arguments.store) as store:
+        with open_store(arguments.store) as store:  # first: the store's tables (its outbox) exist from here
+            database = deliver_task_transitions(ControlDatabase(arguments.store))
+            ticker = None
+            if arguments.schedules:
+                ticker = asyncio.create_task(_tick_schedules(Scheduler(ControlDatabase(arguments.store),
+                                                                       name=f"worker-{os.getpid()}"), stop))
             worker = Worker(database, queue=arguments.queue, concurrency=arguments.concurrency,
                             lease_seconds=arguments.lease, grace=arguments.grace, action_kinds=kinds,
                             store=store, session_factory=session)

@@ -11,6 +11,7 @@ that ended meanwhile is read, not run again. ``workflow`` goes to the fixed lane
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,7 +28,7 @@ from ..lanes import (
     logged_end,
     resume_recorded,
 )
-from ..store import RunNotFoundError
+from ..store import OWNER_PROCESS_LOST, RunNotFoundError
 from .actions import ActionContext, ActionOutcome
 from .queue import TaskRecord
 
@@ -90,10 +91,20 @@ class LaneAction:
             except LaneCapabilityError:
                 return None  # the lane cannot continue it: a new run
             return _ended(result.status, result.run_id, result.outputs, result.errors)
+        if record.status == "cancelled" and not task.cancel_requested:
+            return None  # its holder lost the lease and stopped it; nobody asked: a new run
         if record.terminal:
             return _ended(record.status, record.run_id, record.outputs, record.error)
+        if record.owner_host is not None and record.owner_host != socket.gethostname():
+            # The store cannot tell whether a process on another machine lives; the lease can: its holder
+            # stopped heartbeating, and a holder that only lost touch cancels its run when its next
+            # heartbeat is refused. The run is recorded orphaned, then continued as one.
+            await asyncio.to_thread(store.finish_run, record.run_id, "failed", error={
+                "error": f"the worker on {record.owner_host} (pid {record.owner_pid}) lost the lease of task "
+                         f"{task.task_id}", "error_type": OWNER_PROCESS_LOST})
+            return await self._continue(adapter, task, context, hooks)
         return ActionOutcome("failed", error={"error": f"run {record.run_id} is still {record.status}, owned by "
-                                                      f"pid {record.owner_pid} on {record.owner_host}"})
+                                                      f"the live pid {record.owner_pid} on {record.owner_host}"})
 
 
 class GraphAction:
@@ -108,11 +119,11 @@ class GraphAction:
 
         if task.run_id is not None:
             ended = await asyncio.to_thread(logged_end, task.run_id)
-            if ended is not None:
+            if ended is not None and not (ended[0] == "cancelled" and not task.cancel_requested):
                 status, envelope, error = ended
                 return self._outcome(task.run_id, envelope, status, error, envelope_summary)
             entry = await asyncio.to_thread(lambda: RunLog(database_path()).entry(task.run_id))
-            if entry is not None:
+            if entry is not None and entry.status == "live":
                 await context.started(task.run_id)
                 envelope = await RunControl.resume_from_log(task.run_id, await context.session(),
                                                             on_progress=self._progress(context))

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterError, croniter
 
 from .errors import CronError
 
@@ -62,10 +62,15 @@ class Cadence:
             if not isinstance(self.cron, str) or "\x00" in self.cron or not croniter.is_valid(self.cron):
                 raise CronError(f"bad cron expression {self.cron!r}: five fields (minute hour day month weekday), "
                                 f"e.g. '*/5 * * * *'", field="cron")
+            try:
+                croniter(self.cron, datetime(2001, 1, 1)).get_next(datetime)
+            except (CroniterError, ValueError, OverflowError) as exc:  # 30 February: valid fields, no time
+                raise CronError(f"cron expression {self.cron!r} never fires: {exc}", field="cron") from exc
         else:
-            if not isinstance(self.interval, int | float) or not math.isfinite(self.interval) or self.interval <= 0:
-                raise CronError(f"an interval is a positive number of seconds, got {self.interval!r}",
-                                field="interval")
+            if not isinstance(self.interval, int | float) or not math.isfinite(self.interval) or \
+                    not 0.001 <= self.interval <= 10**10:
+                raise CronError(f"an interval is a positive number of seconds (1 ms to 10^10 s), got "
+                                f"{self.interval!r}", field="interval")
 
     def times(self, after: float, until: float, *, limit: int | None = None) -> list[float]:
         """Nominal fire times in ``(after, until]``, ascending; at most ``limit`` (the earliest)."""
@@ -87,7 +92,10 @@ class Cadence:
         found: set[float] = set()
         walker = croniter(self.cron, start)
         while True:
-            wall = walker.get_next(datetime)
+            try:
+                wall = walker.get_next(datetime)
+            except (CroniterError, OverflowError):  # no further time (a year with no 29 February, the end)
+                break
             if wall > stop:
                 break
             # fold=0: a repeated wall time is its first occurrence; a skipped one takes the offset before the gap.

@@ -60,7 +60,14 @@ class ControlDatabase(SharedConnection):
         file = self.dialect == "sqlite" and self.target != ":memory:"
         self._connect(self.target, timeout=timeout,
                       sqlite_pragmas=("PRAGMA journal_mode = WAL", "PRAGMA synchronous = NORMAL") if file else (),
-                      migrate=lambda db: migrate_control(db, location=describe(self.target)))
+                      migrate=self._migrate)
+
+    def _migrate(self, db: Connection) -> None:
+        migrate_control(db, location=describe(self.target))
+        if _has_table(db, "outbox"):
+            # The run store's dispatch outbox is here: a task's end is a fact to deliver, written
+            # in the transaction that commits it (ADR-0068 D5).
+            self.transition_hooks.append(task_outbox_hook)
 
     @property
     def dialect(self) -> str:
@@ -81,6 +88,10 @@ class ControlDatabase(SharedConnection):
         one-statement claim)."""
         return self._locked(transaction=False)
 
+    def hooked(self, to_state: str) -> bool:
+        """Whether a transition to ``to_state`` has a hook to call (else it may take a one-statement path)."""
+        return any(to_state in getattr(hook, "states", (to_state,)) for hook in self.transition_hooks)
+
     def lock_key(self, connection: Connection, name: str) -> None:
         """Inside a PostgreSQL transaction: wait for the advisory lock named ``name`` (released at commit).
         SQLite's write transaction holds the file's lock already."""
@@ -91,3 +102,25 @@ class ControlDatabase(SharedConnection):
 def _lock_number(name: str) -> int:
     # 0x6F63 ("oc", opgraph control) in the high bits keeps these apart from the run store's write lock.
     return (0x6F63 << 40) | zlib.crc32(name.encode())
+
+
+TASK_EVENT_STATES = frozenset({"succeeded", "failed", "cancelled", "dead"})
+
+
+def task_outbox_hook(connection: Connection, transition: dict[str, Any]) -> None:
+    """``task.<state>`` in the outbox for a task that ended, in the transition's transaction."""
+    from .outbox import record
+
+    record(connection, f"task.{transition['to_state']}", transition["task_id"], {
+        key: transition[key] for key in ("task_id", "queue", "action_kind", "from_state", "to_state", "attempt",
+                                         "run_id", "schedule_id", "worker", "detail")}, at=transition["at"])
+
+
+task_outbox_hook.states = TASK_EVENT_STATES  # type: ignore[attr-defined]
+
+
+def _has_table(connection: Connection, name: str) -> bool:
+    if connection.dialect == "sqlite":
+        return connection.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?",
+                                  (name,)).fetchone() is not None
+    return connection.execute("SELECT to_regclass(?)", (name,)).fetchone()[0] is not None

@@ -14,36 +14,20 @@ from typing import Any
 
 from ..store import StoreDatabase
 from ..store.outbox import RUN_EVENT_TYPES, TEST_EVENT, event_body, new_event_id, record, run_event
+from .database import TASK_EVENT_STATES, task_outbox_hook
 
 __all__ = ["RUN_EVENT_TYPES", "TASK_EVENT_STATES", "TEST_EVENT", "deliver_task_transitions", "event_body",
-           "new_event_id", "record", "run_event", "task_transition_event"]
-
-# A task's ends are announced; its claims and heartbeats are not (they are many, and no receiver acts on them).
-TASK_EVENT_STATES = frozenset({"succeeded", "failed", "cancelled", "dead"})
-
-
-def task_transition_event(tx: Any, transition: dict[str, Any]) -> None:
-    """A ``ControlDatabase`` transition hook: a task that reached an end gets its outbox event."""
-    state = transition["to_state"]
-    if state not in TASK_EVENT_STATES or transition["from_state"] == state:
-        return
-    payload = {key: transition.get(key) for key in ("task_id", "queue", "action_kind", "from_state", "attempt",
-                                                    "run_id", "schedule_id", "detail")}
-    record(tx, f"task.{state}", transition["task_id"], {**payload, "state": state}, at=transition.get("at"))
-
-
-# The queue may claim on PostgreSQL in one statement when no hook needs to see claims: this one does not.
-task_transition_event.sees_claims = False  # type: ignore[attr-defined]
-
+           "new_event_id", "record", "run_event", "task_outbox_hook"]
 
 def deliver_task_transitions(database: Any) -> Any:
-    """Install ``task_transition_event`` on ``database`` (a ``ControlDatabase``), once; return it.
+    """Install ``task_outbox_hook`` on ``database`` (a ``ControlDatabase``), once; return it.
 
-    The outbox table is the run store's: the store at the same target is opened once so its schema
-    is there. An in-memory database has no store beside it, so nothing is installed there.
+    A control database opened where the run store already is installs the hook itself; this makes
+    sure of it where the store comes second: the store at the same target is opened once so its
+    schema (the outbox table) is there. An in-memory database has no store beside it.
     """
-    if database.target == ":memory:" or task_transition_event in database.transition_hooks:
+    if database.target == ":memory:" or task_outbox_hook in database.transition_hooks:
         return database
     StoreDatabase(database.target).close()  # migrated: the outbox table exists
-    database.transition_hooks.append(task_transition_event)
+    database.transition_hooks.append(task_outbox_hook)
     return database

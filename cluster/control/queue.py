@@ -246,15 +246,14 @@ class TaskQueue:
         kinds = tuple(action_kinds) if action_kinds is not None else None
         kind_filter = "" if kinds is None else f" AND t.action_kind IN ({', '.join('?' * len(kinds))})"
         kind_values = () if kinds is None else kinds
-        sees_claims = any(getattr(hook, "sees_claims", True) for hook in self.db.transition_hooks)
-        if self.db.dialect == "postgresql" and not sees_claims and not self._limited(queue):
+        if self.db.dialect == "postgresql" and not self.db.hooked("leased") and not self._limited(queue):
             # One statement, committed on its own: rows another claimer holds are skipped, not waited for.
             sql = (f"UPDATE control_tasks SET {_SET_LEASE} WHERE task_id = (SELECT t.task_id FROM control_tasks t "
                    f"WHERE t.queue = ? AND t.state = 'queued' AND t.held = 0 AND t.available_at <= ? "
                    f"AND t.concurrency_key IS NULL{kind_filter} ORDER BY t.priority DESC, t.available_at, t.task_id "
                    f"LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING {_COLUMNS}")
             with self.db.autocommit() as db:
-                row = db.execute(sql, (*lease, queue, now, *kind_values)).fetchone()
+                row = _commit_lazily(db, sql, (*lease, queue, now, *kind_values))
             return None if row is None else self._claimed(row, worker)
         skip_locked = " FOR UPDATE OF t SKIP LOCKED" if self.db.dialect == "postgresql" else ""
         sql = (f"UPDATE control_tasks SET {_SET_LEASE} WHERE task_id = (SELECT t.task_id FROM control_tasks t "
@@ -262,16 +261,21 @@ class TaskQueue:
                f"AND (t.concurrency_key IS NULL OR (SELECT count(*) FROM control_tasks r "
                f"WHERE r.concurrency_key = t.concurrency_key AND r.state IN ('leased', 'running') "
                f"AND r.lease_expires_at > ?) < t.concurrency_limit) "
-               f"AND (SELECT count(*) FROM control_tasks r WHERE r.queue = t.queue "
-               f"AND r.state IN ('leased', 'running') "
-               f"AND r.lease_expires_at > ?) < COALESCE((SELECT q.concurrency_limit FROM control_queues q "
-               f"WHERE q.queue = t.queue), 9000000000000000000) "
-               f"ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT 1{skip_locked}) RETURNING {_COLUMNS}")
+               f"{{queue_limit}}ORDER BY t.priority DESC, t.available_at, t.task_id LIMIT 1{skip_locked}) "
+               f"RETURNING {_COLUMNS}")
         with self.db.transaction(write=True) as db:
             # PostgreSQL: claims that count leases queue behind one lock per queue, so two claimers
             # never both see the last free slot (SQLite's BEGIN IMMEDIATE already serializes them).
             self.db.lock_key(db, f"queue:{queue}")
-            row = db.execute(sql, (*lease, queue, now, *kind_values, now, now)).fetchone()
+            found = db.execute("SELECT concurrency_limit FROM control_queues WHERE queue = ?", (queue,)).fetchone()
+            limit = None if found is None else found[0]
+            # The queue's leases are counted only when it has a limit: the count grows with the queue.
+            queue_limit = "" if limit is None else ("AND (SELECT count(*) FROM control_tasks r WHERE r.queue = t.queue "
+                                                    "AND r.state IN ('leased', 'running') AND r.lease_expires_at > ?) "
+                                                    "< ? ")
+            extra = () if limit is None else (now, limit)
+            row = db.execute(sql.replace("{queue_limit}", queue_limit),
+                             (*lease, queue, now, *kind_values, now, *extra)).fetchone()
             if row is None:
                 return None
             claim = self._claimed(row, worker)
@@ -361,11 +365,22 @@ class TaskQueue:
             sets.append("attempts = attempts - 1")
         if to_state not in ACTIVE_STATES:
             sets.append("lease_expires_at = NULL")
+        update = (f"UPDATE control_tasks SET {', '.join(sets)} WHERE task_id = ? AND lease_token = ? "
+                  f"AND state IN ({', '.join('?' * len(sources))}) AND lease_expires_at > ? RETURNING {_COLUMNS}")
+        parameters = (*values, claim.task.task_id, claim.token, *sources, now)
+        if self.db.dialect == "postgresql" and not self.db.hooked(to_state) and claim.task.schedule_id is None:
+            # One statement, one round trip: the transition and its event row commit together.
+            with self.db.autocommit() as db:
+                row = db.execute(
+                    f"WITH changed AS ({update}), logged AS (INSERT INTO control_task_events (task_id, at, "
+                    f"from_state, to_state, kind, worker, attempt, detail) SELECT task_id, ?, ?, ?, ?, ?, attempts, ? "
+                    f"FROM changed) SELECT {_COLUMNS} FROM changed",
+                    (*parameters, now, claim.task.state, to_state, kind, claim.worker, reason)).fetchone()
+            if row is None:
+                raise LeaseLostError(claim.task.task_id, claim.worker)
+            return TaskRecord.from_row(row)
         with self.db.transaction(write=True) as db:
-            row = db.execute(
-                f"UPDATE control_tasks SET {', '.join(sets)} WHERE task_id = ? AND lease_token = ? "
-                f"AND state IN ({', '.join('?' * len(sources))}) AND lease_expires_at > ? RETURNING {_COLUMNS}",
-                (*values, claim.task.task_id, claim.token, *sources, now)).fetchone()
+            row = db.execute(update, parameters).fetchone()
             if row is None:
                 raise LeaseLostError(claim.task.task_id, claim.worker)
             task = TaskRecord.from_row(row)
@@ -553,20 +568,46 @@ class TaskQueue:
 
     def _hooks(self, db: Connection, task: TaskRecord, from_state: str | None, to_state: str, kind: str,
                worker: str | None, detail: str | None) -> None:
-        if not self.db.transition_hooks:
+        if not self.db.hooked(to_state):
             return
         transition = {"task_id": task.task_id, "queue": task.queue, "action_kind": task.action_kind,
                       "from_state": from_state, "to_state": to_state, "kind": kind, "worker": worker,
                       "attempt": task.attempts, "at": self.clock(), "detail": detail, "run_id": task.run_id,
                       "schedule_id": task.schedule_id}
         for hook in self.db.transition_hooks:
-            hook(db, transition)
+            if to_state in getattr(hook, "states", (to_state,)):
+                hook(db, transition)
 
     def _release_buffered(self, db: Connection, task: TaskRecord) -> None:
         """A schedule's task ended: the oldest fire buffered behind it (overlap buffer_one/buffer_all) is due now."""
         if task.schedule_id is None:
             return
         release_buffered(db, task.schedule_id, self.clock())
+
+
+def _commit_lazily(db: Connection, sql: str, parameters: Sequence[Any]) -> Row | None:
+    """One statement in a transaction that does not wait for its WAL flush, in one round trip.
+
+    A claim may: if the database crashes before the flush, the claim is lost and the task is
+    queued again; the worker that believed it held the lease is refused at its first write (the
+    token moved on, or the row says queued) and cancels its run, and the next claimer continues
+    that run from the run log. What must survive a crash (a task's end) commits durably.
+    """
+    from opgraph.actors.persistence.backends import postgres_sql
+
+    db._reconnect_if_lost()
+    connection = db.connection
+    try:
+        with connection.pipeline() as pipeline:
+            connection.execute("BEGIN")
+            connection.execute("SET LOCAL synchronous_commit TO OFF")
+            cursor = connection.execute(postgres_sql(sql), tuple(parameters))
+            connection.execute("COMMIT")
+            pipeline.sync()
+            return cursor.fetchone()
+    except BaseException:
+        db.rollback()
+        raise
 
 
 def release_buffered(db: Connection, schedule_id: str, now: float) -> str | None:

@@ -79,8 +79,8 @@ def _first_tables(queues: str, task_events: str) -> tuple[str, ...]:
         queues,
         _TASKS,
         # The claim's index: the best task of a queue first (its priority, then when it became due).
-        "CREATE INDEX control_tasks_claim ON control_tasks(queue, state, priority DESC, available_at)",
-        "CREATE INDEX control_tasks_key ON control_tasks(concurrency_key, state)",
+        "CREATE INDEX control_tasks_claim ON control_tasks(queue, state, priority DESC, available_at, task_id)",
+        "CREATE INDEX control_tasks_key ON control_tasks(concurrency_key, state) WHERE concurrency_key IS NOT NULL",
         "CREATE INDEX control_tasks_lease ON control_tasks(state, lease_expires_at)",
         "CREATE INDEX control_tasks_schedule ON control_tasks(schedule_id, state)",
         task_events,

@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import uvicorn
-from fastapi import FastAPI, Query
+from fastapi import FastAPI, Query, Request
 from fastapi import Path as PathParameter
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from opgraph.engines import PlanError
@@ -65,6 +65,7 @@ from ..lanes import (
     lane_adapter,
     open_store,
     replaying_lanes,
+    resume_recorded,
     settle_from_log,
 )
 from ..store import (
@@ -77,6 +78,7 @@ from ..store import (
 )
 from .auth import ServerToken, check_bind, server_token
 from .body import DEFAULT_MAX_BODY_BYTES, RequestBodyGuard
+from .console import Console, LiveFeeds
 from .control import add_control_routes
 from .deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT, deadline_protocol
 from .guard import SIGN_IN_PATH, AccessGuard, AccessPolicy, redact_in
@@ -249,7 +251,7 @@ _WORKFLOW_LINKS = links(201, "The workflow's first version", {
 _RUN_LINKS = links(202, "The admitted run, with its id and links", {
     operation: {"run_id": "$response.body#/run_id"}
     for operation in ("get_run", "run_signals", "run_results", "cancel_run", "message_run", "pause_run",
-                      "resume_run")})
+                      "resume_run", "recover_run")})
 
 
 def _session_factory(address: str | None = None) -> Callable[[], Any]:
@@ -319,6 +321,7 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
             relaying.start()
         app.state.relay = relaying
         yield
+        await feeds.close()
         if relaying is not None:
             await relaying.stop()
         if pruning is not None:
@@ -331,16 +334,34 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
                               "ErrorBody: the first problem's message and the list of problems.")
     app.state.runs = runs
     app.state.access = access
+    console = Console(store, access, live_runs=lambda run_id: run_id in runs)
+    app.state.console = console
     install_error_handlers(app, authenticated=access.token is not None)
     app.add_middleware(RequestBodyGuard, max_body_bytes=max_body_bytes)
     # Added last, so outermost: nothing (not the body guard, which reads bodies) runs before it.
     # Routes and mounted apps added later pass it; a middleware added later would run before
     # it, so one that answers requests itself must not be added after create_app.
-    app.add_middleware(AccessGuard, policy=access)
+    app.add_middleware(AccessGuard, policy=access, sign_in_page=lambda: console.sign_in_page)
+
+    async def console_watcher(run_id: str) -> Any:
+        """The run's settled nodes from its executor's watcher queue (as `opgraph run watch`), or None
+        when no runtime this server reaches has the run."""
+        handle = await runs.control(run_id)
+        if handle is None:
+            runtime = getattr(sessions.current, "runtime", None)
+            handle = None if runtime is None else await asyncio.to_thread(_attach, run_id, runtime.namespace)
+        return None if handle is None else handle.watch()
+
+    feeds = LiveFeeds(store, console, console_watcher)
 
     @app.get(SIGN_IN_PATH, operation_id="index", responses=errors())
-    def index() -> dict[str, Any]:
-        """Where a browser lands from the sign-in URL `opgraph serve` prints; what the server offers."""
+    def index(request: Request, status: Literal["admitted", "running", "completed", "failed", "cancelled", ""] = "",
+              lane: str = Query(default="", max_length=200), workflow: str = Query(default="", max_length=400),
+              page: int = Query(default=1, ge=1, le=1_000_000)) -> Any:
+        """Where a browser lands from the sign-in URL `opgraph serve` prints: the console's runs list for a
+        browser (``Accept: text/html``); else what the server offers, as JSON."""
+        if "text/html" in request.headers.get("accept", ""):
+            return console.html(console.runs_page(status, lane, workflow, page))
         return {"service": "opgraph", "signed_in": True, "docs": "/docs", "openapi": "/openapi.json",
                 "links": {"workflows": "/api/workflows", "runs": "/api/runs", "flows": "/api/flows/runs",
                           "schedules": "/api/schedules", "tasks": "/api/tasks", "workers": "/api/workers",
@@ -441,6 +462,15 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
             return record
         return settle_from_log(store, record, adapter)
 
+    console.install(app, _read)
+
+    @app.get("/runs/{run_id}/live", include_in_schema=False)
+    async def run_live(run_id: str) -> StreamingResponse:
+        """A live run's changes for its console page, as server-sent events (one feed per run)."""
+        await run_in_threadpool(store.get_run, run_id)  # 404 for an unknown run
+        return StreamingResponse(feeds.stream(run_id), media_type="text/event-stream",
+                                 headers={"cache-control": "no-store", "x-accel-buffering": "no"})
+
     @app.get("/api/runs", operation_id="list_runs", responses=errors(422))
     def list_runs(workflow: str | None = None,
                   status: Literal["admitted", "running", "completed", "failed", "cancelled"] | None = None,
@@ -514,6 +544,25 @@ def create_app(store: RunStore, *, session_factory: Callable[[], Any] | None = N
                 "runs it; send it to the process that runs it (`opgraph run ...`)", run_id=run_id,
                 status=record.status)
         return LaneRunControl(found, _capabilities(record), lane=record.lane, run_id=run_id)
+
+    @app.post("/api/runs/{run_id}/recover", status_code=202, operation_id="recover_run",
+              responses=errors(404, 409, 429))
+    async def recover_run(run_id: str) -> dict[str, Any]:
+        """Continue a durable run whose owner process died (recorded failed with OwnerProcessLost) from the
+        run log, where its capabilities include checkpoint resume; settled nodes do not run again."""
+        record = await run_in_threadpool(store.get_run, run_id)
+        if not record.orphaned:
+            raise RunStateConflictError(f"run {run_id} is {record.status}; only a run whose process died "
+                                        "(failed with OwnerProcessLost) continues from the run log",
+                                        run_id=run_id, status=record.status)
+        _check_control(record, "checkpoint_resume")
+        with runs.admission() as slot:
+            adapter = lane_adapter(record.lane, store)
+            session = await sessions.get()
+            control: dict[str, Any] = {}
+            runs.start(run_id, control, resume_recorded(adapter, record, session=session, store=store,
+                                                        hooks=RunHooks(control=control)), slot)
+        return {"run_id": run_id, "status": "running", "links": run_links(run_id)}
 
     accepted = {"status_code": 202, "response_model": ControlAccepted, "responses": errors(404, 409)}
 

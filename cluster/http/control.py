@@ -37,7 +37,7 @@ EPOCH = {"ge": 0, "le": 10**11, "allow_inf_nan": False}
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ScheduleRequest(_Strict):
@@ -47,7 +47,7 @@ class ScheduleRequest(_Strict):
     action_kind: ActionKind
     target: str = Field(min_length=1, max_length=4000)
     cron: str | None = Field(default=None, max_length=200)
-    interval: float | None = Field(default=None, gt=0, le=10**9, allow_inf_nan=False)
+    interval: float | None = Field(default=None, ge=0.001, le=10**9, allow_inf_nan=False)
     timezone: str = Field(default="UTC", min_length=1, max_length=64)
     payload: dict[str, Any] = Field(default_factory=dict)
     queue: str = Field(default="default", min_length=1, max_length=120)

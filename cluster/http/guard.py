@@ -5,13 +5,18 @@ loopback names) and ``AccessGuard``, the ASGI middleware that wraps the whole ap
 every route (the API, the OpenAPI document and docs, a stream, and any route or mounted app
 added later, such as a console) is checked the same way before it runs:
 
-1. 401 without ``Authorization: Bearer TOKEN`` (compared in constant time); the one exception
-   is ``GET /?token=TOKEN``, the sign-in URL the server prints;
+1. 401 without ``Authorization: Bearer TOKEN`` (compared in constant time); the exceptions
+   are ``GET /?token=TOKEN``, the sign-in URL the server prints, which also gives a browser the
+   console's session cookie (``HttpOnly``, ``SameSite=Strict``, derived from the token), and a
+   request carrying that cookie. A browser asking for a page without either gets the sign-in
+   page (still a 401);
 2. 421 when ``Host`` is not one of the server's names (DNS rebinding);
 3. 403 when a state-changing request (POST, PUT, PATCH, DELETE) carries an ``Origin`` that
    is not the server's own or an allowed one (cross-site request forgery);
 4. 415 when a state-changing request's body is not declared ``application/json`` (a form or
-   ``text/plain`` post, which a browser sends cross-site without asking first).
+   ``text/plain`` post, which a browser sends cross-site without asking first);
+5. 403 when a state-changing request signed in by the cookie lacks the console's CSRF token
+   (``X-CSRF-Token``, which the console's pages carry); a bearer token needs none.
 
 A refusal reads no body: an unauthenticated 100 MB upload is a 401, not a 413. It must not
 know any route: what a request may do once it passes is the routes' business.
@@ -19,11 +24,13 @@ know any route: what a request may do once it passes is the routes' business.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
 import json
 import logging
 import re
+import secrets
 from collections.abc import Awaitable, Callable, Iterable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +38,8 @@ from urllib.parse import parse_qsl, urlsplit
 
 from ..store import problem
 
-__all__ = ["SIGN_IN_PATH", "STATE_CHANGING", "AccessGuard", "AccessPolicy", "RedactTokens", "redact_in", "split_host"]
+__all__ = ["CSRF_HEADER", "SESSION_COOKIE", "SIGN_IN_PATH", "STATE_CHANGING", "AccessGuard", "AccessPolicy",
+           "RedactTokens", "redact_in", "split_host"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -40,6 +48,8 @@ Send = Callable[[Message], Awaitable[None]]
 
 STATE_CHANGING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 SIGN_IN_PATH = "/"
+SESSION_COOKIE = "opgraph_session"
+CSRF_HEADER = "x-csrf-token"
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
@@ -86,8 +96,13 @@ class AccessPolicy:
     allowed_origins: tuple[str, ...] = ()
     _hosts: tuple[tuple[str, int | None], ...] = field(init=False, repr=False, compare=False)
     _origins: frozenset[str] = field(init=False, repr=False, compare=False)
+    _secret: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # What the console's cookie and CSRF token are derived from: the token, else (--no-auth) a secret
+        # of this process's.
+        object.__setattr__(self, "_secret", self.token.encode("utf-8") if self.token is not None
+                           else secrets.token_bytes(32))
         hosts = []
         for allowed in self.allowed_hosts:
             name, port = split_host(allowed)
@@ -103,21 +118,46 @@ class AccessPolicy:
         object.__setattr__(self, "_hosts", tuple(hosts))
         object.__setattr__(self, "_origins", frozenset(origins))
 
-    def authenticated(self, scope: Scope) -> bool:
-        """The request carries the token (or the server has none)."""
+    def _derived(self, purpose: str) -> str:
+        return hmac.new(self._secret, f"opgraph console {purpose}".encode(), hashlib.sha256).hexdigest()
+
+    @property
+    def session_value(self) -> str:
+        """The console's session cookie value: derived from the token, so it changes when the token does."""
+        return self._derived("session")
+
+    @property
+    def csrf_token(self) -> str:
+        """What a state-changing request signed in by the cookie must carry in ``X-CSRF-Token``."""
+        return self._derived("csrf")
+
+    def credential(self, scope: Scope) -> str | None:
+        """How the request is signed in: ``bearer``, ``query`` (the sign-in URL), ``cookie`` or ``none``
+        (a server without a token); None when it is not."""
         if self.token is None:
-            return True
+            return "none"
         expected = self.token.encode("utf-8")
+        cookie = None
         for name, value in scope.get("headers", ()):
             if name == b"authorization":
                 scheme, _, credentials = value.partition(b" ")
                 if scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), expected):
-                    return True
+                    return "bearer"
+            elif name == b"cookie":
+                for part in value.split(b";"):
+                    key, _, offered = part.strip().partition(b"=")
+                    if key == SESSION_COOKIE.encode() and hmac.compare_digest(offered,
+                                                                             self.session_value.encode()):
+                        cookie = "cookie"
         if scope.get("method") == "GET" and scope.get("path") == SIGN_IN_PATH:
             for key, offered in parse_qsl(scope.get("query_string", b"").decode("latin-1")):
                 if key == "token" and hmac.compare_digest(offered.encode("latin-1"), expected):
-                    return True
-        return False
+                    return "query"
+        return cookie
+
+    def authenticated(self, scope: Scope) -> bool:
+        """The request carries the token, or the console's cookie (or the server has none)."""
+        return self.credential(scope) is not None
 
     def host_allowed(self, host: str, scope: Scope, default_port: int | None = None) -> bool:
         """``host`` (a ``Host`` header, or an origin's ``host[:port]``) names this server."""
@@ -179,14 +219,17 @@ class AccessGuard:
     (a browser sends any Origin there) and are closed with code 1008 when refused.
     """
 
-    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, policy: AccessPolicy) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], *, policy: AccessPolicy,
+                 sign_in_page: Callable[[], bytes] | None = None) -> None:
         self.app = app
         self.policy = policy
+        self.sign_in_page = sign_in_page  # the HTML a browser gets instead of the 401's JSON
 
     def refusal(self, scope: Scope) -> _Refusal | None:
         """Why the request may not pass, or None."""
         policy = self.policy
-        if not policy.authenticated(scope):
+        credential = policy.credential(scope)
+        if credential is None:
             return _Refusal(401, "this server needs its token: send the header `Authorization: Bearer TOKEN`, "
                                  "with the token `opgraph serve` was given (OPGRAPH_TOKEN or its token file) or "
                                  "generated (its sign-in URL, and the server-token file in the opgraph home of "
@@ -210,6 +253,10 @@ class AccessGuard:
                 shown = "no content type" if content_type is None else f"content type {content_type[:100]!r}"
                 return _Refusal(415, f"a {method} body must be JSON, sent with `Content-Type: application/json`; "
                                      f"this one has {shown}")
+            offered = _header(scope, CSRF_HEADER.encode())
+            if credential == "cookie" and not (offered and hmac.compare_digest(offered, policy.csrf_token)):
+                return _Refusal(403, f"a {method} signed in by the console's cookie needs the page's CSRF token in "
+                                     "the X-CSRF-Token header; reload the console page and try again")
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -218,11 +265,49 @@ class AccessGuard:
             return
         refused = self.refusal(scope)
         if refused is None:
-            await self.app(scope, receive, send)
+            if scope["type"] == "http" and self.policy.credential(scope) == "query":
+                await self._sign_in(scope, receive, send)
+            else:
+                await self.app(scope, receive, send)
         elif scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008, "reason": refused.message[:120]})
+        elif refused.status == 401 and self.sign_in_page is not None and _wants_page(scope):
+            await _page(send, 401, self.sign_in_page(), refused.headers)
         else:
             await _answer(send, refused)
+
+    async def _sign_in(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The sign-in URL: the session cookie, then a browser goes to ``/`` (the token leaves its address
+        bar); any other client gets the answer it asked for, with the cookie."""
+        secure = "; Secure" if scope.get("scheme") == "https" else ""
+        cookie = (f"{SESSION_COOKIE}={self.policy.session_value}; Path=/; HttpOnly; SameSite=Strict{secure}"
+                  ).encode("latin-1")
+        if _wants_page(scope):
+            await send({"type": "http.response.start", "status": 303, "headers": [
+                (b"location", SIGN_IN_PATH.encode()), (b"set-cookie", cookie), (b"content-length", b"0"),
+                (b"cache-control", b"no-store")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+
+        async def with_cookie(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"set-cookie", cookie)]}
+            await send(message)
+
+        await self.app(scope, receive, with_cookie)
+
+
+def _wants_page(scope: Scope) -> bool:
+    """A browser's GET for a page (``Accept`` names ``text/html``)."""
+    accept = _header(scope, b"accept") or ""
+    return scope.get("method") in ("GET", "HEAD") and "text/html" in accept.lower()
+
+
+async def _page(send: Send, status: int, body: bytes, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"text/html; charset=utf-8"), (b"content-length", str(len(body)).encode()),
+        (b"cache-control", b"no-store"), *headers]})
+    await send({"type": "http.response.body", "body": body})
 
 
 async def _answer(send: Send, refused: _Refusal) -> None:

@@ -188,6 +188,11 @@ class SessionSlot:
                     signal.signal(signal.SIGTERM, previous)
         return self._session
 
+    @property
+    def current(self) -> Any:
+        """The Session, once started (None before): what a reader uses without starting one."""
+        return self._session
+
     async def get(self) -> Any:
         async with self._lock:
             if self._session is None:

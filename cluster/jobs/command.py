@@ -154,6 +154,8 @@ def _print_summary(summary: MapSummary, as_json: bool) -> None:
     if progress.stopped:
         print(f"stopped: the {progress.stopped} budget is spent; {progress.remaining} rows remain (raise the budget "
               "and run the same command again to finish)", flush=True)
+    if summary.status == "incomplete":
+        print(f"incomplete: {summary.error}", flush=True)
     if summary.output is not None:
         print(f"output: {summary.output} ({summary.output_lines} rows)", flush=True)
     if summary.run_id is not None:

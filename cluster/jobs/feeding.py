@@ -102,6 +102,7 @@ class MapProgress:
     cost_usd: float = 0.0
     started: float = field(default_factory=time.monotonic)
     stopped: str | None = None  # why admissions stopped early: a budget (``tokens``, ``cost``) or ``limit``
+    refused_by_run: str | None = None  # why the live run refused a row (it ended under the feeder), if it did
 
     @property
     def finished(self) -> int:
@@ -346,6 +347,9 @@ class PromptFeeder:
                 for (node_id, *_), (accepted, reason) in zip(batch, decided, strict=True):
                     if not accepted and reason != "duplicate":  # refused: the run ended under us
                         self.in_run.pop(node_id, None)
+                        progress.refused_by_run = progress.refused_by_run or str(reason)
+                if progress.refused_by_run is not None:
+                    return  # the rows not admitted stay pending: the same command again runs them
                 await asyncio.sleep(0)  # let the drain take what settled meanwhile
         finally:
             self.reading_done = True

@@ -94,7 +94,7 @@ class MapSummary:
 
     job_id: str
     run_id: str | None
-    status: str  # completed | stopped | cancelled | failed
+    status: str  # completed | stopped | incomplete | cancelled | failed
     progress: MapProgress
     model_calls: int | None = None
     output: str | None = None
@@ -105,11 +105,12 @@ class MapSummary:
 
     @property
     def exit_code(self) -> ExitCode:
-        """OK when every row has its answer; FAILED when a row failed (or the job did); DEGRADED when a
-        budget stopped it with rows left; CANCELLED when it was cancelled."""
+        """OK when every row has its answer; FAILED when a row failed, the job did, or its run ended with
+        rows unanswered (``incomplete``); DEGRADED when a budget stopped it with rows left; CANCELLED
+        when it was cancelled."""
         if self.status == "cancelled":
             return ExitCode.CANCELLED
-        if self.status == "failed" or self.progress.failed:
+        if self.status in ("failed", "incomplete") or self.progress.failed:
             return ExitCode.FAILED
         if self.status == "stopped":
             return ExitCode.DEGRADED
@@ -281,6 +282,11 @@ class MapJob:
             elif session is not None:
                 await self._run_prompt(session, plan, progress, budget, on_progress, on_recorded, summary)
             summary.status = "stopped" if progress.stopped and progress.remaining else "completed"
+            if progress.refused_by_run is not None and progress.remaining:
+                summary.status = "incomplete"
+                # the run ended under the feeder with rows unanswered: say so, never "completed"
+                summary.error = (f"{progress.remaining} rows were not answered (the run refused them: "
+                                 f"{progress.refused_by_run or 'it ended'}); run the same command again to finish")
         except asyncio.CancelledError:
             summary.status = "cancelled"
             raise

@@ -20,7 +20,8 @@ from ..store import RunRecorder, RunStore
 from .base import LaneRunResult, PreparedLaneRun, RunHooks
 from .capabilities import LaneCapabilities, check_capabilities
 
-__all__ = ["LaneRunControl", "Presentation", "logged_capabilities", "recorded_recovery", "run_prepared"]
+__all__ = ["LaneRunControl", "Presentation", "graph_outline", "logged_capabilities", "recorded_recovery",
+           "run_prepared"]
 
 # status, outputs, errors and statuses of a finished run, by the lane's labels
 Presentation = tuple[str, dict[str, Any], dict[str, Any], dict[str, str]]
@@ -29,6 +30,15 @@ Presentation = tuple[str, dict[str, Any], dict[str, Any], dict[str, str]]
 def recorded_recovery(prepared: PreparedLaneRun) -> dict[str, Any]:
     """What a run records for other processes: the lane's recovery data and its labels (graph id -> name)."""
     return {**prepared.recovery, "labels": dict(prepared.labels)}
+
+
+def graph_outline(graph: Any, labels: Mapping[str, str]) -> dict[str, Any]:
+    """The run's graph as the console draws it: each node's id, name (the lane's label, else the operation's)
+    and operation, and each edge's ends (the run store's ``record_outline``)."""
+    nodes = [[node_id, labels.get(node_id) or node.metadata.get("name") or node.operation, node.operation]
+             for node_id, node in graph.nodes.items()]
+    edges = [[edge.head, edge.tail] for edge in graph.edges.values()]
+    return {"nodes": nodes, "edges": edges}
 
 
 def logged_capabilities(prepared: PreparedLaneRun, session: Any) -> LaneCapabilities:
@@ -56,6 +66,11 @@ class LaneRunControl:
 
     async def status(self) -> dict[str, Any]:
         return await self._control.status()
+
+    def watch(self, **options: Any) -> Any:
+        """The run's settled nodes from its executor's bounded watcher queue (``RunControl.watch``); always
+        allowed, like ``status``: watching changes nothing."""
+        return self._control.watch(**options)
 
     async def cancel(self) -> bool:
         self._check("cancel")
@@ -104,6 +119,7 @@ async def run_prepared(
             await recorder.write(store.create_run, run_id, session_id=session.id, provenance=provenance,
                                  inputs=dict(invocation.inputs), workflow=prepared.workflow,
                                  capabilities=capabilities.as_metadata(), recovery=recorded_recovery(prepared))
+            await recorder.write(store.record_outline, run_id, graph_outline(prepared.graph, prepared.labels))
             await recorder.write(store.mark_running, run_id)
     except BaseException as exc:
         if hooks.on_admitted is not None and not hooks.on_admitted.done():

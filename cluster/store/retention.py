@@ -62,7 +62,7 @@ __all__ = [
 RETENTION_STATUSES = ("admitted", "running", "completed", "degraded", "failed", "cancelled")
 ENDED_STATUSES = frozenset({"completed", "degraded", "failed", "cancelled"})
 # The store's own rows of a run, children before parents (foreign keys).
-STORE_RUN_TABLES = ("run_signals", "run_nodes", "run_branches", "runs")
+STORE_RUN_TABLES = ("run_signals", "run_nodes", "run_branches", "run_outlines", "runs")
 ENGINE_RUN_TABLES = ("engine_events", "engine_runs")
 # A run's outbox events (subject_id is its id) and their webhook deliveries, children first.
 OUTBOX_TABLES = ("webhook_attempts", "webhook_deliveries", "outbox")

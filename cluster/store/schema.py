@@ -328,6 +328,16 @@ MIGRATIONS: tuple[Migration, ...] = (
             latency DOUBLE PRECISION NOT NULL, error TEXT, PRIMARY KEY (delivery_id, attempt))""",
         "CREATE TABLE webhook_outcomes (outcome TEXT PRIMARY KEY, attempts BIGINT NOT NULL)",
     )),
+    # The console (cluster/http/console): a run's graph outline, recorded once when the run
+    # starts (node ids, names, operations and edges), so a finished run's page draws its
+    # graph, unreached nodes and edges included, without the executor.
+    Migration(9, "each run's graph outline", (
+        """CREATE TABLE run_outlines (
+            run_id TEXT PRIMARY KEY REFERENCES runs(run_id), outline TEXT NOT NULL)""",
+    ), postgres=(
+        """CREATE TABLE run_outlines (
+            run_id TEXT PRIMARY KEY REFERENCES runs(run_id), outline TEXT NOT NULL)""",
+    )),
 )
 SCHEMA_VERSION = MIGRATIONS[-1].version
 MAX_VERSION = 2**63 - 1  # the largest SQLite INTEGER and PostgreSQL BIGINT: no definition version can be higher

@@ -25,7 +25,7 @@ __all__ = ["StoreSize", "checkpoint", "give_back_free_pages", "incremental_vacuu
 # write transaction of its own, so a server's writers wait at most for one.
 PAGES_PER_STEP = 1024
 # The tables whose space a PostgreSQL VACUUM is asked to reclaim: what retention deletes from.
-PRUNED_TABLES = ("run_signals", "run_nodes", "run_branches", "runs", "engine_events", "engine_runs",
+PRUNED_TABLES = ("run_signals", "run_nodes", "run_branches", "run_outlines", "runs", "engine_events", "engine_runs",
                  "runtime_run_records", "runtime_run_headers", "runtime_runs", "runtime_branch_heads",
                  "runtime_branch_records", "runtime_branch_messages")
 

@@ -107,6 +107,8 @@ def test_a_tasks_end_writes_its_event_in_the_transaction_that_commits_it(databas
     from opgraph.cluster.control import ControlDatabase, TaskQueue
     from opgraph.cluster.control.outbox import deliver_task_transitions
 
+    with RunStore(database_target):
+        pass  # the store (its outbox) is there before the control tables: their own hook and this one are one
     with ControlDatabase(database_target) as control, RunStore(database_target) as store:
         queue = TaskQueue(deliver_task_transitions(control))
         deliver_task_transitions(control)  # once only

@@ -79,6 +79,8 @@ def test_schedule_interval_ignores_wall_clocks_and_bad_cadences_are_refused():
         Cadence(cron="* * * * *", timezone="Mars/Olympus")
     with pytest.raises(CronError, match="positive number of seconds"):
         Cadence(interval=0)
+    with pytest.raises(CronError, match="never fires"):
+        Cadence(cron="0 0 30 2 *")
     assert jitter_offset("s1", 10.0, 30) == jitter_offset("s1", 10.0, 30) < 30
 
 

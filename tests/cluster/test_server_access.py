@@ -141,6 +141,10 @@ def test_a_stream_added_later_is_guarded_and_streams_with_the_token(client, stra
 def test_the_sign_in_url_takes_the_token_in_its_query_and_nothing_else_does(served, stranger):
     signed_in = stranger.get("/", params={"token": TOKEN})
     assert signed_in.status_code == 200 and signed_in.json()["signed_in"] is True
+    # The sign-in URL also gives the console's session cookie, which signs that client in from then on.
+    cookie = signed_in.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and TOKEN not in cookie
+    stranger.cookies.clear()
     assert_refused(stranger.get("/", params={"token": "wrong"}), 401, "needs its token")
     assert_refused(stranger.get("/api/workflows", params={"token": TOKEN}), 401, "needs its token")
     assert_refused(stranger.post("/", params={"token": TOKEN}, json={}), 401, "needs its token")

@@ -190,3 +190,65 @@ def test_task_queue_concurrent_claimers_never_share_a_task(database_target, cloc
         thread.join(60)
     assert len(won) == len(set(won)) == 200
     producer.db.close()
+
+
+def test_task_queue_survives_a_postgresql_restart_with_nothing_lost(clock):
+    """A server of its own, restarted (``-m immediate``: a crash) under a worker's open connection: the
+    statement that meets the restart fails with a ControlError, the next one reconnects; every task and
+    the lease held before the restart are there, and the holder's token still fences."""
+    from components import require
+    from postgres_server import PostgresServer
+
+    from opgraph.cluster.control import ControlError
+
+    require("postgresql")
+    server = PostgresServer.start(durable=True)  # the tests' fast server would lose its last commits in a crash
+    try:
+        database = ControlDatabase(server.database(), clock=clock)
+        queue = TaskQueue(database)
+        for index in range(3):
+            queue.submit("agent", f"t{index}")
+        held = queue.claim("default", "w", lease_seconds=60)
+        queue.mark_running(held, "run-1")
+        server._run("pg_ctl", "-D", server.data, "-l", f"{server.folder}/server.log", "-m", "immediate", "-w",
+                    "restart")
+        failures = 0
+        for _ in range(5):
+            try:
+                assert queue.heartbeat(held) is False
+                break
+            except LeaseLostError:
+                raise
+            except ControlError:
+                failures += 1
+        assert failures <= 1
+        states = sorted(task.state for task in queue.list_tasks())
+        assert states == ["queued", "queued", "running"]
+        assert queue.claim("default", "w2") is not None and queue.claim("default", "w3") is not None
+        assert queue.succeed(held).state == "succeeded"
+        database.close()
+    finally:
+        server.stop()
+
+
+def test_task_queue_writes_a_task_end_to_the_outbox_in_its_own_transaction(database_target, clock):
+    """A store with the dispatch outbox: a task's end (succeeded, dead, cancelled) is a task.<state> row,
+    committed with the transition; a claim writes none (it stays one statement)."""
+    from opgraph.cluster.lanes import open_store
+
+    with open_store(database_target):
+        pass  # the run store's tables, its outbox among them
+    database = ControlDatabase(database_target, clock=clock)
+    queue = TaskQueue(database)
+    done, _ = queue.submit("agent", "a", max_attempts=1, priority=3)
+    dead, _ = queue.submit("agent", "b", max_attempts=1, priority=2)
+    gone, _ = queue.submit("agent", "c", priority=1)
+    queue.succeed(queue.claim("default", "w"))
+    queue.fail(queue.claim("default", "w"), {"error": "boom"})
+    queue.cancel(gone.task_id)
+    with database.transaction() as db:
+        rows = db.execute("SELECT event_type, subject_id, payload FROM outbox ORDER BY seq").fetchall()
+    assert [(row[0], row[1]) for row in rows] == [("task.succeeded", done.task_id), ("task.dead", dead.task_id),
+                                                  ("task.cancelled", gone.task_id)]
+    assert '"queue": "default"' in rows[0][2]
+    database.close()

@@ -2,6 +2,7 @@
 
     prometheus    Debian's ``prometheus`` package, unpacked into the test cache (no service, no install)
     postgresql    PostgreSQL's server binaries (initdb, pg_ctl, postgres), Debian's ``postgresql``
+    chromium      Debian's ``chromium`` browser (``/usr/bin/chromium``), which the console's Playwright tests drive
     bare-python   a virtual environment with Ray and opgraph's dependencies but not opgraph
 
 ``python tests/support/components.py fetch NAME|all`` fetches them (``.ci/run`` runs it with
@@ -102,6 +103,26 @@ def _fetch_postgresql() -> str:
     return located
 
 
+# -- chromium ----------------------------------------------------------------------------------------------
+def _locate_chromium() -> str | None:
+    """Debian's Chromium: ``OPGRAPH_CHROMIUM`` when set, else ``/usr/bin/chromium``, else PATH's."""
+    explicit = os.environ.get("OPGRAPH_CHROMIUM")
+    if explicit:
+        return explicit if os.access(explicit, os.X_OK) else None
+    if os.access("/usr/bin/chromium", os.X_OK):
+        return "/usr/bin/chromium"
+    return shutil.which("chromium")
+
+
+def _fetch_chromium() -> str:
+    os.environ.setdefault("DEBIAN_FRONTEND", "noninteractive")
+    _apt_get("install", "-y", "chromium")
+    located = _locate_chromium()
+    if located is None:
+        raise RuntimeError("apt-get installed chromium, but no chromium binary was found (is OPGRAPH_CHROMIUM set?)")
+    return located
+
+
 # -- the bare Python ----------------------------------------------------------------------------------------
 def bare_requirements() -> list[str]:
     """opgraph's runtime dependencies, with Ray pinned to this process's version (a client and its
@@ -166,6 +187,8 @@ COMPONENTS: dict[str, Component] = {component.name: component for component in (
               _locate_prometheus, _fetch_prometheus),
     Component("postgresql", "the PostgreSQL server (Debian's postgresql package)",
               _locate_postgresql, _fetch_postgresql),
+    Component("chromium", "Chromium (Debian's chromium package), for the console's browser tests",
+              _locate_chromium, _fetch_chromium),
     Component("bare-python", "the bare Python (Ray and opgraph's dependencies, not opgraph; built in the test "
               "cache)", _locate_bare_python, _fetch_bare_python),
 )}
