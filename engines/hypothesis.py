@@ -51,6 +51,14 @@ METHODS = ("literature review", "data analysis", "simulation", "computation", "l
            "user study", "clinical trial")
 EXECUTABLE_METHODS = METHODS[:4]
 
+# The investigator's and the runner's prompts for one hypothesis and one experiment (``str.format``).
+_DESIGN_PROMPT = ("{head}\nHypothesis {h.eid}: {h.statement} (metric {h.metric}, threshold {h.threshold}, falsifier "
+                  "{h.falsifier})\n\nDesign the experiment that tests it: emit one experiment_designed with its "
+                  "method (one of " + ", ".join(METHODS) + "), dataset, procedure and acceptance.")
+_RESULT_PROMPT = ("Experiment {x.eid} ({x.method}) for hypothesis {x.hypothesis}: {x.procedure}\nDataset: {dataset}\n"
+                  "Acceptance: {x.acceptance}\n\nCarry it out and emit one result_recorded with the measurements, "
+                  "whether it passed the acceptance criterion, and its caveats.")
+
 
 def _stated(schema: dict[str, Any]) -> None:
     schema.pop("default", None)  # the schema shows no default, so a model states the value
@@ -383,10 +391,7 @@ class HypothesisEngine(Engine):
                          "metric, the threshold that supports it and the falsifier.", (HypothesisFormed,))
         for hypothesis in run.links(HypothesisFormed, question=question.eid):
             await self._step(run, agent, Stage("experiment", {"hypothesis": hypothesis.eid}),
-                             f"{head}\nHypothesis {hypothesis.eid}: {hypothesis.statement} (metric {hypothesis.metric}"
-                             f", threshold {hypothesis.threshold}, falsifier {hypothesis.falsifier})\n\nDesign the "
-                             f"experiment that tests it: emit one experiment_designed with its method (one of "
-                             f"{', '.join(METHODS)}), dataset, procedure and acceptance.", (ExperimentDesigned,))
+                             _DESIGN_PROMPT.format(head=head, h=hypothesis), (ExperimentDesigned,))
             for experiment in run.links(ExperimentDesigned, hypothesis=hypothesis.eid):
                 if experiment.method not in self.executable_methods:
                     run.pending[experiment.eid] = experiment  # waits for the world; not a failure
@@ -403,10 +408,7 @@ class HypothesisEngine(Engine):
                                       model=self.model_for("runner"),
                                       extra_prompt="You carry out experiments by analysis, computation and sources.")
         await self._step(run, runner, Stage("result", {"experiment": experiment.eid}),
-                         f"Experiment {experiment.eid} ({experiment.method}) for hypothesis {experiment.hypothesis}: "
-                         f"{experiment.procedure}\nDataset: {experiment.dataset or '-'}\nAcceptance: "
-                         f"{experiment.acceptance}\n\nCarry it out and emit one result_recorded with the measurements, "
-                         f"whether it passed the acceptance criterion, and its caveats.", (ResultRecorded,))
+                         _RESULT_PROMPT.format(x=experiment, dataset=experiment.dataset or "-"), (ResultRecorded,))
         for result in run.links(ResultRecorded, experiment=experiment.eid):
             await self._guarded(run, "conclusion", result.eid, lambda r=result: self._conclude(run, question, r))
 

@@ -5,7 +5,7 @@ materialisation, results, lifecycle signals, the codec and the typed errors. It 
 no ray, asyncio, anyio, HTTP or metrics library and performs no I/O.
 """
 
-from . import expressions
+from . import events, expressions
 from .builder import ExpansionStrategy, OperationGraphBuilder
 from .codec import (
     CODEC_SCHEMA_VERSION,
@@ -46,33 +46,7 @@ from .errors import (
     StateTransitionError,
     UnknownNodeError,
 )
-from .events import (
-    AdmissionDecided,
-    AppendRecords,
-    CancelGraceExpired,
-    CancelOperation,
-    CancelRequested,
-    CloneBranch,
-    CloseRequested,
-    ConditionsEvaluated,
-    DispatchHeld,
-    DispatchOperation,
-    DispatchUndelivered,
-    EmitSignal,
-    EscalationRequested,
-    EvaluateConditions,
-    FinishRun,
-    FlowStarted,
-    InjectRequested,
-    OperationFinished,
-    OperatorMessageReceived,
-    PauseRequested,
-    ReleaseRequested,
-    ReplaceHistory,
-    Restored,
-    ResumeRequested,
-    SpawnRequested,
-)
+from .events import *  # noqa: F403 - the kernel's events and instructions, re-exported whole (its __all__)
 from .expressions import *  # noqa: F403 - the expression language, re-exported whole (its __all__)
 from .failures import FAILURE_KINDS, RETRYABLE_KINDS, RetryPolicy
 from .graph import (
@@ -106,41 +80,24 @@ from .signals import (
 )
 
 __all__ = [
-    "AdmissionDecided",
-    "AppendRecords",
     "BRANCH_OPERATIONS",
     "CODEC_SCHEMA_VERSION",
-    "CancelGraceExpired",
-    "CancelOperation",
-    "CancelRequested",
-    "CloseRequested",
-    "CloneBranch",
     "CodecError",
-    "ConditionsEvaluated",
     "DEFAULT_MAX_CONCURRENCY",
-    "DispatchHeld",
-    "DispatchOperation",
-    "DispatchUndelivered",
     "Edge",
     "EdgeCondition",
     "EdgeConditionError",
-    "EmitSignal",
     "EscalationRequest",
-    "EscalationRequested",
-    "EvaluateConditions",
     "ExecutionError",
     "ExpansionStrategy",
     "FAILURE_KINDS",
-    "FinishRun",
     "FlowEvent",
     "compact_envelope",
     "expand_envelope",
-    "FlowStarted",
     "FlowState",
     "Graph",
     "GraphCycleError",
     "INVARIANTS",
-    "InjectRequested",
     "InvariantViolation",
     "NODE_PROGRESS_KINDS",
     "NodeCancelled",
@@ -155,17 +112,10 @@ __all__ = [
     "OpGraphError",
     "Operation",
     "OperationError",
-    "OperationFinished",
     "OperationGraphBuilder",
-    "OperatorMessageReceived",
-    "PauseRequested",
     "Pickled",
-    "ReleaseRequested",
     "RETRYABLE_KINDS",
     "LOG_SCHEMA_VERSION",
-    "ReplaceHistory",
-    "Restored",
-    "ResumeRequested",
     "RetryPolicy",
     "RoutingError",
     "RunLogIntegrityError",
@@ -175,7 +125,6 @@ __all__ = [
     "SharedContext",
     "Signal",
     "SpawnRequest",
-    "SpawnRequested",
     "StateTransitionError",
     "TRANSITIONS",
     "TaskAssignment",
@@ -202,5 +151,6 @@ __all__ = [
     "require_graph",
     "settle_completed",
     "to_mapping",
+    *events.__all__,
     *expressions.__all__,
 ]

@@ -313,39 +313,29 @@ class Session:
         return key
 
     # -- flow -------------------------------------------------------------------------
-    def _options(self, *, run_id: str, context, max_concurrent, parallel, reactive, max_spawn, spawn_type,
-                 node_builder, default_branch, spawn_branch_setup, reducers, want_signals,
-                 want_events, stream_buffer, isolated: bool = False, durable: bool = True,
-                 detached: bool = False) -> RunOptions:
+    def _options(self, *, run_id: str, max_concurrent, default_branch, isolated: bool = False, durable: bool = True,
+                 **passed: Any) -> RunOptions:
+        """A run's options. ``passed`` are the ``RunOptions`` fields a caller gives as they are (context,
+        parallel, reactive, max_spawn, spawn_type, node_builder, reducers, spawn_branch_setup,
+        want_signals, want_events, stream_buffer, detached); the rest come from this Session."""
         self._check_open()
         if max_concurrent is None:
             max_concurrent = default_max_concurrency()
         resources = self._resources()
-        resources.spawn_type = spawn_type
+        resources.spawn_type = passed["spawn_type"]
         return RunOptions(
-            context=context,
+            **passed,
             max_concurrent=max_concurrent,
-            parallel=parallel,
-            reactive=reactive,
-            max_spawn=max_spawn,
-            spawn_type=spawn_type,
-            node_builder=node_builder,
-            reducers=reducers,
             default_branch_id=self._resolve_branch(default_branch),
             clone_source_branch_id=self.default_branch,
             known_branches=dict(self._locations),
             resources=resources,
             retry_policies={name: op.retry for name, op in self.operations.items() if op.retry is not None},
-            spawn_branch_setup=spawn_branch_setup,
-            want_signals=want_signals,
-            want_events=want_events,
-            stream_buffer=stream_buffer,
             branch_scope=f"run-{run_id}" if isolated else self.scope,
             scope_parent=self.scope if isolated else None,
             isolated=isolated,
             cancel_grace=self.cancel_grace,
             durable=bool(durable and self.runtime.database),
-            detached=detached,
         )
 
     async def _start(self, run_id: str, graph: Graph, options: RunOptions, member: int | None = None) -> Any:

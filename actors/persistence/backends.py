@@ -14,7 +14,8 @@ import functools
 import os
 import re
 import sqlite3
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "Connection",
     "PostgresConnection",
     "Row",
+    "SharedConnection",
     "SqliteConnection",
     "describe",
     "driver_errors",
@@ -417,3 +419,77 @@ def driver_errors() -> tuple[type[BaseException], ...]:
     except ImportError:
         return (sqlite3.Error,)
     return (sqlite3.Error, psycopg.Error)
+
+
+class SharedConnection:
+    """Base of a store whose one connection (``_db``) threads share under ``_lock``: one locked
+    transaction at a time, or the bare connection, with the driver's errors translated once.
+
+    A subclass names its error type and the two messages, formatted with ``_where()`` (and the
+    driver's error).
+    """
+
+    _lock: Any
+    _db: Connection | None
+    _error_type: type[Exception]
+    _closed_text: str  # "{where} ... closed"
+    _failed_text: str  # "{where} ... failed: {error}"
+    _open_text: str  # "cannot open {where}: {error}"
+
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def _connect(self, target: str, *, timeout: float, sqlite_pragmas: Sequence[str],
+                 migrate: Callable[[Connection], None]) -> None:
+        """Open ``target`` as ``_db`` (rows readable by name), run ``sqlite_pragmas`` on SQLite, then
+        ``migrate`` it; on any error close it again, a driver's raised as the subclass's error."""
+        try:
+            self._db = open_connection(target, timeout=timeout, named_rows=True)
+            if self._db.dialect == "sqlite":
+                for pragma in sqlite_pragmas:
+                    self._db.execute(pragma)
+            migrate(self._db)
+        except BaseException as exc:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+            if isinstance(exc, driver_errors()):
+                raise self._error_type(self._open_text.format(where=self._where(), error=exc)) from exc
+            raise
+
+    def close(self) -> None:
+        """Close the connection; later calls raise the subclass's error. Idempotent."""
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    @contextmanager
+    def _locked(self, *, transaction: bool, write: bool = False) -> Iterator[Connection]:
+        """Under the lock: the connection in one transaction (rolled back on any error), or with
+        none open (``transaction=False``: each statement commits on its own)."""
+        with self._lock:
+            if self._db is None:
+                raise self._error_type(self._closed_text.format(where=self._where()))
+            db = self._db
+            try:
+                if not transaction:
+                    yield db
+                    return
+                db.begin(write=write)
+                try:
+                    yield db
+                except BaseException:
+                    db.rollback()
+                    raise
+                db.commit()
+            except db.errors as exc:
+                if transaction:
+                    db.rollback()
+                raise self._error_type(self._failed_text.format(where=self._where(), error=exc)) from exc

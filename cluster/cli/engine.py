@@ -20,7 +20,8 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from ..command_line import JSON, PLAIN, RAY_ADDRESS, STORE, ExitCode, add_options, model_price
+from ..budget_options import add_budget_options
+from ..command_line import JSON, PLAIN, RAY_ADDRESS, STORE, ExitCode, add_options
 from ..connection import RuntimeStartError
 from .coding import add_coding_arguments, coding_inputs, coding_settings, finish_coding
 from .progress import LiveDisplay
@@ -278,11 +279,8 @@ def add_engine_parser(subcommands: Any) -> None:
                      help="provider/model for every agent (default: OPGRAPH_DEFAULT_MODEL or sim/default)")
     run.add_argument("--max-agents", type=int, default=50, help="hard bound on agents made (50)")
     run.add_argument("--deadline", type=float, default=None, help="hard wall-clock bound in seconds (none)")
-    run.add_argument("--max-tokens", type=int, default=None, help="hard bound on provider tokens (none)")
-    run.add_argument("--max-cost-usd", type=float, default=None,
-                     help="hard bound on dollars, priced by --price (sim/ and scripted/ are free)")
-    run.add_argument("--price", action="append", type=model_price, metavar="MODEL=PROMPT,COMPLETION",
-                     help="$ per million prompt and completion tokens for a provider/model (repeatable)")
+    add_budget_options(run, tokens_type=int, tokens_help="hard bound on provider tokens (none)",
+                       cost_help="hard bound on dollars, priced by --price (sim/ and scripted/ are free)")
     run.add_argument("--max-concurrent", type=int, default=5, help="agent turns in flight at once (5)")
     run.add_argument("--max-depth", type=int, default=None,
                      help="research: deepest node; hypothesis: last question generation (3)")

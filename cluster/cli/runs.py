@@ -194,28 +194,22 @@ def _add_selection(parser: argparse.ArgumentParser) -> None:
                         help="only runs that ended (or, not ended, began) at least this long ago: 30d, 12h, 90m")
 
 
-def add_runs_parser(subcommands: Any) -> None:
-    actions = command_group(subcommands, "runs", "the runs the store keeps: list them, prune old ones")
-    listing = subcommand(
-        actions, "list", "list the runs the store keeps, newest first, and which can still be resumed",
-        codes=_CODES,
-        description="Every run the database keeps: lane runs (the run store's records), engine runs, and "
-                    "runs only the runtime's run log knows (a Python Session.flow), with whether each can "
-                    "still be resumed, which `opgraph runs prune` never deletes unless told.")
+def _action(actions: Any, name: str, help_text: str, description: str, handler: Callable[[argparse.Namespace], int],
+            add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    """One action of `opgraph runs` or `opgraph store`: its own arguments, then --store and --json."""
+    parser = subcommand(actions, name, help_text, codes=_CODES, description=description)
+    if add_arguments is not None:
+        add_arguments(parser)
+    add_options(parser, STORE, JSON)
+    parser.set_defaults(handler=handler)
+
+
+def _add_list_arguments(listing: argparse.ArgumentParser) -> None:
     _add_selection(listing)
     listing.add_argument("--limit", type=positive_int, default=50, metavar="N", help="show at most N runs (50)")
-    add_options(listing, STORE, JSON)
-    listing.set_defaults(handler=runs_list)
-    prune = subcommand(
-        actions, "prune", "delete old runs with their signals, run log and branches, in short batches",
-        codes=_CODES,
-        description="Delete the runs a policy selects: of the runs with --status (any by default), the "
-                    "--keep-last most recent stay, and of the others those --older-than go. A run goes with "
-                    "its record, signals, node results, recorded branches, engine events, run log and the "
-                    "branches that were its alone (a branch another run still records stays), a batch of "
-                    "runs a short transaction, so a live server is never held up. A run that can still be "
-                    "resumed stays unless --include-resumable. SQLite then gives the freed pages back "
-                    "(incremental vacuum); PostgreSQL's autovacuum reclaims them.")
+
+
+def _add_prune_arguments(prune: argparse.ArgumentParser) -> None:
     _add_selection(prune)
     prune.add_argument("--keep-last", type=nonnegative_int, default=None, metavar="N",
                        help="keep the N most recent runs of the selected statuses, whatever their age")
@@ -226,21 +220,34 @@ def add_runs_parser(subcommands: Any) -> None:
                             "database to itself)")
     prune.add_argument("--batch-size", type=positive_int, default=100, metavar="N",
                        help="runs deleted per transaction, at most (100; fewer while batches are slow)")
-    add_options(prune, STORE, JSON)
-    prune.set_defaults(handler=runs_prune)
+
+
+def add_runs_parser(subcommands: Any) -> None:
+    actions = command_group(subcommands, "runs", "the runs the store keeps: list them, prune old ones")
+    _action(actions, "list", "list the runs the store keeps, newest first, and which can still be resumed",
+            "Every run the database keeps: lane runs (the run store's records), engine runs, and "
+            "runs only the runtime's run log knows (a Python Session.flow), with whether each can "
+            "still be resumed, which `opgraph runs prune` never deletes unless told.",
+            runs_list, _add_list_arguments)
+    _action(actions, "prune", "delete old runs with their signals, run log and branches, in short batches",
+            "Delete the runs a policy selects: of the runs with --status (any by default), the "
+            "--keep-last most recent stay, and of the others those --older-than go. A run goes with "
+            "its record, signals, node results, recorded branches, engine events, run log and the "
+            "branches that were its alone (a branch another run still records stays), a batch of "
+            "runs a short transaction, so a live server is never held up. A run that can still be "
+            "resumed stays unless --include-resumable. SQLite then gives the freed pages back "
+            "(incremental vacuum); PostgreSQL's autovacuum reclaims them.",
+            runs_prune, _add_prune_arguments)
 
 
 def add_store_parser(subcommands: Any) -> None:
     actions = command_group(subcommands, "store", "the run store's database")
-    vacuum = subcommand(
-        actions, "vacuum", "rebuild a SQLite store with VACUUM, giving free space back (needs it to itself)",
-        codes=_CODES,
-        description="SQLite: VACUUM rebuilds the file without its free pages and turns incremental vacuum on "
-                    "(a file made before opgraph did so can be converted no other way), so later prunes give "
-                    "their space back as they go. It needs the database to itself: stop `opgraph serve` and "
-                    "running runs first. PostgreSQL: a plain VACUUM (ANALYZE) of the store's tables.")
-    add_options(vacuum, STORE, JSON)
-    vacuum.set_defaults(handler=store_vacuum)
+    _action(actions, "vacuum", "rebuild a SQLite store with VACUUM, giving free space back (needs it to itself)",
+            "SQLite: VACUUM rebuilds the file without its free pages and turns incremental vacuum on "
+            "(a file made before opgraph did so can be converted no other way), so later prunes give "
+            "their space back as they go. It needs the database to itself: stop `opgraph serve` and "
+            "running runs first. PostgreSQL: a plain VACUUM (ANALYZE) of the store's tables.",
+            store_vacuum)
     add_migrate_parser(actions)
 
 

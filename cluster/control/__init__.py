@@ -8,42 +8,23 @@ Producers (schedules, the CLI, the HTTP API) import the queue, never an adapter:
 adapters through the action registry.
 """
 
+from . import errors
 from .database import ControlDatabase, TransitionHook
-from .errors import (
-    ACTION_KINDS,
-    BackfillTooLargeError,
-    ControlError,
-    ControlInputError,
-    CronError,
-    LeaseLostError,
-    ScheduleNotFoundError,
-    TaskNotFoundError,
-    TaskStateError,
-    UnknownActionKindError,
-)
+from .errors import *  # noqa: F403 - the control plane's errors, re-exported whole (its __all__)
 from .queue import Claim, TaskQueue, TaskRecord, WorkerRecord, backoff_delay, new_worker_id
 from .schema import OVERLAP_POLICIES, TASK_STATES, TERMINAL_TASK_STATES
 
 __all__ = [
-    "ACTION_KINDS",
     "OVERLAP_POLICIES",
     "TASK_STATES",
     "TERMINAL_TASK_STATES",
-    "BackfillTooLargeError",
     "Claim",
     "ControlDatabase",
-    "ControlError",
-    "ControlInputError",
-    "CronError",
-    "LeaseLostError",
-    "ScheduleNotFoundError",
-    "TaskNotFoundError",
     "TaskQueue",
     "TaskRecord",
-    "TaskStateError",
     "TransitionHook",
-    "UnknownActionKindError",
     "WorkerRecord",
     "backoff_delay",
     "new_worker_id",
+    *errors.__all__,
 ]

@@ -8,11 +8,11 @@ imports an adapter; and the shape an adapter is called with and returns. It runs
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from ..lazy_registry import LazyRegistry
 from .errors import ACTION_KINDS, UnknownActionKindError
 from .queue import TaskRecord
 
@@ -68,41 +68,25 @@ class ActionAdapter(Protocol):
     async def run(self, task: TaskRecord, context: ActionContext) -> ActionOutcome: ...
 
 
-class ActionRegistry:
+class ActionRegistry(LazyRegistry[ActionAdapter]):
     """``action_kind`` -> adapter; the built-in ones load on first use."""
 
     def __init__(self, builtin: Mapping[str, str] = BUILTIN_ACTIONS) -> None:
-        self._adapters: dict[str, ActionAdapter] = {}
-        self._builtin = dict(builtin)
-        self._lock = threading.Lock()
-
-    def kinds(self) -> tuple[str, ...]:
-        return tuple(sorted({*self._adapters, *self._builtin}))
+        super().__init__(builtin)
 
     def register(self, adapter: ActionAdapter, *, replace: bool = False) -> None:
         if adapter.action_kind not in ACTION_KINDS:
             raise UnknownActionKindError(adapter.action_kind, ACTION_KINDS)
-        with self._lock:
-            if adapter.action_kind in self._adapters and not replace:
-                raise ValueError(f"action {adapter.action_kind!r} is registered already; pass replace=True")
-            self._adapters[adapter.action_kind] = adapter
-
-    def unregister(self, action_kind: str) -> None:
-        with self._lock:
-            self._adapters.pop(action_kind, None)
+        self._put(adapter.action_kind, adapter, replace=replace,
+                  refusal=f"action {adapter.action_kind!r} is registered already; pass replace=True")
 
     def adapter(self, action_kind: str) -> ActionAdapter:
-        with self._lock:
-            found = self._adapters.get(action_kind)
-        if found is not None:
-            return found
-        where = self._builtin.get(action_kind)
-        if where is None:
-            raise UnknownActionKindError(str(action_kind), self.kinds())
-        module, _, attribute = where.partition(":")
-        adapter = getattr(importlib.import_module(module), attribute)
-        with self._lock:
-            return self._adapters.setdefault(action_kind, adapter)
+        return self._get(action_kind, _load_adapter, lambda: UnknownActionKindError(str(action_kind), self.kinds()))
+
+
+def _load_adapter(where: str) -> ActionAdapter:
+    module, _, attribute = where.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 ACTIONS = ActionRegistry()

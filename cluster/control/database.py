@@ -16,12 +16,12 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from opgraph.actors.persistence.backends import Connection, describe, driver_errors, is_postgres, open_connection
+from opgraph.actors.persistence.backends import Connection, SharedConnection, describe, is_postgres
 
 from ..store.schema import default_store_path
 from .errors import ControlError
@@ -34,13 +34,18 @@ __all__ = ["ControlDatabase", "TransitionHook"]
 TransitionHook = Callable[[Connection, dict[str, Any]], None]
 
 
-class ControlDatabase:
+class ControlDatabase(SharedConnection):
     """The control tables on one connection, shared by threads under a lock.
 
     ``target`` is a SQLite path, ``":memory:"`` or a ``postgresql://`` URL (None: ``OPGRAPH_DB``).
     ``clock`` (seconds since the epoch) stamps every row and decides every due time: tests pass
     a fake one. ``transition_hooks`` see each task transition inside its transaction.
     """
+
+    _error_type = ControlError
+    _closed_text = "the control tables in {where} are closed"
+    _failed_text = "the control tables in {where} failed: {error}"
+    _open_text = "cannot open the control tables in {where}: {error}"
 
     def __init__(self, target: str | Path | None = None, *, clock: Callable[[], float] = time.time,
                  timeout: float = 30.0) -> None:
@@ -50,22 +55,19 @@ class ControlDatabase:
         self.transition_hooks: list[TransitionHook] = []
         self._lock = threading.RLock()
         self._db: Connection | None = None
-        try:
-            if not is_postgres(self.target) and self.target != ":memory:":
-                Path(self.target).parent.mkdir(parents=True, exist_ok=True)
-            self._db = open_connection(self.target, timeout=timeout, named_rows=True)
-            if self._db.dialect == "sqlite" and self.target != ":memory:":
-                self._db.execute("PRAGMA journal_mode = WAL")
-                self._db.execute("PRAGMA synchronous = NORMAL")
-            migrate_control(self._db, location=describe(self.target))
-            if _has_table(self._db, "outbox"):
-                # The run store's dispatch outbox is here: a task's end is a fact to deliver, written
-                # in the transaction that commits it (ADR-0068 D5).
-                self.transition_hooks.append(task_outbox_hook)
-        except driver_errors() as exc:
-            if self._db is not None:
-                self._db.close()
-            raise ControlError(f"cannot open the control tables in {describe(self.target)}: {exc}") from exc
+        if not is_postgres(self.target) and self.target != ":memory:":
+            Path(self.target).parent.mkdir(parents=True, exist_ok=True)
+        file = self.dialect == "sqlite" and self.target != ":memory:"
+        self._connect(self.target, timeout=timeout,
+                      sqlite_pragmas=("PRAGMA journal_mode = WAL", "PRAGMA synchronous = NORMAL") if file else (),
+                      migrate=self._migrate)
+
+    def _migrate(self, db: Connection) -> None:
+        migrate_control(db, location=describe(self.target))
+        if _has_table(db, "outbox"):
+            # The run store's dispatch outbox is here: a task's end is a fact to deliver, written
+            # in the transaction that commits it (ADR-0068 D5).
+            self.transition_hooks.append(task_outbox_hook)
 
     @property
     def dialect(self) -> str:
@@ -74,49 +76,17 @@ class ControlDatabase:
     def describe(self) -> str:
         return describe(self.target)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+    def _where(self) -> str:
+        return describe(self.target)
 
-    def __enter__(self) -> ControlDatabase:
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    @contextmanager
-    def transaction(self, *, write: bool = False) -> Iterator[Connection]:
+    def transaction(self, *, write: bool = False) -> AbstractContextManager[Connection]:
         """One locked transaction; ``write`` on SQLite takes the file's write lock from its start."""
-        with self._lock:
-            if self._db is None:
-                raise ControlError(f"the control tables in {describe(self.target)} are closed")
-            db = self._db
-            try:
-                db.begin(write=write and db.dialect == "sqlite")
-                try:
-                    yield db
-                except BaseException:
-                    db.rollback()
-                    raise
-                db.commit()
-            except db.errors as exc:
-                db.rollback()
-                raise ControlError(f"the control tables in {describe(self.target)} failed: {exc}") from exc
+        return self._locked(transaction=True, write=write and self.dialect == "sqlite")
 
-    @contextmanager
-    def autocommit(self) -> Iterator[Connection]:
+    def autocommit(self) -> AbstractContextManager[Connection]:
         """The connection with no transaction open: a single statement commits on its own (PostgreSQL's
         one-statement claim)."""
-        with self._lock:
-            if self._db is None:
-                raise ControlError(f"the control tables in {describe(self.target)} are closed")
-            db = self._db
-            try:
-                yield db
-            except db.errors as exc:
-                raise ControlError(f"the control tables in {describe(self.target)} failed: {exc}") from exc
+        return self._locked(transaction=False)
 
     def hooked(self, to_state: str) -> bool:
         """Whether a transition to ``to_state`` has a hook to call (else it may take a one-statement path)."""

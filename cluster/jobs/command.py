@@ -18,7 +18,8 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
-from ..command_line import JSON, NAMESPACE, PLAIN, RAY_ADDRESS, STORE, ExitCode, add_options, model_price, positive_int
+from ..budget_options import add_budget_options
+from ..command_line import JSON, NAMESPACE, PLAIN, RAY_ADDRESS, STORE, ExitCode, add_options, positive_int
 from .feeding import MapProgress
 from .map import MapJob, MapSettings, MapSpec, MapSummary, dry_run
 from .rows import BAD_ROW_POLICIES, MapInputError
@@ -50,12 +51,9 @@ def add_map_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=positive_int, default=64, help="model calls in flight at once (64)")
     parser.add_argument("--window", type=positive_int, default=None,
                         help="rows held in the live run at once (default: 4 x --concurrency, at least 512)")
-    parser.add_argument("--max-tokens", type=positive_int, default=None,
-                        help="token budget of the job (recorded rows counted): no new row once it is spent")
-    parser.add_argument("--max-cost-usd", type=float, default=None,
-                        help="dollar budget of the job, priced by --price (sim/ and scripted/ are free)")
-    parser.add_argument("--price", action="append", type=model_price, metavar="MODEL=PROMPT,COMPLETION",
-                        help="$ per million prompt and completion tokens for a provider/model (repeatable)")
+    add_budget_options(parser, tokens_type=positive_int,
+                       tokens_help="token budget of the job (recorded rows counted): no new row once it is spent",
+                       cost_help="dollar budget of the job, priced by --price (sim/ and scripted/ are free)")
     parser.add_argument("--limit", type=positive_int, default=None, metavar="N", help="only the input's first N rows")
     parser.add_argument("--dry-run", action="store_true",
                         help="check every row, count them, estimate tokens and cost; call no model")

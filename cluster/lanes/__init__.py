@@ -9,6 +9,7 @@ fixed workflow lane in ``fixed/``, the planned reactive flow in ``planned/``, pl
 ``play/``), loaded by the registry: surfaces never import them.
 """
 
+from . import registry
 from .base import (
     FIXED_WORKFLOW,
     PLANNED_REACTIVE_FLOW,
@@ -50,29 +51,12 @@ from .recovery import (
     settle_recorded,
     submit_prepared,
 )
-from .registry import (
-    BUILTIN_LANES,
-    LANES,
-    LaneEntry,
-    LaneRegistry,
-    UnknownLaneError,
-    check_control,
-    lane_adapter,
-    lane_entry,
-    lane_kinds,
-    open_store,
-    register_lane,
-    replaying_lanes,
-    unregister_lane,
-    validate_provenance,
-)
+from .registry import *  # noqa: F403 - the lane registry, re-exported whole (its __all__)
 
 __all__ = [
-    "BUILTIN_LANES",
     "CAPABILITY_NAMES",
     "CONTROL_CAPABILITIES",
     "FIXED_WORKFLOW",
-    "LANES",
     "PLANNED_REACTIVE_FLOW",
     "PUBLIC_LANES",
     "REACTIVE_PLAY",
@@ -81,10 +65,8 @@ __all__ = [
     "LaneAdapter",
     "LaneCapabilities",
     "LaneCapabilityError",
-    "LaneEntry",
     "LaneInvocation",
     "LaneKind",
-    "LaneRegistry",
     "LaneRunControl",
     "LaneRunResult",
     "PinnedSourceChangedError",
@@ -97,26 +79,17 @@ __all__ = [
     "RunProvenance",
     "SourceKind",
     "SourceRef",
-    "UnknownLaneError",
     "check_capabilities",
-    "check_control",
     "describe_capabilities",
     "follow_submitted",
-    "lane_adapter",
-    "lane_entry",
-    "lane_kinds",
     "logged_capabilities",
     "logged_end",
-    "open_store",
     "parse_inputs",
     "recorded_recovery",
-    "register_lane",
-    "replaying_lanes",
     "resume_recorded",
     "run_prepared",
     "settle_from_log",
     "settle_recorded",
     "submit_prepared",
-    "unregister_lane",
-    "validate_provenance",
+    *registry.__all__,
 ]

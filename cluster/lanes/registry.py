@@ -12,7 +12,6 @@ that need a lane by name (controls, provenance). It must not run or store anythi
 from __future__ import annotations
 
 import importlib
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 from opgraph.kernel import OpGraphError
 
+from ..lazy_registry import LazyRegistry
 from ..store import DefinitionRules, ProvenanceError, RunStore
 from .base import LaneAdapter
 from .capabilities import LaneCapabilities, LaneCapabilityError, check_capabilities
@@ -77,40 +77,20 @@ class UnknownLaneError(OpGraphError):
         self.lane, self.known = lane, known
 
 
-class LaneRegistry:
+class LaneRegistry(LazyRegistry[LaneEntry]):
     """Lane kind -> ``LaneEntry``; built-in lanes (``builtin``: kind -> module) load on first use."""
 
     def __init__(self, builtin: Mapping[str, str] = BUILTIN_LANES) -> None:
-        self._entries: dict[str, LaneEntry] = {}
-        self._builtin = dict(builtin)
-        self._lock = threading.Lock()
+        super().__init__(builtin)
 
     def register(self, entry: LaneEntry, *, replace: bool = False) -> None:
         """Add a lane; registering a kind twice is an error unless ``replace``."""
-        with self._lock:
-            if entry.kind in self._entries and not replace:
-                raise ValueError(f"lane {entry.kind!r} is already registered; pass replace=True to replace it")
-            self._entries[entry.kind] = entry
-
-    def unregister(self, kind: str) -> None:
-        """Remove a registered lane (a built-in one comes back on its next use)."""
-        with self._lock:
-            self._entries.pop(kind, None)
-
-    def kinds(self) -> tuple[str, ...]:
-        return tuple(sorted({*self._entries, *self._builtin}))
+        self._put(entry.kind, entry, replace=replace,
+                  refusal=f"lane {entry.kind!r} is already registered; pass replace=True to replace it")
 
     def entry(self, kind: str) -> LaneEntry:
-        with self._lock:
-            entry = self._entries.get(kind)
-        if entry is not None:
-            return entry
-        module = self._builtin.get(kind) if isinstance(kind, str) else None
-        if module is None:
-            raise UnknownLaneError(str(kind), self.kinds())
-        entry = importlib.import_module(module).LANE
-        with self._lock:
-            return self._entries.setdefault(kind, entry)
+        return self._get(kind, lambda module: importlib.import_module(module).LANE,
+                         lambda: UnknownLaneError(str(kind), self.kinds()))
 
     def adapter(self, kind: str, store: RunStore | None = None) -> LaneAdapter:
         """The adapter of lane ``kind`` for ``store``; ``UnknownLaneError`` for a kind nobody registered."""

@@ -8,6 +8,7 @@ lane-specific: a lane brings its definition rules (``RunStore(validate_definitio
 checks its own provenance before it asks for a row.
 """
 
+from . import errors
 from .database import StoreDatabase
 from .definitions import (
     CONTENT_HASH,
@@ -27,24 +28,7 @@ from .definitions import (
     validate_name,
 )
 from .engine_runs import ENGINE_RUN_STATUSES, EngineRunRecord, EngineRunStore
-from .errors import (
-    EngineRunNotFoundError,
-    MapJobBusyError,
-    MapJobNotFoundError,
-    ProvenanceError,
-    RunConflictError,
-    RunNotFoundError,
-    RunNotResumableError,
-    StoreSchemaError,
-    WorkflowDefinitionError,
-    WorkflowNameConflictError,
-    WorkflowNotFoundError,
-    WorkflowStoreError,
-    WorkflowValidationError,
-    WorkflowVersionLimitError,
-    WorkflowVersionNotFoundError,
-    problem,
-)
+from .errors import *  # noqa: F403 - the store's errors, re-exported whole (its __all__)
 from .map_jobs import MAP_JOB_STATUSES, MapJobRecord, MapJobStore, RowOutcome
 from .owners import ProcessIdentity, current_process, owner_is_alive
 from .recorder import MAX_BACKLOG, RunRecorder
@@ -104,39 +88,24 @@ __all__ = [
     "TERMINAL_RUN_STATUSES",
     "DefinitionRules",
     "Definitions",
-    "EngineRunNotFoundError",
     "EngineRunRecord",
     "EngineRunStore",
-    "MapJobBusyError",
-    "MapJobNotFoundError",
     "MapJobRecord",
     "MapJobStore",
     "Migration",
     "ProcessIdentity",
-    "ProvenanceError",
     "PruneReport",
     "RetentionPolicy",
-    "RunConflictError",
-    "RunNotFoundError",
-    "RunNotResumableError",
     "RunRecord",
     "RunRecorder",
     "RowOutcome",
     "RunStore",
     "StoreDatabase",
-    "StoreSchemaError",
     "StoreSize",
     "StoreWriter",
     "StoredRun",
-    "WorkflowDefinitionError",
-    "WorkflowNameConflictError",
-    "WorkflowNotFoundError",
-    "WorkflowStoreError",
     "WorkflowSummary",
-    "WorkflowValidationError",
     "WorkflowVersion",
-    "WorkflowVersionLimitError",
-    "WorkflowVersionNotFoundError",
     "canonical_json",
     "current_process",
     "default_store_path",
@@ -147,7 +116,6 @@ __all__ = [
     "normalise_name",
     "owner_is_alive",
     "parse_ref",
-    "problem",
     "provenance_columns",
     "prune_runs",
     "read_definition_file",
@@ -158,4 +126,5 @@ __all__ = [
     "stored_runs",
     "vacuum_store",
     "validate_name",
+    *errors.__all__,
 ]

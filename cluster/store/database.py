@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from opgraph.actors.persistence.backends import Connection, describe, driver_errors, is_postgres, open_connection
+from opgraph.actors.persistence.backends import Connection, SharedConnection, describe, is_postgres
 from opgraph.actors.secrets import private_directory
 
 from .errors import WorkflowStoreError
@@ -27,7 +27,7 @@ from .writer import StoreWriter
 __all__ = ["StoreDatabase"]
 
 
-class StoreDatabase:
+class StoreDatabase(SharedConnection):
     """One connection, shared by threads under a lock (the HTTP API calls from threads).
 
     Code on an event loop writes through ``writer``, the store's one writer thread, so
@@ -39,6 +39,11 @@ class StoreDatabase:
     ``fsync_every_commit=True`` keeps SQLite's default (``synchronous = FULL``): the
     engine runs' store, which commits far less often, always had it.
     """
+
+    _error_type = WorkflowStoreError
+    _closed_text = "the run store {where} is closed"
+    _failed_text = "the run store {where} failed: {error}"
+    _open_text = "cannot open the run store {where}: {error}"
 
     def __init__(self, path: str | Path | None = None, *, clock: Callable[[], float] = time.time,
                  fsync_every_commit: bool = False) -> None:
@@ -54,27 +59,18 @@ class StoreDatabase:
         self._db: Connection | None = None
         self._writer: StoreWriter | None = None
         self._writer_lock = threading.Lock()
-        try:
-            self._db = open_connection(self.path, timeout=10.0, named_rows=True)
-            if not postgres:
-                self._db.execute("PRAGMA foreign_keys = ON")
-            if self.path != ":memory:" and not postgres:
-                # WAL lets the CLI read while a long run writes signals.
-                self._db.execute("PRAGMA journal_mode = WAL")
-                if not fsync_every_commit:
-                    # A commit reaches the operating system before it returns, so a killed
-                    # process loses nothing committed; only a power loss may undo the last
-                    # commits (never corrupting the file). FULL added an fsync per commit:
-                    # 1.46x against 1.10x the bare run time (python -m opgraph.cluster.bench.store).
-                    self._db.execute("PRAGMA synchronous = NORMAL")
-            migrate(self._db, path=describe(self.path))
-        except BaseException as exc:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
-            if isinstance(exc, driver_errors()):
-                raise WorkflowStoreError(f"cannot open the run store {describe(self.path)}: {exc}") from exc
-            raise
+        pragmas = ["PRAGMA foreign_keys = ON"]
+        if self.path != ":memory:":
+            # WAL lets the CLI read while a long run writes signals.
+            pragmas.append("PRAGMA journal_mode = WAL")
+            if not fsync_every_commit:
+                # A commit reaches the operating system before it returns, so a killed
+                # process loses nothing committed; only a power loss may undo the last
+                # commits (never corrupting the file). FULL added an fsync per commit:
+                # 1.46x against 1.10x the bare run time (python -m opgraph.cluster.bench.store).
+                pragmas.append("PRAGMA synchronous = NORMAL")
+        self._connect(self.path, timeout=10.0, sqlite_pragmas=pragmas,
+                      migrate=lambda db: migrate(db, path=describe(self.path)))
 
     @property
     def dialect(self) -> str:
@@ -100,38 +96,17 @@ class StoreDatabase:
             writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
-        with self._lock:
-            if self._db is not None:
-                self._db.close()
-                self._db = None
+        super().close()
 
-    def __enter__(self) -> Any:
-        return self
+    def _where(self) -> str:
+        return describe(self.path)
 
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    @contextmanager
-    def _transaction(self, *, write: bool = False) -> Iterator[Connection]:
+    def _transaction(self, *, write: bool = False) -> AbstractContextManager[Connection]:
         """One locked transaction; the driver's errors are translated here, once."""
-        with self._lock:
-            if self._db is None:
-                raise WorkflowStoreError(f"the run store {describe(self.path)} is closed")
-            db = self._db
-            try:
-                # A write transaction excludes other writers from its start (SQLite's BEGIN
-                # IMMEDIATE, PostgreSQL's advisory lock), so read-then-write (the next
-                # version number, the next signal seq) cannot race another process.
-                db.begin(write=write)
-                try:
-                    yield db
-                except BaseException:
-                    db.rollback()
-                    raise
-                db.commit()
-            except db.errors as exc:
-                db.rollback()
-                raise WorkflowStoreError(f"the run store {describe(self.path)} failed: {exc}") from exc
+        # A write transaction excludes other writers from its start (SQLite's BEGIN
+        # IMMEDIATE, PostgreSQL's advisory lock), so read-then-write (the next
+        # version number, the next signal seq) cannot race another process.
+        return self._locked(transaction=True, write=write)
 
     def transaction(self, *, write: bool = False) -> Any:
         """One locked transaction on this store's connection (a context manager yielding it), for
@@ -139,18 +114,10 @@ class StoreDatabase:
         transaction as its record. ``write`` excludes other writers from its start."""
         return self._transaction(write=write)
 
-    @contextmanager
-    def outside_transaction(self) -> Iterator[Connection]:
+    def outside_transaction(self) -> AbstractContextManager[Connection]:
         """The connection under this store's lock with no transaction open, for the statements that
         must run outside one (SQLite's VACUUM and incremental vacuum, PostgreSQL's VACUUM)."""
-        with self._lock:
-            if self._db is None:
-                raise WorkflowStoreError(f"the run store {describe(self.path)} is closed")
-            db = self._db
-            try:
-                yield db
-            except db.errors as exc:
-                raise WorkflowStoreError(f"the run store {describe(self.path)} failed: {exc}") from exc
+        return self._locked(transaction=False)
 
     def schema_version(self) -> int:
         with self._transaction() as db:

@@ -23,6 +23,7 @@ subclass of ``WorkflowDefinitionError`` it defines (the fixed lane's compile err
 
 from __future__ import annotations
 
+import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -105,47 +106,46 @@ class WorkflowStoreError(OpGraphError):
     _fields: tuple[str, ...] = ()
 
 
-class StoreSchemaError(WorkflowStoreError):
+class _Templated:
+    """Mixin of a store error built from the fields its message names, in the order it names them:
+    ``class E(_Templated, WorkflowStoreError, message="no run with id {run_id!r}")`` is raised as
+    ``E(run_id)``, keeps ``run_id`` as an attribute and lists it in ``_fields``."""
+
+    _fields: tuple[str, ...]
+    _message: str
+
+    def __init_subclass__(cls, *, message: str | None = None, **settings: Any) -> None:
+        super().__init_subclass__(**settings)
+        if message is not None:
+            cls._message = message
+            cls._fields = tuple(dict.fromkeys(name for _, name, _, _ in string.Formatter().parse(message) if name))
+
+    def __init__(self, *values: Any) -> None:
+        fields = dict(zip(self._fields, values, strict=True))
+        super().__init__(self._message.format(**fields))
+        self.__dict__.update(fields)
+
+
+class StoreSchemaError(_Templated, WorkflowStoreError, message=(
+        "the store {path} has schema version {found}, but this opgraph knows only up to {supported}; "
+        "upgrade opgraph or use another store (--store / OPGRAPH_DB)")):
     """The database was written by a newer opgraph; upgrade opgraph, or use another file."""
 
-    _fields = ("path", "found", "supported")
 
-    def __init__(self, path: str, found: int, supported: int) -> None:
-        super().__init__(f"the store {path} has schema version {found}, but this opgraph knows only up to "
-                         f"{supported}; upgrade opgraph or use another store (--store / OPGRAPH_DB)")
-        self.path, self.found, self.supported = path, found, supported
-
-
-class WorkflowNameConflictError(WorkflowStoreError):
+class WorkflowNameConflictError(_Templated, WorkflowStoreError, message=(
+        "a workflow named {name!r} already exists; add a version to it, delete it, or choose another name")):
     """A live workflow already has ``name`` (HTTP 409)."""
 
-    _fields = ("name",)
 
-    def __init__(self, name: str) -> None:
-        super().__init__(f"a workflow named {name!r} already exists; add a version to it, delete it, "
-                         "or choose another name")
-        self.name = name
-
-
-class WorkflowVersionLimitError(WorkflowStoreError):
+class WorkflowVersionLimitError(_Templated, WorkflowStoreError, message=(
+        "workflow {name!r} already has {limit} versions, the most this store keeps per workflow "
+        "(opgraph serve --max-versions, OPGRAPH_MAX_VERSIONS); create a new workflow instead")):
     """The workflow already has as many versions as the store allows (HTTP 409); nothing was written."""
 
-    _fields = ("name", "limit")
 
-    def __init__(self, name: str, limit: int) -> None:
-        super().__init__(f"workflow {name!r} already has {limit} versions, the most this store keeps per workflow "
-                         "(opgraph serve --max-versions, OPGRAPH_MAX_VERSIONS); create a new workflow instead")
-        self.name, self.limit = name, limit
-
-
-class WorkflowNotFoundError(WorkflowStoreError):
+class WorkflowNotFoundError(_Templated, WorkflowStoreError, message=(
+        "no workflow named {name!r} (nor with that id); `opgraph workflows list` shows them")):
     """No live workflow has ``name`` as its name or id (HTTP 404)."""
-
-    _fields = ("name",)
-
-    def __init__(self, name: str) -> None:
-        super().__init__(f"no workflow named {name!r} (nor with that id); `opgraph workflows list` shows them")
-        self.name = name
 
 
 class WorkflowVersionNotFoundError(WorkflowNotFoundError):
@@ -160,49 +160,27 @@ class WorkflowVersionNotFoundError(WorkflowNotFoundError):
         self.name, self.version = name, version
 
 
-class RunNotFoundError(WorkflowStoreError):
+class RunNotFoundError(_Templated, WorkflowStoreError, message="no run with id {run_id!r}"):
     """No run has ``run_id``."""
 
-    _fields = ("run_id",)
 
-    def __init__(self, run_id: str) -> None:
-        super().__init__(f"no run with id {run_id!r}")
-        self.run_id = run_id
-
-
-class RunConflictError(WorkflowStoreError):
+class RunConflictError(_Templated, WorkflowStoreError, message=(
+        "a run with id {run_id!r} already exists; use a fresh run id")):
     """A run with ``run_id`` already exists; run ids are never reused."""
 
-    _fields = ("run_id",)
 
-    def __init__(self, run_id: str) -> None:
-        super().__init__(f"a run with id {run_id!r} already exists; use a fresh run id")
-        self.run_id = run_id
-
-
-class RunNotResumableError(WorkflowStoreError):
+class RunNotResumableError(_Templated, WorkflowStoreError, message=(
+        "run {run_id} is {status}, not orphaned: only a run whose owner process died "
+        "can be resumed from the run log")):
     """Only a run recorded as orphaned (its owner process died) can be resumed; ``status`` is what it is.
 
     A run that finished keeps its end; a run still owned by a live process is its owner's;
     a detached run goes on on its cluster (``opgraph run result`` reads it).
     """
 
-    _fields = ("run_id", "status")
 
-    def __init__(self, run_id: str, status: str) -> None:
-        super().__init__(f"run {run_id} is {status}, not orphaned: only a run whose owner process died "
-                         "can be resumed from the run log")
-        self.run_id, self.status = run_id, status
-
-
-class EngineRunNotFoundError(WorkflowStoreError):
+class EngineRunNotFoundError(_Templated, WorkflowStoreError, message="no engine run with id {run_id!r}"):
     """No engine run has ``run_id``."""
-
-    _fields = ("run_id",)
-
-    def __init__(self, run_id: str) -> None:
-        super().__init__(f"no engine run with id {run_id!r}")
-        self.run_id = run_id
 
 
 class MapJobNotFoundError(WorkflowStoreError):
@@ -216,11 +194,6 @@ class MapJobNotFoundError(WorkflowStoreError):
         self.job_id = job_id
 
 
-class MapJobBusyError(WorkflowStoreError):
+class MapJobBusyError(_Templated, WorkflowStoreError, message=(
+        "dataset job {job_id} is being run by {owner}; wait for it, or stop it first")):
     """Another process that is still alive is running the dataset job: one runs a job at a time."""
-
-    _fields = ("job_id", "owner")
-
-    def __init__(self, job_id: str, owner: str) -> None:
-        super().__init__(f"dataset job {job_id} is being run by {owner}; wait for it, or stop it first")
-        self.job_id, self.owner = job_id, owner
