@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
-
-from pydantic import BaseModel, RootModel, model_validator
 
 from opgraph.actors.verbs import ParseError
 from opgraph.actors.verbs.conversation import BoundModel, system_messages
-from opgraph.actors.verbs.structured import converse, schema_guidance
+from opgraph.actors.verbs.structured import converse, json_schema_model, schema_guidance
 
 from .rows import MapInputError
 
@@ -58,30 +55,9 @@ def check_schema(schema: Any, where: str = "the schema") -> dict[str, Any]:
     return schema
 
 
-@lru_cache(maxsize=16)
-def answer_model(schema_text: str) -> type[BaseModel]:
-    """A pydantic model whose JSON Schema is ``schema_text`` and whose validation is jsonschema's,
-    so a schema file takes the structured path the verbs take with a pydantic class. Made once per
-    process and schema."""
-    import jsonschema
-
-    schema = json.loads(schema_text)
-    validator = jsonschema.validators.validator_for(schema)(schema)
-
-    class Answer(RootModel[Any]):
-        @model_validator(mode="after")
-        def _fits_the_schema(self) -> Answer:
-            problems = sorted(validator.iter_errors(self.root), key=lambda error: list(error.path))
-            if problems:
-                raise ValueError("; ".join(f"{'/'.join(str(p) for p in error.path) or '(root)'}: {error.message}"
-                                           for error in problems[:5]))
-            return self
-
-        @classmethod
-        def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
-            return schema
-
-    return Answer
+# A schema file takes the structured path the verbs take with a pydantic class: the verbs' own
+# model made from a JSON Schema (its validation jsonschema's), once per process and schema.
+answer_model = json_schema_model
 
 
 async def answer_row(branch: Any, prompt: str = "", context: Any = None, *, task: RowTask,
