@@ -577,40 +577,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+# The shapes that are not graph shapes: each is its own benchmark, run beside the graph shapes.
+EXTRA_SHAPES = (ENGINES, MAP, CONSOLE, HTTP, HTTP_STREAM, PLANNED)
+
+
+@dataclass
+class Selection:
+    """What ``--shapes`` asked for: the graph shapes (``graphs``), and which other benchmarks (``extras``)."""
+
+    graphs: list[str]
+    extras: set[str]
+
+    @property
+    def http_streams(self) -> list[bool]:
+        return [stream for key, stream in ((HTTP, False), (HTTP_STREAM, True)) if key in self.extras]
+
+    def without_console(self) -> str:
+        return ",".join(self.graphs + [key for key in EXTRA_SHAPES if key in self.extras and key != CONSOLE])
+
+
+def _selection(parser: argparse.ArgumentParser, args: argparse.Namespace, catalogue: dict[str, Any]) -> Selection:
+    """``--shapes`` and the options they need, checked (``parser.error`` on bad input)."""
     if args.nodes < 1 or args.repeat < 1:
         parser.error("--nodes and --repeat must be at least 1")
-    catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
-    wanted = [key.strip() for key in args.shapes.split(",") if key.strip()]
-    engines, dataset_jobs, console = ENGINES in wanted, MAP in wanted, CONSOLE in wanted
-    planned_lane = PLANNED in wanted
-    http_streams = [stream for key, stream in ((HTTP, False), (HTTP_STREAM, True)) if key in wanted]
-    http_keys = [key for key in (HTTP, HTTP_STREAM) if key in wanted]
-    wanted = [key for key in wanted if key not in (ENGINES, MAP, CONSOLE, HTTP, HTTP_STREAM, PLANNED)]
-    unknown = [key for key in wanted if key not in catalogue]
-    if unknown or not (wanted or engines or dataset_jobs or console or http_streams or planned_lane):
+    keys = [key.strip() for key in args.shapes.split(",") if key.strip()]
+    selection = Selection([key for key in keys if key not in EXTRA_SHAPES],
+                          {key for key in keys if key in EXTRA_SHAPES})
+    unknown = [key for key in selection.graphs if key not in catalogue]
+    if unknown or not (selection.graphs or selection.extras):
         parser.error(f"unknown shape(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(catalogue)}"
-                     f", {ENGINES}, {MAP}, {CONSOLE}, {HTTP}, {HTTP_STREAM}, {PLANNED}")
-    if http_streams and (args.http_calls < 1 or args.http_concurrency < 1 or args.http_repeat < 1
-                         or not args.http_scale > 0):
+                     f", {', '.join(EXTRA_SHAPES)}")
+    if selection.http_streams and (args.http_calls < 1 or args.http_concurrency < 1 or args.http_repeat < 1
+                                   or not args.http_scale > 0):
         parser.error("--http-calls, --http-concurrency and --http-repeat must be at least 1, --http-scale above 0")
-    if console:  # the console's figures last, on a Ray of their own (after this one stopped)
-        args.shapes = ",".join(wanted + [ENGINES] * engines + [MAP] * dataset_jobs + [PLANNED] * planned_lane
-                               + http_keys)
-        status = main(_without_console(argv or sys.argv[1:], args.shapes)) if args.shapes else 0
-        return max(status, _console(args))
-    if not (wanted or engines or planned_lane):  # these start their own servers, clients and Rays
-        status = _http_calls(args, http_streams) if http_streams else 0
-        return max(status, _dataset_jobs(args)) if dataset_jobs else status
+    return selection
+
+
+def _missing_peer(args: argparse.Namespace) -> str | None:
+    """The first ``--compare`` peer whose package is not installed."""
     for peer in args.compare if isinstance(args.compare, list) else ():
         if peer in PEERS:
             try:
                 importlib.import_module(peer)
             except ImportError:
-                print(f"opgraph bench: --compare {peer} needs the {peer} package: {INSTALL_HINT}", file=sys.stderr)
-                return 2
+                return peer
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    catalogue = {shape.key: shape for shape in standard_shapes(args.nodes)}
+    selection = _selection(parser, args, catalogue)
+    extras = selection.extras
+    if CONSOLE in extras:  # the console's figures last, on a Ray of their own (after this one stopped)
+        args.shapes = selection.without_console()
+        status = main(_without_console(argv or sys.argv[1:], args.shapes)) if args.shapes else 0
+        return max(status, _console(args))
+    if not (selection.graphs or extras & {ENGINES, PLANNED}):  # these start their own servers, clients and Rays
+        status = _http_calls(args, selection.http_streams) if selection.http_streams else 0
+        return max(status, _dataset_jobs(args)) if MAP in extras else status
+    peer = _missing_peer(args)
+    if peer is not None:
+        print(f"opgraph bench: --compare {peer} needs the {peer} package: {INSTALL_HINT}", file=sys.stderr)
+        return 2
     # Join a Ray that is already up (a test's shared one) and leave it up; stop only our own.
     started_ray = not ray.is_initialized()
     start = time.perf_counter()
@@ -618,14 +648,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         session = Session()
         ray.get(session.runtime.executor.ping.remote())
         ray_start = time.perf_counter() - start
-        status = asyncio.run(run(args, [catalogue[key] for key in wanted], session, ray_start)) if wanted else 0
-        if engines:
-            status = max(status, _engines(args, session, separate_json=bool(wanted)))
-        if planned_lane:
+        graphs = [catalogue[key] for key in selection.graphs]
+        status = asyncio.run(run(args, graphs, session, ray_start)) if graphs else 0
+        if ENGINES in extras:
+            status = max(status, _engines(args, session, separate_json=bool(graphs)))
+        if PLANNED in extras:
             status = max(status, _planned_lane(args, session))
-        if http_streams:
-            status = max(status, _http_calls(args, http_streams))
-        if dataset_jobs:
+        if selection.http_streams:
+            status = max(status, _http_calls(args, selection.http_streams))
+        if MAP in extras:
             status = max(status, _dataset_jobs(args))
         return status
     finally:
