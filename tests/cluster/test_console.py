@@ -332,3 +332,41 @@ def test_pausing_messaging_and_resuming_a_planned_run_from_the_console(console_p
         assert _status(api, run_id) == "completed"
     finally:
         cloudpickle.unregister_pickle_by_value(planned_scripts)
+
+
+def test_a_failed_durable_run_resumes_from_the_run_log_through_the_console(console_page, served, api, store, session,
+                                                                           tmp_path):
+    """in -> draft -> second -> third (sim/slow) run by `opgraph flow run` on the session's Ray; its owner is
+    SIGKILLed once draft settled, so the run is recorded failed (OwnerProcessLost). The console's button
+    continues it from the run log, and draft does not run again."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from opgraph.cluster.processes import run_until
+
+    definition = tmp_path / "chain.json"
+    definition.write_text(json.dumps(_chain_spec()))
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    run_until([sys.executable, "-m", "opgraph.cluster.cli", "flow", "run", str(definition), "--store", store.path,
+               "--plain", "--input", "topic=recover"],
+              lambda lines: any("completed" in line and line.rstrip().endswith(" draft") for line in lines),
+              stream="stderr", timeout=60, env=env, stdout=subprocess.DEVNULL)
+    (record,) = [run for run in store.list_runs(limit=1000) if run.source_ref == str(definition)]
+    assert record.orphaned, record
+    console_page.goto(f"{served.url}/runs/{record.run_id}")
+    assert console_page.locator("button.control").all_inner_texts() == ["resume from the run log"]
+    asked: list[str] = []
+    console_page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+    console_page.get_by_role("button", name="resume from the run log").click()
+    assert asked and "Continue this failed durable run" in asked[0]
+    assert api.get(f"/api/runs/{record.run_id}").json()["status"] == "failed"  # dismissed: nothing was sent
+    _confirm(console_page, asked)
+    console_page.get_by_role("button", name="resume from the run log").click()
+    console_page.locator("#control-outcome", has_text="recover: running").wait_for()
+    _wait(api, record.run_id, lambda: _status(api, record.run_id) == "completed")
+    started = [s["spec_node_id"] for s in store.run_signals(record.run_id) if s["kind"] == "started"]
+    assert started.count("draft") == 1, started
+    console_page.reload()
+    console_page.locator("#run-status", has_text="completed").wait_for()
