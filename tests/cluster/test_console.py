@@ -274,3 +274,99 @@ def test_a_10000_node_fan_out_is_a_few_shapes_with_counts_and_expands(console_pa
     assert members.count() == 200  # a page of members; the rest are a "next" away
     members.nth(1).click()
     console_page.locator("#panel h2", has_text="row-1").wait_for()
+
+
+# -- pause, message, resume; resume from the run log ----------------------------------------------
+def _signals(api: httpx.Client, run_id: str) -> list[dict[str, Any]]:
+    return api.get(f"/api/runs/{run_id}/signals").json()["signals"]
+
+
+def _confirm(console_page: Any, asked: list[str], answer: str | None = None) -> None:
+    """Accept the next dialog (a prompt with ``answer``), noting what it asked."""
+    console_page.once("dialog", lambda dialog: (asked.append(dialog.message),
+                                                dialog.accept(answer) if answer is not None else dialog.accept()))
+
+
+def test_pausing_messaging_and_resuming_a_planned_run_from_the_console(console_page, served, api, session,
+                                                                        tmp_path):
+    """A planned flow (scripted planner: gather -> weigh -> draft SLOW -> review SLOW) is paused, sent a
+    message while paused and resumed through the console's buttons, and completes without a reload."""
+    import planned_scripts
+    from planned_scripts import PlannedScript
+    from ray import cloudpickle
+
+    from opgraph.actors.providers import ScriptedProvider
+
+    cloudpickle.register_pickle_by_value(planned_scripts)
+    try:
+        session.register_provider("scripted", ScriptedProvider(PlannedScript(tmp_path / "calls.log")))
+        started = api.post("/api/flows/runs", json={"prompt": "crash-plan", "model": "scripted/planner",
+                                                    "synthesis": False})
+        assert started.status_code == 202, started.text
+        run_id = started.json()["run_id"]
+        console_page.goto(f"{served.url}/runs/{run_id}")
+        console_page.evaluate("window.notReloaded = true")
+        asked: list[str] = []
+        _confirm(console_page, asked)
+        console_page.get_by_role("button", name="pause", exact=True).click()
+        console_page.locator("#control-outcome", has_text="pause: accepted").wait_for()
+        assert asked and "Pause this run" in asked[-1]
+        # The run holds: no node starts while it is paused (the running ones may finish), and it does not end.
+        time.sleep(0.5)
+        started = [s for s in _signals(api, run_id) if s["kind"] == "started"]
+        time.sleep(3.0)  # longer than a SLOW node
+        assert [s for s in _signals(api, run_id) if s["kind"] == "started"] == started
+        assert _status(api, run_id) == "running"
+
+        _confirm(console_page, asked, "keep it short")
+        console_page.get_by_role("button", name="send a message").click()
+        console_page.locator("#control-outcome", has_text="message: accepted").wait_for()
+        assert asked[-1] == "Message to send into the run:"
+        assert _status(api, run_id) == "running"
+
+        _confirm(console_page, asked)
+        console_page.get_by_role("button", name="resume", exact=True).click()
+        console_page.locator("#control-outcome", has_text="resume: accepted").wait_for()
+        console_page.locator("#run-status", has_text="completed").wait_for(timeout=RUN_DEADLINE * 1000)
+        assert console_page.evaluate("window.notReloaded") is True
+        assert _status(api, run_id) == "completed"
+    finally:
+        cloudpickle.unregister_pickle_by_value(planned_scripts)
+
+
+def test_a_failed_durable_run_resumes_from_the_run_log_through_the_console(console_page, served, api, store, session,
+                                                                           tmp_path):
+    """in -> draft -> second -> third (sim/slow) run by `opgraph flow run` on the session's Ray; its owner is
+    SIGKILLed once draft settled, so the run is recorded failed (OwnerProcessLost). The console's button
+    continues it from the run log, and draft does not run again."""
+    import subprocess
+    import sys
+
+    import ray
+
+    from opgraph.cluster.processes import run_until
+
+    definition = tmp_path / "chain.json"
+    definition.write_text(json.dumps(_chain_spec()))
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    run_until([sys.executable, "-m", "opgraph.cluster.cli", "flow", "run", str(definition), "--store", store.path,
+               "--plain", "--input", "topic=recover"],
+              lambda lines: any("completed" in line and line.rstrip().endswith(" draft") for line in lines),
+              stream="stderr", timeout=60, env=env, stdout=subprocess.DEVNULL)
+    (record,) = [run for run in store.list_runs(limit=1000) if run.source_ref == str(definition)]
+    assert record.orphaned, record
+    console_page.goto(f"{served.url}/runs/{record.run_id}")
+    assert console_page.locator("button.control").all_inner_texts() == ["resume from the run log"]
+    asked: list[str] = []
+    console_page.once("dialog", lambda dialog: (asked.append(dialog.message), dialog.dismiss()))
+    console_page.get_by_role("button", name="resume from the run log").click()
+    assert asked and "Continue this failed durable run" in asked[0]
+    assert api.get(f"/api/runs/{record.run_id}").json()["status"] == "failed"  # dismissed: nothing was sent
+    _confirm(console_page, asked)
+    console_page.get_by_role("button", name="resume from the run log").click()
+    console_page.locator("#control-outcome", has_text="recover: running").wait_for()
+    _wait(api, record.run_id, lambda: _status(api, record.run_id) == "completed")
+    started = [s["spec_node_id"] for s in store.run_signals(record.run_id) if s["kind"] == "started"]
+    assert started.count("draft") == 1, started
+    console_page.reload()
+    console_page.locator("#run-status", has_text="completed").wait_for()
