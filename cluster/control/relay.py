@@ -82,7 +82,8 @@ class RelaySettings:
     def from_environment(cls, environ: Any = None) -> RelaySettings | None:
         """The settings `opgraph serve` and `opgraph webhook relay` start with: ``OPGRAPH_WEBHOOK_TIMEOUT``
         (seconds), ``OPGRAPH_WEBHOOK_MAX_ATTEMPTS``, ``OPGRAPH_WEBHOOK_DISABLE_AFTER``,
-        ``OPGRAPH_WEBHOOK_SCHEDULE`` (the retry delays, comma-separated seconds) and the allow-list; None when ``OPGRAPH_WEBHOOK_RELAY=0`` (this process sends nothing)."""
+        ``OPGRAPH_WEBHOOK_SCHEDULE`` (the retry delays, comma-separated seconds) and the allow-list;
+        None when ``OPGRAPH_WEBHOOK_RELAY=0`` (this process sends nothing)."""
         environ = os.environ if environ is None else environ
         if environ.get(RELAY_ENV, "1").strip() == "0":
             return None
