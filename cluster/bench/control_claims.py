@@ -47,6 +47,8 @@ def _worker(target: str, name: str, start: Any, results: Any, complete: bool) ->
     database = ControlDatabase(target)
     queue = TaskQueue(database)
     latencies: list[float] = []
+    settles: list[float] = []
+    cpu = time.process_time()
     start.wait()
     began = time.perf_counter()
     while True:
@@ -56,10 +58,14 @@ def _worker(target: str, name: str, start: Any, results: Any, complete: bool) ->
         if claim is None:
             break
         if complete:
+            asked = time.perf_counter()
             queue.succeed(claim)
+            settles.append(time.perf_counter() - asked)
     ended = time.perf_counter()
+    cpu = time.process_time() - cpu
     database.close()
-    results.put({"claims": len(latencies) - 1, "latencies": latencies[:-1], "began": began, "ended": ended})
+    results.put({"claims": len(latencies) - 1, "latencies": latencies[:-1], "settles": settles, "began": began,
+                 "ended": ended, "cpu": cpu})
 
 
 def run_claims(base: str, workers: int, tasks: int, folder: str, *, complete: bool = True) -> dict[str, Any]:
@@ -86,6 +92,7 @@ def run_claims(base: str, workers: int, tasks: int, folder: str, *, complete: bo
     claims = sum(report["claims"] for report in reports)
     wall = max(report["ended"] for report in reports) - min(report["began"] for report in reports)
     latencies = sorted(value for report in reports for value in report["latencies"])
+    settles = sorted(value for report in reports for value in report["settles"])
     check = TaskQueue(ControlDatabase(target))
     settled = len(check.list_tasks(state="succeeded" if complete else "leased", limit=tasks + 1))
     check.db.close()
@@ -94,7 +101,12 @@ def run_claims(base: str, workers: int, tasks: int, folder: str, *, complete: bo
             "settled_once": settled == claims == tasks, "claims_per_second": round(claims / wall, 1),
             "p50_ms": round(1000 * latencies[len(latencies) // 2], 2),
             "p99_ms": round(1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))], 2),
-            "mean_ms": round(1000 * statistics.fmean(latencies), 2), "wall_seconds": round(wall, 2)}
+            "mean_ms": round(1000 * statistics.fmean(latencies), 2), "wall_seconds": round(wall, 2),
+            # Where a worker's time goes: its succeed calls, and the CPU its own Python spent.
+            "succeed_p50_ms": round(1000 * settles[len(settles) // 2], 2) if settles else None,
+            "succeed_p99_ms": round(1000 * settles[min(len(settles) - 1, int(0.99 * len(settles)))], 2)
+            if settles else None,
+            "worker_cpu_share": round(sum(report["cpu"] for report in reports) / (wall * workers), 2)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ RELAY_ENV = "OPGRAPH_WEBHOOK_RELAY"
 TIMEOUT_ENV = "OPGRAPH_WEBHOOK_TIMEOUT"
 MAX_ATTEMPTS_ENV = "OPGRAPH_WEBHOOK_MAX_ATTEMPTS"
 DISABLE_AFTER_ENV = "OPGRAPH_WEBHOOK_DISABLE_AFTER"
+SCHEDULE_ENV = "OPGRAPH_WEBHOOK_SCHEDULE"  # the retry schedule: seconds, comma-separated ("0,5,300,...")
 _ERROR_TEXT = 300  # characters of a receiver's answer kept with a failed attempt
 
 
@@ -53,7 +54,9 @@ class RelaySettings:
     ``schedule[n]`` is the wait before attempt n + 1 (the last one repeats); a delivery that
     failed ``max_attempts`` times is dead. An endpoint is disabled, with its reason, when one
     of its deliveries dies or ``disable_after`` attempts in a row failed. A send gets
-    ``timeout`` seconds in all (a receiver that hangs is a failed attempt, ``timeout``).
+    ``timeout`` seconds in all (a receiver that hangs is a failed attempt, ``timeout``). A claimed
+    delivery is leased for ``timeout + lease_margin`` seconds: a relay killed mid-send leaves it to
+    another one after that.
     """
 
     schedule: tuple[float, ...] = DEFAULT_SCHEDULE
@@ -63,6 +66,7 @@ class RelaySettings:
     batch: int = 100
     concurrency: int = 16
     poll_interval: float = 1.0
+    lease_margin: float = 30.0
     allow: AllowList = field(default_factory=AllowList.from_environment)
 
     def __post_init__(self) -> None:
@@ -71,13 +75,14 @@ class RelaySettings:
         for name in ("max_attempts", "disable_after", "batch", "concurrency"):
             if type(getattr(self, name)) is not int or getattr(self, name) < 1:
                 raise ValueError(f"{name} is a whole number from 1, got {getattr(self, name)!r}")
-        if not 0 < self.timeout < 3600 or not 0 < self.poll_interval < 3600:
-            raise ValueError("timeout and poll_interval are seconds above 0 (and under an hour)")
+        if not 0 < self.timeout < 3600 or not 0 < self.poll_interval < 3600 or not 0 < self.lease_margin < 3600:
+            raise ValueError("timeout, poll_interval and lease_margin are seconds above 0 (and under an hour)")
 
     @classmethod
     def from_environment(cls, environ: Any = None) -> RelaySettings | None:
         """The settings `opgraph serve` and `opgraph webhook relay` start with: ``OPGRAPH_WEBHOOK_TIMEOUT``
-        (seconds), ``OPGRAPH_WEBHOOK_MAX_ATTEMPTS``, ``OPGRAPH_WEBHOOK_DISABLE_AFTER`` and the allow-list;
+        (seconds), ``OPGRAPH_WEBHOOK_MAX_ATTEMPTS``, ``OPGRAPH_WEBHOOK_DISABLE_AFTER``,
+        ``OPGRAPH_WEBHOOK_SCHEDULE`` (the retry delays, comma-separated seconds) and the allow-list;
         None when ``OPGRAPH_WEBHOOK_RELAY=0`` (this process sends nothing)."""
         environ = os.environ if environ is None else environ
         if environ.get(RELAY_ENV, "1").strip() == "0":
@@ -91,12 +96,18 @@ class RelaySettings:
                     values[name] = kind(text)
                 except ValueError:
                     raise ValueError(f"{variable} must be a number, got {text!r}") from None
+        text = environ.get(SCHEDULE_ENV, "").strip()
+        if text:
+            try:
+                values["schedule"] = tuple(float(part) for part in text.split(","))
+            except ValueError:
+                raise ValueError(f"{SCHEDULE_ENV} is seconds, comma-separated (0,5,300), got {text!r}") from None
         return cls(**values)
 
     @property
     def lease(self) -> float:
         """How long a claimed delivery is this relay's: past its send's timeout, with room to record it."""
-        return self.timeout + 30.0
+        return self.timeout + self.lease_margin
 
     def delay_after(self, attempts: int) -> float:
         """Seconds from the ``attempts``-th failed attempt to the next one."""

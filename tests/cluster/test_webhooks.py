@@ -468,3 +468,16 @@ def test_a_relay_killed_after_its_claim_loses_nothing_its_lease_lapses(tmp_path,
         assert delivery["status"] == "delivered" and delivery["attempts"] == 1
     sent = [request for request in receiver.on("ok") if request.headers["webhook-id"] == event_id]
     assert len(sent) == 1 and _verify(secret, sent[0])["type"] == "webhook.test"
+
+
+def test_the_relay_retry_schedule_and_lease_margin_are_settings():
+    settings = RelaySettings.from_environment({"OPGRAPH_WEBHOOK_SCHEDULE": "0, 0.1,0.5",
+                                               "OPGRAPH_WEBHOOK_TIMEOUT": "2"})
+    assert settings.schedule == (0.0, 0.1, 0.5) and settings.delay_after(1) == 0.1 and settings.delay_after(9) == 0.5
+    assert settings.lease == 32.0 and RelaySettings(timeout=2.0, lease_margin=1.0).lease == 3.0
+    with pytest.raises(ValueError, match="OPGRAPH_WEBHOOK_SCHEDULE is seconds"):
+        RelaySettings.from_environment({"OPGRAPH_WEBHOOK_SCHEDULE": "soon"})
+    with pytest.raises(ValueError, match="retry schedule"):
+        RelaySettings.from_environment({"OPGRAPH_WEBHOOK_SCHEDULE": "1,-2"})
+    with pytest.raises(ValueError, match="lease_margin"):
+        RelaySettings(lease_margin=0)
