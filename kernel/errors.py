@@ -34,6 +34,7 @@ the boundary, so callers never catch a foreign type. ``node_id``, ``branch_id``,
     │       ├── ProviderUnavailable  unreachable, or still 5xx after every retry
     │       ├── ProviderHTTPError    any other HTTP error status
     │       ├── ProviderResponseError  an answer that cannot be read
+    │       │   └── ProviderTruncated  a structured reply cut at max_tokens, not parsed as whole
     │       └── ProviderRefusal      the model declined to answer; ``refusal`` holds its words
     ├── UnknownRunError              no live run with this id on the namespace's executors (actors/errors.py)
     ├── UnknownWatcherError          no such watcher: finished, closed or idle (actors/executor/watchers.py)
