@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import httpx
+import yarl
 
 from ..models import (
     ChatRequest,
@@ -431,6 +432,8 @@ class ProviderHTTPClient:
         if not url.startswith(("http://", "https://")):
             raise self._scheme_error()
         sent = time.perf_counter()
+        if "@" in url.split("/", 3)[2]:  # user:password@host: aiohttp refuses it beside the key's header,
+            url = str(yarl.URL(url).with_user(None))  # and the provider authenticates with that header
         async with self._session().post(url, data=json.dumps(payload).encode(), headers=_JSON) as response:
             if not (stream and 200 <= response.status < 300):
                 return _Reply(response.status, response.headers, await response.read(), url)
