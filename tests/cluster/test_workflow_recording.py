@@ -51,7 +51,8 @@ def _spec(held: list[str], held_model: str) -> dict[str, Any]:
 class ThreadWatchingStore(RunStore):
     """Notes, for every write, whether the calling thread was running an event loop."""
 
-    WRITES = ("create_run", "mark_running", "finish_run", "record_signals", "record_progress", "record_branch")
+    WRITES = ("create_run", "mark_running", "finish_run", "record_signals", "record_progress", "record_branch",
+              "record_branches")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -81,7 +82,8 @@ def test_every_write_of_a_run_happens_off_the_event_loop(session, tmp_path):
         result = asyncio.run(run_workflow(session, source, store=store))
         assert result.status == "completed", result.errors
         kinds = {name for name, _ in store.writes}
-        assert {"create_run", "mark_running", "finish_run", "record_branch"} <= kinds
+        assert {"create_run", "mark_running", "finish_run"} <= kinds
+        assert kinds & {"record_branch", "record_branches"}  # the branches, one at a time or in one transaction
         assert kinds & {"record_signals", "record_progress"}
         on_loop = [name for name, looping in store.writes if looping]
         assert on_loop == [], f"SQLite writes made on the event loop: {on_loop}"
