@@ -115,7 +115,7 @@ def topic_of(text: str) -> str:
     """The subject a prompt names (a labelled or quoted phrase), else its first content words."""
     for pattern in (_SUBJECT, _QUOTED):
         match = pattern.search(text)
-        if match and any(w.lower() not in _LITERALS for w in _WORD.findall(match.group(1)) if len(w) > 2):
+        if match and any(w.lower() not in _LITERALS for w in _WORD.findall(match.group(1))):
             return _trimmed(match.group(1))
     words = [w for w in _WORD.findall(text) if w.lower() not in _FILLER]
     return _trimmed(" ".join(words[:6])) or "the request"
