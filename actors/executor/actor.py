@@ -127,7 +127,8 @@ class GraphExecutor:
         self.watchers: dict[str, RunWatcher] = {}  # watcher id -> watcher; outlives forget_run
         self.probing = False
         self.probes = 0
-        self._recovery_done = False
+        self._promotion: asyncio.Future | None = None  # a standby's adoption of the newest workers and stores
+        self._recovery: asyncio.Future | None = None  # the rebuilding of the runs a predecessor left
         self.standby = standby
         if standby:  # open the connections now, so that promotion finds them ready (no answer needed)
             for handle in [*self.worker_pool.handles, *self.store_pool.handles]:
@@ -210,15 +211,22 @@ class GraphExecutor:
         """
         if self.standby:
             self.standby = False
-            await asyncio.to_thread(self._adopt_newest)
-            self.timeline["promoted"] = time.time()
+            self._promotion = asyncio.ensure_future(asyncio.to_thread(self._adopt_newest))
+        if self._promotion is not None:
+            await asyncio.shield(self._promotion)
+            self.timeline.setdefault("promoted", time.time())
         self._bind()
         await self._introduce_to_workers()
         self.timeline.setdefault("started", time.time())
-        if self.run_log is not None and not self._recovery_done:
-            self._recovery_done = True
-            await self._recover_live_runs()
-            self.timeline["recovered"] = time.time()
+        if self.run_log is not None:
+            # One recovery, which every caller waits for: two callers that met the same death
+            # (a fed run's admission and its poll) both start the replacement, and the second
+            # must not be answered while the first is still rebuilding the run (its admissions
+            # were refused as `not_running`, seen at 100,000 rows with a long log to read).
+            if self._recovery is None:
+                self._recovery = asyncio.ensure_future(self._recover_live_runs())
+            await asyncio.shield(self._recovery)
+            self.timeline.setdefault("recovered", time.time())
         return await self.pool()
 
     def _adopt_newest(self) -> None:

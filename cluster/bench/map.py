@@ -14,7 +14,7 @@ call (``MarkingProvider``): a row named twice was called twice. Linux only (it r
 
 It prints, per size: the run's wall time (the rows fed into the live run, recorded and exported;
 Ray's start and the input's check apart), the ideal (rows x latency / concurrency) and their
-ratio, rows a second, and each process's peak; then each process's peak at the largest size
+ratio, rows a second, each process's peak and its CPU a row; then each process's peak at the largest size
 over its peak at the smallest; then the killed job's records, distinct ids and rows called twice.
 """
 
@@ -35,7 +35,7 @@ from opgraph.actors.providers import SimulatedProvider
 
 from ..processes import ProcessEndedError, process_table, run_until
 
-__all__ = ["CLIENT_SCRIPT", "MarkingProvider", "main", "session_peaks", "write_rows"]
+__all__ = ["CLIENT_SCRIPT", "MarkingProvider", "cpu_by_role", "main", "session_cpu", "session_peaks", "write_rows"]
 
 JOB_SECONDS = 3600.0  # the longest one client may take (a million rows on a busy machine)
 LATENCY_MODEL, INSTANT_MODEL, LATENCY = "sim/default", "sim/instant", 0.05  # sim/default answers in 50 ms
@@ -90,6 +90,32 @@ def session_peaks(session_id: int | None = None) -> dict[str, float]:
     return peaks
 
 
+def session_cpu(session_id: int | None = None) -> dict[int, tuple[str, float]]:
+    """CPU seconds (user and system) each live process of the session ``session_id`` (default: this
+    one's) has used so far: pid -> (role, seconds). Two readings around a job give its cost by role."""
+    session_id = os.getsid(0) if session_id is None else session_id
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[int, tuple[str, float]] = {}
+    for pid, info in process_table().items():
+        if info.session != session_id or info.state == "Z":
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        used[pid] = (_role(pid, info.command), (int(fields[11]) + int(fields[12])) / tick)
+    return used
+
+
+def cpu_by_role(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]]) -> dict[str, float]:
+    """CPU seconds each role used between two ``session_cpu`` readings (a process born between them counts whole)."""
+    spent: dict[str, float] = {}
+    for pid, (role, seconds) in after.items():
+        spent[role] = spent.get(role, 0.0) + seconds - before.get(pid, (role, 0.0))[1]
+    return spent
+
+
 def _vm_high_water_mib(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/status") as handle:
@@ -122,7 +148,7 @@ spec = json.loads(sys.argv[1])
 if spec.get("runlog"):
     os.environ["OPGRAPH_DB"] = spec["runlog"]
 from opgraph.actors import Session
-from opgraph.cluster.bench.map import MarkingProvider, session_peaks
+from opgraph.cluster.bench.map import MarkingProvider, cpu_by_role, session_cpu, session_peaks
 from opgraph.cluster.jobs import MapJob, MapSettings, MapSpec
 
 session, ray_seconds = None, 0.0
@@ -158,12 +184,14 @@ def progress(state):
         printed = state.finished
         print("recorded", state.recorded_before + state.finished, flush=True)
 
+cpu_before = session_cpu()
 ray_started = time.perf_counter()
 summary = asyncio.run(job.execute(session, on_progress=progress))
 ended = time.perf_counter()
+cpu_spent = cpu_by_role(cpu_before, session_cpu())
 job.close()
 result = {"summary": summary.as_dict(), "check_seconds": checked - started, "ray_start_seconds": ray_seconds,
-          "run_seconds": ended - ray_started, "peaks_mib": session_peaks()}
+          "run_seconds": ended - ray_started, "peaks_mib": session_peaks(), "cpu_seconds": cpu_spent}
 print("result " + json.dumps(result), flush=True)
 """
 
@@ -252,6 +280,13 @@ def _print_job(label: str, rows: int, result: dict[str, Any], ideal: float | Non
           flush=True)
     print("  peak MiB: " + ", ".join(f"{role} {mib:,.0f}" for role, mib in sorted(figures["peaks_mib"].items())),
           flush=True)
+    spent = result.get("cpu_seconds") or {}
+    figures["cpu_us_per_row"] = {role: round(seconds * 1e6 / rows, 1) for role, seconds in spent.items()
+                                 if seconds * 1e6 / rows >= 0.5}
+    if spent:
+        print(f"  CPU us a row: all {sum(spent.values()) * 1e6 / rows:,.0f}; " + ", ".join(
+            f"{role} {micros:,.0f}" for role, micros in sorted(figures["cpu_us_per_row"].items(),
+                                                               key=lambda item: -item[1])), flush=True)
     return figures
 
 

@@ -104,3 +104,34 @@ def test_a_fed_run_whose_executor_died_is_rebuilt_and_held_gives_what_was_not_de
     assert seen == {str(index) for index in range(30)}
     assert recoveries == 1
     assert envelope["status"] == "completed"
+
+
+def test_calls_that_meet_the_same_executor_death_all_wait_for_the_rebuilt_run(session):
+    """The feeder's admission, its poll and its reconciliation die together and each starts the
+    replacement: none of them may be answered before the run is rebuilt there (an admission
+    answered early was refused as ``not_running``, and a 100,000-row job stopped short)."""
+    session.register_operation("echo", echo, record_turn=False)
+
+    async def scenario():
+        fed = await FedRun.start(session, max_concurrent=50)
+        await fed.admit(rows(0, 400))  # a log long enough that its rebuilding takes a while
+        settled = 0
+        while settled < 400:
+            settled += len(await fed.outcomes(timeout=1.0))
+        ray.kill(fed.following.executor, no_restart=True)
+        decided, polled, held = await asyncio.gather(fed.admit(rows(400, 20)), fed.outcomes(timeout=0.5),
+                                                     fed.held())
+        seen = {event.name for event in [*polled, *held.settled]}
+        while len(seen) < 420:
+            seen |= {event.name for event in await fed.outcomes(timeout=1.0)}
+        await fed.close()
+        while not fed.done:
+            await fed.outcomes(timeout=1.0)
+        await fed.forget()
+        return decided, seen, fed.envelope
+
+    decided, seen, envelope = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
+    # Accepted here, or by the dying executor before it went (its log has them: a duplicate now).
+    assert set(decided) <= {(True, None), (False, "duplicate")}, decided
+    assert seen >= {str(index) for index in range(400, 420)}
+    assert envelope["status"] == "completed"
