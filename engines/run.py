@@ -189,7 +189,8 @@ class EngineRun:
         """A new agent: a branch in the BranchStore with its role profile and model.
 
         Without budget a non-exempt call notifies once and raises EngineBudgetError. An
-        exempt (terminal) agent bypasses the check but is still counted in ``agents_made``.
+        exempt (terminal) agent bypasses the check but is still counted in ``agents_made``;
+        its name is kept in ``budget.exempt_agents``, so a display can show it beside the bound.
         """
         try:
             ToolPermissions.of(permissions, cwd=cwd, secure=secure)  # bad permissions: refused before any branch
@@ -201,6 +202,8 @@ class EngineRun:
         self.engine.statistics_counters.add("agents_made")  # counted as the budget counts it
         ordinal = self.budget.agents_made
         name = name or f"{role}-{ordinal}"
+        if exempt:
+            self.budget.exempt_agents.append(name)
         model = model or self.engine.model_for(role)
         profile = role_profile(role, name=name, modes=tuple(modes or ()), extra_prompt=extra_prompt,
                                emits=tuple(emits))
