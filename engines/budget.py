@@ -134,7 +134,8 @@ class RunBudget:
         self._clock = clock
         self.t0 = clock()
         self.deadline = None if limits.deadline_s is None else self.t0 + limits.deadline_s
-        self.agents_made = 0
+        self.agents_made = 0  # every agent, exempt (terminal) ones included
+        self.exempt_agents: list[str] = []  # the names of the exempt ones, outside the agent bound
         self.calls = 0
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -215,6 +216,7 @@ class RunBudget:
         return {
             "agents_made": self.agents_made,
             "max_agents": limits.max_agents,
+            "exempt_agents": list(self.exempt_agents),
             "tokens_used": self.tokens_used,
             "estimated_tokens": self.estimated_tokens,
             "max_tokens": limits.max_tokens,

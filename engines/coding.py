@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from opgraph.actors.providers import offers_tools
 from opgraph.actors.verbs import PathEscapeError, SandboxError, is_secret_name
 from opgraph.kernel import OpGraphError
 
@@ -257,7 +258,9 @@ class CodingEngine(Engine):
     kept (the tail), ``max_workspace_bytes`` copied, ``context_chars`` of workspace text
     shown to the agents, ``repair_retries`` per stage. Agents may read the copy
     (``read_file``, ``list_files``) and nothing else: their permissions say so and the
-    runtime enforces it.
+    runtime enforces it. ``read_tools`` (None: unless the agent's model's provider takes
+    no tools, as ``local/`` does) offers those tools; without them an agent works from the
+    workspace snapshot in its prompt.
     """
 
     run_context_cls = CodingRun
@@ -267,7 +270,7 @@ class CodingEngine(Engine):
                  turn_timeout_s: float = DEFAULT_TURN_TIMEOUT_S, heartbeat_s: float = DEFAULT_HEARTBEAT_S,
                  kill_grace_s: float = 5.0, max_output_bytes: int = 64 * 1024,
                  max_workspace_bytes: int = 512 * 2**20, context_chars: int = 60_000, repair_retries: int = 1,
-                 settle_timeout_s: float = 120.0, **engine_settings: Any) -> None:
+                 settle_timeout_s: float = 120.0, read_tools: bool | None = None, **engine_settings: Any) -> None:
         super().__init__(turn_timeout_s=turn_timeout_s, **engine_settings)
         self.max_fix_rounds = _positive("max_fix_rounds", max_fix_rounds, integer=True, strict=False)
         self.test_timeout_s = float(_positive("test_timeout_s", test_timeout_s))
@@ -278,6 +281,9 @@ class CodingEngine(Engine):
         self.context_chars = _positive("context_chars", context_chars, integer=True, strict=False)
         self.repair_retries = _positive("repair_retries", repair_retries, integer=True, strict=False)
         self.settle_timeout_s = float(_positive("settle_timeout_s", settle_timeout_s))
+        if read_tools is not None and not isinstance(read_tools, bool):
+            raise EngineInputError(f"read_tools must be True, False or None, got {read_tools!r}")
+        self.read_tools = read_tools
 
     # -- input, config, store ----------------------------------------------------------------
     def spec(self, task: Any = None, *, workspace: Any = None, test_cmd: Any = None, keep_env: Any = ()) -> CodingSpec:
@@ -327,14 +333,23 @@ class CodingEngine(Engine):
         sandbox = run.sandbox
         assert sandbox is not None
         tools = WorkspaceReader(sandbox.copy).tools()
-        reading = {"tools": tools, "permissions": {"allow": list(_READ_TOOLS)}, "cwd": sandbox.copy, "secure": True}
-        planner = await run.make_agent("planner", name="planner", emits=(WorkPlanned,), **reading)
+        registered = getattr(getattr(run.port, "session", None), "providers", None)
+
+        def reading(role: str) -> dict[str, Any]:
+            offered = self.read_tools
+            if offered is None:  # a model whose provider takes no tools reads the snapshot in its prompt
+                offered = offers_tools(self.model_for(role), registered)
+            return {"tools": tools if offered else (), "permissions": {"allow": list(_READ_TOOLS)},
+                    "cwd": sandbox.copy, "secure": True}
+
+        planner = await run.make_agent("planner", name="planner", emits=(WorkPlanned,), **reading("planner"))
         await self._beating(run, "plan", run.operate_with_repair(
             planner, self._plan_instruction(run), arrived=lambda: bool(run.by_type(WorkPlanned, agent="planner")),
             retries=self.repair_retries))
         plans = run.by_type(WorkPlanned, agent="planner")
         run.plan = plans[-1] if plans else None
-        implementer = await run.make_agent("implementer", name="implementer", emits=(ChangeProposed,), **reading)
+        implementer = await run.make_agent("implementer", name="implementer", emits=(ChangeProposed,),
+                                           **reading("implementer"))
         await self._propose(run, implementer, self._implement_instruction(run), round_=0)
         await self._test(run, round_=0)
         while not run.tests_passed and run.rounds_used < self.max_fix_rounds:
@@ -344,7 +359,8 @@ class CodingEngine(Engine):
         if not run.tests_passed:
             return  # ground truth says no: a verifier cannot change that
         run.files_changed = await self._beating(run, "diff", sandbox.changes(run.touched))
-        verifier = await run.make_agent("verifier", name="verifier", emits=(VerifyResult,), exempt=True, **reading)
+        verifier = await run.make_agent("verifier", name="verifier", emits=(VerifyResult,), exempt=True,
+                                        **reading("verifier"))
         await self._beating(run, "verify", run.operate_with_repair(
             verifier, self._verify_instruction(run), arrived=lambda: bool(run.by_type(VerifyResult, agent="verifier")),
             retries=self.repair_retries))

@@ -33,7 +33,7 @@ from .tasks import TaskSet
 if TYPE_CHECKING:
     from .engine import Engine
 
-__all__ = ["CUT_OFF_ERROR_TYPES", "EngineRun", "EventCallback", "MALFORMED_ERROR_TYPES"]
+__all__ = ["CUT_OFF_ERROR_TYPES", "EngineRun", "EventCallback", "MALFORMED_ERROR_TYPES", "UNPARSED_ERROR_TYPES"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,10 @@ EventCallback = Callable[[dict[str, Any]], Any]
 # Turn failures that mean "the reply did not fit the requested shape": a repair re-prompt
 # may fix them, so operate_with_repair counts them as a missed emission, not a failure.
 MALFORMED_ERROR_TYPES = frozenset({"ParseError", "ValidationError"})
+# A structured reply cut off at max_tokens did not parse either: to an engine it is a missed
+# emission (repairable, then a skipped diagnostic), never a run failure. Kept apart from the
+# malformed types, whose failed nodes are estimated as every parse attempt made.
+UNPARSED_ERROR_TYPES = MALFORMED_ERROR_TYPES | {"ProviderTruncated"}
 # Turn failures that cut a model call off before its usage arrived: that call is estimated.
 CUT_OFF_ERROR_TYPES = frozenset({OPERATION_TIMEOUT, CANCELLED, CANCEL_GRACE_EXPIRED})
 EMISSION_DEPTH = 4
@@ -189,7 +193,8 @@ class EngineRun:
         """A new agent: a branch in the BranchStore with its role profile and model.
 
         Without budget a non-exempt call notifies once and raises EngineBudgetError. An
-        exempt (terminal) agent bypasses the check but is still counted in ``agents_made``.
+        exempt (terminal) agent bypasses the check but is still counted in ``agents_made``;
+        its name is kept in ``budget.exempt_agents``, so a display can show it beside the bound.
         """
         try:
             ToolPermissions.of(permissions, cwd=cwd, secure=secure)  # bad permissions: refused before any branch
@@ -201,6 +206,8 @@ class EngineRun:
         self.engine.statistics_counters.add("agents_made")  # counted as the budget counts it
         ordinal = self.budget.agents_made
         name = name or f"{role}-{ordinal}"
+        if exempt:
+            self.budget.exempt_agents.append(name)
         model = model or self.engine.model_for(role)
         profile = role_profile(role, name=name, modes=tuple(modes or ()), extra_prompt=extra_prompt,
                                emits=tuple(emits))
@@ -378,7 +385,8 @@ class EngineRun:
         """One ``operate`` turn, then at most ``retries`` re-prompts while ``arrived()`` is false.
 
         The turn asks for an emission bundle of ``emits`` (the agent's own by default).
-        A malformed reply (``ParseError``) counts as a missed emission, not a failure.
+        A malformed reply (``ParseError``), or one cut off at ``max_tokens``
+        (``ProviderTruncated``), counts as a missed emission, not a failure.
         Repair asks the model to emit; it never constructs the event. On a final miss it
         notifies ``emission_missing``, records ``<agent> x<attempts>`` and returns the
         last raw response (None when no reply parsed).
@@ -405,8 +413,9 @@ class EngineRun:
         try:
             result = await self.turn(agent, instruction, response_format=bundle, **parameters)
         except TurnError as error:
-            if error.error_type in MALFORMED_ERROR_TYPES:
-                self.notify("emission_malformed", agent=agent.name, error=str(error)[:500])
+            if error.error_type in UNPARSED_ERROR_TYPES:
+                self.notify("emission_malformed", agent=agent.name, error=str(error)[:500],
+                            error_type=error.error_type)
                 return None
             raise
         return result.response

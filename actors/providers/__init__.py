@@ -14,7 +14,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ..models import ChatRequest, ChatResponse, ModelProvider, ProviderConfigError
+from ..models import ChatRequest, ChatResponse, ModelIdentityError, ModelProvider, ProviderConfigError, parse_model_id
 from ..secrets import redact_url
 from .adaptive import AdaptiveGate, AdaptiveLimit, RateBudget
 from .anthropic import AnthropicProvider
@@ -55,6 +55,7 @@ __all__ = [
     "clear_builtin_providers",
     "describe_provider",
     "environment_providers",
+    "offers_tools",
     "example_from_schema",
     "forget_rate_limited_providers",
     "provider_from_description",
@@ -183,6 +184,26 @@ def _build(name: str) -> ModelProvider:
         f"others must be registered with session.register_provider({name!r}, provider)",
         provider=name,
     )
+
+
+def offers_tools(model: str | None, registered: Mapping[str, Any] | None = None) -> bool:
+    """Whether tool definitions may be sent to ``model``'s provider.
+
+    A provider says no with ``supports_tools = False`` (``local/`` does: llama.cpp here
+    refuses tools, typed). ``registered`` is a Session's own providers, checked first; an
+    unregistered prefix is the process's built-in. Unknown or no model: True (the call
+    itself reports what is wrong).
+    """
+    if not model:
+        return True
+    try:
+        name, _ = parse_model_id(model)
+    except ModelIdentityError:
+        return True
+    provider = (registered or {}).get(name)
+    if provider is None:
+        provider = LocalModelProvider if name == "local" else None
+    return bool(getattr(provider, "supports_tools", True))
 
 
 def builtin_provider(name: str) -> ModelProvider:

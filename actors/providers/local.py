@@ -261,6 +261,7 @@ class LocalModelProvider:
     """
 
     kind = "local"
+    supports_tools = False  # refused, typed, below; engines leave tools out for it (``offers_tools``)
 
     def __init__(self, *, name: str = "local", max_tokens: int = 512, preload: tuple[str, ...] = ()) -> None:
         self.name = name

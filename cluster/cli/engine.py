@@ -73,6 +73,19 @@ def _short(data: dict[str, Any], limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def agents_line(budget: dict[str, Any]) -> str:
+    """``agents 8/8 + synthesizer``: the agents the bound counts, then the exempt (terminal) ones.
+
+    Exempt agents run after the bound is spent, so ``agents_made`` may exceed ``max_agents``;
+    they are named beside it rather than shown as an overrun. A budget recorded before
+    ``exempt_agents`` existed shows ``agents_made`` as it was.
+    """
+    exempt = list(budget.get("exempt_agents") or [])
+    bounded = (budget.get("agents_made") or 0) - len(exempt)
+    line = f"agents {bounded}/{budget.get('max_agents')}"
+    return line + (f" + {', '.join(exempt)}" if exempt else "")
+
+
 class EngineProgress(LiveDisplay):
     """Live progress of one engine run: agents, events, budget left, the latest events.
 
@@ -95,7 +108,7 @@ class EngineProgress(LiveDisplay):
             return ""
         budget = self.run.budget.snapshot()
         tokens = f"{budget['tokens_used']}" + (f"/{budget['max_tokens']}" if budget["max_tokens"] else "")
-        line = f"agents {budget['agents_made']}/{budget['max_agents']} · tokens {tokens}"
+        line = f"{agents_line(budget)} · tokens {tokens}"
         if budget["max_cost_usd"]:
             line += f" · cost ${budget['cost_usd']:.4f}/${budget['max_cost_usd']}"
         if budget["seconds_left"] is not None:
@@ -308,7 +321,7 @@ def _print_engine_run(record: Any, events: list[dict[str, Any]]) -> None:
     stats = record.statistics or {}
     budget = stats.get("budget") or {}
     if budget:
-        print(f"agents {budget.get('agents_made')}/{budget.get('max_agents')} · tokens {budget.get('tokens_used')}"
+        print(f"{agents_line(budget)} · tokens {budget.get('tokens_used')}"
               f" · cost ${budget.get('cost_usd', 0):.6f} · {budget.get('elapsed_s')} s")
     if record.error:
         print(f"error: {record.error}")

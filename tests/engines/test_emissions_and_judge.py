@@ -173,3 +173,24 @@ def test_a_bundle_of_opgraph_events_pickles_by_reference_and_keeps_its_schema():
     assert first == second and first is not second
     assert emission_bundle((IssueFound,)).model_json_schema()["properties"].keys() == {"issue_found"}
     assert b"engine_scripts" in cloudpickle.dumps(emission_bundle((Note,)))  # a test's own type travels by value
+
+
+def test_a_reply_cut_off_at_max_tokens_is_a_missed_emission_then_repaired(session, model, sink):
+    """A small model fills a list until max_tokens: that reply is unparsed, so repairable, never a failed run."""
+    def script(request):
+        if "did not contain" in last_user(request):
+            return js({"note": [{"text": "shorter"}]})
+        return {"content": '{"note": [{"text": "and on and on', "finish_reason": "length",
+                "usage": {"prompt_tokens": 40, "completion_tokens": 8}}
+
+    engine = ScriptEngine(note_body, model=model(ByAgent(default=script)), event_sink=sink)
+    result = run(engine.run(session=session))
+    assert [n.text for n in result.run.by_type(Note)] == ["shorter"] and not result.degraded
+    (malformed,) = kinds(sink, result.run, "emission_malformed")
+    assert malformed.data["error_type"] == "ProviderTruncated"
+    assert result.run.budget.snapshot()["tokens_used"] >= 48  # the cut-off reply's tokens were counted
+
+    cut_off = ScriptEngine(note_body, model=model(ByAgent(default=lambda request: {
+        "content": '{"note": [', "finish_reason": "length"})))
+    missed = run(cut_off.run(session=session))
+    assert missed == "done" and missed.skipped == ["noter x2"] and missed.degrade_reason == "emission_failure"

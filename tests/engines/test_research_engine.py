@@ -230,3 +230,25 @@ def test_research_on_sim_grows_a_tree_of_typed_findings(session):
                                     "costs", "applications", "alternatives", "open questions")
                for f in research.findings)
     assert research.agents_made <= 200 and "Findings tree:" in result.text
+
+
+def test_the_progress_line_names_the_exempt_synthesizer_beside_a_spent_agent_bound(session, model):
+    """The bound spent (2/2), the budget-exempt synthesizer still runs: it is named, never an overrun (3/2)."""
+    import io
+
+    from rich.console import Console
+
+    from opgraph.cluster.cli.engine import EngineProgress
+
+    analyst = js({"finding_emitted": [finding("interfaces degrade over cycles")], "depth_requested": []})
+    engine = ResearchEngine(model=model(script(analyst=analyst)), max_agents=2)
+    screen = io.StringIO()
+    progress = EngineProgress(console=Console(file=screen, width=400), live=False)
+    run_ = engine.new_run(session=session, on_event=progress)
+    progress.attach(run_)
+    result = run(engine.execute(run_, TOPIC))
+    assert result.degraded and result.run.agents_made == 3 and result.run.agents["synthesizer"].exempt
+    assert progress.budget_line().startswith("agents 2/2 + synthesizer · tokens ")
+    finished = [line for line in screen.getvalue().splitlines() if " run_finished " in line]
+    assert len(finished) == 1 and "[agents 2/2 + synthesizer · tokens " in finished[0], screen.getvalue()
+    assert "agents 3/2" not in screen.getvalue()
