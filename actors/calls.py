@@ -342,6 +342,9 @@ class BranchStoreStub(ActorStub["BranchStore"]):
     def messages(self, branch_id: str) -> ObjectRef[list[Any]]:
         return self.handle.messages.remote(branch_id)
 
+    def serve(self, calls: list[tuple[Any, ...]]) -> ObjectRef[list[tuple[bool, Any]]]:
+        return self.handle.serve.remote(calls)
+
     def messages_many(self, branch_ids: list[str]) -> ObjectRef[list[list[Any]]]:
         return self.handle.messages_many.remote(branch_ids)
 
@@ -417,7 +420,7 @@ SAFE_TO_RESEND = frozenset({
     # A fed run's: a repeated admission is refused as a duplicate, a repeated release or close does nothing.
     ExecutorStub.admit_many, ExecutorStub.release_nodes, ExecutorStub.close_run, ExecutorStub.held,
     BranchStoreStub.create, BranchStoreStub.clone, BranchStoreStub.clone_many, BranchStoreStub.replace_history,
-    BranchStoreStub.append, BranchStoreStub.messages, BranchStoreStub.has, BranchStoreStub.drop,
+    BranchStoreStub.append, BranchStoreStub.messages, BranchStoreStub.serve, BranchStoreStub.has, BranchStoreStub.drop,
     BranchStoreStub.ensure_many, BranchStoreStub.adopt_many, BranchStoreStub.hold_many, BranchStoreStub.drop_many,
 })
 

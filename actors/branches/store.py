@@ -375,6 +375,44 @@ class BranchStore:
         await self._durable()
         return length
 
+    async def serve(self, calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]]:
+        """Reads and appends of several operations in one message (a worker's ``BranchCalls``):
+        ``("messages", branch_id)`` and ``("append", branch_id, messages, token)``, made in order.
+
+        Each answer is ``(True, value)`` or ``(False, the error it raised)``: one unknown branch
+        fails its own call only. The appends are acknowledged once written, together (one
+        wait for the journal, not one each). A branch read twice with no append between comes
+        back once: the second answer is ``(True, index of the first)``, which the caller resolves.
+        """
+        table = self.table
+        answers: list[tuple[bool, Any]] = []
+        read: dict[str, int] = {}  # branch id -> the answer holding its current messages
+        appended: list[int] = []
+        for call in calls:
+            branch_id = call[1]
+            try:
+                if call[0] == "messages":
+                    earlier = read.get(branch_id)
+                    if earlier is not None:
+                        answers.append((True, earlier))
+                        continue
+                    read[branch_id] = len(answers)
+                    answers.append((True, table.messages(branch_id)))
+                else:
+                    read.pop(branch_id, None)
+                    appended.append(len(answers))
+                    answers.append((True, table.append(branch_id, call[2], call[3])))
+            except Exception as exc:  # noqa: BLE001 - this call's own failure, returned to its caller
+                answers.append((False, exc))
+        if appended:
+            try:
+                await self._durable()
+            except Exception as exc:  # noqa: BLE001 - none of the appends is acknowledged
+                for index in appended:
+                    if answers[index][0]:
+                        answers[index] = (False, exc)
+        return answers
+
     async def messages(self, branch_id: str) -> list[Any]:
         return self.table.messages(branch_id)
 
