@@ -247,8 +247,8 @@ class ExecutorStub(ActorStub["GraphExecutor"]):
     def branch_messages(self, branch_id: str) -> ObjectRef[list[Any]]:
         return self.handle.branch_messages.remote(branch_id)
 
-    def branch_messages_many(self, branch_ids: list[str]) -> ObjectRef[dict[str, list[Any]]]:
-        return self.handle.branch_messages_many.remote(branch_ids)
+    def branch_histories(self, branch_ids: list[str]) -> ObjectRef[list[tuple[list[str], Any]]]:
+        return self.handle.branch_histories.remote(branch_ids)
 
     def drop_scope(self, scope: str) -> ObjectRef[int]:
         return self.handle.drop_scope.remote(scope)
@@ -345,8 +345,8 @@ class BranchStoreStub(ActorStub["BranchStore"]):
     def serve(self, calls: list[tuple[Any, ...]]) -> ObjectRef[list[tuple[bool, Any]]]:
         return self.handle.serve.remote(calls)
 
-    def messages_many(self, branch_ids: list[str]) -> ObjectRef[list[list[Any]]]:
-        return self.handle.messages_many.remote(branch_ids)
+    def histories(self, branch_ids: list[str]) -> ObjectRef[Any]:
+        return self.handle.histories.remote(branch_ids)
 
     def has(self, branch_id: str) -> ObjectRef[bool]:
         return self.handle.has.remote(branch_id)

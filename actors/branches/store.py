@@ -27,7 +27,7 @@ from ..persistence.branchlog import BranchJournal, ShardRows, load_shard, read_b
 from ..persistence.database import Checkpointer
 from ..statistics import current_rss_mib
 
-__all__ = ["BranchStore", "BranchTable", "UnknownBranchError", "shard_for"]
+__all__ = ["BranchStore", "BranchTable", "Histories", "UnknownBranchError", "expand_histories", "shard_for"]
 
 
 def shard_for(branch_id: str, shards: int) -> int:
@@ -40,6 +40,20 @@ def _size_of(message: Any) -> int:
         return len(json.dumps(message, default=str))
     except (TypeError, ValueError):
         return len(repr(message))
+
+
+# (records as (parent's place or -1, how many of its messages, own messages), each branch's record or None)
+Histories = tuple[list[tuple[int, int, list[Any]]], list[int | None]]
+
+
+def expand_histories(histories: Histories) -> list[list[Any] | None]:
+    """Each branch's messages from ``BranchTable.histories`` (None for one not held). The lists
+    share their message objects (one decoded copy of a common prefix): read them, do not change them."""
+    records, heads = histories
+    full: list[list[Any]] = []
+    for parent, parent_len, own in records:
+        full.append(own if parent < 0 else full[parent][:parent_len] + own)
+    return [None if head is None else list(full[head]) for head in heads]
 
 
 class _Record:
@@ -186,6 +200,29 @@ class BranchTable:
 
     def messages(self, branch_id: str) -> list[Any]:
         return self._get(branch_id).materialise()
+
+    def histories(self, branch_ids: Iterable[str]) -> Histories:
+        """The messages of each of ``branch_ids`` as the records they share (``expand_histories``
+        makes them lists again): a run's 500 clones of a 200-message branch are its 200
+        messages and 500 short tails, not 100,000 messages. A branch not held heads to None."""
+        position: dict[int, int] = {}  # id(record) -> its place in ``records``
+        records: list[tuple[int, int, list[Any]]] = []
+        heads: list[int | None] = []
+        for branch_id in branch_ids:
+            head = self._records.get(branch_id)
+            if head is None:
+                heads.append(None)
+                continue
+            chain, record = [], head
+            while record is not None and id(record) not in position:
+                chain.append(record)
+                record = record.parent
+            for record in reversed(chain):  # parents first
+                position[id(record)] = len(records)
+                parent = -1 if record.parent is None else position[id(record.parent)]
+                records.append((parent, record.parent_len, record.own))
+            heads.append(position[id(head)])
+        return records, heads
 
     def length(self, branch_id: str) -> int:
         return len(self._get(branch_id))
@@ -416,9 +453,10 @@ class BranchStore:
     async def messages(self, branch_id: str) -> list[Any]:
         return self.table.messages(branch_id)
 
-    async def messages_many(self, branch_ids: list[str]) -> list[list[Any]]:
-        """``messages`` of each branch, in one call (a run's clones, recorded at its end)."""
-        return [self.table.messages(branch_id) for branch_id in branch_ids]
+    async def histories(self, branch_ids: list[str]) -> Histories:
+        """The messages of each branch, in one call, as the records they share (a run's clones,
+        recorded at its end: ``expand_histories`` makes them lists)."""
+        return self.table.histories(branch_ids)
 
     async def has(self, branch_id: str) -> bool:
         return branch_id in self.table
