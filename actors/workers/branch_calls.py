@@ -29,8 +29,8 @@ class BranchCalls:
     """The branch calls of one worker's operations, gathered per store for one turn of its loop."""
 
     def __init__(self) -> None:
-        # store index -> (where its calls go, the calls, their waiters)
-        self._pending: dict[int, tuple[WorkerStore, list[tuple[Any, ...]], list[_Waiter]]] = {}
+        # (store index, "messages" or "append") -> (where its calls go, the calls, their waiters)
+        self._pending: dict[tuple[int, str], tuple[WorkerStore, list[tuple[Any, ...]], list[_Waiter]]] = {}
         self._sending: set[asyncio.Task] = set()
         self.batches = 0  # messages sent with more than one call
         self.batched = 0  # calls they carried
@@ -46,16 +46,19 @@ class BranchCalls:
              branch_id: str) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         future = loop.create_future()
-        pending = self._pending.get(target.index)
+        # Reads and appends go in messages of their own: a read is answered at once, where an
+        # append waits for the journal's write (a read beside it waited as long).
+        key = (target.index, call[0])
+        pending = self._pending.get(key)
         if pending is None:
-            pending = self._pending[target.index] = (target, [], [])
-            loop.call_soon(self._send, target.index)
+            pending = self._pending[key] = (target, [], [])
+            loop.call_soon(self._send, key)
         pending[1].append(call)
         pending[2].append((future, run_id, node_id, branch_id))
         return future
 
-    def _send(self, index: int) -> None:
-        target, calls, waiters = self._pending.pop(index)
+    def _send(self, key: tuple[int, str]) -> None:
+        target, calls, waiters = self._pending.pop(key)
         task = asyncio.get_running_loop().create_task(self._serve(target, calls, waiters))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
