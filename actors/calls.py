@@ -345,6 +345,9 @@ class BranchStoreStub(ActorStub["BranchStore"]):
     def serve(self, calls: list[tuple[Any, ...]]) -> ObjectRef[list[tuple[bool, Any]]]:
         return self.handle.serve.remote(calls)
 
+    def channel_address(self) -> ObjectRef[tuple[str, int, bytes]]:
+        return self.handle.channel_address.remote()
+
     def histories(self, branch_ids: list[str]) -> ObjectRef[Any]:
         return self.handle.histories.remote(branch_ids)
 

@@ -7,8 +7,10 @@ costing the worker and the store about a millisecond of CPU, where the model's w
 50 ms. Operations dispatched together start together and end together, so their calls
 meet in one turn of the loop: one message carries them, and the store answers each call
 on its own (an unknown branch fails that call only) and acknowledges the appends once
-written, together. A call alone goes as before; a batch that fails as a whole (its store
-died and was not replaced) is sent again call by call, so each fails as it would have.
+written, together. The message goes on the store's direct channel (a socket, as an
+executor's calls reach a worker) when there is one, else through Ray; a call alone
+through Ray goes as before, and a batch that fails as a whole (its store died and was
+not replaced) is sent again call by call, so each fails as it would have.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 from ..calls import BranchStoreStub, WorkerStore, ask
 from ..errors import name_error
+from .channel import WorkerChannels
 
 __all__ = ["BranchCalls"]
 
@@ -28,7 +31,9 @@ _Waiter = tuple[asyncio.Future, str, str, str]
 class BranchCalls:
     """The branch calls of one worker's operations, gathered per store for one turn of its loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, channels: WorkerChannels | None = None) -> None:
+        self.channels = channels  # direct channels to the stores (None, or disabled: every call through Ray)
+        self.direct = 0  # messages sent on a channel
         # (store index, "messages" or "append") -> (where its calls go, the calls, their waiters)
         self._pending: dict[tuple[int, str], tuple[WorkerStore, list[tuple[Any, ...]], list[_Waiter]]] = {}
         self._sending: set[asyncio.Task] = set()
@@ -64,17 +69,23 @@ class BranchCalls:
         task.add_done_callback(self._sending.discard)
 
     async def _serve(self, target: WorkerStore, calls: list[tuple[Any, ...]], waiters: list[_Waiter]) -> None:
-        if len(calls) == 1:
-            await _alone(target, calls[0], waiters[0])
-            return
-        self.batches += 1
-        self.batched += len(calls)
-        try:
-            answers = await ask(target, BranchStoreStub.serve, calls, doing="reads and appends on branches")
-        except Exception:  # noqa: BLE001 - the batch failed as a whole: each call alone says how it fails
-            await asyncio.gather(*(_alone(target, call, waiter) for call, waiter in zip(calls, waiters, strict=True)))
-            return
-        actor = target.current().name or None
+        stub = target.current()
+        answers = await self._direct(stub, calls)
+        if answers is None:
+            if len(calls) == 1:
+                await _alone(target, calls[0], waiters[0])
+                return
+            try:
+                answers = await ask(target, BranchStoreStub.serve, calls, doing="reads and appends on branches")
+            except Exception:  # noqa: BLE001 - the batch failed as a whole: each call alone says how it fails
+                await asyncio.gather(*(_alone(target, call, waiter)
+                                       for call, waiter in zip(calls, waiters, strict=True)))
+                return
+            stub = target.current()
+        if len(calls) > 1:
+            self.batches += 1
+            self.batched += len(calls)
+        actor = stub.name or None
         for call, (ok, value), (future, run_id, node_id, branch_id) in zip(calls, answers, waiters, strict=True):
             if future.done():  # its operation was cancelled meanwhile
                 continue
@@ -85,6 +96,23 @@ class BranchCalls:
                 future.set_result(list(answers[value][1]))
             else:
                 future.set_result(value)
+
+
+    async def _direct(self, stub: BranchStoreStub, calls: list[tuple[Any, ...]]) -> list[tuple[bool, Any]] | None:
+        """``serve``'s answers over the store's direct channel; None when there is none, or it failed
+        (the caller sends the calls through Ray, which finds a dead store's replacement: an append
+        the store made before the channel broke is made once, by its token)."""
+        if self.channels is None or not self.channels.enabled:
+            return None
+        try:
+            channel = await self.channels.get(stub.handle, stub.name)
+            if channel is None:
+                return None
+            answers = await channel.call_one(calls)
+        except Exception:  # noqa: BLE001 - ChannelLost, or the store's own failure: Ray's path says which
+            return None
+        self.direct += 1
+        return answers
 
 
 async def _alone(target: WorkerStore, call: tuple[Any, ...], waiter: _Waiter) -> None:

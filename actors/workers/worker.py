@@ -41,10 +41,10 @@ from ..calls import BranchStoreStub, ExecutorStub, Tells, WorkerStore, ask
 from ..errors import BranchStoreLostError, clean_text
 from ..models import parse_model_id
 from ..protocol import ACKNOWLEDGED, CallRow, OutcomeRow, RunResources, SharedResult
-from ..settings import tune_garbage_collector
+from ..settings import direct_calls, tune_garbage_collector
 from ..statistics import current_rss_mib, peak_rss_mib
 from .branch_calls import BranchCalls
-from .channel import ChannelServer
+from .channel import ChannelServer, WorkerChannels
 from .usage import CallUsage, open_usage
 
 __all__ = ["LiveEmissions", "OperationWorker", "RemoteBranch"]
@@ -321,7 +321,7 @@ class OperationWorker:
         # in transit): the call is cancelled as soon as it arrives.
         self.cancelled_early: dict[str, set[str]] = {}
         self.live = LiveEmissions(self)
-        self.branch_calls = BranchCalls()
+        self.branch_calls = BranchCalls(WorkerChannels(direct_calls(), stub=BranchStoreStub))
         self.executed = 0
         self.failed = 0
         self.in_flight = 0
@@ -617,6 +617,7 @@ class OperationWorker:
             "live_withdrawn": self.live.withdrawn,
             "branch_batches": self.branch_calls.batches,
             "branch_calls_batched": self.branch_calls.batched,
+            "branch_calls_direct": self.branch_calls.direct,
             "shared_fetches": self.shared_fetches,
             "resource_fetches": self.resource_fetches,
             "resources_shipped": self.resources_shipped,
