@@ -362,7 +362,11 @@ class OperationWorker:
         """A branch store was replaced: later calls use the new one."""
         while len(self.stores) <= index:
             self.stores.append(None)
+        previous = self.stores[index]
         self.stores[index] = BranchStoreStub(store, name)
+        if previous is not None and self.branch_calls.channels is not None:
+            # A call never waits on a socket to a store that is gone (one on a lost machine sends no end).
+            self.branch_calls.channels.close(previous.handle, f"branch store {previous.name} was replaced")
 
     async def forget(self, key: str) -> None:
         self.resources.pop(key, None)
