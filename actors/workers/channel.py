@@ -1,8 +1,10 @@
 """Direct call channels: an executor's calls to a worker, and their outcomes, over one socket.
 
 Owns the wire of the data path between an executor and an operation worker (``run_one``
-and ``run_batch``). Ray still starts, names, places, probes and replaces both actors; only
-the calls and their outcomes travel here.
+and ``run_batch``), and between a worker and a branch store (``BranchStore.serve``, the
+store's server answering ``run_one`` frames; see workers/branch_calls.py). Ray still
+starts, names, places, probes and replaces the actors; only the calls and their outcomes
+travel here.
 
 Why: a Ray actor call costs 2-3 ms of latency on a 2-core machine (measured: an actor
 awaiting another's ``asyncio.sleep(0.01)`` 200 times in a row spent 3.2-3.6 ms a link
