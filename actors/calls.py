@@ -247,8 +247,8 @@ class ExecutorStub(ActorStub["GraphExecutor"]):
     def branch_messages(self, branch_id: str) -> ObjectRef[list[Any]]:
         return self.handle.branch_messages.remote(branch_id)
 
-    def branch_messages_many(self, branch_ids: list[str]) -> ObjectRef[dict[str, list[Any]]]:
-        return self.handle.branch_messages_many.remote(branch_ids)
+    def branch_histories(self, branch_ids: list[str]) -> ObjectRef[list[tuple[list[str], Any]]]:
+        return self.handle.branch_histories.remote(branch_ids)
 
     def drop_scope(self, scope: str) -> ObjectRef[int]:
         return self.handle.drop_scope.remote(scope)
@@ -342,8 +342,14 @@ class BranchStoreStub(ActorStub["BranchStore"]):
     def messages(self, branch_id: str) -> ObjectRef[list[Any]]:
         return self.handle.messages.remote(branch_id)
 
-    def messages_many(self, branch_ids: list[str]) -> ObjectRef[list[list[Any]]]:
-        return self.handle.messages_many.remote(branch_ids)
+    def serve(self, calls: list[tuple[Any, ...]]) -> ObjectRef[list[tuple[bool, Any]]]:
+        return self.handle.serve.remote(calls)
+
+    def channel_address(self) -> ObjectRef[tuple[str, int, bytes]]:
+        return self.handle.channel_address.remote()
+
+    def histories(self, branch_ids: list[str]) -> ObjectRef[Any]:
+        return self.handle.histories.remote(branch_ids)
 
     def has(self, branch_id: str) -> ObjectRef[bool]:
         return self.handle.has.remote(branch_id)
@@ -417,7 +423,7 @@ SAFE_TO_RESEND = frozenset({
     # A fed run's: a repeated admission is refused as a duplicate, a repeated release or close does nothing.
     ExecutorStub.admit_many, ExecutorStub.release_nodes, ExecutorStub.close_run, ExecutorStub.held,
     BranchStoreStub.create, BranchStoreStub.clone, BranchStoreStub.clone_many, BranchStoreStub.replace_history,
-    BranchStoreStub.append, BranchStoreStub.messages, BranchStoreStub.has, BranchStoreStub.drop,
+    BranchStoreStub.append, BranchStoreStub.messages, BranchStoreStub.serve, BranchStoreStub.has, BranchStoreStub.drop,
     BranchStoreStub.ensure_many, BranchStoreStub.adopt_many, BranchStoreStub.hold_many, BranchStoreStub.drop_many,
 })
 

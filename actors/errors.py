@@ -29,6 +29,7 @@ __all__ = [
     "call_failure",
     "clean_text",
     "is_actor_death",
+    "name_error",
     "translate",
 ]
 
@@ -81,6 +82,17 @@ def is_actor_death(exc: BaseException) -> bool:
     return isinstance(exc, ray.exceptions.RayActorError)
 
 
+def name_error(error: BaseException, *, actor: str | None = None, run_id: str | None = None,
+               node_id: str | None = None, branch_id: str | None = None) -> BaseException:
+    """``error`` with the ids the caller knows filled in where an opgraph error left them empty
+    (an error an actor returned as an answer, or raised: see ``translate``)."""
+    if isinstance(error, OpGraphError):
+        for name, value in (("actor", actor), ("run_id", run_id), ("node_id", node_id), ("branch_id", branch_id)):
+            if value is not None and getattr(error, name, None) is None:
+                setattr(error, name, value)
+    return error
+
+
 def translate(exc: BaseException, *, actor: str | None = None, run_id: str | None = None,
               node_id: str | None = None, branch_id: str | None = None, doing: str = "") -> BaseException:
     """The opgraph error for ``exc`` raised by a call to ``actor``.
@@ -99,10 +111,7 @@ def translate(exc: BaseException, *, actor: str | None = None, run_id: str | Non
     if isinstance(exc, ray.exceptions.RayTaskError):
         cause = getattr(exc, "cause", None)
         if isinstance(cause, OpGraphError):
-            for name, value in ids.items():
-                if value is not None and getattr(cause, name, None) is None:
-                    setattr(cause, name, value)
-            return cause
+            return name_error(cause, **ids)
         if isinstance(cause, BaseException):
             return ExecutionError(clean_text(f"{type(cause).__name__}{what}: {cause}"), **ids)
         return ExecutionError(clean_text(f"remote call failed{what}: {exc}"), **ids)

@@ -70,8 +70,9 @@ def opgraph_home(environ: Mapping[str, str] | None = None) -> Path:
 
 
 def direct_calls() -> bool:
-    """Whether executors send calls to workers on direct sockets (actors/workers/channel.py): on
-    unless ``OPGRAPH_DIRECT_CALLS=0``, which sends them through Ray's actor calls."""
+    """Whether executors send calls to workers, and workers their branch calls to stores, on direct
+    sockets (actors/workers/channel.py): on unless ``OPGRAPH_DIRECT_CALLS=0``, which sends them
+    through Ray's actor calls."""
     return switched_on("OPGRAPH_DIRECT_CALLS")
 
 

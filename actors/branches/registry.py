@@ -15,7 +15,7 @@ from typing import Any
 from ..calls import BranchStoreStub, PoolSlot, ask
 from ..errors import UnknownBranchError
 from ..workers.supervision import ActorPool
-from .store import shard_for
+from .store import Histories, shard_for
 
 __all__ = ["BranchRegistry"]
 
@@ -171,19 +171,19 @@ class BranchRegistry:
             raise UnknownBranchError("the branch was lost with its branch store", branch_id=branch_id)
         return await ask(self.slots[shard], BranchStoreStub.messages, branch_id, branch_id=branch_id)
 
-    async def messages_many(self, branch_ids: list[str]) -> dict[str, list[Any]]:
-        """The messages of each of ``branch_ids`` this runtime holds (one call per store shard);
-        branches it does not hold, or lost, are left out."""
+    async def histories(self, branch_ids: list[str]) -> list[tuple[list[str], Histories]]:
+        """The messages of each of ``branch_ids`` this runtime holds, as ``(branch ids, their
+        histories)`` per store shard (one call each; ``expand_histories`` makes them lists); branches
+        it does not hold, or lost, are left out."""
         by_shard: dict[int, list[str]] = {}
         for branch_id in branch_ids:
             shard = self.location.get(branch_id)
             if shard is not None and branch_id not in self.lost:
                 by_shard.setdefault(shard, []).append(branch_id)
         shards = list(by_shard)
-        answers = await asyncio.gather(*(ask(self.slots[shard], BranchStoreStub.messages_many, by_shard[shard])
+        answers = await asyncio.gather(*(ask(self.slots[shard], BranchStoreStub.histories, by_shard[shard])
                                          for shard in shards))
-        return {branch_id: history for shard, histories in zip(shards, answers, strict=True)
-                for branch_id, history in zip(by_shard[shard], histories, strict=True)}
+        return [(by_shard[shard], histories) for shard, histories in zip(shards, answers, strict=True)]
 
     # -- dropping -----------------------------------------------------------------------------
     async def drop_scope(self, scope: str) -> int:

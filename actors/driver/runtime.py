@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from opgraph.kernel import OpGraphError
 
-from ..branches.store import BranchStore
+from ..branches.store import BranchStore, expand_histories
 from ..calls import ExecutorStub, RuntimeMember, answers, ask, ask_sync, start
 from ..errors import RuntimeLostError, UnknownBranchError
 from ..executor.actor import GraphExecutor
@@ -377,7 +377,11 @@ class Runtime:
             missing = [branch_id for branch_id in branch_ids if branch_id not in found]
             if not missing:
                 break
-            found.update(await ask(self.member(member), ExecutorStub.branch_messages_many, missing))
+            # The histories come as the records they share (a run's clones of one long branch are
+            # its messages once and a short tail each), made lists here.
+            for held, histories in await ask(self.member(member), ExecutorStub.branch_histories, missing):
+                found.update((branch_id, history) for branch_id, history
+                             in zip(held, expand_histories(histories), strict=True) if history is not None)
         for branch_id in branch_ids:
             if branch_id not in found:
                 raise UnknownBranchError("this runtime holds no such branch", branch_id=branch_id)

@@ -440,10 +440,11 @@ class GraphExecutor:
         self._bind()
         return await self.shell.branches.messages(branch_id)
 
-    async def branch_messages_many(self, branch_ids: list[str]) -> dict[str, list[Any]]:
-        """The messages of the branches of ``branch_ids`` this member holds (others left out)."""
+    async def branch_histories(self, branch_ids: list[str]) -> list[tuple[list[str], Any]]:
+        """The messages of the branches of ``branch_ids`` this member holds (others left out), per
+        store shard as the records they share (``BranchRegistry.histories``)."""
         self._bind()
-        return await self.shell.branches.messages_many(branch_ids)
+        return await self.shell.branches.histories(branch_ids)
 
     async def drop_scope(self, scope: str) -> int:
         """Drop every branch of ``scope`` (a Session's, or a run's) and of the scopes it holds."""

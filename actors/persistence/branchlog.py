@@ -77,6 +77,13 @@ class BranchJournal:
 
     def write(self, database: Database, ops: list[tuple]) -> int:
         """On the writer thread: ``ops`` in one transaction, in order; about how many bytes went in."""
+        statements, size = self.statements(ops)
+        if statements:
+            database.transaction(statements)
+        return size
+
+    def statements(self, ops: list[tuple]) -> tuple[list[tuple[str, Any]], int]:
+        """The statements that write ``ops``, in order, and about how many bytes they put in."""
         owner, shard, statements, size = self.owner, self.shard, [], 0
         for op in ops:
             kind = op[0]
@@ -98,9 +105,7 @@ class BranchJournal:
                                    "AND record_id = ?", (owner, shard, op[1])))
                 statements.append(("DELETE FROM runtime_branch_records WHERE owner = ? AND shard = ? "
                                    "AND record_id = ?", (owner, shard, op[1])))
-        if statements:
-            database.transaction(statements)
-        return size + ROW_BYTES * len(statements)
+        return statements, size + ROW_BYTES * len(statements)
 
 
 ROW_BYTES = 100  # about what a row of ids takes on a page, beside the messages counted by their size

@@ -239,11 +239,16 @@ def user_turn(instruction: str, context: Any, *, guidance: str | None = None,
     return seen, recorded
 
 
+_PLAIN_CONTENT = (str, type(None))
+
+
 def model_history(messages: Sequence[Any]) -> list[dict[str, Any]]:
     """Branch messages as OpenAI-shaped dicts; non-text content becomes JSON text."""
     history: list[dict[str, Any]] = []
     for message in messages:
-        if isinstance(message, Mapping) and "role" in message:
+        if type(message) is dict and "role" in message and type(message.get("content")) in _PLAIN_CONTENT:
+            history.append(dict(message))  # the common case, without the ABC checks below (once per message per turn)
+        elif isinstance(message, Mapping) and "role" in message:
             shaped = dict(message)
             content = shaped.get("content")
             if content is not None and not isinstance(content, str):

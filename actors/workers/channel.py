@@ -1,8 +1,10 @@
 """Direct call channels: an executor's calls to a worker, and their outcomes, over one socket.
 
 Owns the wire of the data path between an executor and an operation worker (``run_one``
-and ``run_batch``). Ray still starts, names, places, probes and replaces both actors; only
-the calls and their outcomes travel here.
+and ``run_batch``), and between a worker and a branch store (``BranchStore.serve``, the
+store's server answering ``run_one`` frames; see workers/branch_calls.py). Ray still
+starts, names, places, probes and replaces the actors; only the calls and their outcomes
+travel here.
 
 Why: a Ray actor call costs 2-3 ms of latency on a 2-core machine (measured: an actor
 awaiting another's ``asyncio.sleep(0.01)`` 200 times in a row spent 3.2-3.6 ms a link
@@ -260,8 +262,9 @@ class WorkerChannels:
     or connection failed, or channels are off): its calls go through Ray instead.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, stub: Any = None) -> None:
         self.enabled = enabled
+        self.stub = stub  # the stub class whose ``channel_address`` the peers answer (None: WorkerStub)
         self._open: dict[Any, _Channel] = {}
         self._opening: dict[Any, asyncio.Future] = {}
         self._unreachable: set[Any] = set()
@@ -291,14 +294,14 @@ class WorkerChannels:
         try:
             from ..calls import WorkerStub, ask  # local: the seam's errors import this module
 
-            host, port, secret = await ask(WorkerStub(handle, name), WorkerStub.channel_address,
-                                           timeout=CONNECT_TIMEOUT_SECONDS)
+            stub = self.stub or WorkerStub
+            host, port, secret = await ask(stub(handle, name), stub.channel_address, timeout=CONNECT_TIMEOUT_SECONDS)
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), CONNECT_TIMEOUT_SECONDS)
             writer.write(_LENGTH.pack(len(secret)) + secret)
         except Exception as exc:  # noqa: BLE001 - no channel: this worker's calls go through Ray
             self.failed += 1
             self._unreachable.add(key)
-            log.warning("opgraph: no direct channel to operation worker %s (%s: %s); its calls go through Ray",
+            log.warning("opgraph: no direct channel to %s (%s: %s); its calls go through Ray",
                         name, type(exc).__name__, exc)
             return None
         finally:

@@ -41,9 +41,10 @@ from ..calls import BranchStoreStub, ExecutorStub, Tells, WorkerStore, ask
 from ..errors import BranchStoreLostError, clean_text
 from ..models import parse_model_id
 from ..protocol import ACKNOWLEDGED, CallRow, OutcomeRow, RunResources, SharedResult
-from ..settings import tune_garbage_collector
+from ..settings import direct_calls, tune_garbage_collector
 from ..statistics import current_rss_mib, peak_rss_mib
-from .channel import ChannelServer
+from .branch_calls import BranchCalls
+from .channel import ChannelServer, WorkerChannels
 from .usage import CallUsage, open_usage
 
 __all__ = ["LiveEmissions", "OperationWorker", "RemoteBranch"]
@@ -110,16 +111,17 @@ class RemoteBranch:
     async def messages(self) -> list[Any]:
         if self.id is None:
             return []
-        return await ask(self._store_target(), BranchStoreStub.messages, self.id, run_id=self.run_id,
-                         node_id=self.node_id, branch_id=self.id, doing="messages on the branch")
+        # Through the worker's BranchCalls: the reads and appends of the operations running here go
+        # to their store together, a message per turn of the loop rather than a round trip each.
+        return await self._worker.branch_calls.messages(self._store_target(), self.run_id, self.node_id, self.id)
 
     async def append(self, *messages: Any) -> int:
         if self.id is None:
             return 0
         # One token for this append, kept if it is sent again to a replaced store: an append
         # the dead store had written before it could answer is not made twice.
-        return await ask(self._store_target(), BranchStoreStub.append, self.id, list(messages), os.urandom(8),
-                         run_id=self.run_id, node_id=self.node_id, branch_id=self.id, doing="append on the branch")
+        return await self._worker.branch_calls.append(self._store_target(), self.run_id, self.node_id, self.id,
+                                                      list(messages), os.urandom(8))
 
     def _store_target(self) -> WorkerStore:
         """Where this branch's store calls go. Should the store be dead, a call waits for its
@@ -319,6 +321,7 @@ class OperationWorker:
         # in transit): the call is cancelled as soon as it arrives.
         self.cancelled_early: dict[str, set[str]] = {}
         self.live = LiveEmissions(self)
+        self.branch_calls = BranchCalls(WorkerChannels(direct_calls(), stub=BranchStoreStub))
         self.executed = 0
         self.failed = 0
         self.in_flight = 0
@@ -359,7 +362,11 @@ class OperationWorker:
         """A branch store was replaced: later calls use the new one."""
         while len(self.stores) <= index:
             self.stores.append(None)
+        previous = self.stores[index]
         self.stores[index] = BranchStoreStub(store, name)
+        if previous is not None and self.branch_calls.channels is not None:
+            # A call never waits on a socket to a store that is gone (one on a lost machine sends no end).
+            self.branch_calls.channels.close(previous.handle, f"branch store {previous.name} was replaced")
 
     async def forget(self, key: str) -> None:
         self.resources.pop(key, None)
@@ -612,6 +619,9 @@ class OperationWorker:
             "peak_in_flight": self.peak_in_flight,
             "executed": self.executed,
             "live_withdrawn": self.live.withdrawn,
+            "branch_batches": self.branch_calls.batches,
+            "branch_calls_batched": self.branch_calls.batched,
+            "branch_calls_direct": self.branch_calls.direct,
             "shared_fetches": self.shared_fetches,
             "resource_fetches": self.resource_fetches,
             "resources_shipped": self.resources_shipped,

@@ -265,3 +265,26 @@ def test_an_append_with_a_token_happens_once_however_often_it_is_sent():
     table.clone("root", "copy")
     assert table.append("copy", ["q", "a"], token=b"t1") == 10  # a token counts for its own branch only
     assert table.messages("root") == ["m1", "m2", "q", "a", "q", "a", "x", "x"]
+
+
+def test_histories_carry_shared_records_once_and_expand_to_every_branch_s_messages():
+    """A run's clones are read for recording as the records they share (the planned lane's 500
+    clones of one long branch): the parent's messages travel once, and each expands to its own."""
+    from opgraph.actors.branches.store import expand_histories
+
+    table = table_with()
+    for index in range(3):
+        table.clone("root", f"clone-{index}")
+        table.append(f"clone-{index}", [f"own {index}"])
+    table.append("root", ["later"])  # after the clones: none of them sees it
+    table.clone("clone-0", "grandchild")
+    table.append("grandchild", ["deeper"])
+    wanted = ["clone-2", "missing", "grandchild", "root", "clone-0", "clone-1"]
+
+    records, heads = table.histories(wanted)
+
+    assert sum(len(own) for _, _, own in records) == 7  # m1, m2, later, three own, deeper: each once
+    assert heads[1] is None
+    assert expand_histories((records, heads)) == [
+        None if branch_id == "missing" else table.messages(branch_id) for branch_id in wanted]
+    assert table.messages("grandchild") == ["m1", "m2", "own 0", "deeper"]

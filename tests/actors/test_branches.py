@@ -139,3 +139,50 @@ def test_branch_hooks_fire_for_preallocated_and_reactive_clones(session):
     assert envelope["operation_statuses"][planner] == "completed"
     assert envelope["operation_results"][helper] == [SEED, {"role": "system", "content": "setup for help out"}]
     assert parent_messages == [SEED]  # the setup wrote into the helper's clone only
+
+
+def test_a_store_serves_reads_and_appends_of_several_operations_in_one_message(session):
+    """``BranchStore.serve`` (a worker's gathered calls): each call answered on its own, in order; an
+    unknown branch fails its call only; a second read of unchanged messages comes back as the
+    index of the first; an append sent twice with its token is made once."""
+    import ray
+
+    from opgraph.actors import BranchStore
+    from opgraph.actors.errors import UnknownBranchError
+
+    store = BranchStore.remote(0)
+    ray.get(store.create.remote("a", [SEED]))
+    note = {"role": "note", "content": "n"}
+    answers = ray.get(store.serve.remote([
+        ("messages", "a"), ("append", "a", [note], b"t1"), ("messages", "a"), ("messages", "a"),
+        ("messages", "missing"), ("append", "a", [note], b"t1"), ("append", "missing", [note], b"t2")]))
+
+    assert answers[:4] == [(True, [SEED]), (True, 2), (True, [SEED, note]), (True, 2)]
+    assert answers[4][0] is False and isinstance(answers[4][1], UnknownBranchError)
+    assert answers[5] == (True, 2)  # the same token: not appended again
+    assert answers[6][0] is False and isinstance(answers[6][1], UnknownBranchError)
+    assert ray.get(store.messages.remote("a")) == [SEED, note]
+    ray.kill(store)
+
+
+def test_operations_read_and_append_their_branches_through_the_workers_direct_channels(session):
+    """Operations reading and writing branches together reach their store in gathered messages over
+    the workers' direct channels; each reads a history no other operation's note has reached."""
+    import ray
+
+    width = 12
+    session.register_operation("history_then_note", history_then_note, record_turn=False)
+
+    def direct() -> int:
+        return sum(ray.get(worker.statistics.remote())["branch_calls_direct"] for worker in session.runtime.workers)
+
+    before = direct()
+    parent = session.new_branch(messages=[SEED])
+    builder = OperationGraphBuilder("gathered")
+    for index in range(width):
+        builder.add_operation("history_then_note", note=f"note {index}")
+    envelope = run(session.flow(builder.get_graph(), default_branch=parent))
+
+    assert envelope["status"] == "completed"
+    assert all(result in ([], [SEED]) for result in envelope["operation_results"].values())
+    assert direct() > before
