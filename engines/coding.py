@@ -16,6 +16,7 @@ EngineResult (D5); budget or deadline exhaustion returns the same record, marked
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 import time
 from collections.abc import Awaitable, Sequence
@@ -417,13 +418,19 @@ class CodingEngine(Engine):
         return tested
 
     async def _beating(self, run: CodingRun, stage: str, work: Awaitable[Any]) -> Any:
-        """Await ``work``, notifying ``heartbeat`` every ``heartbeat_s`` until it ends."""
-        task = asyncio.ensure_future(work)
+        """Await ``work``, notifying ``heartbeat`` every ``heartbeat_s`` until it ends.
+
+        The work runs as a task of its own (so it can be watched), but it is this chain's next
+        step: what comes after it comes after its turns, and the record says so."""
+        context = contextvars.copy_context()
+        task = (asyncio.get_running_loop().create_task(work, context=context) if asyncio.iscoroutine(work)
+                else asyncio.ensure_future(work))
         started = time.monotonic()
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self.heartbeat_s)
                 if done:
+                    run.follow_turns(context)
                     return task.result()
                 run.notify("heartbeat", stage=stage, elapsed_s=round(time.monotonic() - started, 1))
         finally:

@@ -13,7 +13,7 @@ import json
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
-from contextvars import ContextVar
+from contextvars import Context, ContextVar
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -341,6 +341,14 @@ class EngineRun:
     def _end_turn(self, turn: int) -> None:
         self._turns_ended.append(turn)
         _AFTER_TURNS.set((self.run_id, (turn,)))
+
+    def follow_turns(self, context: Context) -> None:
+        """What this task does next comes after the last turn made in ``context``: the context
+        of a task it awaited as part of its own chain (one made to watch the work, say). A
+        task's turns are otherwise its own, and the task that awaits it would not know them."""
+        cause = context.get(_AFTER_TURNS)
+        if cause is not None and cause[0] == self.run_id:
+            _AFTER_TURNS.set(cause)
 
     def _estimate_cut_off(self, agent: Agent, instruction: str, response_format: type[BaseModel] | None) -> int:
         """Count a model call cut off before its usage arrived: its prompt (the agent's branch,

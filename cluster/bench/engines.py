@@ -9,6 +9,19 @@ critical path under the semaphore. The figure is wall time over the ideal (targe
 less). The headline is a research tree of 50 agents at concurrency 5. Driver CPU per turn
 is reported too. It tunes nothing and reads only what a run records.
 
+The coding engine runs on a throw-away project made for each run (``calc.py`` whose
+``add`` subtracts, and a pytest that says so) with its default bounds (3 fix rounds).
+The sim's change never fixes the bug, so every run is the whole chain: plan, implement,
+test, then fix and test three times (5 turns, 4 test runs), and no verifier. Its test
+runs are real subprocesses on a worker; each is work, not overhead, so the ideal counts
+each one at the duration the gate measured and recorded (``TestsRan.duration_s``, from
+the command's start to its group's end). A test run comes after the turn recorded last
+before it (the turn whose change it tests); a turn recorded after that same turn, and
+ended after the test run, comes after the test run too (the chain awaits each gate before
+its next turn, whose instruction carries the gate's output). Copying the workspace,
+writing each change into the copy, reading the diff and removing the copy are not in the
+ideal: they are the runtime's overhead here.
+
     python -m opgraph.cluster.bench.engines [--engines research,review] [--repeat 3] [--latency 0.2]
 """
 
@@ -19,12 +32,15 @@ import asyncio
 import heapq
 import json
 import sys
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-__all__ = ["ENGINE_SHAPES", "EngineShape", "Work", "implied_work", "main", "measure", "schedule"]
+__all__ = ["ENGINE_SHAPES", "EngineShape", "Work", "coding_project", "implied_work", "main", "measure",
+           "schedule"]
 
 CODE = '''def load(path):
     data = open(path).read()
@@ -38,6 +54,21 @@ def total(rows):
     return result
 '''
 
+# The coding shape's throw-away project: a bug (add subtracts) and the pytest that finds it.
+CALC = "def add(a, b):\n    return a - b\n"
+CALC_TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+# A real pytest, quick to start: no third-party plugins, no cache folder.
+PYTEST = f"PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 {sys.executable} -m pytest -q -p no:cacheprovider"
+
+
+def coding_project(folder: str) -> dict[str, Any]:
+    """Write the throw-away project into ``folder``; the coding engine's inputs for it."""
+    project = Path(folder) / "project"
+    project.mkdir()
+    (project / "calc.py").write_text(CALC)
+    (project / "test_calc.py").write_text(CALC_TEST)
+    return {"workspace": str(project), "test_cmd": PYTEST}
+
 
 @dataclass(frozen=True)
 class EngineShape:
@@ -49,6 +80,7 @@ class EngineShape:
     settings: dict[str, Any]
     subject: Any
     list_items: int
+    inputs: Callable[[str], dict[str, Any]] | None = None  # keyword inputs made in a fresh temporary folder
 
 
 ENGINE_SHAPES = (
@@ -59,6 +91,8 @@ ENGINE_SHAPES = (
                 ["cells fade in the cold", "anodes swell when charged fast", "separators shrink in heat"], 1),
     EngineShape("planning", "planning", "planning, 6 tasks @5", {"max_concurrent": 5, "reactive": False},
                 "plan a small research project on battery recycling", 6),
+    EngineShape("coding", "coding", "coding, failing pytest, 3 fix rounds", {"max_concurrent": 5},
+                "make add() add its arguments", 1, coding_project),
 )
 
 
@@ -74,7 +108,9 @@ class Work:
 def implied_work(run: Any, latency: float) -> Work:
     """Every turn of ``run`` (``latency`` each) after the turns it records; a planned DAG's nodes
     (``latency`` each) after the planner's turn and their plan dependencies, and before the
-    turn that follows the DAG."""
+    turn that follows the DAG; each recorded test run (``TestsRan``, its measured duration)
+    after the turn recorded last before it, and before the turns after that turn that ended
+    after it."""
     durations: dict[str, float] = {}
     after: dict[str, list[str]] = {}
     order: list[str] = []
@@ -85,6 +121,7 @@ def implied_work(run: Any, latency: float) -> Work:
         key = f"t{record.data['turn']}"
         durations[key], after[key] = latency, [f"t{turn}" for turn in record.data.get("after", [])]
         order.append(key)
+    _add_gates(run, turns, durations, after, order)
     plans = [record.payload for record in run.events.events() if record.type == "PlanProposed"]
     planners = [f"t{record.data['turn']}" for record in turns if record.agent == "orchestrator"]
     if plans and planners:
@@ -98,6 +135,31 @@ def implied_work(run: Any, latency: float) -> Work:
             after[key] = sorted(set(after[key]) | set(nodes))
         order = [key for key in order if key not in later] + nodes + later
     return Work(durations, after, order)
+
+
+def _add_gates(run: Any, turns: list[Any], durations: dict[str, float], after: dict[str, list[str]],
+               order: list[str]) -> None:
+    """The run's test runs (coding's gates) into the work: each at its recorded duration, after
+    the turn whose record precedes it, and before the turns that the record puts after that
+    turn and that ended after it (the chain awaited the gate: the next turn reads its output)."""
+    gates = sorted((record for record in run.events.events() if record.type == "TestsRan"),
+                   key=lambda record: record.seq)
+    for index, gate in enumerate(gates, start=1):
+        key = f"g{index}"
+        durations[key] = float(gate.data.get("duration_s", 0.0))
+        before = [record for record in turns if record.seq < gate.seq]
+        if not before:
+            order.insert(0, key)
+            after[key] = []
+            continue
+        cause = f"t{before[-1].data['turn']}"
+        after[key] = [cause]
+        order.insert(order.index(cause) + 1 + sum(1 for other in order if other.startswith("g")
+                                                  and after.get(other) == [cause]), key)
+        for record in turns:
+            turn = f"t{record.data['turn']}"
+            if record.seq > gate.seq and cause in after[turn]:
+                after[turn] = sorted(set(after[turn]) | {key})
 
 
 def schedule(work: Work, capacity: int) -> dict[str, float]:
@@ -139,14 +201,19 @@ async def _one(session: Any, shape: EngineShape, latency: float) -> dict[str, An
     session.register_provider("sim", SimulatedProvider(latency=latency, list_items=shape.list_items, seed=7))
     engine = engine_for(shape.kind, **shape.settings)
     fresh = engine.new_run(session=session)
-    cpu, wall = time.process_time(), time.perf_counter()
-    result = await engine.execute(fresh, shape.subject)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    ideal = schedule(implied_work(fresh, latency), engine.max_concurrent)
+    with tempfile.TemporaryDirectory(prefix=f"opgraph-bench-{shape.key}-") as folder:
+        inputs = shape.inputs(folder) if shape.inputs is not None else {}
+        cpu, wall = time.process_time(), time.perf_counter()
+        result = await engine.execute(fresh, shape.subject, **inputs)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    work = implied_work(fresh, latency)
+    ideal = schedule(work, engine.max_concurrent)
     turns = len(fresh.events.notifications("turn_completed"))
+    gates = [duration for key, duration in work.durations.items() if key.startswith("g")]
     return {"wall_s": wall, **ideal, "ratio": wall / ideal["ideal_s"] if ideal["ideal_s"] else None,
-            "agents": fresh.agents_made, "turns": turns, "driver_cpu_s_per_turn": cpu / max(1, turns),
-            "status": fresh.status, "degrade_reason": getattr(result, "degrade_reason", "")}
+            "agents": fresh.agents_made, "turns": turns, "gates": len(gates), "gate_s": sum(gates),
+            "driver_cpu_s_per_turn": cpu / max(1, turns), "status": fresh.status,
+            "degrade_reason": getattr(result, "degrade_reason", "")}
 
 
 def measure(shapes: Sequence[EngineShape] = ENGINE_SHAPES, repeat: int = 3, latency: float = 0.2,
@@ -176,12 +243,13 @@ def measure(shapes: Sequence[EngineShape] = ENGINE_SHAPES, repeat: int = 3, late
 
 
 def table(figures: list[dict[str, Any]]) -> list[str]:
-    header = ["engine run", "agents", "turns", "critical s", "ideal s", "wall s", "wall/ideal", "status",
-              "cpu ms/turn"]
+    header = ["engine run", "agents", "turns", "test runs (s)", "critical s", "ideal s", "wall s", "wall/ideal",
+              "status", "cpu ms/turn"]
     rows = [header]
     for item in figures:
         status = item["status"] + (f" ({item['degrade_reason']})" if item["degrade_reason"] else "")
-        rows.append([item["label"], str(item["agents"]), str(item["turns"]), f"{item['critical_path_s']:.2f}",
+        tests = f"{item['gates']} ({item['gate_s']:.2f})" if item.get("gates") else "-"
+        rows.append([item["label"], str(item["agents"]), str(item["turns"]), tests, f"{item['critical_path_s']:.2f}",
                      f"{item['ideal_s']:.2f}", f"{item['wall_s']:.2f}", f"{item['ratio']:.2f}x", status,
                      f"{1000 * item['driver_cpu_s_per_turn']:.1f}"])
     widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
@@ -206,7 +274,8 @@ def main(argv: Sequence[str] | None = None, *, session: Any = None) -> int:
                      "--repeat >= 1 and --latency > 0")
     shapes = [shape for shape in ENGINE_SHAPES if shape.key in wanted]
     print(f"opgraph bench engines: sim/ at {arguments.latency * 1000:g} ms a call; median of {arguments.repeat} "
-          f"run(s); ideal = the run's own recorded work scheduled at its concurrency with no overhead")
+          f"run(s); ideal = the run's own recorded work scheduled at its concurrency with no overhead "
+          f"(test runs at their measured durations)")
     figures = measure(shapes, arguments.repeat, arguments.latency, session=session)
     print("\n".join(table(figures)))
     if arguments.json:
