@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from opgraph.cluster.bench.engines import Work, schedule
+from opgraph.cluster.bench.engines import Work, implied_work, schedule
 from opgraph.cluster.bench.shapes import main, standard_shapes
 
 SHAPE_KEYS = [shape.key for shape in standard_shapes()]
@@ -136,19 +136,57 @@ def test_the_ideal_schedules_recorded_work_at_its_concurrency():
     assert schedule(work, 1)["ideal_s"] == pytest.approx(0.8)
 
 
+def test_a_coding_runs_test_runs_are_work_at_their_measured_durations_between_its_turns():
+    """Plan (t1), implement (t2), test 0.5 s, fix (t3), test 0.25 s: one chain of 0.2 + 0.2 + 0.5 + 0.2 + 0.25 s."""
+    turns = [_Record(2, "turn_completed", {"turn": 1, "after": []}),
+             _Record(4, "turn_completed", {"turn": 2, "after": [1]}),
+             _Record(8, "turn_completed", {"turn": 3, "after": [2]})]
+    gates = [_Record(6, "TestsRan", {"duration_s": 0.5}), _Record(10, "TestsRan", {"duration_s": 0.25})]
+    work = implied_work(_Run(turns, gates), 0.2)
+    assert work.order == ["t1", "t2", "g1", "t3", "g2"]
+    assert (work.after["g1"], work.after["t3"], work.after["g2"]) == (["t2"], ["g1", "t2"], ["t3"])
+    assert schedule(work, 5) == pytest.approx({"ideal_s": 1.35, "critical_path_s": 1.35, "work_s": 1.35, "items": 5})
+
+
+class _Record:
+    def __init__(self, seq: int, type_: str, data: dict) -> None:
+        self.seq, self.type, self.data, self.agent, self.payload = seq, type_, data, None, None
+
+
+class _Run:
+    def __init__(self, turns: list, gates: list) -> None:
+        self.events = _Log(turns, gates)
+
+
+class _Log:
+    def __init__(self, turns: list, gates: list) -> None:
+        self._turns, self._gates = turns, gates
+
+    def notifications(self, kind: str | None = None) -> list:
+        return [record for record in self._turns if kind in (None, record.type)]
+
+    def events(self) -> list:
+        return self._gates
+
+
 def test_bench_shapes_engines_reports_each_engine_against_its_recorded_critical_path(session, tmp_path, capsys):
     path = tmp_path / "engines.json"
-    status = main(["--shapes", "engines", "--engines", "review,planning", "--engine-latency", "0.05",
+    status = main(["--shapes", "engines", "--engines", "review,planning,coding", "--engine-latency", "0.05",
                    "--repeat", "1", "--json", str(path)])
     assert status == 0
     output = capsys.readouterr().out
     assert "wall/ideal" in output and "review, 4 dimensions" in output and "planning, 6 tasks" in output
+    assert "coding, failing pytest" in output
     figures = json.loads(path.read_text())["engines"]
-    assert [item["shape"] for item in figures] == ["review", "planning"]
+    assert [item["shape"] for item in figures] == ["review", "planning", "coding"]
     for item in figures:
         # every turn waits its latency on the critical path: no run beats its ideal
         assert item["status"] == "completed" and item["wall_s"] >= 0.95 * item["ideal_s"] > 0
         assert item["ideal_s"] >= item["critical_path_s"] >= 2 * 0.05
+    coding = figures[-1]
+    # the whole chain (plan, implement, 3 fixes; 4 real test runs) is one path: nothing overlaps
+    assert (coding["turns"], coding["gates"]) == (5, 4) and coding["gate_s"] > 0
+    assert coding["critical_path_s"] == pytest.approx(coding["ideal_s"]) == pytest.approx(5 * 0.05 + coding["gate_s"])
 
 
 def test_the_dataset_job_benchmark_reports_its_figures_at_a_small_size(tmp_path, capsys):

@@ -406,6 +406,10 @@ def test_on_sim_a_run_completes_and_says_honestly_the_tests_still_fail(session, 
         "make add() add", session=session, workspace=str(project), test_cmd=PYTEST))
     assert (result.passed, result.verdict, len(result.test_runs)) == (False, "failed", 2)
     assert all(test.returncode == 1 for test in result.test_runs)
+    # the chain's turns record that each came after the one before (the bench's critical path reads it)
+    turns = [(record.data["turn"], record.data["after"])
+             for record in result.run.events.notifications("turn_completed")]
+    assert turns == [(1, []), (2, [1]), (3, [2])]
     assert result.files_changed and all(item.status == "added" for item in result.files_changed)
     assert snapshot(project) == original
 
