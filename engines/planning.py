@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import warnings
 from collections.abc import Mapping
 from functools import lru_cache
@@ -80,7 +81,12 @@ def _normal(role: str) -> str:
 
 @lru_cache(maxsize=64)
 def plan_model(roster: tuple[str, ...]) -> type[BaseModel]:
-    """The planner's structured output; the schema names the roster, so assignees are roles."""
+    """The planner's structured output; the schema names the roster, so assignees are roles.
+
+    Its classes are pickled by reference (names this module resolves in ``__getattr__``):
+    a planner's turn sends the class to the executor and its worker and the plan comes back
+    as its instance, and a class pickled by value is rebuilt on every hop (traced: 12 ms of
+    a structured turn's 22 ms overhead on sim/, against 10 ms for a plain turn)."""
 
     def assignee_schema(schema: dict[str, Any]) -> None:
         schema["enum"] = list(roster)
@@ -96,7 +102,23 @@ def plan_model(roster: tuple[str, ...]) -> type[BaseModel]:
     class Plan(BaseModel):
         assignments: list[PlannedTask]
 
+    encoded = json.dumps(list(roster)).encode().hex()
+    for kind in (PlannedTask, Plan):
+        kind.__module__ = __name__
+        kind.__qualname__ = f"{_PLAN_PREFIX}{kind.__name__}__{encoded}"
     return Plan
+
+
+_PLAN_PREFIX = "plan_model__"
+
+
+def __getattr__(name: str) -> Any:
+    """A class of ``plan_model`` by its pickled name, made in this process."""
+    kind, _, encoded = name[len(_PLAN_PREFIX):].partition("__") if name.startswith(_PLAN_PREFIX) else ("", "", "")
+    if kind not in ("Plan", "PlannedTask"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    plan = plan_model(tuple(json.loads(bytes.fromhex(encoded))))
+    return plan if kind == "Plan" else plan.model_fields["assignments"].annotation.__args__[0]
 
 
 class PlanningEngine(Engine):

@@ -187,3 +187,24 @@ def test_planning_runs_against_an_openai_compatible_server(session):
         bodies = [r.body for r in server.requests]
     assert result.run.by_type(PlanProposed) and not result.degraded
     assert any(b.get("response_format", {}).get("json_schema", {}).get("name") == "Plan" for b in bodies)
+
+
+def test_the_plan_model_travels_by_name_not_rebuilt_on_every_hop():
+    """A planner's turn ships its class to the executor and a worker, and its plan comes back as an
+    instance: pickled by reference (a name the module resolves), a process rebuilds it at most once."""
+    import pickle
+
+    from ray import cloudpickle
+
+    from opgraph.engines import planning
+
+    plan = planning.plan_model(("writer", "data analyst", "é"))
+    item = plan.model_validate({"assignments": [{"task": "draft", "assignee": "é", "depends_on": ["1"]}]})
+    shipped = cloudpickle.dumps((plan, item))
+    assert len(shipped) < 1000  # a name, not the class's code
+    back_class, back_item = pickle.loads(shipped)
+    assert back_class is plan and back_item == item
+    assert plan.__name__ == "Plan" and plan.model_json_schema()["$defs"]["PlannedTask"]["properties"]["assignee"][
+        "enum"] == ["writer", "data analyst", "é"]
+    with pytest.raises(AttributeError):
+        planning.plan_model__Other__00  # noqa: B018 - only the two classes resolve
