@@ -118,6 +118,8 @@ CHECKS = {
     "--repeat 5 --runtime --nodes 5000": ParsedOnly("runs for minutes and needs that PostgreSQL server"),
     "python -m opgraph.cluster.bench.goodput --repeat 3": ParsedOnly(MINUTES),
     "python -m opgraph.cluster.bench.pool --repeat 5": ParsedOnly(MINUTES),
+    # A CI-size run of it is in tests/cluster/test_bench.py.
+    "opgraph bench --shapes engines --repeat 3": ParsedOnly(MINUTES),
     # docs/cli.md
     "opgraph --help": Run(r"workflows"),
     # docs/cli.md, dataset jobs
