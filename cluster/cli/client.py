@@ -18,14 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..command_line import ExitCode
-from ..jobs.submission import job_submit_command, ray_cli
 from ..lanes import LaneCapabilities, LaneCapabilityError, check_capabilities
 from ..processes import run_command
 from ..store import RunNotFoundError, RunStore, WorkflowStoreError, store_exists, store_location
 from .spine import leaving_ray_as_found, refused
 
-__all__ = ["CONTROL_ACTIONS", "RUN_ACTIONS", "RUN_EXIT_CODES", "check_recorded_control", "job_submit_command",
-           "ray_cli", "run_action", "submit_job"]
+__all__ = ["CONTROL_ACTIONS", "RUN_ACTIONS", "RUN_EXIT_CODES", "check_recorded_control", "run_action", "submit_job"]
 
 RUN_ACTIONS = ("status", "pause", "resume", "cancel", "message", "watch")
 # The control request kind (ADR-0068 D3) each action is; reading a run is no control.
@@ -41,6 +39,10 @@ def submit_job(entrypoint: Sequence[str], *, address: str | None = None, working
         print("opgraph job submit: give the job's arguments after '--', e.g. "
               "opgraph job submit -- fanout --nodes 1000", file=sys.stderr)
         return ExitCode.USAGE
+    # Here, not at the top: opgraph.cluster.jobs loads Ray and the engines, and every command's parser
+    # reads RUN_EXIT_CODES from this module.
+    from ..jobs.submission import job_submit_command
+
     command = job_submit_command(entrypoint, address=address, working_dir=working_dir, no_wait=no_wait,
                                  submission_id=submission_id, detach=detach, runtime_env=runtime_env, ship=ship)
     print(f"+ {shlex.join(command)}", file=sys.stderr, flush=True)

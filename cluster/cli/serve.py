@@ -15,8 +15,7 @@ from typing import Any
 
 from ..command_line import RAY_ADDRESS, STORE, TOKEN, ExitCode, SharedOption, add_options, positive_float, positive_int
 from ..http.body import DEFAULT_MAX_BODY_BYTES
-from ..http.deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT
-from ..http.runs import DEFAULT_MAX_RUNS
+from ..http.limits import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT, DEFAULT_MAX_RUNS
 from ..store import DEFAULT_MAX_VERSIONS
 from .runs import add_retention_options, retention_schedule
 from .spine import refused, subcommand

@@ -3,28 +3,25 @@
 Routes resolve lanes through the lane registry and read runs from the run store; nothing
 here compiles or executes a definition. Every request passes the access guard (token, Host,
 Origin, content type) and the body guard before any route; connections are held to read
-deadlines; ``ServerClient`` calls the API with the token ``client_token`` finds.
+deadlines; ``ServerClient`` calls the API with the token ``client_token`` finds. Names load lazily
+(PEP 562), so `opgraph serve`'s parser reads its defaults without loading FastAPI or Ray.
 """
 
-from .app import CANCEL_GRACE_SECONDS, RunTasks, create_app, serve, sign_in_url
-from .auth import (
-    TOKEN_ENV,
-    TOKEN_FILE_ENV,
-    BindRefusedError,
-    ServerToken,
-    ServerTokenError,
-    check_bind,
-    client_token,
-    home_token_path,
-    is_loopback,
-    server_token,
-)
-from .body import DEFAULT_MAX_BODY_BYTES, MAX_JSON_DEPTH, RequestBodyGuard
-from .client import ServerClient, ServerRequestError
-from .deadlines import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT, DeadlineProtocol, deadline_protocol
-from .guard import AccessGuard, AccessPolicy
-from .problems import ErrorBody, RunCapacityError, RunStateConflictError, RuntimeUnavailableError
-from .runs import DEFAULT_MAX_RUNS, RETRY_AFTER_SECONDS
+from importlib import import_module
+from typing import Any
+
+_SOURCES = {
+    "app": ("CANCEL_GRACE_SECONDS", "RunTasks", "create_app", "serve", "sign_in_url"),
+    "auth": ("TOKEN_ENV", "TOKEN_FILE_ENV", "BindRefusedError", "ServerToken", "ServerTokenError", "check_bind",
+             "client_token", "home_token_path", "is_loopback", "server_token"),
+    "body": ("DEFAULT_MAX_BODY_BYTES", "MAX_JSON_DEPTH", "RequestBodyGuard"),
+    "client": ("ServerClient", "ServerRequestError"),
+    "deadlines": ("DEFAULT_BODY_TIMEOUT", "DEFAULT_HEAD_TIMEOUT", "DeadlineProtocol", "deadline_protocol"),
+    "guard": ("AccessGuard", "AccessPolicy"),
+    "problems": ("ErrorBody", "RunCapacityError", "RunStateConflictError", "RuntimeUnavailableError"),
+    "runs": ("DEFAULT_MAX_RUNS", "RETRY_AFTER_SECONDS"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 
 __all__ = [
     "CANCEL_GRACE_SECONDS",
@@ -60,3 +57,16 @@ __all__ = [
     "server_token",
     "sign_in_url",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

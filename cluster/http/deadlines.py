@@ -18,10 +18,10 @@ from typing import Any, Literal
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .limits import DEFAULT_BODY_TIMEOUT, DEFAULT_HEAD_TIMEOUT
+
 __all__ = ["DEFAULT_BODY_TIMEOUT", "DEFAULT_HEAD_TIMEOUT", "DeadlineProtocol", "deadline_protocol"]
 
-DEFAULT_HEAD_TIMEOUT = 5.0  # seconds for a request line and headers (a browser sends them in one packet)
-DEFAULT_BODY_TIMEOUT = 10.0  # seconds for a body once the head is in (4 MiB, the default limit, at 3.3 Mbit/s)
 
 Stage = Literal["head", "body"]
 _TIMED_OUT = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi.concurrency import run_in_threadpool
 
 from ..store import RunNotFoundError, RunStore
+from .limits import DEFAULT_MAX_RUNS
 from .problems import RunCapacityError, RuntimeUnavailableError
 
 __all__ = ["CANCEL_GRACE_SECONDS", "DEFAULT_MAX_RUNS", "RETRY_AFTER_SECONDS", "SHUTDOWN_GRACE_SECONDS", "AdmissionSlot",
@@ -31,9 +32,6 @@ __all__ = ["CANCEL_GRACE_SECONDS", "DEFAULT_MAX_RUNS", "RETRY_AFTER_SECONDS", "S
 # cancels the driving task (which cancels on the executor again, from Session.flow).
 CANCEL_GRACE_SECONDS = 5.0
 SHUTDOWN_GRACE_SECONDS = 10.0
-# Runs one server admits at once (`opgraph serve --max-runs`, OPGRAPH_MAX_RUNS): each holds a
-# Session flow, store writes and its executor's capacity; 60 admitted at once took 120 s to drain.
-DEFAULT_MAX_RUNS = 16
 RETRY_AFTER_SECONDS = 2  # what a 429 tells the client to wait: about a short run's length
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from opgraph.cluster.processes import free_port, run_command
 
 COMMAND_TIMEOUT = 120.0  # seconds any one command may take
 PROMPT_FAILURE = 20.0  # seconds a command may take to say an address does not answer
+SIDE_BY_SIDE = 3  # commands run at once: each is mostly an interpreter's start, or a wait on a silent port
 SPEC = {"version": 1, "nodes": [{"id": "a", "kind": "chat", "pos": {"x": 0, "y": 0},
                                  "config": {"prompt": "hello", "model": "sim/fast"}}], "edges": []}
 
@@ -33,6 +35,12 @@ SPEC = {"version": 1, "nodes": [{"id": "a", "kind": "chat", "pos": {"x": 0, "y":
 def opgraph(*arguments: str, env: dict[str, str] | None = None, module: str = "opgraph.cluster.cli",
             **options: Any) -> subprocess.CompletedProcess:
     return run_command([sys.executable, "-m", module, *arguments], timeout=COMMAND_TIMEOUT, env=env, **options)
+
+
+def opgraph_each(*commands: tuple[str, ...], **options: Any) -> list[subprocess.CompletedProcess]:
+    """Each command (the arguments of ``opgraph``) in a fresh process of its own, side by side; in order."""
+    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+        return list(pool.map(lambda arguments: opgraph(*arguments, **options), commands))
 
 
 def assert_refused(done: subprocess.CompletedProcess, status: int, *phrases: str) -> None:
@@ -69,21 +77,24 @@ def test_a_store_that_is_no_store_is_exit_2_with_a_message_everywhere(definition
     else:
         store = tmp_path / "notes.txt"
         store.write_text("these are notes, not SQLite\n" * 100)
-    for arguments in (["workflows", "list"], ["workflows", "add", "flow", str(definition)],
-                      ["workflows", "show", "flow"], ["flow", "run", str(definition)]):
-        done = opgraph(*arguments, "--store", str(store))
-        assert_refused(done, 2, "run store", str(store))
-    done = opgraph("workflow", str(definition), "--store", str(store), module="opgraph.cluster.job")
-    assert_refused(done, 2, "run store")
-    done = opgraph("serve", "--port", "0", "--store", str(store))
-    assert_refused(done, 2, "run store")
+    named = [("workflows", "list"), ("workflows", "add", "flow", str(definition)), ("workflows", "show", "flow"),
+             ("flow", "run", str(definition))]
+    with ThreadPoolExecutor(1) as job:  # the job entrypoint beside the `opgraph` commands
+        entrypoint = job.submit(opgraph, "workflow", str(definition), "--store", str(store),
+                                module="opgraph.cluster.job")
+        *refusals, served = opgraph_each(*[(*arguments, "--store", str(store)) for arguments in named],
+                                         ("serve", "--port", "0", "--store", str(store)))
+        for done in refusals:
+            assert_refused(done, 2, "run store", str(store))
+        assert_refused(served, 2, "run store")
+        assert_refused(entrypoint.result(), 2, "run store")
 
 
 def test_a_workflow_file_nested_10000_deep_is_a_problem_not_a_traceback(tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text('{"version": 1, "nodes": ' + "[" * 10_000 + "]" * 10_000 + "}")
-    for arguments in (["flow", "run", str(deep)], ["workflows", "add", "deep", str(deep)]):
-        done = opgraph(*arguments, "--store", str(tmp_path / "runs.db"))
+    for done in opgraph_each(("flow", "run", str(deep), "--store", str(tmp_path / "runs.db")),
+                             ("workflows", "add", "deep", str(deep), "--store", str(tmp_path / "runs.db"))):
         assert_refused(done, 2, "nests deeper")
         assert '"errors"' in done.stderr
 
@@ -95,8 +106,8 @@ def test_a_workflow_file_that_holds_no_object_is_refused_and_nothing_is_stored(t
     path = tmp_path / "not-a-definition.json"
     path.write_text(content)
     database = tmp_path / "runs.db"
-    for arguments in (["workflows", "add", "flow", str(path)], ["flow", "run", str(path)]):
-        done = opgraph(*arguments, "--store", str(database))
+    for done in opgraph_each(("workflows", "add", "flow", str(path), "--store", str(database)),
+                             ("flow", "run", str(path), "--store", str(database))):
         assert_refused(done, 2, "failed validation", f"a workflow definition must be a JSON object, got {kind}")
     listed = opgraph("workflows", "list", "--json", "--store", str(database))
     assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stdout + listed.stderr
@@ -148,16 +159,21 @@ class SilentListener:
 def test_run_commands_fail_fast_and_say_what_was_tried_when_nothing_answers(tmp_path):
     silent = SilentListener()
     refused_port = free_port()  # closed again: connections to it are refused
+    def timed(address: str, action: str) -> tuple[subprocess.CompletedProcess, float]:
+        started = time.monotonic()
+        done = opgraph("run", action, "some-run", "--address", address)
+        return done, time.monotonic() - started
+
+    cases = [(f"127.0.0.1:{port}", answer, action) for port, answer in ((silent.port, "DEADLINE_EXCEEDED"),
+                                                                      (refused_port, "UNAVAILABLE"))
+             for action in ("status", "watch")]
     try:
-        for address, answer in ((f"127.0.0.1:{silent.port}", "DEADLINE_EXCEEDED"),
-                                (f"127.0.0.1:{refused_port}", "UNAVAILABLE")):
-            for action in ("status", "watch"):
-                started = time.monotonic()
-                done = opgraph("run", action, "some-run", "--address", address)
-                took = time.monotonic() - started
-                assert_refused(done, EXIT_RUNTIME, f"cannot reach a Ray cluster at {address}",
-                               "asked the Ray GCS", answer)
-                assert took < PROMPT_FAILURE, f"`opgraph run {action}` took {took:.1f} s to give up"
+        with ThreadPoolExecutor(len(cases)) as pool:  # each mostly waits on its GCS deadline: all at once
+            outcomes = list(pool.map(lambda case: timed(case[0], case[2]), cases))
+        for (address, answer, action), (done, took) in zip(cases, outcomes, strict=True):
+            assert_refused(done, EXIT_RUNTIME, f"cannot reach a Ray cluster at {address}",
+                           "asked the Ray GCS", answer)
+            assert took < PROMPT_FAILURE, f"`opgraph run {action}` took {took:.1f} s to give up"
         done = opgraph("flow", "run", str(tmp_path / "missing.json"), "--address", f"127.0.0.1:{refused_port}")
         assert_refused(done, 2, "cannot read workflow file")  # the definition is checked before Ray
     finally:

@@ -19,8 +19,8 @@ import pytest
 from components import require
 from job_server import COMMAND_TIMEOUT, REPOSITORY, job_client, opgraph_command, summary_of, wait_for_terminal_status
 
-from opgraph.cluster.cli.client import job_submit_command, ray_cli
 from opgraph.cluster.jobs.shipping import PACKAGE_FOLDERS, opgraph_runtime_env
+from opgraph.cluster.jobs.submission import job_submit_command, ray_cli
 from opgraph.cluster.processes import run_command
 
 

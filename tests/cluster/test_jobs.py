@@ -24,8 +24,8 @@ from job_server import (
     wait_for_terminal_status,
 )
 
-from opgraph.cluster.cli.client import job_submit_command, ray_cli
 from opgraph.cluster.jobs import EXIT_USAGE, ProgressLog, fanout_graph
+from opgraph.cluster.jobs.submission import job_submit_command, ray_cli
 from opgraph.cluster.processes import run_command
 
 

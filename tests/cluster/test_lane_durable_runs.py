@@ -28,9 +28,9 @@ from api_server import serve
 
 from opgraph.actors.persistence import RunLog, database_path
 from opgraph.cluster.cli import main as cli_main
-from opgraph.cluster.cli.client import job_submit_command
 from opgraph.cluster.http import create_app
 from opgraph.cluster.jobs import main as job_main
+from opgraph.cluster.jobs.submission import job_submit_command
 from opgraph.cluster.lanes import (
     FIXED_WORKFLOW,
     LaneCapabilityError,
