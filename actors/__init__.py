@@ -23,8 +23,7 @@ and the one translation of Ray's), ``settings``, ``protocol`` (the wire rows), `
 (the model-call contract) and ``statistics`` (histograms and memory for snapshots).
 """
 
-from importlib import import_module
-from typing import Any
+from .lazy_names import lazy_names
 
 _SOURCES = {
     "branches.store": ("BranchStore", "BranchTable"),
@@ -73,14 +72,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _MODULE_OF, __all__)

@@ -7,8 +7,7 @@ deadlines; ``ServerClient`` calls the API with the token ``client_token`` finds.
 (PEP 562), so `opgraph serve`'s parser reads its defaults without loading FastAPI or Ray.
 """
 
-from importlib import import_module
-from typing import Any
+from opgraph.actors.lazy_names import lazy_names
 
 _SOURCES = {
     "app": ("CANCEL_GRACE_SECONDS", "RunTasks", "create_app", "serve", "sign_in_url"),
@@ -59,14 +58,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _MODULE_OF.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _MODULE_OF, __all__)
