@@ -105,44 +105,68 @@ def build_app(model: LocalModel, *, slots: int = 1, threads: int | None = None) 
         pool = state["slots"]
         if body.get("stream"):
             return StreamingResponse(_stream(pool, arguments), media_type="text/event-stream")
-        llama = await pool.idle.get()
         try:
-            result = await asyncio.to_thread(llama.create_chat_completion, **arguments)
+            result = await asyncio.to_thread(_complete, pool, await pool.idle.get(), arguments,
+                                             asyncio.get_running_loop())
         except ValueError as exc:  # a prompt longer than the context, say
             return _error(400, f"llama.cpp refused the request: {exc}")
-        finally:
-            pool.idle.put_nowait(llama)
         result["model"] = model.name
         return result
 
     return app
 
 
+def _give_back(pool: _Slots, llama: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """From a completion's thread: the slot returns to the pool (unless the server is stopping)."""
+    with contextlib.suppress(RuntimeError):  # the loop closed
+        loop.call_soon_threadsafe(pool.idle.put_nowait, llama)
+
+
+def _complete(pool: _Slots, llama: Any, arguments: dict[str, Any], loop: asyncio.AbstractEventLoop) -> Any:
+    """One whole completion, in a thread; the slot goes back when llama.cpp is done with it, even
+    if the request that asked was cancelled meanwhile (no second request may share the instance)."""
+    try:
+        return llama.create_chat_completion(**arguments)
+    finally:
+        _give_back(pool, llama, loop)
+
+
 async def _stream(pool: _Slots, arguments: dict[str, Any]) -> AsyncIterator[str]:
-    """Server-sent events of the completion's chunks, as OpenAI sends them; the slot is held until the last."""
+    """Server-sent events of the completion's chunks, as OpenAI sends them.
+
+    The slot goes back to the pool from the thread that used it, once llama.cpp is done with it:
+    never from this generator's cleanup, which a client gone mid-stream cancels (an await there
+    was cancelled too, and the slot was lost, so the next request waited for ever). A client gone
+    stops the generation at its next token."""
     loop = asyncio.get_running_loop()
     chunks: asyncio.Queue[Any] = asyncio.Queue()
+    gone = threading.Event()
     llama = await pool.idle.get()
+
+    def tell(value: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server is stopping
+            loop.call_soon_threadsafe(chunks.put_nowait, value)
 
     def produce() -> None:
         try:
             for chunk in llama.create_chat_completion(stream=True, **arguments):
-                loop.call_soon_threadsafe(chunks.put_nowait, chunk)
+                if gone.is_set():
+                    break
+                tell(chunk)
         except ValueError as exc:
-            loop.call_soon_threadsafe(chunks.put_nowait, {"error": {"message": str(exc), "type": "invalid_request"}})
+            tell({"error": {"message": str(exc), "type": "invalid_request"}})
         finally:
-            loop.call_soon_threadsafe(chunks.put_nowait, _DONE)
+            tell(_DONE)
+            _give_back(pool, llama, loop)
 
-    producer = threading.Thread(target=produce, name="opgraph-models-stream", daemon=True)
-    producer.start()
+    threading.Thread(target=produce, name="opgraph-models-stream", daemon=True).start()
     try:
         while (chunk := await chunks.get()) is not _DONE:
             chunk["model"] = pool.model.name
             yield f"data: {json.dumps(chunk)}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        await asyncio.to_thread(producer.join)  # the slot is free only once llama.cpp is done with it
-        pool.idle.put_nowait(llama)
+        gone.set()
 
 
 def serve(model: LocalModel, *, host: str = "127.0.0.1", port: int = DEFAULT_PORT, slots: int = 1,

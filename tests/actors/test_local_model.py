@@ -136,7 +136,7 @@ def test_a_chat_call_over_http_counts_the_servers_own_usage(server):
 def test_a_streamed_call_comes_in_chunks_and_matches_the_whole_reply(server):
     import openai
 
-    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as client:
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as client:
         with client.chat.completions.create(model="smollm2", messages=USER, temperature=0, max_tokens=24,
                                             stream=True) as stream:
             chunks = list(stream)
@@ -145,6 +145,28 @@ def test_a_streamed_call_comes_in_chunks_and_matches_the_whole_reply(server):
     assert sum(1 for piece in pieces if piece) >= 2, pieces  # streamed, not one block
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert "".join(pieces) == whole.choices[0].message.content  # greedy: the same reply either way
+
+
+def test_a_client_gone_mid_stream_frees_its_slot_for_the_next_request(server):
+    """A streamed reply abandoned after its first chunk: the one slot comes back, and the next
+    request (plain, then streamed) is answered, not left waiting for a slot that never returns."""
+    import openai
+
+    long_answer = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as client:
+        for _ in range(3):
+            with client.chat.completions.create(model="smollm2", messages=long_answer, temperature=0,
+                                                max_tokens=200, stream=True) as stream:
+                next(iter(stream))
+        whole = client.chat.completions.create(model="smollm2", messages=USER, temperature=0, max_tokens=8)
+        with client.chat.completions.create(model="smollm2", messages=USER, temperature=0, max_tokens=8,
+                                            stream=True) as stream:
+            streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert whole.choices[0].message.content and streamed
+    deadline = time.monotonic() + 30
+    while (health := httpx.get(server.base_url.removesuffix("/v1") + "/health").json())["idle"] != 1:
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
 
 
 def test_a_structured_call_is_held_to_its_schema_over_http_and_in_process(server):
