@@ -95,6 +95,9 @@ class _Run:
         # Branch id -> the task cloning it, for clones no dispatch needed when they were decided:
         # awaited only by the flush that dispatches that branch's node.
         self.deferred_clones: dict[str, asyncio.Task] = {}
+        # Source branch id -> the tasks cloning it (deferred ones): a dispatch that appends to a
+        # source waits for them, so a clone holds its source as it was when the clone was decided.
+        self.deferred_sources: dict[str, set[asyncio.Task]] = {}
         self.pending_dispatch: list[Any] = []
         self.flush_scheduled = False
         self.node_worker: dict[str, int] = {}  # node id -> worker index, while its call is in flight
@@ -582,10 +585,12 @@ class ExecutorShell:
                      dispatches: list[DispatchOperation]) -> None:
         """Send the batch's clones, one message per store shard.
 
-        The clones this batch's dispatches need go first; the rest (a planner's 900 children
-        beyond the capacity, a chain's every later link) follow in the background, each
-        awaited by the flush that dispatches its node. A spawn setup hook writes to every
-        new branch at once, so with one they all go first.
+        The clones this batch's dispatches need go first, and so do the clones of a branch one of
+        them appends to (a clone is its source as it was when the clone was decided, never with a
+        turn that raced it). The rest (a planner's 900 children beyond the capacity, a chain's every
+        later link) follow in the background, each awaited by the flush that dispatches its node or
+        appends to its source. A spawn setup hook writes to every new branch at once, so with one
+        they all go first.
         """
         options = run.options
         if options.branch_scope is not None:
@@ -594,12 +599,14 @@ class ExecutorShell:
         for shard, pairs in clones.items():
             now, later = pairs, ()
             if needed is not None:
-                now = [pair for pair in pairs if pair[1] in needed]
-                later = [pair for pair in pairs if pair[1] not in needed]
+                now = [pair for pair in pairs if pair[1] in needed or pair[0] in needed]
+                later = [pair for pair in pairs if pair[1] not in needed and pair[0] not in needed]
             first = self._start_branch_work(run, self._store_clones(run, shard, now)) if now else None
             if later:
                 deferred = self._store_task(run, self._clones_after(run, first, shard, later))
                 run.deferred_clones.update(dict.fromkeys([pair[1] for pair in later], deferred))
+                for source in {pair[0] for pair in later}:
+                    run.deferred_sources.setdefault(source, set()).add(deferred)
             run.messages += 1 + bool(now and later)
 
     def _send_history_replacements(self, run: _Run, replaces: list[ReplaceHistory]) -> None:
@@ -726,7 +733,7 @@ class ExecutorShell:
         dispatches, run.pending_dispatch = run.pending_dispatch, []
         if dispatches:
             await self._await_branch_work(run)
-            if run.deferred_clones:
+            if run.deferred_clones or run.deferred_sources:
                 await self._await_deferred_clones(run, dispatches)
             if run.options.durable and run.flushed_seq < run.log_seq:
                 try:  # what decided these dispatches must outlive this process before they go out
@@ -762,9 +769,12 @@ class ExecutorShell:
         await self._store_clones(run, shard, pairs)
 
     async def _await_deferred_clones(self, run: _Run, dispatches: list[DispatchOperation]) -> None:
-        """Wait for the deferred clones of the branches ``dispatches`` run on."""
-        deferred = run.deferred_clones
+        """Wait for the deferred clones of the branches ``dispatches`` run on, and for those taken
+        of them (a dispatch's turn must not land in a clone decided before it)."""
+        deferred, sources = run.deferred_clones, run.deferred_sources
         waits = {deferred.pop(dispatch.branch_id) for dispatch in dispatches if dispatch.branch_id in deferred}
+        for dispatch in dispatches:
+            waits.update(sources.pop(dispatch.branch_id, ()))
         # Done and fine (a chain's later links, cloned long before): no turn of the loop to wait for them.
         if any(not task.done() or task.cancelled() or task.exception() is not None for task in waits):
             await self._await_store_calls(run, waits)

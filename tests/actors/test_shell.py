@@ -196,3 +196,59 @@ def test_a_run_its_driver_forgot_is_freed_at_once_not_held_by_its_unclaimed_time
     state, timer = asyncio.run(go())
     assert timer.cancelled()
     assert state() is None
+
+
+class _SlowStore:
+    """A branch store whose clones take a while: the order of the calls is what the test reads."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.clone_many = _Method(self._clone_many)
+        self.create = _Method(lambda branch_id, messages, exist_ok: _value(True))
+
+    async def _clone_many(self, pairs):
+        await asyncio.sleep(0.05)
+        self.log.extend(f"cloned {destination} from {source}" for source, destination in pairs)
+        return []
+
+
+class _Recording:
+    """A worker that notes each dispatch and never answers."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+        self.run_one = _Method(self._dispatched)
+        self.run_batch = _Method(self._dispatched)
+
+    def _dispatched(self, run_id, calls, *rest):
+        self.log.append("dispatched")
+        return asyncio.get_running_loop().create_future()
+
+
+def test_a_dependents_clone_of_the_roots_branch_is_made_before_the_root_is_dispatched_to_append_to_it():
+    """root (on the run's own branch) -> child (a clone of that branch, decided at the start).
+
+    The clone is not one the first dispatch runs on, yet it must be made before that dispatch:
+    the root's turn is appended to the clone's source, and the child must not inherit it."""
+
+    async def go() -> list[str]:
+        log: list[str] = []
+        graph = Graph()
+        root = graph.add_node(create_operation("chat"))
+        child = create_operation("chat")
+        graph.add_node(child)
+        graph.add_edge(root.id, child.id)
+        pool = ActorPool("operation worker", [_Recording(log)], ["worker-0"], start=lambda index, generation: None)
+        stores = ActorPool("branch store", [_SlowStore(log)], ["store-0"], start=lambda index, generation: None)
+        shell = ExecutorShell(pool, stores)
+        shell.bind_loop()
+        await shell.start_run("run-c", graph, RunOptions(isolated=True))
+        for _ in range(200):
+            if "dispatched" in log:
+                break
+            await asyncio.sleep(0.01)
+        return log
+
+    log = asyncio.run(go())
+    assert log[-1] == "dispatched" and len(log) == 2, log
+    assert log[0].startswith("cloned ") and log[0].endswith(" from run-run-c-default"), log
