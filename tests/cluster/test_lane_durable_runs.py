@@ -145,7 +145,7 @@ def _wait_for_node(store: Any, run_id: str, spec_node_id: str) -> None:
 
 
 @pytest.mark.ray
-def test_run_resume_continues_an_orphaned_fixed_run_and_refuses_a_changed_source(store, tmp_path, capsys):
+def test_run_resume_continues_an_orphaned_fixed_run_and_refuses_a_changed_source(ray_head, store, tmp_path, capsys):
     """in -> n1 -> n2 -> n3 on sim/slow (1 s each): the owner is SIGKILLed, Ray and all, once n1 settled."""
     definition = tmp_path / "chain.json"
     definition.write_text(json.dumps(chain("sim/slow", 3)))
@@ -166,9 +166,7 @@ def test_run_resume_continues_an_orphaned_fixed_run_and_refuses_a_changed_source
     assert store.get_run(record.run_id).orphaned  # refused before anything was sent
 
     definition.write_bytes(original)
-    resumed_by = run_command(
-        [sys.executable, "-m", "opgraph.cluster.cli", "run", "resume", record.run_id, "--store", store.path],
-        timeout=DEADLINE)
+    resumed_by = resume_on(ray_head, record.run_id, store)
     assert resumed_by.returncode == 0, resumed_by.stderr
     printed = last_json(resumed_by.stdout)
     assert (printed["status"], list(printed["outputs"])) == ("completed", ["n3"])
@@ -182,6 +180,14 @@ def test_run_resume_continues_an_orphaned_fixed_run_and_refuses_a_changed_source
     assert "nothing to resume" in capsys.readouterr().err
 
 
+def resume_on(head: Any, run_id: str, store: Any) -> subprocess.CompletedProcess:
+    """`opgraph run resume` in a process of its own, as a user's on their cluster: it joins the
+    session's Ray head (the owner's Ray died with it; a second embedded Ray would only cost a start)."""
+    return run_command(
+        [sys.executable, "-m", "opgraph.cluster.cli", "run", "resume", run_id, "--store", store.path,
+         "--address", head.address], env={**head.env(), "OPGRAPH_DB": os.environ["OPGRAPH_DB"]}, timeout=DEADLINE)
+
+
 def _settled_in_log(run_id: str, node_id: str) -> bool:
     logged = RunLog(database_path()).load(run_id)
     return logged is not None and any(record[0] == "finished" and record[2] == node_id
@@ -189,7 +195,7 @@ def _settled_in_log(run_id: str, node_id: str) -> bool:
 
 
 @pytest.mark.ray
-def test_a_resumed_run_records_every_settled_node_and_says_it_was_resumed(store, tmp_path):
+def test_a_resumed_run_records_every_settled_node_and_says_it_was_resumed(ray_head, store, tmp_path):
     """in -> n1 -> n2 -> n3 on sim/slow. Once n1 is recorded the store is locked, so the owner's
     recorder falls behind: n2 settles in the run log only, and the owner is SIGKILLed then.
 
@@ -221,9 +227,7 @@ def test_a_resumed_run_records_every_settled_node_and_says_it_was_resumed(store,
     assert store.get_run(record.run_id).orphaned
     assert "completed" not in {s["kind"] for s in store.run_signals(record.run_id) if s["spec_node_id"] == "n2"}
 
-    resumed_by = run_command(
-        [sys.executable, "-m", "opgraph.cluster.cli", "run", "resume", record.run_id, "--store", store.path],
-        timeout=DEADLINE)
+    resumed_by = resume_on(ray_head, record.run_id, store)
     assert resumed_by.returncode == 0, resumed_by.stderr
 
     assert store.get_run(record.run_id).status == "completed"
