@@ -164,14 +164,22 @@ async def run_prepared(
         finally:
             if helper is not None:
                 helper.cancel()
+        released: list[bool] = []
+
+        async def release() -> None:
+            released.append(True)
+            await _release(session, run_id, errors)
+
         try:
             await recorder.drain()  # every signal and node result before the branches and the end
+            # Read, the branches are let go while their records are written.
             await recorder.record_branches(default_branch, session.messages,
-                                           messages_many=getattr(session, "messages_many", None))
+                                           messages_many=getattr(session, "messages_many", None), then=release)
         except Exception as exc:  # noqa: BLE001 - lost branch history must not hide the run's outcome
             errors.setdefault("branches", {"error": f"could not record branch messages: {exc}"})
         finally:
-            await _release(session, run_id, errors)
+            if not released:
+                await _release(session, run_id, errors)
     except asyncio.CancelledError:
         # Cancelled while running or while recording branches: the row must still end.
         await asyncio.shield(recorder.drain())
