@@ -100,6 +100,7 @@ async def run_prepared(
     store: RunStore | None,
     present: Callable[[Mapping[str, Any]], Presentation],
     hooks: RunHooks | None = None,
+    branches: Mapping[str, str] | None = None,
 ) -> LaneRunResult:
     """Record ``prepared`` as a run, execute it on ``session`` and record the outcome.
 
@@ -108,6 +109,8 @@ async def run_prepared(
     cancellation records ``cancelled`` and re-raises. Every signal and every settled
     node's result reach the store as the run goes (``RunRecorder``), each write on the
     store's writer thread. Without a store nothing is recorded and the run still runs.
+    ``branches`` (branch id -> the node id it is recorded under) are the lane's own branches
+    to record with the run's, in the same read and write (a planned run's roles).
     """
     hooks = hooks or RunHooks()
     run_id, invocation = prepared.run_id, prepared.invocation
@@ -164,14 +167,23 @@ async def run_prepared(
         finally:
             if helper is not None:
                 helper.cancel()
+        released: list[bool] = []
+
+        async def release() -> None:
+            released.append(True)
+            await _release(session, run_id, errors)
+
         try:
             await recorder.drain()  # every signal and node result before the branches and the end
+            # Read, the branches are let go while their records are written.
             await recorder.record_branches(default_branch, session.messages,
-                                           messages_many=getattr(session, "messages_many", None))
+                                           messages_many=getattr(session, "messages_many", None), then=release,
+                                           extra=branches)
         except Exception as exc:  # noqa: BLE001 - lost branch history must not hide the run's outcome
             errors.setdefault("branches", {"error": f"could not record branch messages: {exc}"})
         finally:
-            await _release(session, run_id, errors)
+            if not released:
+                await _release(session, run_id, errors)
     except asyncio.CancelledError:
         # Cancelled while running or while recording branches: the row must still end.
         await asyncio.shield(recorder.drain())

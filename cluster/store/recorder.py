@@ -132,14 +132,23 @@ class RunRecorder:
         self.branches.append(branch)
 
     async def record_branches(self, default_branch: str, messages: Callable[[str], Awaitable[Any]], *,
-                              messages_many: Callable[[list[str]], Awaitable[list[Any]]] | None = None) -> None:
+                              messages_many: Callable[[list[str]], Awaitable[list[Any]]] | None = None,
+                              then: Callable[[], Awaitable[Any]] | None = None,
+                              extra: Mapping[str, str] | None = None) -> None:
         """Record the run's branches (its default one and each clone) in one write; ``messages_many``,
-        when given, reads every history in one call (else ``messages``, BRANCH_READS at a time)."""
+        when given, reads every history in one call (else ``messages``, BRANCH_READS at a time).
+        ``then`` is awaited beside the write, once every history is read (the branches are let go
+        while their records go in, not after); with no store, at once. ``extra`` (branch id -> the
+        node id it is recorded under) are more branches to record with them, a lane's own."""
         if self.store is None:
+            if then is not None:
+                await then()
             return
         wanted = {}
         for branch_id, node_id in [(default_branch, None)] + [(b.id, b.node_id) for b in self.branches]:
             wanted.setdefault(branch_id, node_id)
+        for branch_id, node_id in (extra or {}).items():
+            wanted[branch_id] = node_id
         # A reactive run has a clone per node: their histories are read BRANCH_READS at a time
         # and written in one transaction (one at a time, each committed, took seconds at 700).
         slots = asyncio.Semaphore(BRANCH_READS)
@@ -152,9 +161,15 @@ class RunRecorder:
             histories = await messages_many(list(wanted))
         else:
             histories = await asyncio.gather(*(read(branch_id) for branch_id in wanted))
-        await self.write(self.store.record_branches, self.run_id,
-                         [(branch_id, self.spec_ids.get(node_id, node_id), history)
-                          for (branch_id, node_id), history in zip(wanted.items(), histories, strict=True)])
+        written = self.write(self.store.record_branches, self.run_id,
+                             [(branch_id, self.spec_ids.get(node_id, node_id), history)
+                              for (branch_id, node_id), history in zip(wanted.items(), histories, strict=True)])
+        if then is None:
+            await written
+            return
+        outcome, _ = await asyncio.gather(written, then(), return_exceptions=True)  # both end before either's error
+        if isinstance(outcome, BaseException):
+            raise outcome
 
     def _keep_failure(self, future: concurrent.futures.Future) -> None:
         if self.failure is None and not future.cancelled() and future.exception() is not None:

@@ -17,12 +17,14 @@ from typing import Any
 
 from opgraph.actors.persistence.backends import Connection, Row
 
+from .branch_rows import is_prefix_row, prefix_rows, resolve_rows
 from .definitions import CONTENT_HASH, Definitions, WorkflowVersion
 from .errors import (
     ProvenanceError,
     RunConflictError,
     RunNotFoundError,
     RunNotResumableError,
+    WorkflowStoreError,
     WorkflowVersionNotFoundError,
 )
 from .outbox import run_event
@@ -96,17 +98,11 @@ def _encode(value: Any) -> str:
     return json.dumps(value, default=str, sort_keys=True)
 
 
-def _encode_shared(messages: list[Any], encoded: dict[int, str]) -> str:
-    """``_encode(messages)``, each message object encoded once across the calls that share ``encoded``
-    (a list's JSON is its items' JSON, joined): 500 clones of a 200-message branch encode 200
-    messages and 500 tails, not 100,000 messages. The objects must stay alive meanwhile (ids)."""
-    parts = []
-    for message in messages:
-        text = encoded.get(id(message))
-        if text is None:
-            text = encoded[id(message)] = _encode(message)
-        parts.append(text)
-    return "[" + ", ".join(parts) + "]"
+def _unreadable_branch(run_id: str) -> Callable[[str, str], Exception]:
+    def fail(branch_id: str, why: str) -> Exception:
+        return WorkflowStoreError(f"run {run_id}: the recorded messages of branch {branch_id} cannot be read: {why}",
+                                  run_id=run_id)
+    return fail
 
 
 _JSON_COLUMNS = ("provenance", "inputs", "outputs", "error", "capabilities", "recovery")
@@ -505,6 +501,7 @@ class RunStore(Definitions):
         encoded = _encode(list(messages))
         with self._transaction(write=True) as db:
             self._check_run(db, run_id)
+            self._detach(db, run_id, [branch_id])
             db.execute("INSERT INTO run_branches (run_id, branch_id, node_id, messages) VALUES (?, ?, ?, ?)"
                        " ON CONFLICT (run_id, branch_id) DO UPDATE SET messages = excluded.messages,"
                        " node_id = COALESCE(excluded.node_id, run_branches.node_id)",
@@ -512,21 +509,44 @@ class RunStore(Definitions):
 
     def record_branches(self, run_id: str, branches: Iterable[tuple[str, str | None, Iterable[Any]]]) -> None:
         """``record_branch`` for each ``(branch_id, node_id, messages)``, in one transaction (a run's
-        hundreds of clones are recorded at its end: one commit, not one each)."""
-        encoded: dict[int, str] = {}  # id(message) -> its JSON: a run's clones share their prefix's messages
-        rows = [(run_id, branch_id, node_id, _encode_shared(list(messages), encoded))
-                for branch_id, node_id, messages in branches]
+        hundreds of clones are recorded at its end: one commit, not one each). A branch that begins
+        with the messages of the one before it is written as their prefix and its own tail
+        (branch_rows.py): 500 clones of a 200-message branch are 200 messages and 500 tails."""
+        rows = [(run_id, *row) for row in prefix_rows([(branch_id, node_id, list(messages))
+                                                       for branch_id, node_id, messages in branches], _encode)]
         with self._transaction(write=True) as db:
             self._check_run(db, run_id)
+            self._detach(db, run_id, [row[1] for row in rows])
             db.executemany("INSERT INTO run_branches (run_id, branch_id, node_id, messages) VALUES (?, ?, ?, ?)"
                            " ON CONFLICT (run_id, branch_id) DO UPDATE SET messages = excluded.messages,"
                            " node_id = COALESCE(excluded.node_id, run_branches.node_id)", rows)
+
+    def _detach(self, db: Connection, run_id: str, branch_ids: list[str]) -> None:
+        """Before rows of ``branch_ids`` are replaced: the run's rows recorded as a prefix of one of
+        them are written out as their own lists, so that what they hold stays what it was."""
+        held = {row["branch_id"] for row in db.execute("SELECT branch_id FROM run_branches WHERE run_id = ?",
+                                                       (run_id,))}
+        replaced = held.intersection(branch_ids)
+        if not replaced:
+            return  # new rows only (a run's branches at its end, its roles': the common case)
+        columns = {row["branch_id"]: json.loads(row["messages"]) for row in db.execute(
+            "SELECT branch_id, messages FROM run_branches WHERE run_id = ?", (run_id,))}
+        dependents = [branch_id for branch_id, value in columns.items()  # those replaced too need nothing
+                      if is_prefix_row(value) and value["from"] in replaced and branch_id not in branch_ids]
+        if not dependents:
+            return
+        resolved = resolve_rows(columns, _unreadable_branch(run_id))
+        db.executemany("UPDATE run_branches SET messages = ? WHERE run_id = ? AND branch_id = ?",
+                       [(_encode(resolved[branch_id]), run_id, branch_id) for branch_id in dependents])
 
     def run_branches(self, run_id: str) -> list[dict[str, Any]]:
         """``[{branch_id, node_id, messages}]`` in the order branches were first recorded."""
         with self._transaction() as db:
             self._check_run(db, run_id)
-            rows = db.execute("SELECT branch_id, node_id, messages FROM run_branches WHERE run_id = ?"
-                              " ORDER BY rowid", (run_id,))
-            return [{"branch_id": r["branch_id"], "node_id": r["node_id"], "messages": json.loads(r["messages"])}
-                    for r in rows]
+            rows = [(r["branch_id"], r["node_id"], json.loads(r["messages"])) for r in db.execute(
+                "SELECT branch_id, node_id, messages FROM run_branches WHERE run_id = ? ORDER BY rowid", (run_id,))]
+        if any(is_prefix_row(value) for _, _, value in rows):
+            resolved = resolve_rows({branch_id: value for branch_id, _, value in rows}, _unreadable_branch(run_id))
+            rows = [(branch_id, node_id, resolved[branch_id]) for branch_id, node_id, _ in rows]
+        return [{"branch_id": branch_id, "node_id": node_id, "messages": messages}
+                for branch_id, node_id, messages in rows]

@@ -490,6 +490,39 @@ def test_branches_upsert_and_keep_their_first_order(store):
                            "messages": [{"role": "assistant", "content": "x"}]}
 
 
+def test_clones_are_written_as_prefixes_and_read_back_whole(store):
+    """A run's clones of one long branch go in as its messages once and a tail each; they read back as
+    lists, a row written before the prefix form existed too, and replacing a row a prefix names keeps
+    what the rows continuing it held."""
+    store.create_run("r", session_id="s", provenance=file_provenance(), inputs={})
+    role = [{"role": "user", "content": f"part {i}"} for i in range(40)]
+    tail = [{"role": "assistant", "content": True}]  # equal to 1, not the same JSON: never shared
+    clones = [("default", None, role[:30])] + [(f"c{k}", f"n{k}", role[:20 + k] + [{"content": k}])
+                                               for k in range(10)]
+    clones.append(("other", "n-other", [{"role": "assistant", "content": 1}] + tail))
+    store.record_branches("r", clones)
+    store.record_branch("r", "old", messages=role[:3])  # a plain list, as every row was written before
+    with store._transaction() as db:
+        columns = {row["branch_id"]: json.loads(row["messages"])
+                   for row in db.execute("SELECT branch_id, messages FROM run_branches WHERE run_id = 'r'")}
+    assert columns["c0"] == {"from": "default", "take": 20, "then": [{"content": 0}]}
+    assert columns["c5"] == {"from": "c4", "take": 24, "then": role[24:25] + [{"content": 5}]}
+    assert isinstance(columns["default"], list) and isinstance(columns["other"], list)
+    expected = {branch_id: messages for branch_id, _, messages in clones} | {"old": role[:3]}
+    read = store.run_branches("r")
+    assert [row["branch_id"] for row in read] == [branch_id for branch_id, _, _ in clones] + ["old"]
+    assert {row["branch_id"]: row["messages"] for row in read} == expected
+    assert read[1]["node_id"] == "n0"
+    store.record_branch("r", "c4", messages=[{"role": "user", "content": "replaced"}])
+    expected["c4"] = [{"role": "user", "content": "replaced"}]
+    assert {row["branch_id"]: row["messages"] for row in store.run_branches("r")} == expected
+    with store._transaction(write=True) as db:
+        db.execute("UPDATE run_branches SET messages = ? WHERE branch_id = 'c5'",
+                   (json.dumps({"from": "gone", "take": 1, "then": []}),))
+    with pytest.raises(WorkflowStoreError, match="branch c5 cannot be read: it continues branch gone"):
+        store.run_branches("r")
+
+
 def test_threads_writing_signals_concurrently_get_unique_contiguous_seqs(store):
     """4 threads x 25 batches of 2 signals, on the one shared connection."""
     store.create_run("r", session_id="s", provenance=file_provenance(), inputs={})

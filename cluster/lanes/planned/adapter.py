@@ -201,27 +201,19 @@ class PlannedFlowLane:
     # -- execute -----------------------------------------------------------------------------
     async def execute(self, prepared: PreparedLaneRun, *, session: Any,
                       hooks: RunHooks | None = None) -> LaneRunResult:
-        """Record and run ``prepared`` through ``Session.flow``; then each role's conversation is recorded
-        and, when the configuration asks for it, the exempt synthesis runs over the results."""
+        """Record and run ``prepared`` through ``Session.flow``, each role's conversation recorded with the
+        run's branches; then, when the configuration asks for it, the exempt synthesis runs over the results."""
         labels = dict(prepared.labels)
+        roles = {branch_id: f"role:{role}" for role, branch_id in (prepared.recovery.get("branches") or {}).items()}
         try:
-            result = await run_prepared(prepared, session=session, store=self.store, hooks=hooks,
+            result = await run_prepared(prepared, session=session, store=self.store, hooks=hooks, branches=roles,
                                         present=lambda envelope: present(envelope, {"labels": labels}))
-            await self._record_roles(prepared, session, result)
             config = prepared.recovery.get("config") or {}
             if config.get("synthesis") and result.status == "completed":
                 result = await self._synthesise(prepared, session, result)
         finally:
             await asyncio.shield(release_roles(session, prepared.run_id))
         return result
-
-    async def _record_roles(self, prepared: PreparedLaneRun, session: Any, result: LaneRunResult) -> None:
-        if self.store is None:
-            return
-        for role, branch_id in (prepared.recovery.get("branches") or {}).items():
-            messages = await session.messages(branch_id)
-            await self.store.writer.call(self.store.record_branch, result.run_id, branch_id, node_id=f"role:{role}",
-                                         messages=messages)
 
     async def _synthesise(self, prepared: PreparedLaneRun, session: Any, result: LaneRunResult) -> LaneRunResult:
         from opgraph.engines.planning import TaskSettled
