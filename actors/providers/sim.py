@@ -82,6 +82,7 @@ class SimulatedProvider:
         self.settings = SimulationSettings(latency, jitter, failure_rate, prompt_tokens, completion_tokens,
                                            malformed_rate, list_items)
         self._rng = random.Random(seed)
+        self._by_model: dict[str, tuple[SimulationSettings, SimulationSettings]] = {}
         self._seed = seed
         self._calls = 0
 
@@ -92,10 +93,17 @@ class SimulatedProvider:
         preset = PRESETS.get(model_name)
         return dataclasses.replace(self.settings, **preset) if preset else self.settings
 
+    def _settings_of(self, model_name: str) -> SimulationSettings:
+        """``settings_for``, made once a model name (a call's cost, every call, otherwise)."""
+        made = self._by_model.get(model_name)
+        if made is None or made[0] is not self.settings:
+            made = self._by_model[model_name] = (self.settings, self.settings_for(model_name))
+        return made[1]
+
     async def complete(self, request: ChatRequest) -> ChatResponse:
         started = time.perf_counter()
         _, model_name = parse_model_id(request.model)
-        settings = self.settings_for(model_name)
+        settings = self._settings_of(model_name)
         rng = self._draws(request)
         # Draw every number up front so the sequence does not depend on which calls fail.
         delay = settings.latency + (rng.uniform(0.0, settings.jitter) if settings.jitter else 0.0)

@@ -169,16 +169,18 @@ class RowPlan:
 
     def pending(self) -> Iterator[tuple[int, str, dict[str, Any]]]:
         """(ordinal, key, values) of every row to run, in input order."""
-        good = 0
-        for row in self.source.rows():
-            if row.ordinal in self.refused or row.values is None:
+        good, limit, refused, open_places = 0, self.limit, self.refused, self.open_places
+        recorded, id_column = self.recorded, self.id_column  # marked as rows settle: read it as it grows
+        for ordinal, _, values, _ in self.source.rows():
+            if values is None or ordinal in refused:
                 continue
-            if self.limit is not None and good >= self.limit:
+            if limit is not None and good >= limit:
                 return
             good += 1
-            if _has_bit(self.recorded, row.ordinal) or row.ordinal in self.open_places:
+            index = ordinal >> 3
+            if (index < len(recorded) and recorded[index] >> (ordinal & 7) & 1) or ordinal in open_places:
                 continue
-            yield row.ordinal, row_key(row.values.get(self.id_column)), row.values
+            yield ordinal, row_key(values.get(id_column)), values
 
 
 def recorded_bitmap(ordinals: Iterator[int]) -> bytearray:
@@ -193,11 +195,6 @@ def _set_bit(bitmap: bytearray, ordinal: int) -> None:
     if index >= len(bitmap):
         bitmap.extend(bytes(index + 1 - len(bitmap) + 4096))
     bitmap[index] |= 1 << (ordinal & 7)
-
-
-def _has_bit(bitmap: bytearray, ordinal: int) -> bool:
-    index = ordinal >> 3
-    return index < len(bitmap) and bool(bitmap[index] >> (ordinal & 7) & 1)
 
 
 class RowRecorder:
@@ -220,11 +217,9 @@ class RowRecorder:
         result = event.result
         if event.status == "completed" and type(result) is str and not result.startswith("{"):
             try:
-                answers = decode_answers(result)
+                return self._answered(places, result)
             except (ValueError, TypeError):
-                answers = None
-            if answers is not None and len(answers) == len(places):
-                return self._answered(places, answers)
+                pass
             return [RowOutcome(key, ordinal, "failed", error=f"the answers of the batch of {len(places)} rows "
                                f"could not be read: {result[:200]!r}", run_id=self.run_id) for ordinal, key in places]
         if len(places) == 1:  # a row an operation, as runs fed before batches were did
@@ -235,7 +230,12 @@ class RowRecorder:
         failure = self.outcome(event, *places[0])
         return [failure._replace(row_key=key, ordinal=ordinal) for ordinal, key in places]
 
-    def _answered(self, places: list[tuple[int, str]], answers: list[Any]) -> list[RowOutcome]:
+    def _answered(self, places: list[tuple[int, str]], text: str) -> list[RowOutcome]:
+        """The rows of a batch's answers (``answers.encode_answers``' text), each answer's JSON kept
+        as it is (stored and exported so, never decoded here)."""
+        answers = decode_answers(text)
+        if len(answers) != len(places):
+            raise ValueError(f"{len(answers)} answers for {len(places)} rows")
         made, run_id, price_of, model_price = [], self.run_id, self._price, (None, None)
         for (ordinal, key), (ok, text, calls, prompt, completion, model) in zip(places, answers, strict=True):
             cost = 0.0

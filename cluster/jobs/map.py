@@ -81,6 +81,7 @@ class MapSettings:
 
     concurrency: int = 64
     window: int | None = None
+    batch: int | None = None  # rows one operation carries (None: as many as suit the concurrency, batch_size)
     max_tokens: int | None = None
     max_cost_usd: float | None = None
     prices: Mapping[str, Any] | None = None
@@ -152,6 +153,9 @@ def _check_spec(spec: MapSpec, settings: MapSettings) -> PromptTemplate | None:
         raise MapInputError(f"--on-bad-row is {' or '.join(BAD_ROW_POLICIES)}, not {settings.on_bad_row!r}")
     if settings.concurrency < 1 or (settings.window is not None and settings.window < 1):
         raise MapInputError("--concurrency (and the window) must be at least 1")
+    if settings.batch is not None and not 1 <= settings.batch <= settings.concurrency:
+        raise MapInputError(f"the rows an operation carries (batch) must be from 1 to the concurrency "
+                            f"({settings.concurrency}), not {settings.batch}")
     return PromptTemplate(spec.prompt) if spec.prompt is not None else None
 
 
@@ -321,7 +325,7 @@ class MapJob:
         # a run fed one row an operation (before batches), adopted: its rows still open finish as they were
         session.register_operation(ROW_OPERATION, functools.partial(answer_row, task=task), record_turn=False,
                                    retry=RetryPolicy.of(ROW_ATTEMPTS))
-        batch = batch_size(self.settings.concurrency)
+        batch = self.settings.batch or batch_size(self.settings.concurrency)
         fed = None
         if self.record.run_id is not None:
             fed = await FedRun.adopt(session, self.record.run_id)
