@@ -38,6 +38,11 @@ ADMIT_BATCH = 1024  # rows one admission carries at most
 ROWS_AN_OPERATION = (8, 16)  # the rows one operation carries, at least and at most, at a large concurrency
 OPERATIONS_IN_FLIGHT = 32  # below this many operations in flight a batch shrinks (to one row at 32 or fewer)
 POLL_SECONDS = 1.0  # how long one poll of the run waits for settled rows
+# The shortest round of the drain (poll, record, release): what settles meanwhile waits for the
+# next one, so each round's costs (a call each way, a transaction, an fsync, and the executor's
+# log commit of the release) go to many rows, not to each operation as it settles.
+DRAIN_ROUND_SECONDS = 0.01
+ADMIT_PART = 8  # with more than enough rows in the run, admit once an eighth of the window is free
 
 
 def batch_size(concurrency: int) -> int:
@@ -399,8 +404,15 @@ class PromptFeeder:
         return room if allowed is None else min(room, allowed - self.rows_in_run)
 
     def _least(self) -> int:
-        """The room worth an admission: a whole operation's rows (a budget's last rows may be fewer)."""
-        return 1 if self.recorder.budget.bounded else self.batch
+        """The room worth an admission: a whole operation's rows (a budget's last rows may be fewer);
+        while the run holds twice the concurrency or more (the rows in flight, and as many waiting
+        for a slot), an eighth of the window, so that admissions (each a call, and a commit of the
+        executor's log) are few and large."""
+        if self.recorder.budget.bounded:
+            return 1
+        if self.rows_in_run >= 2 * self.concurrency:
+            return max(self.batch, min(ADMIT_BATCH, self.window // ADMIT_PART))
+        return self.batch
 
     async def _admit_all(self) -> None:
         rows = self.plan.pending()
@@ -465,7 +477,13 @@ class PromptFeeder:
     async def _drain(self, admitting: asyncio.Future) -> None:
         fed = self.fed
         closing = False
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         while not fed.done:
+            pause = DRAIN_ROUND_SECONDS - (loop.time() - began)
+            if pause > 0 and not closing:
+                await asyncio.sleep(pause)
+            began = loop.time()
             if admitting.done() and admitting.exception() is not None:
                 raise admitting.exception()
             if not closing and self.reading_done and not self.in_run:
