@@ -104,12 +104,16 @@ class SimulatedProvider:
         started = time.perf_counter()
         _, model_name = parse_model_id(request.model)
         settings = self._settings_of(model_name)
-        rng = self._draws(request)
-        # Draw every number up front so the sequence does not depend on which calls fail.
-        delay = settings.latency + (rng.uniform(0.0, settings.jitter) if settings.jitter else 0.0)
-        fails = rng.random() < settings.failure_rate
-        broken = rng.random() < settings.malformed_rate
-        style = MALFORMED_STYLES[rng.randrange(len(MALFORMED_STYLES))]
+        if settings.jitter or settings.failure_rate or settings.malformed_rate:
+            rng = self._draws(request)
+            # Draw every number up front so the sequence does not depend on which calls fail.
+            delay = settings.latency + (rng.uniform(0.0, settings.jitter) if settings.jitter else 0.0)
+            fails = rng.random() < settings.failure_rate
+            broken = rng.random() < settings.malformed_rate
+            style = MALFORMED_STYLES[rng.randrange(len(MALFORMED_STYLES))]
+        else:  # nothing to draw: no number would be used (a seeded call draws from its own sequence)
+            self._calls += 1
+            delay, fails, broken, style = settings.latency, False, False, MALFORMED_STYLES[0]
         if delay > 0:
             await asyncio.sleep(delay)
         if fails:

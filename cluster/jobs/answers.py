@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from dataclasses import dataclass
+from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=False) of a str, without its setup
 from typing import Any
 
 from opgraph.actors.errors import clean_text
@@ -140,7 +141,7 @@ async def _answer_one(branch: Any, task: RowTask, options: dict[str, Any], model
         ok, text = False, f"{type(exc).__name__}: {clean_text(str(exc) or type(exc).__name__)}"
     else:
         ok = True
-        text = _json(exchange.parsed.root) if model_class is not None else _json(exchange.text)
+        text = _json(exchange.parsed.root) if model_class is not None else encode_basestring(exchange.text)
     tally = bound.usage
     return ok, text, tally.calls, tally.prompt_tokens, tally.completion_tokens, bound.model_id
 

@@ -304,16 +304,19 @@ class RowRecorder:
                                           replace_failed=self.replace_failed)
         if self.output is not None and written:
             await asyncio.to_thread(self.output.append, written)
-        progress = self.progress
-        for outcome in written:
-            if outcome.status == "done":
-                progress.done += 1
-            else:
-                progress.failed += 1
-            progress.calls += outcome.calls
-            progress.tokens += outcome.tokens
-            progress.cost_usd += outcome.cost_usd
-            self.budget.add(outcome)
+        if written:
+            progress, budget = self.progress, self.budget
+            done = sum(1 for outcome in written if outcome.status == "done")
+            tokens = sum(outcome.prompt_tokens + outcome.completion_tokens for outcome in written)
+            cost = sum(outcome.cost_usd for outcome in written)
+            progress.done += done
+            progress.failed += len(written) - done
+            progress.calls += sum(outcome.calls for outcome in written)
+            progress.tokens += tokens
+            progress.cost_usd += cost
+            budget.tokens += tokens
+            budget.cost_usd += cost
+            budget.rows += len(written)
         if written and self.on_recorded is not None:
             await _maybe_await(self.on_recorded(written))
         return written
