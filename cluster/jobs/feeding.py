@@ -41,7 +41,7 @@ POLL_SECONDS = 1.0  # how long one poll of the run waits for settled rows
 # The shortest round of the drain (poll, record, release): what settles meanwhile waits for the
 # next one, so each round's costs (a call each way, a transaction, an fsync, and the executor's
 # log commit of the release) go to many rows, not to each operation as it settles.
-DRAIN_ROUND_SECONDS = 0.01
+DRAIN_ROUND_SECONDS = 0.05
 ADMIT_PART = 8  # with more than enough rows in the run, admit once an eighth of the window is free
 
 
