@@ -36,7 +36,7 @@ __all__ = ["ADMIT_BATCH", "Budget", "MapProgress", "PromptFeeder", "RowPlan", "W
 
 ADMIT_BATCH = 1024  # rows one admission carries at most
 ROWS_AN_OPERATION = (8, 16)  # the rows one operation carries, at least and at most, at a large concurrency
-OPERATIONS_IN_FLIGHT = 32  # below this many operations in flight a batch shrinks (to one row at 32 or fewer)
+OPERATIONS_IN_FLIGHT = 32  # a batch shrinks to keep this many operations in flight (one row below 64 rows)
 POLL_SECONDS = 1.0  # how long one poll of the run waits for settled rows
 # The shortest round of the drain (poll, record, release): what settles meanwhile waits for the
 # next one, so each round's costs (a call each way, a transaction, an fsync, and the executor's
