@@ -133,15 +133,16 @@ async def _answer_one(branch: Any, task: RowTask, options: dict[str, Any], model
     content = prompt if model_class is None else f"{prompt}\n\n{schema_guidance(model_class)}"
     conversation = system_messages(task.system) + [{"role": "user", "content": content}]
     try:
-        exchange = await converse(bound, conversation, recorded=[], verb="map", response_format=model_class,
-                                  parse_retries=REPAIR_TURNS)
+        if model_class is None:  # a text answer: one call, its reply as it is (what converse does without a schema)
+            ok, text = True, encode_basestring((await bound.complete(conversation)).content or "")
+        else:
+            exchange = await converse(bound, conversation, recorded=[], verb="map", response_format=model_class,
+                                      parse_retries=REPAIR_TURNS)
+            ok, text = True, _json(exchange.parsed.root)
     except ParseError as error:
         ok, text = False, error.message
     except Exception as exc:  # noqa: BLE001 - the row's model call failed: that row failed, with why
         ok, text = False, f"{type(exc).__name__}: {clean_text(str(exc) or type(exc).__name__)}"
-    else:
-        ok = True
-        text = _json(exchange.parsed.root) if model_class is not None else encode_basestring(exchange.text)
     tally = bound.usage
     return ok, text, tally.calls, tally.prompt_tokens, tally.completion_tokens, bound.model_id
 
