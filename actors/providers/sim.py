@@ -17,6 +17,7 @@ import random
 import re
 import time
 from collections.abc import Callable
+from json.encoder import encode_basestring
 from typing import Any
 
 from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderUnavailable, Usage, parse_model_id
@@ -166,7 +167,7 @@ def _asked(message: str, limit: int = 60) -> str:
     """The start of what the sim was asked, quoted on one line, so a reader (or a test) can see
     which prompt reached the model: a pinned version's, an edited template's, a row's."""
     flat = " ".join(message.split())
-    return json.dumps(flat if len(flat) <= limit else flat[:limit].rstrip() + "...", ensure_ascii=False)
+    return encode_basestring(flat if len(flat) <= limit else flat[:limit].rstrip() + "...")  # as json.dumps
 
 
 # -- schema-valid values -----------------------------------------------------------------------
