@@ -17,6 +17,7 @@ import random
 import re
 import time
 from collections.abc import Callable
+from json.encoder import encode_basestring
 from typing import Any
 
 from ..models import ChatRequest, ChatResponse, ProviderConfigError, ProviderUnavailable, Usage, parse_model_id
@@ -82,6 +83,7 @@ class SimulatedProvider:
         self.settings = SimulationSettings(latency, jitter, failure_rate, prompt_tokens, completion_tokens,
                                            malformed_rate, list_items)
         self._rng = random.Random(seed)
+        self._by_model: dict[str, tuple[SimulationSettings, SimulationSettings]] = {}
         self._seed = seed
         self._calls = 0
 
@@ -92,16 +94,27 @@ class SimulatedProvider:
         preset = PRESETS.get(model_name)
         return dataclasses.replace(self.settings, **preset) if preset else self.settings
 
+    def _settings_of(self, model_name: str) -> SimulationSettings:
+        """``settings_for``, made once a model name (a call's cost, every call, otherwise)."""
+        made = self._by_model.get(model_name)
+        if made is None or made[0] is not self.settings:
+            made = self._by_model[model_name] = (self.settings, self.settings_for(model_name))
+        return made[1]
+
     async def complete(self, request: ChatRequest) -> ChatResponse:
         started = time.perf_counter()
         _, model_name = parse_model_id(request.model)
-        settings = self.settings_for(model_name)
-        rng = self._draws(request)
-        # Draw every number up front so the sequence does not depend on which calls fail.
-        delay = settings.latency + (rng.uniform(0.0, settings.jitter) if settings.jitter else 0.0)
-        fails = rng.random() < settings.failure_rate
-        broken = rng.random() < settings.malformed_rate
-        style = MALFORMED_STYLES[rng.randrange(len(MALFORMED_STYLES))]
+        settings = self._settings_of(model_name)
+        if settings.jitter or settings.failure_rate or settings.malformed_rate:
+            rng = self._draws(request)
+            # Draw every number up front so the sequence does not depend on which calls fail.
+            delay = settings.latency + (rng.uniform(0.0, settings.jitter) if settings.jitter else 0.0)
+            fails = rng.random() < settings.failure_rate
+            broken = rng.random() < settings.malformed_rate
+            style = MALFORMED_STYLES[rng.randrange(len(MALFORMED_STYLES))]
+        else:  # nothing to draw: no number would be used (a seeded call draws from its own sequence)
+            self._calls += 1
+            delay, fails, broken, style = settings.latency, False, False, MALFORMED_STYLES[0]
         if delay > 0:
             await asyncio.sleep(delay)
         if fails:
@@ -154,7 +167,7 @@ def _asked(message: str, limit: int = 60) -> str:
     """The start of what the sim was asked, quoted on one line, so a reader (or a test) can see
     which prompt reached the model: a pinned version's, an edited template's, a row's."""
     flat = " ".join(message.split())
-    return json.dumps(flat if len(flat) <= limit else flat[:limit].rstrip() + "...", ensure_ascii=False)
+    return encode_basestring(flat if len(flat) <= limit else flat[:limit].rstrip() + "...")  # as json.dumps
 
 
 # -- schema-valid values -----------------------------------------------------------------------

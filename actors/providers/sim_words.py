@@ -93,8 +93,14 @@ _OWN_SENTENCES = tuple(
     for t in (*_STATEMENTS, *_QUESTIONS, *_SOURCES, *_REASONS, *_ACTIONS))
 
 
+# Whether any of them matches, in one pass: most phrases are no sentence of ours (a row's prompt, say).
+_ANY_OWN_SENTENCE = re.compile("|".join(f"(?:{pattern.pattern})" for pattern in _OWN_SENTENCES), re.IGNORECASE)
+
+
 def _original(phrase: str) -> str:
     """``phrase`` with any sentence of ours around it taken off (at most a few layers)."""
+    if _ANY_OWN_SENTENCE.match(phrase) is None:
+        return phrase
     for _ in range(4):
         for pattern in _OWN_SENTENCES:
             match = pattern.match(phrase)

@@ -141,7 +141,8 @@ def _role(pid: int, command: str) -> str:
 # The client: one job on its own embedded Ray. Usage:
 #   python -c CLIENT_SCRIPT SPEC_JSON
 # SPEC_JSON: {"input", "store", "output", "model", "concurrency", "marks" (or null), "step", "latency",
-# "runlog" (the runtime's database, OPGRAPH_DB; absent: the environment's), "warm_up" (a 500-row job first, untimed)}
+# "runlog" (the runtime's database, OPGRAPH_DB; absent: the environment's), "warm_up" (a 500-row job first, untimed),
+# "batch" (rows an operation; absent: the job's choice)}
 CLIENT_SCRIPT = r"""
 import asyncio, json, os, sys, time
 spec = json.loads(sys.argv[1])
@@ -164,7 +165,8 @@ if spec.get("warm_up"):  # a small job first, untimed: the workers import and sh
     warmed.close()
 started = time.perf_counter()
 job = asyncio.run(MapJob.prepare(spec["input"], MapSpec("id", "Classify: {text}", model=spec["model"]),
-                                 MapSettings(concurrency=spec["concurrency"], output=spec["output"]),
+                                 MapSettings(concurrency=spec["concurrency"], output=spec["output"],
+                                             batch=spec.get("batch")),
                                  store=spec["store"]))
 checked = time.perf_counter()
 if session is None:

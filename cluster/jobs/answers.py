@@ -1,28 +1,35 @@
-"""How one row of a dataset job is answered, on a worker: one prompt, or one structured answer.
+"""How the rows of a dataset job are answered, on a worker: one prompt, or one structured answer, a row.
 
-Owns the operation a job registers for its rows (``answer_row``, bound to the job's
-``RowTask``): the model sees the job's system prompt and the row's prompt, no history (a row
-is stateless: it has no branch), and with a JSON Schema the reply goes through the verbs'
-structured path (``converse``) with its bounded repair turn. A reply that still does not fit
-is an answer that failed, returned with its reason and the usage it cost. It decides nothing
-about which rows run.
+Owns the operation a job registers for its rows (``answer_rows``, bound to the job's
+``RowTask``): one operation carries a batch of rows, whose model calls it makes at once; each
+row's model sees the job's system prompt and the row's prompt, no history (a row is
+stateless: it has no branch), and with a JSON Schema the reply goes through the verbs'
+structured path (``converse``) with its bounded repair turn. A reply that still does not fit,
+or a model call that fails, is a row that failed, returned with its reason and the usage it
+cost; the batch's other rows are not touched. It owns the text a batch's answers travel as
+(``encode_answers``, ``decode_answers``) and decides nothing about which rows run.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
+from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=False) of a str, without its setup
 from typing import Any
 
+from opgraph.actors.errors import clean_text
 from opgraph.actors.verbs import ParseError
 from opgraph.actors.verbs.conversation import BoundModel, system_messages
 from opgraph.actors.verbs.structured import converse, json_schema_model, schema_guidance
 
 from .rows import MapInputError
 
-__all__ = ["REPAIR_TURNS", "ROW_OPERATION", "RowTask", "answer_model", "answer_row", "check_schema"]
+__all__ = ["REPAIR_TURNS", "ROWS_OPERATION", "ROW_OPERATION", "RowAnswer", "RowTask", "answer_model", "answer_row",
+           "answer_rows", "check_schema", "decode_answers", "encode_answers"]
 
-ROW_OPERATION = "map_row"  # the operation name a job's rows run under
+ROWS_OPERATION = "map_rows"  # the operation name a job's batches of rows run under
+ROW_OPERATION = "map_row"  # one row an operation, as runs fed before batches were did (adopted, they finish)
 REPAIR_TURNS = 1  # a reply that does not fit the schema is sent back once with the reason, then fails
 
 
@@ -92,3 +99,68 @@ def _usage(tally: Any) -> list[int]:
 
 def _json(value: dict[str, Any]) -> str:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+# One row's answer, as a batch's text carries it: done or not, the answer's JSON text (done) or
+# why it failed, its usage (calls, prompt tokens, completion tokens) and the model that answered.
+RowAnswer = tuple[bool, str, int, int, int, "str | None"]
+
+
+async def answer_rows(branch: Any, prompts: list[str] | tuple[str, ...] = (), context: Any = None, *,
+                      task: RowTask, **parameters: Any) -> str:
+    """Answer a batch of rows, their model calls made at once: their ``RowAnswer``s, in order, as the
+    text ``encode_answers`` makes. A row whose reply does not fit the schema after the repair turn,
+    or whose model call fails, is a failed row (with the usage it cost); the batch goes on. Only a
+    cancellation (or the worker's death) ends the batch, and then every row of it is run again.
+
+    Text, not a list: a string is a plain result, which the worker need not walk for spawn
+    requests, which crosses every process and the run log as one value, and whose answers the
+    client stores as they are (their JSON is never decoded and encoded again)."""
+    del context, parameters
+    model_class = None if task.schema is None else answer_model(task.schema_text)
+    options = {} if task.max_output_tokens is None else {"max_tokens": task.max_output_tokens}
+    if len(prompts) == 1:
+        answers = [await _answer_one(branch, task, options, model_class, prompts[0])]
+    else:
+        answers = await asyncio.gather(*[_answer_one(branch, task, options, model_class, prompt)
+                                         for prompt in prompts])
+    return encode_answers(answers)
+
+
+async def _answer_one(branch: Any, task: RowTask, options: dict[str, Any], model_class: Any,
+                      prompt: str) -> RowAnswer:
+    bound = BoundModel(branch, task.model, options, "map")
+    content = prompt if model_class is None else f"{prompt}\n\n{schema_guidance(model_class)}"
+    conversation = system_messages(task.system) + [{"role": "user", "content": content}]
+    try:
+        if model_class is None:  # a text answer: one call, its reply as it is (what converse does without a schema)
+            ok, text = True, encode_basestring((await bound.complete(conversation)).content or "")
+        else:
+            exchange = await converse(bound, conversation, recorded=[], verb="map", response_format=model_class,
+                                      parse_retries=REPAIR_TURNS)
+            ok, text = True, _json(exchange.parsed.root)
+    except ParseError as error:
+        ok, text = False, error.message
+    except Exception as exc:  # noqa: BLE001 - the row's model call failed: that row failed, with why
+        ok, text = False, f"{type(exc).__name__}: {clean_text(str(exc) or type(exc).__name__)}"
+    tally = bound.usage
+    return ok, text, tally.calls, tally.prompt_tokens, tally.completion_tokens, bound.model_id
+
+
+def encode_answers(answers: list[RowAnswer]) -> str:
+    """A batch's answers as one text: a JSON header line, ``[done (1/0), length, calls, prompt tokens,
+    completion tokens, model]`` a row, then each row's text (answer JSON or reason) back to back."""
+    header = [[1 if ok else 0, len(text), calls, prompt, completion, model]
+              for ok, text, calls, prompt, completion, model in answers]
+    return _json(header) + "\n" + "".join(answer[1] for answer in answers)
+
+
+def decode_answers(text: str) -> list[RowAnswer]:
+    """``encode_answers``' answers back: one JSON decode for the batch; each row's text is sliced out."""
+    head, _, body = text.partition("\n")
+    answers, start = [], 0
+    for ok, length, calls, prompt, completion, model in json.loads(head):
+        end = start + length
+        answers.append((ok == 1, body[start:end], calls, prompt, completion, model))
+        start = end
+    return answers

@@ -51,6 +51,9 @@ def add_map_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=positive_int, default=64, help="model calls in flight at once (64)")
     parser.add_argument("--window", type=positive_int, default=None,
                         help="rows held in the live run at once (default: 4 x --concurrency, at least 512)")
+    parser.add_argument("--batch", type=positive_int, default=None,
+                        help="rows one operation carries, their model calls made at once (default: 1 below "
+                             "--concurrency 64, up to 16 from 512)")
     add_budget_options(parser, tokens_type=positive_int,
                        tokens_help="token budget of the job (recorded rows counted): no new row once it is spent",
                        cost_help="dollar budget of the job, priced by --price (sim/ and scripted/ are free)")
@@ -87,7 +90,7 @@ def _spec_and_settings(arguments: argparse.Namespace) -> tuple[MapSpec, MapSetti
                                 f"{exc.colno})", line=exc.lineno) from None
     spec = MapSpec(arguments.id_column, arguments.prompt, arguments.system, arguments.model, schema,
                    arguments.workflow)
-    settings = MapSettings(concurrency=arguments.concurrency, window=arguments.window,
+    settings = MapSettings(concurrency=arguments.concurrency, window=arguments.window, batch=arguments.batch,
                            max_tokens=arguments.max_tokens, max_cost_usd=arguments.max_cost_usd,
                            prices=dict(arguments.price or []), limit=arguments.limit, on_bad_row=arguments.on_bad_row,
                            retry_failed=arguments.retry_failed, new_job=arguments.new_job, output=arguments.output)

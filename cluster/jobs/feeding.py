@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import time
@@ -26,14 +27,37 @@ from opgraph.actors.protocol import AdmittedRow
 from opgraph.kernel import FlowEvent, OpGraphError
 
 from ..store import MapJobStore, RowOutcome
-from .answers import ROW_OPERATION
+from .answers import ROWS_OPERATION, decode_answers
 from .output import OutputFile
 from .rows import PromptTemplate, RowSource, row_key
 
-__all__ = ["ADMIT_BATCH", "Budget", "MapProgress", "PromptFeeder", "RowPlan", "WorkflowRows", "node_id_of"]
+__all__ = ["ADMIT_BATCH", "Budget", "MapProgress", "PromptFeeder", "RowPlan", "WorkflowRows", "batch_size",
+           "node_id_of"]
 
 ADMIT_BATCH = 1024  # rows one admission carries at most
+ROWS_AN_OPERATION = (8, 16)  # the rows one operation carries, at least and at most, at a large concurrency
+OPERATIONS_IN_FLIGHT = 32  # a batch shrinks to keep this many operations in flight (one row below 64 rows)
 POLL_SECONDS = 1.0  # how long one poll of the run waits for settled rows
+# The shortest round of the drain (poll, record, release): what settles meanwhile waits for the
+# next one, so each round's costs (a call each way, a transaction, an fsync, and the executor's
+# log commit of the release) go to many rows, not to each operation as it settles.
+DRAIN_ROUND_SECONDS = 0.05
+ADMIT_PART = 8  # with more than enough rows in the run, admit once an eighth of the window is free
+
+
+def batch_size(concurrency: int) -> int:
+    """Rows one operation carries at ``concurrency`` rows in flight: one up to ``OPERATIONS_IN_FLIGHT``
+    rows, then more, at most ``ROWS_AN_OPERATION[1]``; from ``ROWS_AN_OPERATION[0]`` on, the largest size
+    whose whole operations leave at most 1% of the ``concurrency`` rows unused (else the least unused).
+
+    Per operation, not per row, go the executor's scheduling and logging, Ray's calls and the
+    worker's dispatch: a batch divides them by its size. A batch's rows are called at once, so
+    ``concurrency // size`` operations in flight keep (nearly) ``concurrency`` rows in flight."""
+    least, most = ROWS_AN_OPERATION
+    fitting = max(1, min(most, concurrency // OPERATIONS_IN_FLIGHT))
+    if fitting < least:
+        return fitting
+    return min(range(least, fitting + 1), key=lambda size: (max(concurrency % size, concurrency // 100), -size))
 
 
 def node_id_of(job_id: str, key: str) -> str:
@@ -151,16 +175,18 @@ class RowPlan:
 
     def pending(self) -> Iterator[tuple[int, str, dict[str, Any]]]:
         """(ordinal, key, values) of every row to run, in input order."""
-        good = 0
-        for row in self.source.rows():
-            if row.ordinal in self.refused or row.values is None:
+        good, limit, refused, open_places = 0, self.limit, self.refused, self.open_places
+        recorded, id_column = self.recorded, self.id_column  # marked as rows settle: read it as it grows
+        for ordinal, _, values, _ in self.source.rows():
+            if values is None or ordinal in refused:
                 continue
-            if self.limit is not None and good >= self.limit:
+            if limit is not None and good >= limit:
                 return
             good += 1
-            if _has_bit(self.recorded, row.ordinal) or row.ordinal in self.open_places:
+            index = ordinal >> 3
+            if (index < len(recorded) and recorded[index] >> (ordinal & 7) & 1) or ordinal in open_places:
                 continue
-            yield row.ordinal, row_key(row.values.get(self.id_column)), row.values
+            yield ordinal, row_key(values.get(id_column)), values
 
 
 def recorded_bitmap(ordinals: Iterator[int]) -> bytearray:
@@ -177,11 +203,6 @@ def _set_bit(bitmap: bytearray, ordinal: int) -> None:
     bitmap[index] |= 1 << (ordinal & 7)
 
 
-def _has_bit(bitmap: bytearray, ordinal: int) -> bool:
-    index = ordinal >> 3
-    return index < len(bitmap) and bool(bitmap[index] >> (ordinal & 7) & 1)
-
-
 class RowRecorder:
     """Turns settled rows into outcomes, records them (store, then output) and counts them."""
 
@@ -195,9 +216,53 @@ class RowRecorder:
         self.on_recorded = on_recorded
         self._prices: dict[str, Any] = {}  # model -> its ModelPrice (or None), looked up once
 
-    def outcome(self, event: FlowEvent, ordinal: int) -> RowOutcome | None:
-        """The row's outcome from its settled node; None for a row that was cancelled (not answered)."""
+    def outcomes(self, event: FlowEvent, places: list[tuple[int, str]]) -> list[RowOutcome] | None:
+        """The outcomes of a settled operation's rows, ``places`` ((ordinal, key) each, in the order the
+        operation carried them); None for an operation that was cancelled (its rows not answered).
+        An operation that failed as a whole (its worker died at every attempt, say) fails each row."""
         result = event.result
+        if event.status == "completed" and type(result) is str and not result.startswith("{"):
+            try:
+                return self._answered(places, result)
+            except (ValueError, TypeError):
+                pass
+            return [RowOutcome(key, ordinal, "failed", error=f"the answers of the batch of {len(places)} rows "
+                               f"could not be read: {result[:200]!r}", run_id=self.run_id) for ordinal, key in places]
+        if len(places) == 1:  # a row an operation, as runs fed before batches were did
+            made = self.outcome(event, *places[0])
+            return None if made is None else [made]
+        if event.status != "failed":
+            return None
+        failure = self.outcome(event, *places[0])
+        return [failure._replace(row_key=key, ordinal=ordinal) for ordinal, key in places]
+
+    def _answered(self, places: list[tuple[int, str]], text: str) -> list[RowOutcome]:
+        """The rows of a batch's answers (``answers.encode_answers``' text), each answer's JSON kept
+        as it is (stored and exported so, never decoded here)."""
+        answers = decode_answers(text)
+        if len(answers) != len(places):
+            raise ValueError(f"{len(answers)} answers for {len(places)} rows")
+        made, run_id, price_of, model_price = [], self.run_id, self._price, (None, None)
+        for (ordinal, key), (ok, text, calls, prompt, completion, model) in zip(places, answers, strict=True):
+            cost = 0.0
+            if model and (prompt or completion):
+                if model_price[0] != model:
+                    model_price = (model, price_of(model))
+                price = model_price[1]
+                cost = price.cost(prompt, completion) if price is not None else 0.0
+            if ok:
+                made.append(RowOutcome(key, ordinal, "done", None, None, calls, prompt, completion, cost, model,
+                                       run_id, text))
+            else:
+                made.append(RowOutcome(key, ordinal, "failed", None, text, calls, prompt, completion, cost, model,
+                                       run_id))
+        return made
+
+    def outcome(self, event: FlowEvent, ordinal: int, key: str | None = None) -> RowOutcome | None:
+        """One row's outcome from its settled node, which answered that row alone (as JSON text, or a
+        failure); None for a row that was cancelled (not answered)."""
+        result = event.result
+        key = event.name if key is None else key
         if type(result) is str:  # a row's answer comes as JSON text (answers.answer_row)
             try:
                 result = json.loads(result)
@@ -214,7 +279,7 @@ class RowRecorder:
             cost = price.cost(prompt, completion) if price is not None else 0.0
         if event.status == "completed" and "answer" in result:
             answer = result["answer"]
-            return RowOutcome(event.name, ordinal, "done", answer, None, calls, prompt, completion, cost, model,
+            return RowOutcome(key, ordinal, "done", answer, None, calls, prompt, completion, cost, model,
                               self.run_id, json.dumps(answer, ensure_ascii=False, separators=(",", ":")))
         if event.status == "completed" and "failed" in result:
             error = str(result["failed"])
@@ -224,7 +289,7 @@ class RowRecorder:
             error = f"{kind}: {error}" if kind else str(error)
         else:
             return None
-        return RowOutcome(event.name, ordinal, "failed", None, error, calls, prompt, completion, cost, model,
+        return RowOutcome(key, ordinal, "failed", None, error, calls, prompt, completion, cost, model,
                           self.run_id)
 
     def _price(self, model: str) -> Any:
@@ -239,16 +304,19 @@ class RowRecorder:
                                           replace_failed=self.replace_failed)
         if self.output is not None and written:
             await asyncio.to_thread(self.output.append, written)
-        progress = self.progress
-        for outcome in written:
-            if outcome.status == "done":
-                progress.done += 1
-            else:
-                progress.failed += 1
-            progress.calls += outcome.calls
-            progress.tokens += outcome.tokens
-            progress.cost_usd += outcome.cost_usd
-            self.budget.add(outcome)
+        if written:
+            progress, budget = self.progress, self.budget
+            done = sum(1 for outcome in written if outcome.status == "done")
+            tokens = sum(outcome.prompt_tokens + outcome.completion_tokens for outcome in written)
+            cost = sum(outcome.cost_usd for outcome in written)
+            progress.done += done
+            progress.failed += len(written) - done
+            progress.calls += sum(outcome.calls for outcome in written)
+            progress.tokens += tokens
+            progress.cost_usd += cost
+            budget.tokens += tokens
+            budget.cost_usd += cost
+            budget.rows += len(written)
         if written and self.on_recorded is not None:
             await _maybe_await(self.on_recorded(written))
         return written
@@ -258,17 +326,23 @@ class PromptFeeder:
     """Feeds the rows of ``plan`` into ``fed`` (a ``FedRun``), a window at a time, and records them.
 
     ``window`` bounds the rows admitted and not yet released, so the run holds at most that
-    many nodes whatever the input's size; admissions stop once ``budget`` is spent.
+    many rows whatever the input's size; admissions stop once ``budget`` is spent. Rows go in
+    operations of ``batch`` rows each (``batch_size``; the run's ``max_concurrent`` operations
+    times it is the rows in flight), each row recorded on its own once its operation settled.
     """
 
     def __init__(self, fed: Any, job_id: str, plan: RowPlan, template: PromptTemplate, recorder: RowRecorder,
-                 *, window: int, concurrency: int, on_progress: Callable[[MapProgress], Any] | None = None) -> None:
+                 *, window: int, concurrency: int, batch: int = 1,
+                 on_progress: Callable[[MapProgress], Any] | None = None) -> None:
         self.fed, self.job_id, self.plan, self.template = fed, job_id, plan, template
         self.recorder = recorder
         self.window = max(1, window)
         self.concurrency = max(1, concurrency)
+        self.batch = max(1, min(batch, self.window))
         self.on_progress = on_progress
-        self.in_run: dict[str, tuple[int, str]] = {}  # node id -> (ordinal, key): admitted, not yet released
+        # node id -> its rows' (ordinal, key)s: admitted, not yet released; ``rows_in_run`` counts the rows
+        self.in_run: dict[str, list[tuple[int, str]]] = {}
+        self.rows_in_run = 0
         self.room = asyncio.Event()
         self.room.set()
         self.recoveries = fed.recoveries
@@ -280,7 +354,8 @@ class PromptFeeder:
         await self._take_over()
         admitting = asyncio.ensure_future(self._admit_all())
         try:
-            await self._drain(admitting)
+            with _young_collections_rarer():
+                await self._drain(admitting)
         except asyncio.CancelledError:
             # Stopped (Ctrl-C, a notebook's loop left): what settled is recorded before the caller
             # stops the run, so only the rows in flight are asked again next time.
@@ -304,12 +379,22 @@ class PromptFeeder:
         and remember what is open in it, so those rows are not admitted twice."""
         held = await self.fed.held()
         for node_id, metadata in held.open:
-            place = metadata.get("row")
-            if isinstance(place, int):
-                self.in_run[node_id] = (place, metadata.get("reference_id") or "")
-                self.plan.open_places.add(place)
+            places = _places(metadata)
+            if places:
+                self._hold(node_id, places)
+                self.plan.open_places.update(ordinal for ordinal, _ in places)
         await self._settle(held.settled, held.metadata)
         self.recoveries = self.fed.recoveries
+
+    def _hold(self, node_id: str, places: list[tuple[int, str]]) -> None:
+        if node_id not in self.in_run:
+            self.in_run[node_id] = places
+            self.rows_in_run += len(places)
+
+    def _let_go(self, node_id: str) -> None:
+        places = self.in_run.pop(node_id, None)
+        if places is not None:
+            self.rows_in_run -= len(places)
 
     def _room(self) -> int:
         """Rows that may be admitted now: the window's room; under a budget whose cost per row is not
@@ -317,36 +402,50 @@ class PromptFeeder:
         rows' spending is seen before the run holds many more."""
         budget = self.recorder.budget
         limit = self.concurrency if budget.bounded and budget.rows == 0 else self.window
-        room = limit - len(self.in_run)
+        room = limit - self.rows_in_run
         allowed = budget.rows_left()
-        return room if allowed is None else min(room, allowed - len(self.in_run))
+        return room if allowed is None else min(room, allowed - self.rows_in_run)
+
+    def _least(self) -> int:
+        """The room worth an admission: a whole operation's rows (a budget's last rows may be fewer);
+        while the run holds twice the concurrency or more (the rows in flight, and as many waiting
+        for a slot), an eighth of the window, so that admissions (each a call, and a commit of the
+        executor's log) are few and large."""
+        if self.recorder.budget.bounded:
+            return 1
+        if self.rows_in_run >= 2 * self.concurrency:
+            return max(self.batch, min(ADMIT_BATCH, self.window // ADMIT_PART))
+        return self.batch
 
     async def _admit_all(self) -> None:
         rows = self.plan.pending()
         budget, progress = self.recorder.budget, self.recorder.progress
         try:
             while True:
-                while self._room() <= 0:
-                    reason = budget.spent(len(self.in_run))
+                while self._room() < self._least() and (self.rows_in_run or self._room() <= 0):
+                    reason = budget.spent(self.rows_in_run)
                     if reason is not None:  # spent, counting what is in flight: no row will be admitted
                         progress.stopped = reason
                         return
                     self.room.clear()
                     await self.room.wait()
-                reason = budget.spent(len(self.in_run))
+                reason = budget.spent(self.rows_in_run)
                 if reason is not None:
                     progress.stopped = reason
                     return
-                batch = self._operations(rows, min(ADMIT_BATCH, self._room()))
+                count = min(ADMIT_BATCH, self._room())
+                if count >= self.batch:  # whole operations: a part of one only at the input's end
+                    count -= count % self.batch
+                batch = self._operations(rows, count)
                 if not batch:
                     return
                 for node_id, _, _, metadata in batch:
-                    self.in_run[node_id] = (metadata["row"], metadata["reference_id"])
-                progress.in_flight = len(self.in_run)
+                    self._hold(node_id, list(zip(metadata["rows"], metadata["keys"], strict=True)))
+                progress.in_flight = self.rows_in_run
                 decided = await self.fed.admit(batch)
                 for (node_id, *_), (accepted, reason) in zip(batch, decided, strict=True):
                     if not accepted and reason != "duplicate":  # refused: the run ended under us
-                        self.in_run.pop(node_id, None)
+                        self._let_go(node_id)
                         progress.refused_by_run = progress.refused_by_run or str(reason)
                 if progress.refused_by_run is not None:
                     return  # the rows not admitted stay pending: the same command again runs them
@@ -356,20 +455,38 @@ class PromptFeeder:
             self.room.set()
 
     def _operations(self, rows: Iterator[tuple[int, str, dict[str, Any]]], count: int) -> list[AdmittedRow]:
-        """Up to ``count`` rows as the operations they are admitted as: (node id, operation, parameters,
-        metadata), the row's key and place in its metadata."""
-        made, job_id, render = [], self.job_id, self.template.render
+        """Up to ``count`` rows as the operations they are admitted as, ``batch`` rows each: (node id,
+        operation, parameters, metadata), the rows' keys and places in its metadata. A node id is
+        the keyed hash of its rows' keys: the same rows make the same node in any process."""
+        made, job_id, render, size = [], self.job_id, self.template.render, self.batch
+        ordinals: list[int] = []
+        keys: list[str] = []
+        prompts: list[str] = []
+        taken = 0
         for ordinal, key, values in rows:
-            made.append((node_id_of(job_id, key), ROW_OPERATION, {"prompt": render(values)},
-                         {"stateless": True, "reference_id": key, "row": ordinal}))
-            if len(made) >= count:
-                break
+            ordinals.append(ordinal)
+            keys.append(key)
+            prompts.append(render(values))
+            taken += 1
+            if len(keys) >= size or taken >= count:
+                made.append(_operation(job_id, ordinals, keys, prompts))
+                ordinals, keys, prompts = [], [], []
+                if taken >= count:
+                    break
+        if keys:
+            made.append(_operation(job_id, ordinals, keys, prompts))
         return made
 
     async def _drain(self, admitting: asyncio.Future) -> None:
         fed = self.fed
         closing = False
+        loop = asyncio.get_running_loop()
+        began = loop.time()
         while not fed.done:
+            pause = DRAIN_ROUND_SECONDS - (loop.time() - began)
+            if pause > 0 and not closing:
+                await asyncio.sleep(pause)
+            began = loop.time()
             if admitting.done() and admitting.exception() is not None:
                 raise admitting.exception()
             if not closing and self.reading_done and not self.in_run:
@@ -385,30 +502,61 @@ class PromptFeeder:
     async def _settle(self, events: list[FlowEvent], metadata: dict[str, dict[str, Any]] | None = None) -> None:
         if not events:
             return
-        outcomes, seen = [], []
+        outcomes, seen, recorder, plan = [], [], self.recorder, self.plan
         for event in events:
-            place = self.in_run.get(event.operation_id)
-            if place is None and metadata is not None:
-                row = metadata.get(event.operation_id, {}).get("row")
-                place = (row, event.name) if isinstance(row, int) else None
-            if place is None:  # recorded before (a repeat after a recovery): only its release is left
-                seen.append(event.operation_id)
-                continue
-            outcome = self.recorder.outcome(event, place[0])
-            if outcome is None:
-                self.cancelled += 1
-            else:
-                outcomes.append(outcome)
-                self.plan.mark(place[0])
+            places = self.in_run.get(event.operation_id)
+            if places is None and metadata is not None:
+                places = _places(metadata.get(event.operation_id, {}))
             seen.append(event.operation_id)
-        await self.recorder.record(outcomes)
+            if not places:  # recorded before (a repeat after a recovery): only its release is left
+                continue
+            settled = recorder.outcomes(event, places)
+            if settled is None:
+                self.cancelled += len(places)
+                continue
+            outcomes.extend(settled)
+            for ordinal, _ in places:
+                plan.mark(ordinal)
+        await recorder.record(outcomes)
         await self.fed.release(seen)
         for node_id in seen:
-            self.in_run.pop(node_id, None)
-        self.recorder.progress.in_flight = len(self.in_run)
+            self._let_go(node_id)
+        recorder.progress.in_flight = self.rows_in_run
         self.room.set()
         if self.on_progress is not None:
-            await _maybe_await(self.on_progress(self.recorder.progress))
+            await _maybe_await(self.on_progress(recorder.progress))
+
+
+@contextlib.contextmanager
+def _young_collections_rarer() -> Iterator[None]:
+    """The collector's youngest generation collected every 50,000 allocations, not 700, while rows
+    are fed (then as it was): a window of rows in flight keeps thousands of young objects alive
+    (rows read ahead, their operations, outcomes), and with the default every collection of the
+    older generations scanned them again, about a quarter of the feeding's time (as in the
+    executor and the workers, actors.settings.tune_garbage_collector)."""
+    threshold = gc.get_threshold()
+    gc.set_threshold(max(threshold[0], 50_000), *threshold[1:])
+    try:
+        yield
+    finally:
+        if gc.get_threshold()[0] == max(threshold[0], 50_000):
+            gc.set_threshold(*threshold)
+
+
+def _operation(job_id: str, ordinals: list[int], keys: list[str], prompts: list[str]) -> AdmittedRow:
+    node_id = node_id_of(job_id, keys[0] if len(keys) == 1 else "\x1f".join(keys))
+    return (node_id, ROWS_OPERATION, {"prompts": prompts},
+            {"stateless": True, "reference_id": keys[0], "rows": ordinals, "keys": keys})
+
+
+def _places(metadata: dict[str, Any]) -> list[tuple[int, str]]:
+    """An admitted operation's rows, (ordinal, key) each, from its metadata (``rows`` and ``keys``; a
+    run fed before batches were has ``row`` and ``reference_id``, one row)."""
+    ordinals, keys = metadata.get("rows"), metadata.get("keys")
+    if isinstance(ordinals, list) and isinstance(keys, list) and len(ordinals) == len(keys):
+        return [(ordinal, str(key)) for ordinal, key in zip(ordinals, keys, strict=True) if isinstance(ordinal, int)]
+    ordinal = metadata.get("row")
+    return [(ordinal, str(metadata.get("reference_id") or ""))] if isinstance(ordinal, int) else []
 
 
 class WorkflowRows:

@@ -26,8 +26,17 @@ from opgraph.kernel import OpGraphError, RetryPolicy
 
 from ..command_line import ExitCode
 from ..store import MapJobRecord, MapJobStore, RowOutcome, RunNotFoundError, digest
-from .answers import ROW_OPERATION, RowTask, answer_row, check_schema
-from .feeding import Budget, MapProgress, PromptFeeder, RowPlan, RowRecorder, WorkflowRows, recorded_bitmap
+from .answers import ROW_OPERATION, ROWS_OPERATION, RowTask, answer_row, answer_rows, check_schema
+from .feeding import (
+    Budget,
+    MapProgress,
+    PromptFeeder,
+    RowPlan,
+    RowRecorder,
+    WorkflowRows,
+    batch_size,
+    recorded_bitmap,
+)
 from .output import OutputFile, check_output
 from .rows import (
     BAD_ROW_POLICIES,
@@ -72,6 +81,7 @@ class MapSettings:
 
     concurrency: int = 64
     window: int | None = None
+    batch: int | None = None  # rows one operation carries (None: as many as suit the concurrency, batch_size)
     max_tokens: int | None = None
     max_cost_usd: float | None = None
     prices: Mapping[str, Any] | None = None
@@ -143,6 +153,9 @@ def _check_spec(spec: MapSpec, settings: MapSettings) -> PromptTemplate | None:
         raise MapInputError(f"--on-bad-row is {' or '.join(BAD_ROW_POLICIES)}, not {settings.on_bad_row!r}")
     if settings.concurrency < 1 or (settings.window is not None and settings.window < 1):
         raise MapInputError("--concurrency (and the window) must be at least 1")
+    if settings.batch is not None and not 1 <= settings.batch <= settings.concurrency:
+        raise MapInputError(f"the rows an operation carries (batch) must be from 1 to the concurrency "
+                            f"({settings.concurrency}), not {settings.batch}")
     return PromptTemplate(spec.prompt) if spec.prompt is not None else None
 
 
@@ -307,14 +320,19 @@ class MapJob:
         from opgraph.actors import FedRun
 
         task = RowTask(model=self.spec.model, system=self.spec.system, schema=self.spec.schema)
+        session.register_operation(ROWS_OPERATION, functools.partial(answer_rows, task=task), record_turn=False,
+                                   retry=RetryPolicy.of(ROW_ATTEMPTS))
+        # a run fed one row an operation (before batches), adopted: its rows still open finish as they were
         session.register_operation(ROW_OPERATION, functools.partial(answer_row, task=task), record_turn=False,
                                    retry=RetryPolicy.of(ROW_ATTEMPTS))
+        batch = self.settings.batch or batch_size(self.settings.concurrency)
         fed = None
         if self.record.run_id is not None:
             fed = await FedRun.adopt(session, self.record.run_id)
         if fed is None:
             run_id = f"map-{self.job_id}-{self.record.runs + 1}"
-            fed = await FedRun.start(session, run_id=run_id, max_concurrent=self.settings.concurrency,
+            # operations in flight: whole batches within the concurrency, which counts rows
+            fed = await FedRun.start(session, run_id=run_id, max_concurrent=max(1, self.settings.concurrency // batch),
                                      buffer=2 * self.settings.rows_held)
             self.record = await asyncio.to_thread(self.store.update_job, self.job_id, run_id=run_id, new_run=True)
             await asyncio.to_thread(self._record_run, run_id, session, False)
@@ -324,7 +342,7 @@ class MapJob:
         recorder = RowRecorder(self.job_id, fed.run_id, self.store, self.output, self.prices, progress, budget,
                                replace_failed=self.settings.retry_failed, on_recorded=on_recorded)
         feeder = PromptFeeder(fed, self.job_id, plan, self.template, recorder, window=self.settings.rows_held,
-                              concurrency=self.settings.concurrency, on_progress=on_progress)
+                              concurrency=self.settings.concurrency, batch=batch, on_progress=on_progress)
         try:
             envelope = await feeder.run()
         except asyncio.CancelledError:
@@ -488,6 +506,8 @@ async def map_rows(rows: str | os.PathLike[str] | Iterable[Mapping[str, Any]], *
 
             async def recorded(outcomes: list[RowOutcome]) -> None:
                 for outcome in outcomes:
+                    if outcome.answer is None and outcome.answer_json is not None:  # as its worker sent it
+                        outcome = outcome._replace(answer=json.loads(outcome.answer_json))
                     await queue.put(outcome)
 
             running = asyncio.ensure_future(job.execute(session, on_recorded=recorded))

@@ -16,7 +16,7 @@ from array import array
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from opgraph.kernel import OpGraphError
 
@@ -60,10 +60,10 @@ class MapInputChangedError(MapInputError):
     the old content. Restore the file, or start a new job for the new content (``--new-job``)."""
 
 
-@dataclass(frozen=True, slots=True)
-class InputRow:
+class InputRow(NamedTuple):
     """One row as read: its place in the input (``ordinal``, from 0, every row counted), the line
-    (JSONL) or data row (CSV, Parquet) it came from, its values, or why it cannot be read."""
+    (JSONL) or data row (CSV, Parquet) it came from, its values, or why it cannot be read. A named
+    tuple: a job makes one per row, and a frozen dataclass cost several times as much to make."""
 
     ordinal: int
     line: int
@@ -251,19 +251,33 @@ def _open_location(location: str) -> tuple[Any, str]:
     return filesystem, path
 
 
-def _lines(filesystem: Any, path: str) -> Iterator[bytes]:
-    """The lines of a file, a megabyte read at a time (without their line ends)."""
+def _lines(filesystem: Any, path: str) -> Iterator[bytes | str]:
+    """The lines of a file, a megabyte read at a time (without their line ends): as text when
+    the megabyte's whole lines are UTF-8 (decoded at once, not a line at a time by the JSON
+    reader), else as bytes, so that the line that is not is named by the reader."""
     rest = b""
     with filesystem.open_input_stream(path) as stream:
         while True:
             chunk = stream.read(READ_BYTES)
             if not chunk:
                 break
-            lines = (rest + chunk).split(b"\n")
-            rest = lines.pop()
-            yield from lines
+            data = rest + chunk
+            end = data.rfind(b"\n") + 1
+            rest = data[end:]
+            yield from _split(data[:end])
     if rest:
-        yield rest
+        yield from _split(rest)
+
+
+def _split(data: bytes) -> list[bytes] | list[str]:
+    lines: list[bytes] | list[str]
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        lines = data.split(b"\n")
+    if lines and not lines[-1] and data.endswith(b"\n"):
+        lines.pop()  # what follows the last line end is the next read's
+    return lines
 
 
 # -- the check ---------------------------------------------------------------------------------

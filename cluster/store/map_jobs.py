@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
+from json.encoder import encode_basestring
 from typing import Any, NamedTuple
 
 from opgraph.actors.persistence.backends import Connection, Row
@@ -107,6 +108,8 @@ class RowOutcome(NamedTuple):
 
 
 def _compact(value: Any) -> str:
+    if type(value) is str:  # a row's key, its model, its error: what json.dumps makes of it, without its setup
+        return encode_basestring(value)
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
 

@@ -276,3 +276,41 @@ def test_the_python_form_yields_each_row_and_again_yields_the_recorded_ones_with
     assert sorted(outcome.row_key for outcome in first) == sorted(str(index) for index in range(40))
     assert {outcome.row_key for outcome in again} == {outcome.row_key for outcome in first}
     assert provider_calls(session) == counted
+
+
+def test_a_batch_of_rows_answers_each_row_alone_a_failed_call_failing_only_its_row():
+    """One operation carries several rows, called at once; a failing model call fails its row alone,
+    with why and what it cost, and each answer travels as the JSON text that is stored."""
+    from opgraph.actors.models import ProviderUnavailable
+    from opgraph.actors.providers import SimulatedProvider
+    from opgraph.cluster.jobs.answers import RowTask, answer_rows, decode_answers
+
+    class FailsRowTwo(SimulatedProvider):
+        async def complete(self, request):
+            if request.messages[-1]["content"].endswith("row 2"):
+                raise ProviderUnavailable("row 2 is refused", provider="sim", status=503)
+            return await super().complete(request)
+
+    class Branch:
+        default_model, node_id = "sim/default", "n"
+
+        def provider_for(self, model):
+            return FailsRowTwo(latency=0.0)
+
+    prompts = [f"Classify: row {index}" for index in range(4)]
+    answers = decode_answers(asyncio.run(answer_rows(Branch(), prompts, task=RowTask())))
+    assert [ok for ok, *_ in answers] == [True, True, False, True]
+    assert all(json.dumps(f"Classify: row {index}") in json.loads(answers[index][1])
+               for index in (0, 1, 3))
+    assert answers[2][1].startswith("ProviderUnavailable: row 2 is refused") and answers[2][2] == 0
+    assert all(answer[2:] == (1, answer[3], 32, "sim/default") and answer[3] > 0 for answer in answers if answer[0])
+
+
+def test_the_rows_an_operation_carries_keep_the_rows_in_flight_within_the_concurrency():
+    from opgraph.cluster.jobs.feeding import batch_size
+
+    assert [batch_size(concurrency) for concurrency in (1, 20, 32, 64, 200)] == [1, 1, 1, 2, 6]
+    for concurrency in (1, 20, 64, 200, 256, 500, 1000, 1024, 5000):
+        size = batch_size(concurrency)
+        assert 1 <= size <= 16 and (concurrency // size) * size >= 0.98 * concurrency
+    assert batch_size(1000) == 16 and batch_size(1024) == 16

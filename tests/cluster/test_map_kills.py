@@ -6,8 +6,10 @@
 
 Each model call is marked (``MarkingProvider``: one line per call, the row's id, written before
 the call), so "called twice" is counted, not guessed: at most the rows in flight at the kill,
-the concurrency. The killed client shares this process's run log (``OPGRAPH_DB``), as processes
-on one machine do, so the job adopts the run it left, live in the log.
+the concurrency (rows, not operations: the rows go ``BATCH`` an operation, so a kill or a retry
+repeats whole batches, and still no more rows than were in flight). The killed client shares
+this process's run log (``OPGRAPH_DB``), as processes on one machine do, so the job adopts the
+run it left, live in the log.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from opgraph.cluster.jobs.output import read_records
 from opgraph.cluster.processes import run_until
 
 ROWS, CONCURRENCY, KILL_AT = 600, 20, 200
+BATCH = 5  # rows an operation: 4 operations in flight
 DEADLINE = 240.0
 
 
@@ -34,7 +37,7 @@ def calls_per_row(marks) -> Counter:
 
 def run_job(session, tmp_path, *, on_progress=None):
     """The job of ``tmp_path`` (its rows, store and output) run here to its end; its summary."""
-    settings = MapSettings(concurrency=CONCURRENCY, output=str(tmp_path / "out.jsonl"))
+    settings = MapSettings(concurrency=CONCURRENCY, output=str(tmp_path / "out.jsonl"), batch=BATCH)
     spec = MapSpec("id", "Classify: {text}", model="mark/default")
 
     async def run():
@@ -59,7 +62,7 @@ def test_a_client_killed_mid_job_then_run_again_records_every_row_once(session, 
     marks = tmp_path / "marks"
     spec = {"input": str(tmp_path / "in.jsonl"), "store": str(tmp_path / "store.db"),
             "output": str(tmp_path / "out.jsonl"), "model": "mark/default", "concurrency": CONCURRENCY,
-            "marks": str(marks), "latency": 0.05, "step": 20}
+            "marks": str(marks), "latency": 0.05, "step": 20, "batch": BATCH}
     run_until([sys.executable, "-c", CLIENT_SCRIPT, json.dumps(spec)],
               lambda lines: any(line.startswith("recorded") and int(line.split()[1]) >= KILL_AT for line in lines),
               timeout=DEADLINE)
