@@ -180,6 +180,8 @@ class ReactiveAdmission:
             deps = self._dependencies_of(child)
 
         # Registration: waiting on its unsettled dependencies, ranked after its emitter.
+        if "weight" in child.metadata:
+            self.weighted = True
         unsettled = self._register(child_id, deps)
         ranks = self._ranks()
         emitter_rank = ranks.get(emitter_id) if emitter_id is not None else None

@@ -20,9 +20,16 @@ from .events import new_record as _new_record
 from .graph import Operation
 from .states import COMPLETED, FAILED, READY, RUNNING, SKIPPED, illegal_transition
 
-__all__ = ["OperationDispatch"]
+__all__ = ["OperationDispatch", "node_weight"]
 
 _MISSING = object()
+
+
+def node_weight(node: Operation) -> int:
+    """The share of the run's capacity ``node`` takes in flight: its metadata's ``weight`` (a
+    whole number above 1), else 1."""
+    weight = node.metadata.get("weight", 1)
+    return weight if type(weight) is int and weight > 1 else 1
 
 
 class OperationDispatch:
@@ -31,9 +38,31 @@ class OperationDispatch:
     def _pump(self) -> None:
         # Once round, unless a node failed to dispatch: what that released is ready now.
         while not (self.paused or self.held or self.cancelling or not self.started):
-            count = min(len(self.ready), self.capacity - len(self.running))
+            if self.weighted:
+                count = self._weighted_room()
+            else:
+                count = min(len(self.ready), self.capacity - len(self.running))
             if count <= 0 or not self._dispatch_ready(count):
                 return
+
+    def _weighted_room(self) -> int:
+        """How many of the oldest ready nodes fit in the capacity, when it counts weights.
+
+        Ideal over retrospective: the records count every operation in flight as one. A node
+        whose metadata says ``weight: N`` (a dataset job's operation carrying N rows, each a
+        model call) counts N, so ``max_concurrent`` bounds the calls in flight whatever the
+        operations carry. The oldest ready node goes first (no smaller one passes it), and
+        one heavier than the whole capacity goes alone."""
+        nodes = self.graph.nodes
+        free = self.capacity - sum(node_weight(entry[1]) for entry in self.running.values())
+        count = 0
+        for node_id in self.ready:
+            weight = node_weight(nodes[node_id])
+            if weight > free and (count or self.running):
+                break
+            free -= weight
+            count += 1
+        return count
 
     def _dispatch_ready(self, count: int) -> bool:
         """Dispatch the ``count`` oldest ready nodes, each with its prepared parameters.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .dispatch import node_weight
 from .errors import InvariantViolation
 from .states import (
     EVALUATING,
@@ -63,9 +64,13 @@ class InvariantChecks:
                 _fail("in flight with another node's record", node_id)
 
     def check_capacity(self) -> None:
-        """No more operations are in flight than the capacity allows."""
+        """No more operations, or weight when it counts weights, are in flight than the capacity allows."""
         if len(self.running) > self.capacity:
             _fail(f"{len(self.running)} operations in flight exceed capacity {self.capacity}")
+        if self.weighted and len(self.running) > 1:
+            load = sum(node_weight(entry[1]) for entry in self.running.values())
+            if load > self.capacity:
+                _fail(f"operations weighing {load} in flight exceed capacity {self.capacity}")
 
     def check_ready_queue(self) -> None:
         """The ready queue holds every READY node once, and nothing else."""

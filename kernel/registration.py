@@ -124,7 +124,10 @@ class NodeRegistration:
                 deps = [edges[edge_ids[0]].head]
             else:
                 deps = list(dict.fromkeys([edges[edge_id].head for edge_id in edge_ids]))
-            sources = node.metadata.get("aggregation_sources")
+            metadata = node.metadata
+            if "weight" in metadata:
+                self.weighted = True
+            sources = metadata.get("aggregation_sources")
             if sources:
                 deps = _with_sources(deps, sources, node_id, nodes)
             if deps:

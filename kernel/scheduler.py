@@ -163,6 +163,10 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
     #: reads one small dict. Filled by ``_dispatch_ready``; emptied by ``_on_finished``,
     #: ``_on_undelivered``, ``_requeue`` and ``_on_cancel_grace``.
     running: dict[str, tuple[int, Operation, Sequence[str]]]
+    #: Whether a node with a ``weight`` in its metadata was registered (registration.py
+    #: ``_index_initial_dependencies``, admission.py ``_accept``): capacity then counts the
+    #: weights of the nodes in flight, not the nodes (dispatch.py ``_weighted_room``).
+    weighted: bool
     #: Registered nodes not yet terminal. Counted up by registration.py, down by every
     #: terminal step (``_transition``, ``_settle_completed``).
     open_nodes: int
@@ -328,6 +332,7 @@ class FlowState(NodeRegistration, ReactiveAdmission, OperationDispatch, RunCompl
         # Operations in flight: node id -> (attempt, node, dependencies). The node and its
         # dependencies ride along so that settling reads one small dict, not two big ones.
         self.running: dict[str, tuple[int, Operation, Sequence[str]]] = {}
+        self.weighted = False
         self.open_nodes = 0
         # Recorded stories of nodes that left the common path (see ``story``).
         self._stories: dict[str, list[tuple[str, str, str, int]]] = {}

@@ -89,8 +89,8 @@ def test_a_slotted_expression_declares_exactly_its_slots():
     assert all(hasattr(compiled, name) for name in CompiledExpression.__slots__)
 
 
-def test_flow_state_declares_its_58_attributes_and_the_validation_switch():
+def test_flow_state_declares_its_59_attributes_and_the_validation_switch():
     declared = commented_declarations(FlowState)
-    assert len(declared) == 59
+    assert len(declared) == 60
     assert FlowState.validate_each_step is True  # switched on for the kernel tests (conftest.py)
     assert "validate_each_step" in declared

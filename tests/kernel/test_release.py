@@ -169,3 +169,57 @@ def test_a_rebuild_from_the_log_releases_and_closes_again():
     (finish,) = [i for i in out if isinstance(i, FinishRun)]
     assert finish.envelope["released_operations"] == {"completed": 2}
 
+
+
+def weighing(name: str, weight: int) -> object:
+    operation = row(name)
+    operation.metadata["weight"] = weight
+    return operation
+
+
+def test_capacity_counts_the_weights_of_operations_that_carry_several_calls(drive):
+    """capacity 10 <- a(4) b(4) c(4) d(1): a and b go (8); c does not fit in 2 and d, behind it,
+    does not pass it; once a settles, c and d go (9). A node heavier than the whole capacity goes
+    alone once nothing else is in flight. A plain run (no weights) counts nodes as before."""
+    driver = drive(Graph(), reactive=True, keep_open=True, max_spawn=100, max_concurrent=10)
+    a, b, c, d = (weighing(name, weight) for name, weight in (("a", 4), ("b", 4), ("c", 4), ("d", 1)))
+    inject(driver, a, b, c, d)
+    assert set(driver.dispatched()) == {a.id, b.id}
+    driver.complete(a.id, "A")
+    assert set(driver.dispatched()) == {b.id, c.id, d.id}
+    heavy = weighing("heavy", 25)
+    inject(driver, heavy)
+    assert heavy.id not in driver.dispatched()
+    for node_id in (b.id, c.id, d.id):
+        driver.complete(node_id, "done")
+    assert set(driver.dispatched()) == {heavy.id}
+    driver.complete(heavy.id, "H")
+    driver.handle(CloseRequested(now=2.0))
+    assert driver.envelope["status"] == "completed"
+
+    plain = fed(drive)  # max_concurrent 2, no weights: two nodes in flight
+    inject(plain, *(row(name) for name in "xyz"))
+    assert len(plain.dispatched()) == 2 and not plain.state.weighted
+
+
+def test_a_weighted_run_rebuilt_from_its_log_counts_weights_again():
+    """p(3) q(3) r(3) at capacity 6: two in flight; the rebuilt run counts weights again, and its
+    recovery sends again only the two that were in flight."""
+    state = FlowState(Graph(), reactive=True, keep_open=True, durable=True, max_spawn=100, max_concurrent=6,
+                      run_id="weighed")
+    batches: list = []
+
+    def handle(*events) -> list:
+        out = state.handle(*events)
+        batches.extend(encode_records(i.records, key=_test_key) for i in out if isinstance(i, AppendRecords))
+        return out
+
+    handle(FlowStarted(now=0.0))
+    admitted = handle(*(InjectRequested(now=1.0, operation=weighing(name, 3), independent=True, token=index)
+                        for index, name in enumerate("pqr")))
+    assert len([i for i in admitted if isinstance(i, DispatchOperation)]) == 2  # 3 + 3 of 6
+    rebuilt = FlowState.rebuild(Graph(), [decode_records(batch, key=_test_key) for batch in batches], reactive=True,
+                                keep_open=True, durable=True, max_spawn=100, max_concurrent=6, run_id="weighed")
+    assert rebuilt.weighted
+    recovered = rebuilt.recover(2.0)
+    assert len([i for i in recovered if isinstance(i, DispatchOperation)]) == 2
