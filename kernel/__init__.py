@@ -33,6 +33,7 @@ from .contracts import (
     request_sightings,
     role_node_builder,
 )
+from .dispatch import node_weight
 from .errors import (
     CodecError,
     EdgeConditionError,
@@ -93,6 +94,7 @@ __all__ = [
     "FAILURE_KINDS",
     "FlowEvent",
     "compact_envelope",
+    "node_weight",
     "expand_envelope",
     "FlowState",
     "Graph",

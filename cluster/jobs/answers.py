@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from dataclasses import dataclass
 from json.encoder import encode_basestring  # json.dumps(text, ensure_ascii=False) of a str, without its setup
 from typing import Any
@@ -120,15 +121,17 @@ async def answer_rows(branch: Any, prompts: list[str] | tuple[str, ...] = (), co
     model_class = None if task.schema is None else answer_model(task.schema_text)
     options = {} if task.max_output_tokens is None else {"max_tokens": task.max_output_tokens}
     if len(prompts) == 1:
-        answers = [await _answer_one(branch, task, options, model_class, prompts[0])]
+        timed = [await _answer_one(branch, task, options, model_class, prompts[0])]
     else:
-        answers = await asyncio.gather(*[_answer_one(branch, task, options, model_class, prompt)
-                                         for prompt in prompts])
-    return encode_answers(answers)
+        timed = await asyncio.gather(*[_answer_one(branch, task, options, model_class, prompt)
+                                       for prompt in prompts])
+    return encode_answers([answer for answer, _ in timed], [seconds for _, seconds in timed])
 
 
 async def _answer_one(branch: Any, task: RowTask, options: dict[str, Any], model_class: Any,
-                      prompt: str) -> RowAnswer:
+                      prompt: str) -> tuple[RowAnswer, float]:
+    """The row's answer, and the seconds its model calls took (the feeder's batch sizer reads them)."""
+    started = time.perf_counter()
     bound = BoundModel(branch, task.model, options, "map")
     content = prompt if model_class is None else f"{prompt}\n\n{schema_guidance(model_class)}"
     conversation = system_messages(task.system) + [{"role": "user", "content": content}]
@@ -144,23 +147,30 @@ async def _answer_one(branch: Any, task: RowTask, options: dict[str, Any], model
     except Exception as exc:  # noqa: BLE001 - the row's model call failed: that row failed, with why
         ok, text = False, f"{type(exc).__name__}: {clean_text(str(exc) or type(exc).__name__)}"
     tally = bound.usage
-    return ok, text, tally.calls, tally.prompt_tokens, tally.completion_tokens, bound.model_id
+    return (ok, text, tally.calls, tally.prompt_tokens, tally.completion_tokens, bound.model_id), \
+        time.perf_counter() - started
 
 
-def encode_answers(answers: list[RowAnswer]) -> str:
+def encode_answers(answers: list[RowAnswer], seconds: list[float] | None = None) -> str:
     """A batch's answers as one text: a JSON header line, ``[done (1/0), length, calls, prompt tokens,
-    completion tokens, model]`` a row, then each row's text (answer JSON or reason) back to back."""
+    completion tokens, model, milliseconds]`` a row (the milliseconds its calls took, when known),
+    then each row's text (answer JSON or reason) back to back."""
+    timed = seconds if seconds is not None else [None] * len(answers)
     header = [[1 if ok else 0, len(text), calls, prompt, completion, model]
-              for ok, text, calls, prompt, completion, model in answers]
+              + ([] if took is None else [round(took * 1000, 1)])
+              for (ok, text, calls, prompt, completion, model), took in zip(answers, timed, strict=True)]
     return _json(header) + "\n" + "".join(answer[1] for answer in answers)
 
 
-def decode_answers(text: str) -> list[RowAnswer]:
-    """``encode_answers``' answers back: one JSON decode for the batch; each row's text is sliced out."""
+def decode_answers(text: str, seconds: list[float] | None = None) -> list[RowAnswer]:
+    """``encode_answers``' answers back: one JSON decode for the batch; each row's text is sliced out.
+    Each row's call time, where the header has it, is appended to ``seconds``."""
     head, _, body = text.partition("\n")
     answers, start = [], 0
-    for ok, length, calls, prompt, completion, model in json.loads(head):
+    for ok, length, calls, prompt, completion, model, *took in json.loads(head):
         end = start + length
         answers.append((ok == 1, body[start:end], calls, prompt, completion, model))
         start = end
+        if took and seconds is not None:
+            seconds.append(took[0] / 1000)
     return answers

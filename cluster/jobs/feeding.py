@@ -17,8 +17,10 @@ import contextlib
 import gc
 import hashlib
 import json
+import random
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,8 +33,8 @@ from .answers import ROWS_OPERATION, decode_answers
 from .output import OutputFile
 from .rows import PromptTemplate, RowSource, row_key
 
-__all__ = ["ADMIT_BATCH", "Budget", "MapProgress", "PromptFeeder", "RowPlan", "WorkflowRows", "batch_size",
-           "node_id_of"]
+__all__ = ["ADMIT_BATCH", "BatchSizer", "Budget", "MapProgress", "PromptFeeder", "RowPlan", "WorkflowRows",
+           "batch_size", "node_id_of"]
 
 ADMIT_BATCH = 1024  # rows one admission carries at most
 ROWS_AN_OPERATION = (8, 16)  # the rows one operation carries, at least and at most, at a large concurrency
@@ -58,6 +60,59 @@ def batch_size(concurrency: int) -> int:
     if fitting < least:
         return fitting
     return min(range(least, fitting + 1), key=lambda size: (max(concurrency % size, concurrency // 100), -size))
+
+
+class BatchSizer:
+    """The rows the next operations carry: ``largest`` when the rows' model calls take about the
+    same time, fewer when they spread.
+
+    A batch's rows are called at once and its slots in the capacity are held until its slowest
+    row ends, so batching pays only where rows are short and even (a simulated 50 ms call: the
+    executor's and Ray's costs divided by 16), and costs throughput where they spread (a real
+    model's log-normal latencies: 16 rows held for their slowest, a third of the calls a second).
+    From the rows' own call times (``observe``), at most once a ``RECONSIDER_SECONDS``, it picks
+    the largest size whose expected slowest row is within ``EFFICIENCY`` of a row's mean time,
+    estimated by drawing groups of that size from the times seen. Until ``FIRST_LOOK`` rows have
+    been timed, rows go one an operation. ``fixed`` (``--batch N``) never changes."""
+
+    FIRST_LOOK = 256
+    RECONSIDER_SECONDS = 1.0
+    EFFICIENCY = 0.85
+    DRAWS = 200
+
+    def __init__(self, largest: int, *, fixed: bool = False) -> None:
+        self.largest = max(1, largest)
+        self.fixed = fixed
+        self.size = self.largest if fixed else 1
+        self.times: deque[float] = deque(maxlen=4096)
+        self.seen = 0
+        self.considered_at: float | None = None
+        self._draw = random.Random(0).choices
+
+    def observe(self, seconds: list[float], now: float) -> int:
+        """Note rows' call times; return the size for the next operations."""
+        if self.fixed or not seconds:
+            return self.size
+        self.times.extend(seconds)
+        self.seen += len(seconds)
+        if self.seen >= self.FIRST_LOOK and (self.considered_at is None
+                                             or now - self.considered_at >= self.RECONSIDER_SECONDS):
+            self.considered_at = now
+            self.size = self._best()
+        return self.size
+
+    def _best(self) -> int:
+        times = list(self.times)
+        mean = sum(times) / len(times)
+        size = self.largest
+        while size > 1:
+            if mean <= 0:
+                return size
+            slowest = sum(max(self._draw(times, k=size)) for _ in range(self.DRAWS)) / self.DRAWS
+            if mean / slowest >= self.EFFICIENCY:
+                return size
+            size //= 2
+        return 1
 
 
 def node_id_of(job_id: str, key: str) -> str:
@@ -213,6 +268,7 @@ class RowRecorder:
         self.store, self.output, self.prices = store, output, prices
         self.progress, self.budget = progress, budget
         self.replace_failed = replace_failed
+        self.call_seconds: list[float] = []  # the rows' model call times since the feeder last took them
         self.on_recorded = on_recorded
         self._prices: dict[str, Any] = {}  # model -> its ModelPrice (or None), looked up once
 
@@ -239,7 +295,7 @@ class RowRecorder:
     def _answered(self, places: list[tuple[int, str]], text: str) -> list[RowOutcome]:
         """The rows of a batch's answers (``answers.encode_answers``' text), each answer's JSON kept
         as it is (stored and exported so, never decoded here)."""
-        answers = decode_answers(text)
+        answers = decode_answers(text, self.call_seconds)
         if len(answers) != len(places):
             raise ValueError(f"{len(answers)} answers for {len(places)} rows")
         made, run_id, price_of, model_price = [], self.run_id, self._price, (None, None)
@@ -332,13 +388,13 @@ class PromptFeeder:
     """
 
     def __init__(self, fed: Any, job_id: str, plan: RowPlan, template: PromptTemplate, recorder: RowRecorder,
-                 *, window: int, concurrency: int, batch: int = 1,
+                 *, window: int, concurrency: int, batch: int | BatchSizer = 1,
                  on_progress: Callable[[MapProgress], Any] | None = None) -> None:
         self.fed, self.job_id, self.plan, self.template = fed, job_id, plan, template
         self.recorder = recorder
         self.window = max(1, window)
         self.concurrency = max(1, concurrency)
-        self.batch = max(1, min(batch, self.window))
+        self.sizer = batch if isinstance(batch, BatchSizer) else BatchSizer(batch, fixed=True)
         self.on_progress = on_progress
         # node id -> its rows' (ordinal, key)s: admitted, not yet released; ``rows_in_run`` counts the rows
         self.in_run: dict[str, list[tuple[int, str]]] = {}
@@ -385,6 +441,11 @@ class PromptFeeder:
                 self.plan.open_places.update(ordinal for ordinal, _ in places)
         await self._settle(held.settled, held.metadata)
         self.recoveries = self.fed.recoveries
+
+    @property
+    def batch(self) -> int:
+        """The rows the next operation carries (the sizer's choice, within the window)."""
+        return max(1, min(self.sizer.size, self.window))
 
     def _hold(self, node_id: str, places: list[tuple[int, str]]) -> None:
         if node_id not in self.in_run:
@@ -518,6 +579,9 @@ class PromptFeeder:
             for ordinal, _ in places:
                 plan.mark(ordinal)
         await recorder.record(outcomes)
+        if recorder.call_seconds:
+            self.sizer.observe(recorder.call_seconds, time.monotonic())
+            recorder.call_seconds = []
         await self.fed.release(seen)
         for node_id in seen:
             self._let_go(node_id)
@@ -545,8 +609,10 @@ def _young_collections_rarer() -> Iterator[None]:
 
 def _operation(job_id: str, ordinals: list[int], keys: list[str], prompts: list[str]) -> AdmittedRow:
     node_id = node_id_of(job_id, keys[0] if len(keys) == 1 else "\x1f".join(keys))
-    return (node_id, ROWS_OPERATION, {"prompts": prompts},
-            {"stateless": True, "reference_id": keys[0], "rows": ordinals, "keys": keys})
+    metadata = {"stateless": True, "reference_id": keys[0], "rows": ordinals, "keys": keys}
+    if len(keys) > 1:  # its rows' calls in the run's capacity (kernel ``node_weight``), not one
+        metadata["weight"] = len(keys)
+    return node_id, ROWS_OPERATION, {"prompts": prompts}, metadata
 
 
 def _places(metadata: dict[str, Any]) -> list[tuple[int, str]]:

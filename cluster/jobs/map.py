@@ -28,6 +28,7 @@ from ..command_line import ExitCode
 from ..store import MapJobRecord, MapJobStore, RowOutcome, RunNotFoundError, digest
 from .answers import ROW_OPERATION, ROWS_OPERATION, RowTask, answer_row, answer_rows, check_schema
 from .feeding import (
+    BatchSizer,
     Budget,
     MapProgress,
     PromptFeeder,
@@ -325,14 +326,17 @@ class MapJob:
         # a run fed one row an operation (before batches), adopted: its rows still open finish as they were
         session.register_operation(ROW_OPERATION, functools.partial(answer_row, task=task), record_turn=False,
                                    retry=RetryPolicy.of(ROW_ATTEMPTS))
-        batch = self.settings.batch or batch_size(self.settings.concurrency)
+        # --batch N: that many rows an operation; else as many as suit the concurrency while the
+        # rows' call times stay even (BatchSizer), one an operation until they have been seen
+        sizer = (BatchSizer(self.settings.batch, fixed=True) if self.settings.batch
+                 else BatchSizer(batch_size(self.settings.concurrency)))
         fed = None
         if self.record.run_id is not None:
             fed = await FedRun.adopt(session, self.record.run_id)
         if fed is None:
             run_id = f"map-{self.job_id}-{self.record.runs + 1}"
-            # operations in flight: whole batches within the concurrency, which counts rows
-            fed = await FedRun.start(session, run_id=run_id, max_concurrent=max(1, self.settings.concurrency // batch),
+            # the capacity counts rows: each operation weighs the rows it carries (kernel node_weight)
+            fed = await FedRun.start(session, run_id=run_id, max_concurrent=self.settings.concurrency,
                                      buffer=2 * self.settings.rows_held)
             self.record = await asyncio.to_thread(self.store.update_job, self.job_id, run_id=run_id, new_run=True)
             await asyncio.to_thread(self._record_run, run_id, session, False)
@@ -342,7 +346,7 @@ class MapJob:
         recorder = RowRecorder(self.job_id, fed.run_id, self.store, self.output, self.prices, progress, budget,
                                replace_failed=self.settings.retry_failed, on_recorded=on_recorded)
         feeder = PromptFeeder(fed, self.job_id, plan, self.template, recorder, window=self.settings.rows_held,
-                              concurrency=self.settings.concurrency, batch=batch, on_progress=on_progress)
+                              concurrency=self.settings.concurrency, batch=sizer, on_progress=on_progress)
         try:
             envelope = await feeder.run()
         except asyncio.CancelledError:

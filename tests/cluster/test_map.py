@@ -314,3 +314,37 @@ def test_the_rows_an_operation_carries_keep_the_rows_in_flight_within_the_concur
         size = batch_size(concurrency)
         assert 1 <= size <= 16 and (concurrency // size) * size >= 0.98 * concurrency
     assert batch_size(1000) == 16 and batch_size(1024) == 16
+
+
+def test_the_batch_sizer_batches_even_rows_and_not_rows_whose_call_times_spread():
+    """Even 50 ms calls: 16 rows an operation once 256 rows were timed (one each before). Log-normal
+    calls (median 1 s, p99 about 8 s, a real model's spread): 16 rows would be held for their
+    slowest, so they go one or two an operation. --batch N never changes."""
+    import random
+
+    from opgraph.cluster.jobs.feeding import BatchSizer
+
+    even = BatchSizer(16)
+    assert even.observe([0.05] * 100, now=0.0) == 1  # not seen enough yet
+    assert even.observe([0.05] * 200, now=0.1) == 16
+    draw = random.Random(7)
+    spread = BatchSizer(16)
+    assert spread.observe([draw.lognormvariate(0.0, 0.894) for _ in range(1000)], now=0.0) <= 2
+    # The choice is made again at most once a second, from the times seen since.
+    assert spread.observe([1.0] * 4096, now=0.5) <= 2
+    assert spread.observe([1.0], now=1.5) == 16
+    fixed = BatchSizer(8, fixed=True)
+    assert fixed.observe([draw.lognormvariate(0.0, 0.894) for _ in range(1000)], now=0.0) == 8
+
+
+def test_an_operation_of_several_rows_weighs_its_rows_in_the_runs_capacity():
+    from opgraph.cluster.jobs.feeding import _operation
+    from opgraph.kernel import create_operation, node_weight
+
+    _, _, _, metadata = _operation("job", [0, 1, 2], ["a", "b", "c"], ["p0", "p1", "p2"])
+    assert metadata["weight"] == 3
+    _, _, _, single = _operation("job", [0], ["a"], ["p0"])
+    assert "weight" not in single
+    node = create_operation("map_rows", {})
+    node.metadata.update(metadata)
+    assert node_weight(node) == 3
