@@ -52,8 +52,9 @@ def add_map_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window", type=positive_int, default=None,
                         help="rows held in the live run at once (default: 4 x --concurrency, at least 512)")
     parser.add_argument("--batch", type=positive_int, default=None,
-                        help="rows one operation carries, their model calls made at once (default: 1 below "
-                             "--concurrency 64, up to 16 from 512)")
+                        help="rows one operation carries, their model calls made at once (default: chosen "
+                             "from the rows' call times, up to --concurrency/32 and 32, batching only calls "
+                             "that take about the same time)")
     add_budget_options(parser, tokens_type=positive_int,
                        tokens_help="token budget of the job (recorded rows counted): no new row once it is spent",
                        cost_help="dollar budget of the job, priced by --price (sim/ and scripted/ are free)")

@@ -37,7 +37,7 @@ __all__ = ["ADMIT_BATCH", "BatchSizer", "Budget", "MapProgress", "PromptFeeder",
            "batch_size", "node_id_of"]
 
 ADMIT_BATCH = 1024  # rows one admission carries at most
-ROWS_AN_OPERATION = (8, 16)  # the rows one operation carries, at least and at most, at a large concurrency
+ROWS_AN_OPERATION = (8, 32)  # the rows one operation carries, at least and at most, at a large concurrency
 OPERATIONS_IN_FLIGHT = 32  # a batch shrinks to keep this many operations in flight (one row below 64 rows)
 POLL_SECONDS = 1.0  # how long one poll of the run waits for settled rows
 # The shortest round of the drain (poll, record, release): what settles meanwhile waits for the
@@ -68,7 +68,7 @@ class BatchSizer:
 
     A batch's rows are called at once and its slots in the capacity are held until its slowest
     row ends, so batching pays only where rows are short and even (a simulated 50 ms call: the
-    executor's and Ray's costs divided by 16), and costs throughput where they spread (a real
+    executor's and Ray's costs divided by the batch), and costs throughput where they spread (a real
     model's log-normal latencies: 16 rows held for their slowest, a third of the calls a second).
     From the rows' own call times (``observe``), at most once a ``RECONSIDER_SECONDS``, it picks
     the largest size whose expected slowest row is within ``EFFICIENCY`` of a row's mean time,

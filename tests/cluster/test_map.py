@@ -312,8 +312,8 @@ def test_the_rows_an_operation_carries_keep_the_rows_in_flight_within_the_concur
     assert [batch_size(concurrency) for concurrency in (1, 20, 32, 64, 200)] == [1, 1, 1, 2, 6]
     for concurrency in (1, 20, 64, 200, 256, 500, 1000, 1024, 5000):
         size = batch_size(concurrency)
-        assert 1 <= size <= 16 and (concurrency // size) * size >= 0.98 * concurrency
-    assert batch_size(1000) == 16 and batch_size(1024) == 16
+        assert 1 <= size <= 32 and (concurrency // size) * size >= 0.98 * concurrency
+    assert batch_size(1000) == 31 and batch_size(1024) == 32
 
 
 def test_the_batch_sizer_batches_even_rows_and_not_rows_whose_call_times_spread():
