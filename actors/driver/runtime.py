@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,12 @@ def connect(address: str | None = None, *, namespace: str = DEFAULT_NAMESPACE) -
     _JOINED_WITH_ADDRESS = address is not None or bool(os.environ.get("RAY_ADDRESS"))
     options: dict[str, Any] = {"namespace": namespace, "logging_level": "warning", "log_to_driver": True}
     if address is None:
+        embedded = None
+        if not _JOINED_WITH_ADDRESS and (recorded := dead_recorded_cluster()) is not None:
+            logging.getLogger(__name__).warning(
+                "opgraph: the Ray cluster `ray start` recorded at %s does not answer (stopped without `ray stop`?); "
+                "starting an embedded local Ray instead (--address or RAY_ADDRESS joins a cluster)", recorded)
+            embedded = "local"  # Ray's word for a new local instance, whatever it recorded
         options.update(include_dashboard=False, configure_logging=True)
         # The embedded instance keeps Ray's default token authentication; Ray's notice
         # that it did so ("set RAY_AUTH_MODE=disabled to opt out") was the first line a
@@ -68,11 +75,35 @@ def connect(address: str | None = None, *, namespace: str = DEFAULT_NAMESPACE) -
         level = notice.level
         notice.setLevel(logging.ERROR)
         try:
-            ray.init(address=address, **options)
+            ray.init(address=embedded, **options)
         finally:
             notice.setLevel(level)
         return
     ray.init(address=address, **options)
+
+
+def dead_recorded_cluster(timeout: float = 1.0) -> str | None:
+    """The address a `ray start` on this machine recorded for ``ray.init()`` to join, when nothing
+    answers there any more; else None.
+
+    Ideal over retrospective: Ray's ``ray.init()`` joins the cluster recorded in its temp folder's
+    ``ray_current_cluster``, and a head killed without `ray stop` leaves that record behind, so
+    every later start waited on a GCS that is gone (minutes, then an error) instead of starting
+    the embedded instance a user with no cluster expects."""
+    try:
+        from ray._private.utils import read_ray_address
+
+        recorded = read_ray_address(None)
+    except (ImportError, OSError):  # another Ray's layout, or an unreadable record: Ray decides as it does
+        return None
+    if not recorded:
+        return None
+    host, _, port = recorded.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return None
+    except (OSError, ValueError):
+        return recorded
 
 
 def joined_with_address() -> bool:
