@@ -25,7 +25,8 @@ def test_every_shape_settles_all_its_nodes_and_a_dict_baseline_is_printed(capsys
 def test_bytecode_counts_are_printed_per_shape_and_grow_with_the_work(capsys):
     assert kernel_bench.main(["--scale", "0.01", "--repeat", "1", "--bytecodes", "--only", "chain"]) == 0
     (line,) = [line for line in capsys.readouterr().out.splitlines() if "bytecodes per settlement" in line]
-    at_n, at_2n = (float(part.split()[0].replace(",", "")) for part in line.split(":")[1].split(","))
+    # "...: 1,008.2 at N, 1,005.6 at 2N" (thousands separated by commas, the figures by ", ")
+    at_n, at_2n = (float(part.split()[0].replace(",", "")) for part in line.split(":")[1].split(", "))
     assert at_n > 100 and at_2n > 100  # a settlement is real interpreter work
     assert 0.8 < at_2n / at_n < 1.25  # per settlement, a chain of 200 costs what one of 100 does
 
