@@ -116,10 +116,16 @@ def build_app(model: LocalModel, *, slots: int = 1, threads: int | None = None) 
     return app
 
 
+def _hand_to_loop(loop: asyncio.AbstractEventLoop, put: Callable[[Any], None], value: Any) -> None:
+    """From a completion's thread: ``put(value)`` on the server's loop (nothing once it closed: the
+    server is stopping)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(put, value)
+
+
 def _give_back(pool: _Slots, llama: Any, loop: asyncio.AbstractEventLoop) -> None:
-    """From a completion's thread: the slot returns to the pool (unless the server is stopping)."""
-    with contextlib.suppress(RuntimeError):  # the loop closed
-        loop.call_soon_threadsafe(pool.idle.put_nowait, llama)
+    """From a completion's thread: the slot returns to the pool."""
+    _hand_to_loop(loop, pool.idle.put_nowait, llama)
 
 
 def _complete(pool: _Slots, llama: Any, arguments: dict[str, Any], loop: asyncio.AbstractEventLoop) -> Any:
@@ -144,8 +150,7 @@ async def _stream(pool: _Slots, arguments: dict[str, Any]) -> AsyncIterator[str]
     llama = await pool.idle.get()
 
     def tell(value: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: the server is stopping
-            loop.call_soon_threadsafe(chunks.put_nowait, value)
+        _hand_to_loop(loop, chunks.put_nowait, value)
 
     def produce() -> None:
         try:

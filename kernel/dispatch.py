@@ -54,7 +54,7 @@ class OperationDispatch:
         operations carry. The oldest ready node goes first (no smaller one passes it), and
         one heavier than the whole capacity goes alone."""
         nodes = self.graph.nodes
-        free = self.capacity - sum(node_weight(entry[1]) for entry in self.running.values())
+        free = self.capacity - self._weight_in_flight()
         count = 0
         for node_id in self.ready:
             weight = node_weight(nodes[node_id])
@@ -63,6 +63,10 @@ class OperationDispatch:
             free -= weight
             count += 1
         return count
+
+    def _weight_in_flight(self) -> int:
+        """The weights of the operations in flight, summed (``node_weight`` each)."""
+        return sum(node_weight(entry[1]) for entry in self.running.values())
 
     def _dispatch_ready(self, count: int) -> bool:
         """Dispatch the ``count`` oldest ready nodes, each with its prepared parameters.

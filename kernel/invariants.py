@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .dispatch import node_weight
 from .errors import InvariantViolation
 from .states import (
     EVALUATING,
@@ -68,7 +67,7 @@ class InvariantChecks:
         if len(self.running) > self.capacity:
             _fail(f"{len(self.running)} operations in flight exceed capacity {self.capacity}")
         if self.weighted and len(self.running) > 1:
-            load = sum(node_weight(entry[1]) for entry in self.running.values())
+            load = self._weight_in_flight()
             if load > self.capacity:
                 _fail(f"operations weighing {load} in flight exceed capacity {self.capacity}")
 

@@ -104,10 +104,10 @@ class BatchSizer:
     def _best(self) -> int:
         times = list(self.times)
         mean = sum(times) / len(times)
+        if mean <= 0:  # calls that take no time: nothing is held for a slowest one
+            return self.largest
         size = self.largest
         while size > 1:
-            if mean <= 0:
-                return size
             slowest = sum(max(self._draw(times, k=size)) for _ in range(self.DRAWS)) / self.DRAWS
             if mean / slowest >= self.EFFICIENCY:
                 return size
@@ -383,8 +383,9 @@ class PromptFeeder:
 
     ``window`` bounds the rows admitted and not yet released, so the run holds at most that
     many rows whatever the input's size; admissions stop once ``budget`` is spent. Rows go in
-    operations of ``batch`` rows each (``batch_size``; the run's ``max_concurrent`` operations
-    times it is the rows in flight), each row recorded on its own once its operation settled.
+    operations of ``batch`` rows each (a size, or a ``BatchSizer`` that picks it as rows settle;
+    each operation weighs its rows in the run's capacity, so ``max_concurrent`` counts rows), each
+    row recorded on its own once its operation settled.
     """
 
     def __init__(self, fed: Any, job_id: str, plan: RowPlan, template: PromptTemplate, recorder: RowRecorder,
@@ -501,7 +502,7 @@ class PromptFeeder:
                 if not batch:
                     return
                 for node_id, _, _, metadata in batch:
-                    self._hold(node_id, list(zip(metadata["rows"], metadata["keys"], strict=True)))
+                    self._hold(node_id, _places(metadata))
                 progress.in_flight = self.rows_in_run
                 decided = await self.fed.admit(batch)
                 for (node_id, *_), (accepted, reason) in zip(batch, decided, strict=True):

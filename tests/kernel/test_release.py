@@ -137,18 +137,30 @@ def _test_key() -> bytes:
     return b"k" * 32
 
 
+class LoggedRun:
+    """A durable fed run whose log is kept as the executor stores it (through the codec), to rebuild from."""
+
+    def __init__(self, run_id: str, max_concurrent: int) -> None:
+        self.options = {"reactive": True, "keep_open": True, "durable": True, "max_spawn": 100,
+                        "max_concurrent": max_concurrent, "run_id": run_id}
+        self.state = FlowState(Graph(), **self.options)
+        self.batches: list = []
+
+    def handle(self, *events) -> list:
+        out = self.state.handle(*events)
+        self.batches.extend(encode_records(i.records, key=_test_key) for i in out if isinstance(i, AppendRecords))
+        return out
+
+    def rebuilt(self) -> FlowState:
+        return FlowState.rebuild(Graph(), [decode_records(batch, key=_test_key) for batch in self.batches],
+                                 **self.options)
+
+
 def test_a_rebuild_from_the_log_releases_and_closes_again():
     """The log of a fed run (admissions, settlements, a release, the close) rebuilds to the same
     bounded state, through the codec as the executor stores it."""
-    state = FlowState(Graph(), reactive=True, keep_open=True, durable=True, max_spawn=100, max_concurrent=4,
-                      run_id="fed")
-    batches: list = []
-
-    def handle(*events) -> list:
-        out = state.handle(*events)
-        batches.extend(encode_records(i.records, key=_test_key) for i in out if isinstance(i, AppendRecords))
-        return out
-
+    logged = LoggedRun("fed", max_concurrent=4)
+    handle = logged.handle
     handle(FlowStarted(now=0.0))
     rows = [row(name) for name in "abcd"]
     handle(*(InjectRequested(now=1.0, operation=operation, independent=True, token=i)
@@ -157,8 +169,7 @@ def test_a_rebuild_from_the_log_releases_and_closes_again():
              for operation in rows[:3]))
     handle(ReleaseRequested(now=3.0, node_ids=tuple(operation.id for operation in rows[:2])))
     handle(CloseRequested(now=4.0))
-    rebuilt = FlowState.rebuild(Graph(), [decode_records(batch, key=_test_key) for batch in batches], reactive=True,
-                                keep_open=True, durable=True, max_spawn=100, max_concurrent=4, run_id="fed")
+    rebuilt = logged.rebuilt()
     assert list(rebuilt.state) == [rows[2].id, rows[3].id]
     assert rebuilt.released_by_status == {"completed": 2} and rebuilt.closed
     assert list(rebuilt.spawned_ids) == [rows[2].id, rows[3].id] and rebuilt.spawn_count == 4
@@ -205,21 +216,12 @@ def test_capacity_counts_the_weights_of_operations_that_carry_several_calls(driv
 def test_a_weighted_run_rebuilt_from_its_log_counts_weights_again():
     """p(3) q(3) r(3) at capacity 6: two in flight; the rebuilt run counts weights again, and its
     recovery sends again only the two that were in flight."""
-    state = FlowState(Graph(), reactive=True, keep_open=True, durable=True, max_spawn=100, max_concurrent=6,
-                      run_id="weighed")
-    batches: list = []
-
-    def handle(*events) -> list:
-        out = state.handle(*events)
-        batches.extend(encode_records(i.records, key=_test_key) for i in out if isinstance(i, AppendRecords))
-        return out
-
-    handle(FlowStarted(now=0.0))
-    admitted = handle(*(InjectRequested(now=1.0, operation=weighing(name, 3), independent=True, token=index)
+    logged = LoggedRun("weighed", max_concurrent=6)
+    logged.handle(FlowStarted(now=0.0))
+    admitted = logged.handle(*(InjectRequested(now=1.0, operation=weighing(name, 3), independent=True, token=index)
                         for index, name in enumerate("pqr")))
     assert len([i for i in admitted if isinstance(i, DispatchOperation)]) == 2  # 3 + 3 of 6
-    rebuilt = FlowState.rebuild(Graph(), [decode_records(batch, key=_test_key) for batch in batches], reactive=True,
-                                keep_open=True, durable=True, max_spawn=100, max_concurrent=6, run_id="weighed")
+    rebuilt = logged.rebuilt()
     assert rebuilt.weighted
     recovered = rebuilt.recover(2.0)
     assert len([i for i in recovered if isinstance(i, DispatchOperation)]) == 2
